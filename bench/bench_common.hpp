@@ -1,0 +1,42 @@
+#pragma once
+// Shared by the benchmark binaries: inputs, FLOP counters and the plain Eigen GEMM
+// that every binary runs beside its kernels as the machine's practical ceiling, so
+// ratios are taken within one run on a noisy machine.
+
+#include <benchmark/benchmark.h>
+#include <memattn/types.hpp>
+
+#include <random>
+
+namespace memattn::bench {
+
+template <class T>
+Matrix<T> random_matrix(Index rows, Index cols, unsigned seed) {
+    std::mt19937 gen(seed);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    Matrix<T> m(rows, cols);
+    for (Index i = 0; i < m.size(); ++i)
+        m.data()[i] = static_cast<T>(u(gen));
+    return m;
+}
+
+/// Sets a GFLOPS counter: `flops` per iteration, averaged over the run.
+inline void set_gflops(benchmark::State& state, double flops) {
+    state.counters["GFLOPS"] =
+        benchmark::Counter(flops * 1e-9 * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+
+/// C (m×n) = A (m×k) · B (k×n) with Eigen, single-threaded; 2·m·n·k FLOPs.
+template <class T>
+void eigen_gemm(benchmark::State& state, Index m, Index n, Index k) {
+    const Matrix<T> A = random_matrix<T>(m, k, 1), B = random_matrix<T>(k, n, 2);
+    Matrix<T> C(m, n);
+    for (auto _ : state) {
+        C.noalias() = A * B;
+        benchmark::DoNotOptimize(C.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k));
+}
+
+}  // namespace memattn::bench

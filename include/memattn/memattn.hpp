@@ -1,0 +1,9 @@
+#pragma once
+// memattn: attention kernels and attention memories for long sequences.
+// Umbrella header; every header it includes also compiles on its own.
+
+#include "memattn/version.hpp"
+#include "memattn/types.hpp"
+#include "memattn/softmax_state.hpp"
+#include "memattn/memory/concept.hpp"
+#include "memattn/memory/kv_cache.hpp"

@@ -1,0 +1,140 @@
+#pragma once
+// The Memory concept and the algorithms that work on any model of it.
+//
+// An attention memory is a state updated by one rule, Mem_i = f((k_i, v_i), Mem_{i-1}),
+// and read by one query at a time, o_i = Att(q_i, Mem_i). A minimal model is a struct
+// of about twenty lines (see tests/memory_concept_test.cpp):
+//
+//   struct LastValue {
+//       using Scalar = float;
+//       memattn::Vector<float> v_ = memattn::Vector<float>::Zero(4);
+//       memattn::Index n_ = 0;
+//       void update(memattn::ConstRowRef<float>, memattn::ConstRowRef<float> v) { v_ = v; ++n_; }
+//       void attend(memattn::ConstRowRef<float>, memattn::RowRef<float> out) const { out = v_; }
+//       memattn::Index length() const { return n_; }
+//       std::size_t footprint() const { return sizeof(float) * 4; }
+//       void reset() { v_.setZero(); n_ = 0; }
+//   };
+
+#include "memattn/types.hpp"
+
+#include <concepts>
+#include <cstddef>
+
+namespace memattn {
+
+template <class M>
+concept Memory = requires { typename M::Scalar; } &&
+    requires(M& m, const M& cm, ConstRowRef<typename M::Scalar> k, ConstRowRef<typename M::Scalar> v,
+             ConstRowRef<typename M::Scalar> q, RowRef<typename M::Scalar> out) {
+        m.update(k, v);  // Mem = f((k, v), Mem_pre)
+        cm.attend(q, out);  // out = Att(q, Mem); const, so safe from several threads at once
+        { cm.length() } -> std::same_as<Index>;  // tokens seen since reset
+        { cm.footprint() } -> std::same_as<std::size_t>;  // bytes of state held now
+        m.reset();
+    };
+
+namespace detail {
+
+template <class M>
+concept HasBulkExtend = requires(M& m, ConstMatrixRef<typename M::Scalar> K, ConstMatrixRef<typename M::Scalar> V) {
+    m.extend(K, V);
+};
+
+template <class M>
+concept HasBulkPrefill = requires(M& m, ConstMatrixRef<typename M::Scalar> Q, ConstMatrixRef<typename M::Scalar> K,
+                                  ConstMatrixRef<typename M::Scalar> V, MatrixRef<typename M::Scalar> O) {
+    m.prefill(Q, K, V, O);
+};
+
+template <class M>
+concept KnowsDims = requires(const M& m) {
+    { m.key_dim() } -> std::convertible_to<Index>;
+    { m.value_dim() } -> std::convertible_to<Index>;
+};
+
+/// Checks K/V (and Q/O when given) against each other and, where the memory tells its
+/// dims, against the memory, before any token is fed: a bad call changes nothing.
+template <class M>
+void check_keys_values(const char* function, const M& mem, Shape k, Shape v) {
+    require(k.rows == v.rows, function, "V", "has shape ", v, ", expected ", k.rows, " rows as K (", k, ")");
+    if constexpr (KnowsDims<M>) {
+        require(k.cols == mem.key_dim(), function, "K", "has shape ", k, ", expected ", mem.key_dim(),
+                " columns (the memory's key_dim)");
+        require(v.cols == mem.value_dim(), function, "V", "has shape ", v, ", expected ", mem.value_dim(),
+                " columns (the memory's value_dim)");
+    }
+}
+
+template <class M>
+void check_queries(const char* function, const M& mem, Shape q, Shape k, Shape v, Shape o) {
+    require(q.rows == k.rows, function, "Q", "has shape ", q, ", expected ", k.rows, " rows as K (", k, ")");
+    if constexpr (KnowsDims<M>) {
+        require(q.cols == mem.key_dim(), function, "Q", "has shape ", q, ", expected ", mem.key_dim(),
+                " columns (the memory's key_dim)");
+    } else {
+        require(q.cols == k.cols, function, "Q", "has shape ", q, ", expected ", k.cols, " columns as K (", k, ")");
+    }
+    require(o.rows == q.rows && o.cols == v.cols, function, "O", "has shape ", o, ", expected ", q.rows, 'x',
+            v.cols, " (Q is ", q, ", V is ", v, ")");
+}
+
+/// decode's loop, after the checks.
+template <class M, class T = typename M::Scalar>
+void decode_rows(M& mem, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
+                 MatrixRef<T> o) {
+    for (Index i = 0; i < k.rows(); ++i) {
+        mem.update(k.row(i), v.row(i));
+        mem.attend(q.row(i), o.row(i));
+    }
+}
+
+}  // namespace detail
+
+/// Feeds the rows of K/V one by one and, after each, attends with the same row of Q,
+/// so row i of O sees tokens 0..i (and whatever the memory held before).
+template <Memory M, class DQ, class DK, class DV, class DO>
+void decode(M& mem, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+            const Eigen::MatrixBase<DO>& O) {
+    using T = typename M::Scalar;
+    static_assert(detail::same_scalar<M, DQ, DK, DV, DO>,
+                  "memattn::decode: Q, K, V and O must have the memory's Scalar type.");
+    detail::check_keys_values("decode", mem, detail::shape(K), detail::shape(V));
+    detail::check_queries("decode", mem, detail::shape(Q), detail::shape(K), detail::shape(V), detail::shape(O));
+    detail::decode_rows(mem, ConstMatrixRef<T>(Q.derived()), ConstMatrixRef<T>(K.derived()),
+                        ConstMatrixRef<T>(V.derived()), detail::writable(O));
+}
+
+/// Feeds many tokens; uses the memory's own bulk `extend(K, V)` when it has one.
+template <Memory M, class DK, class DV>
+void extend(M& mem, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V) {
+    using T = typename M::Scalar;
+    static_assert(detail::same_scalar<M, DK, DV>, "memattn::extend: K and V must have the memory's Scalar type.");
+    detail::check_keys_values("extend", mem, detail::shape(K), detail::shape(V));
+    const ConstMatrixRef<T> k(K.derived()), v(V.derived());
+    if constexpr (detail::HasBulkExtend<M>) {
+        mem.extend(k, v);
+    } else {
+        for (Index i = 0; i < k.rows(); ++i)
+            mem.update(k.row(i), v.row(i));
+    }
+}
+
+/// Same outputs as `decode`, through the memory's whole-sequence kernel where it has
+/// one (`prefill(Q, K, V, O)`), else token by token.
+template <Memory M, class DQ, class DK, class DV, class DO>
+void prefill(M& mem, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+             const Eigen::MatrixBase<DO>& O) {
+    using T = typename M::Scalar;
+    static_assert(detail::same_scalar<M, DQ, DK, DV, DO>,
+                  "memattn::prefill: Q, K, V and O must have the memory's Scalar type.");
+    detail::check_keys_values("prefill", mem, detail::shape(K), detail::shape(V));
+    detail::check_queries("prefill", mem, detail::shape(Q), detail::shape(K), detail::shape(V), detail::shape(O));
+    const ConstMatrixRef<T> q(Q.derived()), k(K.derived()), v(V.derived());
+    if constexpr (detail::HasBulkPrefill<M>)
+        mem.prefill(q, k, v, detail::writable(O));
+    else
+        detail::decode_rows(mem, q, k, v, detail::writable(O));
+}
+
+}  // namespace memattn

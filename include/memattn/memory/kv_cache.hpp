@@ -1,0 +1,117 @@
+#pragma once
+// KVCache: every (key, value) pair seen, so `attend` is exact causal softmax attention
+// over the whole past. Its cost per token and its footprint grow with the sequence;
+// it is the baseline the fixed-size memories are measured against.
+
+#include "memattn/memory/concept.hpp"
+#include "memattn/softmax_state.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+
+namespace memattn {
+
+template <Scalar T>
+class KVCache {
+public:
+    using Scalar = T;
+
+    /// `scale` multiplies q·k before the softmax; 0 means 1/sqrt(key_dim).
+    KVCache(Index key_dim, Index value_dim, T scale = T(0))
+        : key_dim_(checked_dim(key_dim, "key_dim")), value_dim_(checked_dim(value_dim, "value_dim")), keys_(0, key_dim), values_(0, value_dim) {
+        detail::require(std::isfinite(scale), "KVCache", "scale", "is ", scale, ", expected a finite number");
+        scale_ = detail::resolve_scale(scale, key_dim);
+    }
+
+    /// Appends one pair. Storage grows geometrically (doubling), so n updates cost
+    /// O(n) amortised copies; a throwing update leaves the cache unchanged.
+    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
+        check_pair("KVCache::update", key.cols(), value.cols());
+        reserve_for(length_ + 1);
+        keys_.row(length_) = key;
+        values_.row(length_) = value;
+        ++length_;
+    }
+
+    /// Appends many pairs with one copy per matrix.
+    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        detail::require(keys.rows() == values.rows(), "KVCache::extend", "values", "has shape ",
+                        detail::shape(values), ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
+        check_pair("KVCache::extend", keys.cols(), values.cols());
+        reserve_for(length_ + keys.rows());
+        keys_.middleRows(length_, keys.rows()) = keys;
+        values_.middleRows(length_, values.rows()) = values;
+        length_ += keys.rows();
+    }
+
+    /// out = Σ_j softmax_j(scale · q·k_j) v_j over every stored pair; zero when empty.
+    void attend(ConstRowRef<T> query, RowRef<T> out) const {
+        detail::require(query.cols() == key_dim_, "KVCache::attend", "query", "has shape ", detail::shape(query),
+                        ", expected 1x", key_dim_);
+        detail::require(out.cols() == value_dim_, "KVCache::attend", "out", "has shape ", detail::shape(out),
+                        ", expected 1x", value_dim_);
+        SoftmaxState<T> state;
+        out.setZero();
+        detail::attend_contiguous(query, keys(), values(), scale_, state, out);
+        state.finish(out);
+    }
+
+    [[nodiscard]] Index length() const noexcept { return length_; }
+    /// Bytes of the pairs held now.
+    [[nodiscard]] std::size_t footprint() const noexcept { return bytes(length_); }
+    /// Bytes allocated (held pairs plus room to grow).
+    [[nodiscard]] std::size_t capacity() const noexcept { return bytes(keys_.rows()); }
+    /// Forgets every pair and keeps the allocation.
+    void reset() noexcept { length_ = 0; }
+    /// Allocates room for `tokens` pairs in all, so later updates up to that length do not allocate.
+    void reserve(Index tokens) { reserve_exact(std::max(tokens, length_)); }
+
+    [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
+    [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
+    [[nodiscard]] T scale() const noexcept { return scale_; }
+    /// The stored keys and values, oldest first.
+    [[nodiscard]] auto keys() const { return keys_.topRows(length_); }
+    [[nodiscard]] auto values() const { return values_.topRows(length_); }
+
+private:
+    void check_pair(const char* function, Index key_cols, Index value_cols) const {
+        detail::require(key_cols == key_dim_, function, "key", "has ", key_cols, " columns, expected ", key_dim_);
+        detail::require(value_cols == value_dim_, function, "value", "has ", value_cols, " columns, expected ",
+                        value_dim_);
+    }
+
+    void reserve_for(Index needed) {
+        if (needed > keys_.rows())
+            reserve_exact(std::max<Index>({needed, 2 * keys_.rows(), 16}));
+    }
+
+    void reserve_exact(Index rows) {
+        if (rows <= keys_.rows())
+            return;
+        Matrix<T> keys(rows, key_dim_), values(rows, value_dim_);  // may throw: nothing changed yet
+        keys.topRows(length_) = keys_.topRows(length_);
+        values.topRows(length_) = values_.topRows(length_);
+        keys_.swap(keys);
+        values_.swap(values);
+    }
+
+    [[nodiscard]] std::size_t bytes(Index rows) const noexcept {
+        return static_cast<std::size_t>(rows) * static_cast<std::size_t>(key_dim_ + value_dim_) * sizeof(T);
+    }
+
+    static Index checked_dim(Index dim, const char* argument) {
+        detail::require(dim > 0, "KVCache", argument, "is ", dim, ", expected > 0");
+        return dim;
+    }
+
+    Index key_dim_;
+    Index value_dim_;
+    T scale_{};
+    Matrix<T> keys_;
+    Matrix<T> values_;
+    Index length_ = 0;
+};
+
+}  // namespace memattn

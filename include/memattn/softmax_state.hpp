@@ -1,0 +1,114 @@
+#pragma once
+// Online softmax: a partial softmax-weighted sum over a subset of keys, for one query.
+//
+//   max = max_j s_j,   sum = Σ_j exp(s_j − max),   acc = Σ_j exp(s_j − max) · v_j
+//   o   = acc / sum,   log-sum-exp = max + log(sum)
+//
+// Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al.
+// 2022, "FlashAttention". Partial states over disjoint key sets merge exactly, which
+// is what lets the tiled kernel, KVCache and the windowed caches share one mechanism.
+// The state keeps (max, sum) only; the accumulator `acc` is owned by the caller (often
+// the output row itself), so attending allocates nothing.
+
+#include "memattn/detail/assert.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace memattn {
+
+template <class T>
+struct SoftmaxState {
+    static constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+
+    T max = minus_inf;  ///< running maximum logit m
+    T sum = T(0);       ///< running Σ exp(s_j − m)
+
+    /// True while no key has been seen (acc must then be zero).
+    [[nodiscard]] bool empty() const noexcept { return !(sum > T(0)); }
+
+    /// Folds logits s[0, n) into the state. On return s[j] holds the weight
+    /// p_j = exp(s_j − m_new); the result is the factor α = exp(m_old − m_new) by which
+    /// the caller scales its accumulator before adding Σ_j p_j v_j:
+    ///   m_new = max(m_old, max_j s_j),  sum = α·sum + Σ_j p_j,  acc = α·acc + Σ_j p_j v_j.
+    /// A logit of −∞ is a masked key (weight 0). If every logit seen so far is −∞ the
+    /// state stays empty and α = 1, so nothing becomes NaN.
+    T absorb(T* s, Index n) {
+        Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> a(s, n);
+        const T new_max = n > 0 ? std::max(max, a.maxCoeff()) : max;
+        if (new_max == minus_inf) {
+            a.setZero();
+            return T(1);
+        }
+        a = (a - new_max).exp();
+        const T alpha = std::exp(max - new_max);  // exp(−∞) = 0 on the first block
+        sum = alpha * sum + a.sum();
+        max = new_max;
+        return alpha;
+    }
+
+    /// Merges `other` (with its accumulator) into this state and `acc`:
+    ///   m = max(m_a, m_b),  acc = e^{m_a−m}·acc_a + e^{m_b−m}·acc_b,  sum likewise.
+    template <class Acc, class OtherAcc>
+    void merge(const SoftmaxState& other, Acc&& acc, const OtherAcc& other_acc) {
+        if (other.empty())
+            return;
+        if (empty()) {
+            *this = other;
+            acc = other_acc;
+            return;
+        }
+        const T new_max = std::max(max, other.max);
+        const T a = std::exp(max - new_max);
+        const T b = std::exp(other.max - new_max);
+        acc = a * acc + b * other_acc;
+        sum = a * sum + b * other.sum;
+        max = new_max;
+    }
+
+    /// acc ← acc / sum, the softmax-weighted mean; zero when no key was visible.
+    template <class Acc>
+    void finish(Acc&& acc) const {
+        if (empty())
+            acc.setZero();
+        else
+            acc *= T(1) / sum;
+    }
+
+    /// log Σ_j exp(s_j); −∞ for an empty state.
+    [[nodiscard]] T log_sum_exp() const { return empty() ? minus_inf : max + std::log(sum); }
+};
+
+namespace detail {
+
+/// Logits computed at once when one query attends a run of keys: a stack buffer, so a
+/// memory's `attend` never touches the heap. 256 floats = 1 KiB stays in L1.
+inline constexpr Index attend_block = 256;
+
+/// One query against contiguous keys K (n×d) and values V (n×dv): folds
+/// s_j = scale · q·k_j into `state` and `acc` (1×dv) block by block.
+template <class T, class Q, class KBlock, class VBlock, class Acc>
+void attend_contiguous(const Q& q, const KBlock& K, const VBlock& V, T scale, SoftmaxState<T>& state, Acc&& acc) {
+    MEMATTN_DASSERT(K.rows() == V.rows() && K.cols() == q.cols() && V.cols() == acc.cols());
+    alignas(64) T buffer[attend_block];
+    for (Index j0 = 0; j0 < K.rows(); j0 += attend_block) {
+        const Index n = std::min(attend_block, K.rows() - j0);
+        Eigen::Map<Vector<T>> s(buffer, n);
+        s.noalias() = scale * (q * K.middleRows(j0, n).transpose());
+        const T alpha = state.absorb(buffer, n);
+        if (alpha != T(1))
+            acc *= alpha;
+        acc.noalias() += s * V.middleRows(j0, n);
+    }
+}
+
+/// 1/sqrt(d) when `scale` is 0 (the DESIGN.md convention), else `scale`.
+template <class T>
+T resolve_scale(T scale, Index d) {
+    return scale == T(0) ? T(1) / std::sqrt(static_cast<T>(std::max<Index>(d, 1))) : scale;
+}
+
+}  // namespace detail
+}  // namespace memattn

@@ -1,0 +1,50 @@
+#pragma once
+// Shared test helpers: seeded random inputs and a closeness check whose tolerance
+// scales with the magnitude of the expected result.
+
+#include "catch.hpp"
+#include "reference/reference.hpp"
+
+#include <memattn/types.hpp>
+
+#include <cstdint>
+#include <random>
+
+namespace memattn::test {
+
+using reference::MatrixD;
+
+/// Uniform in [-scale, scale), from a generator whose output the standard fixes, so
+/// every platform sees the same inputs.
+template <class T>
+Matrix<T> random_matrix(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) {
+    std::mt19937_64 gen(seed);
+    Matrix<T> m(rows, cols);
+    for (Index i = 0; i < rows; ++i)
+        for (Index j = 0; j < cols; ++j)
+            m(i, j) = static_cast<T>(scale * (2.0 * (static_cast<double>(gen() >> 11) * 0x1.0p-53) - 1.0));
+    return m;
+}
+
+/// Relative tolerance for results computed in T from inputs of unit scale.
+template <class T>
+constexpr double tolerance() {
+    return sizeof(T) == 4 ? 2e-5 : 1e-12;
+}
+
+/// max |actual − expected| ≤ rel · max(1, max |expected|), shapes equal.
+template <class D>
+void check_close(const Eigen::MatrixBase<D>& actual, const MatrixD& expected, double rel) {
+    REQUIRE(actual.rows() == expected.rows());
+    REQUIRE(actual.cols() == expected.cols());
+    if (expected.size() == 0)
+        return;
+    const MatrixD a = actual.template cast<double>();
+    REQUIRE(a.allFinite());
+    const double magnitude = std::max(1.0, expected.cwiseAbs().maxCoeff());
+    const double error = (a - expected).cwiseAbs().maxCoeff();
+    CAPTURE(magnitude, rel);
+    REQUIRE_THAT(error, Catch::Matchers::WithinAbs(0.0, rel * magnitude));
+}
+
+}  // namespace memattn::test
