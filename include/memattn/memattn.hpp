@@ -5,5 +5,6 @@
 #include "memattn/version.hpp"
 #include "memattn/types.hpp"
 #include "memattn/softmax_state.hpp"
+#include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/kv_cache.hpp"

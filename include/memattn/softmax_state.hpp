@@ -11,6 +11,7 @@
 // the output row itself), so attending allocates nothing.
 
 #include "memattn/detail/assert.hpp"
+#include "memattn/detail/packet.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
@@ -79,6 +80,81 @@ struct SoftmaxState {
 
     /// log Σ_j exp(s_j); −∞ for an empty state.
     [[nodiscard]] T log_sum_exp() const { return empty() ? minus_inf : max + std::log(sum); }
+};
+
+/// The same online softmax for a block of queries at once, one lane per query, stored
+/// as arrays (max, sum) so a whole tile is updated with SIMD packets across queries.
+/// Lane i is exactly the SoftmaxState `state(i)`, so finishing a row, its log-sum-exp
+/// and merging with other partial states go through the one scalar mechanism above.
+/// Used by the tiled kernel (kernels/causal_softmax.hpp); allocates its lanes once.
+template <class T>
+class SoftmaxBlockState {
+public:
+    explicit SoftmaxBlockState(Index lanes) : lanes_(3, lanes) { reset(); }
+
+    [[nodiscard]] Index lanes() const noexcept { return lanes_.cols(); }
+
+    /// Every lane empty: max = −∞, sum = 0.
+    void reset() {
+        lanes_.row(max_row).setConstant(SoftmaxState<T>::minus_inf);
+        lanes_.row(sum_row).setZero();
+    }
+
+    /// Folds a key-major tile of logits into lanes [0, n): s[j·ld + i] is the logit of
+    /// key j for query i, j < keys. On return it holds the weight p = exp(s − m_new)
+    /// (0 for a masked logit of −∞), and alpha() the factor α = exp(m_old − m_new) by
+    /// which the caller scales lane i of its accumulator before adding Σ_j p_ji v_j:
+    ///   m_new = max(m_old, max_j s_j),  sum = α·sum + Σ_j p_j,  acc = α·acc + Σ_j p_j v_j.
+    /// A lane that has seen only −∞ stays empty with α = 0 (its accumulator is zero).
+    void absorb(T* s, Index keys, Index ld, Index n) {
+        MEMATTN_DASSERT(n <= lanes() && ld >= n);
+        constexpr Index width = detail::packet_lanes<T>;
+        Index i = 0;
+        for (; i + width <= n; i += width)
+            absorb_lanes<detail::Packet<T>>(s + i, keys, ld, i);
+        for (; i < n; ++i)
+            absorb_lanes<T>(s + i, keys, ld, i);
+    }
+
+    /// α per lane from the last absorb.
+    [[nodiscard]] const T* alpha() const noexcept { return &lanes_(alpha_row, 0); }
+
+    /// Lane i as a scalar state.
+    [[nodiscard]] SoftmaxState<T> state(Index i) const { return {lanes_(max_row, i), lanes_(sum_row, i)}; }
+
+private:
+    static constexpr Index max_row = 0, sum_row = 1, alpha_row = 2;
+
+    /// absorb() for the lanes of one packet P starting at lane `first`.
+    template <class P>
+    void absorb_lanes(T* s, Index keys, Index ld, Index first) {
+        using namespace Eigen::internal;
+        const P minus_inf = pset1<P>(SoftmaxState<T>::minus_inf);
+        T* max = &lanes_(max_row, first);
+        T* sum = &lanes_(sum_row, first);
+        const P m_old = ploadu<P>(max);
+        P m_new = m_old;
+        for (Index j = 0; j < keys; ++j)
+            m_new = pmax(m_new, ploadu<P>(s + j * ld));  // m_new = max(m_old, max_j s_j)
+        // Subtract 0 instead of −∞ in lanes that saw nothing, so no −∞ − (−∞) = NaN.
+        const P empty = pcmp_eq(m_new, minus_inf);
+        const P shift = pselect(empty, pset1<P>(T(0)), m_new);
+        // α = exp(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
+        const P alpha = pand(pcmp_lt(minus_inf, m_old), pexp(psub(m_old, shift)));
+        P block_sum = pset1<P>(T(0));
+        for (Index j = 0; j < keys; ++j) {
+            const P logit = ploadu<P>(s + j * ld);
+            // p = exp(s − m_new), and exactly 0 for a masked logit (Eigen's exp clamps −∞).
+            const P weight = pand(pcmp_lt(minus_inf, logit), pexp(psub(logit, shift)));
+            pstoreu(s + j * ld, weight);
+            block_sum = padd(block_sum, weight);
+        }
+        pstoreu(max, m_new);
+        pstoreu(sum, pmadd(alpha, ploadu<P>(sum), block_sum));  // sum = α·sum + Σ_j p_j
+        pstoreu(&lanes_(alpha_row, first), alpha);
+    }
+
+    Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> lanes_;  // rows: max, sum, α
 };
 
 namespace detail {

@@ -3,6 +3,7 @@
 // over the whole past. Its cost per token and its footprint grow with the sequence;
 // it is the baseline the fixed-size memories are measured against.
 
+#include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
@@ -44,6 +45,32 @@ public:
         keys_.middleRows(length_, keys.rows()) = keys;
         values_.middleRows(length_, values.rows()) = values;
         length_ += keys.rows();
+    }
+
+    /// Appends the pairs K/V and attends with each row of Q as the token of the same row
+    /// of K/V, like `decode`, in one call of the tiled kernel over the whole cache: row
+    /// i sees every earlier pair and K/V rows 0..i (causal_softmax_attention, window 0,
+    /// with the queries offset to the end of the cache). Throws, unchanged, on bad shapes.
+    void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
+        constexpr const char* function = "KVCache::prefill";
+        detail::require(keys.rows() == values.rows(), function, "values", "has shape ", detail::shape(values),
+                        ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
+        detail::require(queries.rows() == keys.rows(), function, "queries", "has shape ", detail::shape(queries),
+                        ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
+        check_pair(function, keys.cols(), values.cols());
+        detail::require(queries.cols() == key_dim_, function, "queries", "has shape ", detail::shape(queries),
+                        ", expected ", key_dim_, " columns");
+        detail::require(out.rows() == queries.rows() && out.cols() == value_dim_, function, "out", "has shape ",
+                        detail::shape(out), ", expected ", queries.rows(), 'x', value_dim_);
+        const Index before = length_;
+        extend(keys, values);
+        try {
+            detail::causal_softmax_views<T>(queries, this->keys(), this->values(), out, [](Index, T) {},
+                                            SoftmaxOptions{.scale = static_cast<double>(scale_)});
+        } catch (...) {
+            length_ = before;  // the kernel's scratch could not be allocated: forget the new pairs
+            throw;
+        }
     }
 
     /// out = Σ_j softmax_j(scale · q·k_j) v_j over every stored pair; zero when empty.

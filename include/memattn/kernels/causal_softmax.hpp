@@ -1,0 +1,231 @@
+#pragma once
+// Causal softmax attention, FlashAttention-style: Dao et al. 2022, "FlashAttention:
+// Fast and Memory-Efficient Exact Attention with IO-Awareness", with the online softmax
+// of Milakov & Gimelshein 2018 (memattn/softmax_state.hpp).
+//
+// Shapes: Q (Nq × d), K (Nk × d), V (Nk × dv), O (Nq × dv), optional lse (Nq), Nq ≤ Nk.
+// Query row i sits at position p_i = Nk − Nq + i and sees key j iff
+//   j ≤ p_i  and  (j < sinks  or  window = 0  or  j > p_i − window),
+//   o_i = Σ_{j visible} softmax_j(scale · q_i·k_j) v_j,   lse_i = log Σ_{j visible} exp(scale · q_i·k_j).
+//
+// Algorithm. Queries are cut into tiles of `queries` rows and, for each, the visible
+// keys into tiles of `keys` rows, walked from the diagonal down to the window's start
+// (then the sink tokens below the window). Per (query tile, key tile):
+//   Sᵀ = K_tile · (scale·Q_tile)ᵀ                      keys × queries, key-major
+//   mask the tile with −∞ where it crosses the diagonal or the window's edge
+//   per query lane:  m_new = max(m_old, max_j s_j),  α = exp(m_old − m_new),
+//                    p_j = exp(s_j − m_new),  sum = α·sum + Σ_j p_j
+//   acc = α ⊙ acc + Pᵀᵀ · V_tile                        queries × dv
+// and o_i = acc_i / sum_i, lse_i = m_i + log(sum_i) once all key tiles are done.
+// Tiles wholly above the diagonal or outside the window are never visited, so a
+// windowed call costs O(Nq · (window + tile)), not O(Nq · Nk).
+//
+// Why key-major scores: the query tile is transposed once and reused by every key
+// tile, K and V are read in place (any row stride, no copies), and the softmax runs
+// down the columns with SIMD packets across queries (SoftmaxBlockState), so the row
+// bookkeeping costs a few packet operations per key instead of a reduction per row.
+// Both products go through one register-blocked micro-kernel (detail/tile_product.hpp);
+// the rescale by α is fused into its load of acc.
+//
+// Scratch, allocated once per call, O(tile), `lanes` = queries rounded up to 2 packets:
+//   qt     d × lanes       scale·Q_tileᵀ (zero in lanes past the last query)
+//   s      keys × lanes    logits Sᵀ, then the weights Pᵀ in place
+//   acc    lanes × dv      unnormalised outputs
+//   state  3 × lanes       max, sum, α per query (SoftmaxBlockState)
+// For 64 × 64 tiles and d = dv = 64 in float that is 48 KiB, whatever the sequence.
+//
+// Tile sizes, measured with bench/causal_softmax_bench.cpp (BM_TileSweep, N = 4096,
+// float, full causal, 1 thread, AMD EPYC Zen 1, AVX2+FMA), GFLOP/s at d = 64 / 128:
+// see the table in TILE_SWEEP below; 64 queries × 64 keys was chosen.
+
+#include "memattn/detail/tile_product.hpp"
+#include "memattn/softmax_state.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace memattn {
+
+/// Options of causal_softmax_attention (DESIGN.md).
+struct SoftmaxOptions {
+    double scale = 0;  ///< multiplies q·k before the softmax; 0 means 1/sqrt(d)
+    Index window = 0;  ///< each query sees its last `window` keys, itself included; 0: no limit
+    Index sinks = 0;   ///< the first `sinks` tokens stay visible to every later query (StreamingLLM)
+};
+
+namespace detail {
+
+/// Rows of a query tile and of a key tile.
+struct SoftmaxTiles {
+    Index queries = 64;
+    Index keys = 64;
+};
+
+/// The tiled kernel for one call: its scratch and its steps (see the top of the file).
+template <class T>
+class TiledCausalSoftmax {
+public:
+    TiledCausalSoftmax(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, T scale,
+                       Index window, Index sinks, SoftmaxTiles tiles)
+        : q_(Q), k_(K), v_(V), scale_(scale), window_(window), sinks_(sinks), tiles_(tiles),
+          lanes_(round_up(tiles.queries, 2 * packet_lanes<T>)), qt_(K.cols(), lanes_), s_(tiles.keys, lanes_),
+          acc_(lanes_, V.cols()), state_(lanes_) {}
+
+    /// Writes O and calls lse(i, lse_i) for every query row i.
+    template <class LseSink>
+    void run(MatrixRef<T> O, LseSink&& lse) {
+        for (Index i0 = 0; i0 < q_.rows(); i0 += tiles_.queries) {
+            start_query_tile(i0, std::min(tiles_.queries, q_.rows() - i0));
+            const Index hi = p1_ + 1;                                      // keys [0, hi) are causal
+            const Index lo = window_ > 0 ? std::max<Index>(0, p0_ - window_ + 1) : 0;
+            for (Index j1 = hi; j1 > lo; j1 -= tiles_.keys) {             // diagonal tile first
+                const Index j0 = std::max(lo, j1 - tiles_.keys);
+                attend_key_tile(j0, j1 - j0);
+            }
+            const Index sink_end = std::min(sinks_, lo);                   // sinks below the window
+            for (Index j0 = 0; j0 < sink_end; j0 += tiles_.keys)
+                attend_key_tile(j0, std::min(tiles_.keys, sink_end - j0));
+            finish_query_tile(O, lse);
+        }
+    }
+
+private:
+    static Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
+
+    /// Loads scale·Q_tileᵀ and empties the accumulators for queries [i0, i0 + rows).
+    void start_query_tile(Index i0, Index rows) {
+        i0_ = i0;
+        rows_ = rows;
+        cols_ = std::min(lanes_, round_up(rows, 2 * packet_lanes<T>));
+        p0_ = k_.rows() - q_.rows() + i0;
+        p1_ = p0_ + rows - 1;
+        qt_.leftCols(rows) = scale_ * q_.middleRows(i0, rows).transpose();
+        qt_.middleCols(rows, cols_ - rows).setZero();
+        acc_.topRows(cols_).setZero();
+        state_.reset();
+    }
+
+    /// Folds keys [j0, j0 + n) into every query of the tile.
+    void attend_key_tile(Index j0, Index n) {
+        const Index d = k_.cols(), dv = v_.cols();
+        // Sᵀ = K_tile · (scale·Q_tile)ᵀ, keys × queries.
+        tile_product<T>(n, cols_, d, k_.data() + j0 * k_.outerStride(), k_.outerStride(), 1, qt_.data(), lanes_,
+                        s_.data(), lanes_, nullptr);
+        if (!fully_visible(j0, n))
+            mask(j0, n);
+        state_.absorb(s_.data(), n, lanes_, cols_);  // m, sum, α; Sᵀ becomes Pᵀ
+        // acc = α ⊙ acc + P · V_tile: A(r, k) = Pᵀ(k, r) is read with strides (1, lanes).
+        tile_product<T>(cols_, dv, n, s_.data(), 1, lanes_, v_.data() + j0 * v_.outerStride(), v_.outerStride(),
+                        acc_.data(), dv, state_.alpha());
+    }
+
+    /// Every query of the tile sees every key of [j0, j0 + n).
+    [[nodiscard]] bool fully_visible(Index j0, Index n) const {
+        const Index j_last = j0 + n - 1;
+        return j_last <= p0_ && (window_ == 0 || j_last < sinks_ || j0 > p1_ - window_);
+    }
+
+    /// Sᵀ(j, i) = −∞ where query i does not see key j: a masked key gets weight 0.
+    void mask(Index j0, Index n) {
+        constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+        for (Index jj = 0; jj < n; ++jj) {
+            const Index j = j0 + jj;
+            T* row = s_.data() + jj * lanes_;
+            for (Index i = 0; i < cols_; ++i) {
+                const Index p = p0_ + i;
+                const bool visible = j <= p && (j < sinks_ || window_ == 0 || j > p - window_);
+                if (!visible)
+                    row[i] = minus_inf;
+            }
+        }
+    }
+
+    /// o_i = acc_i / sum_i, lse_i = m_i + log(sum_i); a query with no visible key gets 0 and −∞.
+    template <class LseSink>
+    void finish_query_tile(MatrixRef<T>& O, LseSink& lse) {
+        for (Index i = 0; i < rows_; ++i) {
+            const SoftmaxState<T> state = state_.state(i);
+            O.row(i0_ + i) = acc_.row(i);
+            state.finish(O.row(i0_ + i));
+            lse(i0_ + i, state.log_sum_exp());
+        }
+    }
+
+    ConstMatrixRef<T> q_, k_, v_;
+    T scale_;
+    Index window_, sinks_;
+    SoftmaxTiles tiles_;
+    Index lanes_;
+    Matrix<T> qt_, s_, acc_;  // scratch, see the top of the file
+    SoftmaxBlockState<T> state_;
+    Index i0_ = 0, rows_ = 0, cols_ = 0, p0_ = 0, p1_ = 0;  // the current query tile
+};
+
+/// The checks every entry point makes, before anything is written.
+template <class T>
+void check_softmax_arguments(const char* function, Shape q, Shape k, Shape v, Shape o, const SoftmaxOptions& options) {
+    require(q.cols == k.cols, function, "Q", "has shape ", q, ", expected ", k.cols, " columns as K (", k, ")");
+    require(v.rows == k.rows, function, "V", "has shape ", v, ", expected ", k.rows, " rows as K (", k, ")");
+    require(q.rows <= k.rows, function, "Q", "has shape ", q, ", expected at most ", k.rows,
+            " rows (K is ", k, "): queries continue the keys, so Nq <= Nk");
+    require(o.rows == q.rows && o.cols == v.cols, function, "O", "has shape ", o, ", expected ", q.rows, 'x',
+            v.cols, " (Q is ", q, ", V is ", v, ")");
+    require(options.window >= 0, function, "options.window", "is ", options.window, ", expected >= 0 (0: no limit)");
+    require(options.sinks >= 0, function, "options.sinks", "is ", options.sinks, ", expected >= 0");
+    require(std::isfinite(options.scale), function, "options.scale", "is ", options.scale,
+            ", expected a finite number (0: 1/sqrt(d))");
+}
+
+/// The kernel on views, after the checks; `lse(i, value)` receives each row's log-sum-exp.
+template <class T, class LseSink>
+void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxTiles tiles = {}) {
+    if (Q.rows() == 0)
+        return;
+    const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
+    TiledCausalSoftmax<T> kernel(Q, K, V, scale, options.window, options.sinks, tiles);
+    kernel.run(O, lse);
+}
+
+}  // namespace detail
+
+/// O = causal softmax attention of Q over K/V (see the top of the file and DESIGN.md).
+/// Any Eigen expressions of one scalar type, e.g. one head's columns of a wider buffer.
+template <class DQ, class DK, class DV, class DO>
+void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O,
+                              const SoftmaxOptions& options = {}) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn::causal_softmax_attention: the scalar type must be float or double.");
+    static_assert(detail::same_scalar<DQ, DK, DV, DO>,
+                  "memattn::causal_softmax_attention: Q, K, V and O must have the same scalar type.");
+    detail::check_softmax_arguments<T>("causal_softmax_attention", detail::shape(Q), detail::shape(K),
+                                       detail::shape(V), detail::shape(O), options);
+    detail::causal_softmax_views<T>(ConstMatrixRef<T>(Q.derived()), ConstMatrixRef<T>(K.derived()),
+                                    ConstMatrixRef<T>(V.derived()), detail::writable(O), [](Index, T) {}, options);
+}
+
+/// As above, and writes lse_i = log Σ_{j visible} exp(scale · q_i·k_j) into the vector
+/// `lse` (Nq coefficients, row or column); −∞ for a row that sees no key.
+template <class DQ, class DK, class DV, class DO, class DL>
+void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O,
+                              const Eigen::MatrixBase<DL>& lse, const SoftmaxOptions& options = {}) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn::causal_softmax_attention: the scalar type must be float or double.");
+    static_assert(detail::same_scalar<DQ, DK, DV, DO, DL>,
+                  "memattn::causal_softmax_attention: Q, K, V, O and lse must have the same scalar type.");
+    detail::check_softmax_arguments<T>("causal_softmax_attention", detail::shape(Q), detail::shape(K),
+                                       detail::shape(V), detail::shape(O), options);
+    detail::require((lse.rows() == 1 || lse.cols() == 1) && lse.size() == Q.rows(), "causal_softmax_attention",
+                    "lse", "has shape ", detail::shape(lse), ", expected a vector of ", Q.rows(),
+                    " coefficients (Q is ", detail::shape(Q), ")");
+    auto& out = const_cast<Eigen::MatrixBase<DL>&>(lse).derived();  // Eigen's idiom for writable temporaries
+    detail::causal_softmax_views<T>(ConstMatrixRef<T>(Q.derived()), ConstMatrixRef<T>(K.derived()),
+                                    ConstMatrixRef<T>(V.derived()), detail::writable(O),
+                                    [&out](Index i, T value) { out.coeffRef(i) = value; }, options);
+}
+
+}  // namespace memattn

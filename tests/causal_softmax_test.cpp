@@ -1,0 +1,209 @@
+#include "support.hpp"
+
+#include <memattn/kernels/causal_softmax.hpp>
+#include <memattn/memory/kv_cache.hpp>
+
+#include <limits>
+#include <vector>
+
+using namespace memattn;
+using memattn::test::check_close;
+using memattn::test::random_matrix;
+using memattn::test::tolerance;
+
+namespace {
+
+constexpr Index tile = detail::SoftmaxTiles{}.queries;
+static_assert(detail::SoftmaxTiles{}.keys == tile, "the sweep below puts sizes around one tile size");
+
+/// Runs the kernel with lse and checks both against the double reference.
+template <class T>
+void check_against_reference(const Matrix<T>& Q, const Matrix<T>& K, const Matrix<T>& V, SoftmaxOptions options,
+                             double rel = tolerance<T>()) {
+    Matrix<T> O(Q.rows(), V.cols());
+    Vector<T> lse(Q.rows());
+    causal_softmax_attention(Q, K, V, O, lse, options);
+    const auto expected = reference::softmax_attention(reference::to_double(Q), reference::to_double(K),
+                                                       reference::to_double(V), options.scale, options.window,
+                                                       options.sinks);
+    check_close(O, expected.out, rel);
+    for (Index i = 0; i < Q.rows(); ++i) {
+        const double e = expected.lse[static_cast<std::size_t>(i)];
+        CAPTURE(i);
+        REQUIRE_THAT(static_cast<double>(lse(i)), Catch::Matchers::WithinAbs(e, rel * std::max(1.0, std::abs(e))));
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("causal softmax: sizes around the tile, windows and sinks", "[softmax][kernel]", float, double) {
+    using T = TestType;
+    const Index n = GENERATE(Index(0), Index(1), Index(2), tile - 1, tile, tile + 1, 3 * tile + 2, Index(1000));
+    const Index window = GENERATE(Index(0), Index(1), Index(2), Index(17), tile, Index(1001));
+    const Index sinks = GENERATE(Index(0), Index(1), Index(4));
+    CAPTURE(n, window, sinks);
+    const Index d = 3, dv = 5;
+    check_against_reference(random_matrix<T>(n, d, 1), random_matrix<T>(n, d, 2), random_matrix<T>(n, dv, 3),
+                            {.scale = 0, .window = window, .sinks = sinks});
+}
+
+TEMPLATE_TEST_CASE("causal softmax: key and value dims", "[softmax][kernel]", float, double) {
+    using T = TestType;
+    const Index d = GENERATE(1, 3, 64, 128, 130);
+    const Index dv = GENERATE(1, 3, 64, 128, 130);
+    const Index window = GENERATE(0, 17);
+    CAPTURE(d, dv, window);
+    const Index n = 2 * tile + 3;
+    check_against_reference(random_matrix<T>(n, d, 4), random_matrix<T>(n, d, 5), random_matrix<T>(n, dv, 6),
+                            {.scale = 0, .window = window, .sinks = window ? 2 : 0});
+}
+
+TEMPLATE_TEST_CASE("causal softmax: queries continuing a prefix (Nq < Nk)", "[softmax][kernel]", float, double) {
+    using T = TestType;
+    const Index nk = 300;
+    const Index nq = GENERATE(Index(1), tile - 1, tile, tile + 1, Index(299), Index(300));
+    const Index window = GENERATE(0, 17, 100);
+    const Index sinks = GENERATE(0, 4);
+    CAPTURE(nq, window, sinks);
+    check_against_reference(random_matrix<T>(nq, 7, 7), random_matrix<T>(nk, 7, 8), random_matrix<T>(nk, 9, 9),
+                            {.scale = 0.3, .window = window, .sinks = sinks});
+}
+
+TEMPLATE_TEST_CASE("causal softmax: splitting the queries gives the same rows", "[softmax][kernel]", float, double) {
+    using T = TestType;
+    const Index n = 333, d = 16, dv = 8;
+    const Matrix<T> Q = random_matrix<T>(n, d, 10), K = random_matrix<T>(n, d, 11), V = random_matrix<T>(n, dv, 12);
+    const SoftmaxOptions options{.scale = 0, .window = GENERATE(Index(0), Index(70)), .sinks = 3};
+    Matrix<T> whole(n, dv);
+    causal_softmax_attention(Q, K, V, whole, options);
+
+    const Index cut = GENERATE(Index(0), Index(1), tile, Index(200), Index(332), Index(333));
+    CAPTURE(cut, options.window);
+    Matrix<T> pieces(n, dv);
+    // The first rows see the prefix K[0, cut) only; the rest continue it.
+    causal_softmax_attention(Q.topRows(cut), K.topRows(cut), V.topRows(cut), pieces.topRows(cut), options);
+    causal_softmax_attention(Q.bottomRows(n - cut), K, V, pieces.bottomRows(n - cut), options);
+    check_close(pieces, reference::to_double(whole), tolerance<T>());
+}
+
+TEMPLATE_TEST_CASE("causal softmax: logits of 1e4 do not overflow", "[softmax][kernel]", float, double) {
+    using T = TestType;
+    const Index n = 2 * tile + 5, d = 4;
+    // |scale · q·k| up to ~4e4: exp is only ever taken of differences to the running max.
+    const Matrix<T> Q = random_matrix<T>(n, d, 13, 100.0), K = random_matrix<T>(n, d, 14, 100.0);
+    const Matrix<T> V = random_matrix<T>(n, d, 15);
+    // Near-ties between logits of size 1e4 are decided by the rounding of q·k in T.
+    check_against_reference(Q, K, V, {.scale = 1, .window = GENERATE(0, 9), .sinks = 0},
+                            sizeof(T) == 4 ? 5e-2 : 1e-9);
+
+    // Exact case: key 0 has logit 1e4 for every query and wins outright; lse = 1e4.
+    Matrix<T> q = Matrix<T>::Constant(n, 1, T(100)), k = Matrix<T>::Constant(n, 1, T(-100));
+    k(0, 0) = T(100);
+    const Matrix<T> v = random_matrix<T>(n, 2, 16);
+    Matrix<T> O(n, 2);
+    Vector<T> lse(n);
+    causal_softmax_attention(q, k, v, O, lse, {.scale = 1});
+    for (Index i = 0; i < n; ++i) {
+        CHECK(O.row(i) == v.row(0));
+        CHECK(lse(i) == T(1e4));
+    }
+}
+
+TEMPLATE_TEST_CASE("causal softmax: views with a row stride, lse in a column", "[softmax][kernel]", float, double) {
+    using T = TestType;
+    const Index n = 150, heads = 3, d = 8, dv = 5;
+    const Matrix<T> QKV = random_matrix<T>(n, heads * (2 * d + dv), 17);
+    Matrix<T> O = Matrix<T>::Zero(n, heads * dv);
+    Matrix<T> lse = Matrix<T>::Zero(n, heads);
+    for (Index h = 0; h < heads; ++h) {
+        const auto Q = QKV.middleCols(h * d, d), K = QKV.middleCols((heads + h) * d, d);
+        const auto V = QKV.middleCols(2 * heads * d + h * dv, dv);
+        causal_softmax_attention(Q, K, V, O.middleCols(h * dv, dv), lse.col(h), {.scale = 0, .window = 40});
+        const auto expected = reference::softmax_attention(reference::to_double(Q), reference::to_double(K),
+                                                           reference::to_double(V), 0, 40);
+        check_close(O.middleCols(h * dv, dv), expected.out, tolerance<T>());
+        CHECK_THAT(static_cast<double>(lse(n - 1, h)),
+                   Catch::Matchers::WithinRel(expected.lse.back(), 10 * tolerance<T>()));
+    }
+}
+
+TEMPLATE_TEST_CASE("SoftmaxBlockState lanes equal SoftmaxState, masked lanes stay empty", "[softmax][state]", float,
+                   double) {
+    using T = TestType;
+    constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+    const Index lanes = 11, keys = 6;  // not a multiple of any packet width
+    Matrix<T> s = random_matrix<T>(keys, lanes, 18, 5.0);
+    s.col(0).setConstant(minus_inf);  // a lane that sees nothing
+    s(2, 1) = minus_inf;              // a masked key
+    const Matrix<T> logits = s;
+    SoftmaxBlockState<T> block(lanes);
+    block.absorb(s.data(), keys, lanes, lanes);
+    for (Index i = 0; i < lanes; ++i) {
+        std::vector<T> column(static_cast<std::size_t>(keys));
+        for (Index j = 0; j < keys; ++j)
+            column[static_cast<std::size_t>(j)] = logits(j, i);
+        SoftmaxState<T> scalar;
+        scalar.absorb(column.data(), keys);
+        CAPTURE(i);
+        CHECK(block.state(i).empty() == scalar.empty());
+        CHECK(block.state(i).max == scalar.max);
+        CHECK_THAT(static_cast<double>(block.state(i).sum),
+                   Catch::Matchers::WithinRel(static_cast<double>(scalar.sum), tolerance<T>()));
+        for (Index j = 0; j < keys; ++j)
+            CHECK_THAT(static_cast<double>(s(j, i)),
+                       Catch::Matchers::WithinAbs(static_cast<double>(column[static_cast<std::size_t>(j)]), 1e-6));
+    }
+    CHECK(block.alpha()[3] == T(0));  // first keys of a lane: α = 0 (nothing to rescale)
+    CHECK(block.state(0).empty());
+    CHECK(block.state(0).log_sum_exp() == minus_inf);
+    CHECK(s(2, 1) == T(0));
+    CHECK(s.allFinite());
+}
+
+TEMPLATE_TEST_CASE("KVCache prefill equals decode equals the kernel", "[softmax][kernel][kv_cache]", float, double) {
+    using T = TestType;
+    const Index n = 3 * tile + 2, d = 12, dv = 7;
+    const Matrix<T> Q = random_matrix<T>(n, d, 19), K = random_matrix<T>(n, d, 20), V = random_matrix<T>(n, dv, 21);
+    Matrix<T> kernel(n, dv), decoded(n, dv), prefilled(n, dv);
+    causal_softmax_attention(Q, K, V, kernel);
+    KVCache<T> stepped(d, dv), bulk(d, dv);
+    decode(stepped, Q, K, V, decoded);
+    const Index cut = GENERATE_COPY(Index(0), Index(1), tile + 3, n);
+    CAPTURE(cut);
+    prefill(bulk, Q.topRows(cut), K.topRows(cut), V.topRows(cut), prefilled.topRows(cut));
+    prefill(bulk, Q.bottomRows(n - cut), K.bottomRows(n - cut), V.bottomRows(n - cut), prefilled.bottomRows(n - cut));
+    CHECK(bulk.length() == n);
+    check_close(decoded, reference::to_double(kernel), tolerance<T>());
+    check_close(prefilled, reference::to_double(kernel), tolerance<T>());
+}
+
+TEST_CASE("causal softmax: bad input throws naming function, argument and shapes", "[softmax][kernel]") {
+    using memattn::test::HasSubstring;
+    const Matrix<float> Q = random_matrix<float>(4, 3, 1), K = random_matrix<float>(5, 3, 2);
+    const Matrix<float> V = random_matrix<float>(5, 2, 3);
+    Matrix<float> O(4, 2);
+    const Matrix<float> Qd = random_matrix<float>(4, 2, 4);
+    CHECK_THROWS_WITH(causal_softmax_attention(Qd, K, V, O),
+                      HasSubstring("causal_softmax_attention") && HasSubstring("'Q'") && HasSubstring("4x2") && HasSubstring("5x3"));
+    CHECK_THROWS_WITH(causal_softmax_attention(Q, K, V.topRows(4), O), HasSubstring("'V'") && HasSubstring("4x2"));
+    const Matrix<float> Qlong = random_matrix<float>(6, 3, 5);
+    Matrix<float> Olong(6, 2);
+    CHECK_THROWS_WITH(causal_softmax_attention(Qlong, K, V, Olong), HasSubstring("'Q'") && HasSubstring("6x3"));
+    Matrix<float> Obad(4, 3);
+    CHECK_THROWS_WITH(causal_softmax_attention(Q, K, V, Obad), HasSubstring("'O'") && HasSubstring("4x3") && HasSubstring("4x2"));
+    Vector<float> lse(3);
+    CHECK_THROWS_WITH(causal_softmax_attention(Q, K, V, O, lse), HasSubstring("'lse'") && HasSubstring("1x3"));
+    CHECK_THROWS_WITH(causal_softmax_attention(Q, K, V, O, {.scale = 0, .window = -1}),
+                      HasSubstring("'options.window'"));
+    CHECK_THROWS_WITH(causal_softmax_attention(Q, K, V, O, {.scale = 0, .window = 0, .sinks = -2}),
+                      HasSubstring("'options.sinks'"));
+    CHECK_THROWS_AS(causal_softmax_attention(Q, K, V, O, {.scale = std::numeric_limits<double>::infinity()}),
+                    std::invalid_argument);
+
+    // A KVCache whose prefill is given bad shapes is unchanged.
+    KVCache<float> cache(3, 2);
+    extend(cache, K, V);
+    CHECK_THROWS_AS(prefill(cache, Q, K.topRows(4), V.topRows(4), Obad), std::invalid_argument);
+    CHECK_THROWS_AS(cache.prefill(Q, K.topRows(4), V.topRows(3), O), std::invalid_argument);
+    CHECK(cache.length() == 5);
+}
