@@ -1,0 +1,363 @@
+#pragma once
+// Causal linear attention, in three forms that agree to rounding.
+//
+//   Q, K: N×d   V, O: N×dv   q'_i = φ(q_i), k'_j = φ(k_j): 1×d'   γ = decay ∈ (0, 1]
+//   state  μ: d'×dv,  ν: 1×d'
+//     μ_i = γ μ_{i−1} + k'_iᵀ v_i,    ν_i = γ ν_{i−1} + k'_i
+//     o_i = q'_i μ_i / (q'_i·ν_i + eps)     (normalize)     or     o_i = q'_i μ_i
+//
+// Katharopoulos et al. 2020, "Transformers are RNNs" (the recurrence); the decay and the
+// chunked form follow RetNet (Sun et al. 2023) and Lightning Attention-2 (Qin et al. 2024).
+//
+// - quadratic_linear_attention: "pairs", o_i = Σ_{j≤i} γ^{i−j} (q'_i·k'_j) v_j (+ state),
+//   O(N²) by tiles; the definition, for checking and for short sequences.
+// - recurrent_linear_attention: "summary", μ/ν token by token; O(N·d'·dv).
+// - chunked_linear_attention: pairs inside each chunk of C tokens, the state across
+//   chunks, then the chunk is folded into the state with one GEMM. Same O(N·d'·dv) as
+//   the recurrence plus O(N·C·(d'+dv)), but as matrix products instead of rank-1 updates.
+//
+// φ is applied one chunk of rows at a time into O(C·d') scratch (never O(N·d')), by the
+// one routine all three forms share. Every form allocates its scratch once per call.
+//
+// Chunk size: LinearOptions::chunk_size = 64 by default, chosen by
+// bench/linear_attention_bench.cpp (BM_ChunkSize) on an AVX2+FMA Zen-1 core, float,
+// elu+1, normalised, N = 65536: see the table in that file. 64 was the fastest or
+// within a few percent of it for d = dv = 64 and 128: shorter chunks spend more of their
+// time in the O(N·d'·dv) state products at small GEMM efficiency, longer ones pay the
+// O(N·C·(d'+dv)) pairs term.
+
+#include "memattn/detail/assert.hpp"
+#include "memattn/feature_maps.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace memattn {
+
+struct LinearOptions {
+    Index chunk_size = 64;  ///< tokens per chunk (chunked form) or per φ application (all forms)
+    double eps = 1e-6;      ///< added to the normaliser q'·ν
+    double decay = 1;       ///< γ ∈ (0, 1]: the state is multiplied by γ before each token
+    bool normalize = true;  ///< divide by q'·ν + eps
+};
+
+/// The running state of linear attention. Empty (both of size 0) means zero; a
+/// kernel given a state starts from it and leaves the final state in it, so a long
+/// sequence can be processed in pieces, saved and resumed.
+template <class T>
+struct LinearState {
+    Matrix<T> mu;  ///< d'×dv: Σ_j γ^{i−j} k'_jᵀ v_j
+    Vector<T> nu;  ///< 1×d':  Σ_j γ^{i−j} k'_j
+};
+
+namespace detail {
+
+template <class T>
+using ColumnVector = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+
+/// Validates every argument before anything is written; returns d'.
+template <class T, class Phi>
+Index check_linear_arguments(const char* function, const Phi& phi, Shape q, Shape k, Shape v, Shape o,
+                             const LinearOptions& options, const LinearState<T>* state) {
+    require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
+    require(options.eps >= 0 && std::isfinite(options.eps), function, "options.eps", "is ", options.eps,
+            ", expected a finite number >= 0");
+    require(options.decay > 0 && options.decay <= 1, function, "options.decay", "is ", options.decay,
+            ", expected a value in (0, 1]");
+    require(k.rows == q.rows && k.cols == q.cols, function, "K", "has shape ", k, ", expected the shape of Q (", q,
+            ")");
+    require(v.rows == q.rows, function, "V", "has shape ", v, ", expected ", q.rows, " rows as Q (", q, ")");
+    require(o.rows == q.rows && o.cols == v.cols, function, "O", "has shape ", o, ", expected ", q.rows, 'x', v.cols,
+            " (Q is ", q, ", V is ", v, ")");
+    const auto features = static_cast<Index>(phi.output_dim(q.cols));
+    require(features > 0, function, "phi", "has output_dim(", q.cols, ") = ", features, ", expected > 0");
+    if (state != nullptr && (state->mu.size() != 0 || state->nu.size() != 0)) {
+        require(state->mu.rows() == features && state->mu.cols() == v.cols, function, "state->mu", "has shape ",
+                shape(state->mu), ", expected ", features, 'x', v.cols, " (feature dim phi.output_dim(", q.cols,
+                ") x value dim)");
+        require(state->nu.cols() == features, function, "state->nu", "has shape ", shape(state->nu),
+                ", expected 1x", features, " (feature dim phi.output_dim(", q.cols, "))");
+    }
+    return features;
+}
+
+/// The one feature-map application of every form: Y = φ(X) for a chunk of rows.
+template <class T, class Phi, class X, class Y>
+void apply_features(const Phi& phi, const X& x, Y& y) {
+    MEMATTN_DASSERT(x.rows() == y.rows());
+    phi(ConstMatrixRef<T>(x), MatrixRef<T>(y));
+}
+
+/// Values of γ^e computed in double, then cast; anything below T's smallest normal
+/// becomes 0, so no denormal slows the products. Every exponent used is ≥ 0, so a γ
+/// near 0 or a long chunk gives 0 where the true weight is negligible, never 0·∞.
+template <class T>
+T decay_power(double decay, Index exponent) {
+    const double p = decay == 1 ? 1.0 : std::pow(decay, static_cast<double>(exponent));
+    return p < static_cast<double>(std::numeric_limits<T>::min()) ? T(0) : static_cast<T>(p);
+}
+
+/// γ^k for k = 0..n.
+template <class T>
+ColumnVector<T> decay_powers(double decay, Index n) {
+    ColumnVector<T> p(n + 1);
+    for (Index k = 0; k <= n; ++k)
+        p(k) = decay_power<T>(decay, k);
+    return p;
+}
+
+/// The causal decay mask of a c×c tile whose first query is `offset` ≥ 0 positions
+/// after its first key, laid out so that each row is one contiguous segment:
+///   mask(m) = γ^(offset + c − 1 − m) if that exponent is ≥ 0, else 0 (m < 2c − 1),
+///   S(i, j) *= mask(c − 1 − i + j) = γ^(offset + i − j) · [offset + i ≥ j].
+template <class T>
+void decay_mask(double decay, Index offset, Index c, Vector<T>& mask) {
+    mask.resize(2 * c - 1);  // no-op after the first call
+    for (Index m = 0; m < 2 * c - 1; ++m) {
+        const Index exponent = offset + c - 1 - m;
+        mask(m) = exponent >= 0 ? decay_power<T>(decay, exponent) : T(0);
+    }
+}
+
+template <class T, class Tile>
+void apply_mask(Tile& s, const Vector<T>& mask, Index c) {
+    for (Index i = 0; i < s.rows(); ++i)
+        s.row(i).array() *= mask.segment(c - 1 - i, s.cols()).array();
+}
+
+/// Folds n tokens (features kf: n×d', values v: n×dv) into the state with one GEMM:
+///   μ ← γⁿ μ + Σ_j γ^{n−1−j} k'_jᵀ v_j,     ν ← γⁿ ν + Σ_j γ^{n−1−j} k'_j.
+/// `powers` holds γ^k for k = 0..≥n; kf is scaled in place when γ < 1.
+template <class T, class KF, class VB>
+void fold_chunk(KF& kf, const VB& v, const ColumnVector<T>& powers, bool decays, LinearState<T>& s) {
+    const Index n = kf.rows();
+    if (decays) {
+        kf.array().colwise() *= powers.head(n).reverse().array();  // row j × γ^{n−1−j}
+        s.mu *= powers(n);
+        s.nu *= powers(n);
+    }
+    s.mu.noalias() += kf.transpose() * v;
+    s.nu += kf.colwise().sum();
+}
+
+/// o ← o / (den + eps), row by row.
+template <class T, class OB>
+void normalize_rows(OB& o, ColumnVector<T>& den, Index n, T eps) {
+    auto inv = den.head(n).array();
+    inv = T(1) / (inv + eps);
+    o.array().colwise() *= inv;
+}
+
+// ------------------------------------------------------------------------- chunked
+
+/// Scratch (allocated once): qf, kf (C×d') the features of one chunk; scores (C×C) the
+/// masked pairs A of the chunk; den (C) the normalisers; powers (C+1) γ^k; mask (2C−1).
+template <class T, class Phi>
+void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, MatrixRef<T> O,
+                  const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& s) {
+    const Index tokens = Q.rows();
+    const Index c = std::min(options.chunk_size, std::max<Index>(tokens, 1));
+    Matrix<T> qf(c, features), kf(c, features), scores(c, c);
+    ColumnVector<T> den(c);
+    const ColumnVector<T> powers = decay_powers<T>(options.decay, c);
+    Vector<T> mask;
+    decay_mask<T>(options.decay, 0, c, mask);
+    const bool decays = options.decay != 1;
+    const auto eps = static_cast<T>(options.eps);
+
+    for (Index start = 0; start < tokens; start += c) {
+        const Index n = std::min(c, tokens - start);
+        auto q = qf.topRows(n);
+        auto k = kf.topRows(n);
+        auto a = scores.topLeftCorner(n, n);
+        auto o = O.middleRows(start, n);
+        const auto v = V.middleRows(start, n);
+        apply_features<T>(phi, Q.middleRows(start, n), q);
+        apply_features<T>(phi, K.middleRows(start, n), k);
+
+        // Pairs inside the chunk: A_ij = γ^{i−j} q'_i·k'_j (j ≤ i), O = A V.
+        a.noalias() = q * k.transpose();
+        apply_mask(a, mask, c);
+        o.noalias() = a * v;
+        // Queries against the state carried in: O += γ^{i+1} q'_i μ, den_i = γ^{i+1} q'_i·ν + Σ_j A_ij.
+        if (decays)
+            q.array().colwise() *= powers.segment(1, n).array();
+        o.noalias() += q * s.mu;
+        if (options.normalize) {
+            den.head(n).noalias() = q * s.nu.transpose();
+            den.head(n) += a.rowwise().sum();
+            normalize_rows(o, den, n, eps);
+        }
+        fold_chunk(k, v, powers, decays, s);
+    }
+}
+
+// ------------------------------------------------------------------------- recurrent
+
+/// Scratch (allocated once): qf, kf (C×d') the features of one chunk of tokens.
+template <class T, class Phi>
+void recurrent_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                    MatrixRef<T> O, const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& s) {
+    const Index tokens = Q.rows();
+    const Index c = std::min(options.chunk_size, std::max<Index>(tokens, 1));
+    Matrix<T> qf(c, features), kf(c, features);
+    const bool decays = options.decay != 1;
+    const auto gamma = static_cast<T>(options.decay);
+    const auto eps = static_cast<T>(options.eps);
+
+    for (Index start = 0; start < tokens; start += c) {
+        const Index n = std::min(c, tokens - start);
+        auto q = qf.topRows(n);
+        auto k = kf.topRows(n);
+        apply_features<T>(phi, Q.middleRows(start, n), q);
+        apply_features<T>(phi, K.middleRows(start, n), k);
+        for (Index t = 0; t < n; ++t) {
+            if (decays) {
+                s.mu *= gamma;
+                s.nu *= gamma;
+            }
+            s.mu.noalias() += k.row(t).transpose() * V.row(start + t);  // μ = γμ + k'ᵀv
+            s.nu += k.row(t);                                           // ν = γν + k'
+            auto o = O.row(start + t);
+            o.noalias() = q.row(t) * s.mu;  // q'μ
+            if (options.normalize)
+                o *= T(1) / (q.row(t).dot(s.nu) + eps);  // / (q'·ν + eps)
+        }
+    }
+}
+
+// ------------------------------------------------------------------------- quadratic
+
+/// Scratch (allocated once): qf, kf (C×d') the features of a query tile and a key
+/// tile; scores (C×C) their masked products; den (C); mask (2C−1); start (C) the factors
+/// γ^{p+1} of the initial state for the query tile.
+template <class T, class Phi>
+void quadratic_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                    MatrixRef<T> O, const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& s,
+                    bool has_initial, bool wants_state) {
+    const Index tokens = Q.rows();
+    const Index c = std::min(options.chunk_size, std::max<Index>(tokens, 1));
+    Matrix<T> qf(c, features), kf(c, features), scores(c, c);
+    ColumnVector<T> den(c), start(c);
+    Vector<T> mask;
+    const bool decays = options.decay != 1;
+    const auto eps = static_cast<T>(options.eps);
+
+    for (Index i0 = 0; i0 < tokens; i0 += c) {
+        const Index n = std::min(c, tokens - i0);
+        auto q = qf.topRows(n);
+        auto o = O.middleRows(i0, n);
+        apply_features<T>(phi, Q.middleRows(i0, n), q);
+        // The initial state: o_p = γ^{p+1} q'_p μ0, den_p = γ^{p+1} q'_p·ν0.
+        if (has_initial) {
+            for (Index i = 0; i < n; ++i)
+                start(i) = decay_power<T>(options.decay, i0 + i + 1);
+            o.noalias() = q * s.mu;
+            den.head(n).noalias() = q * s.nu.transpose();
+            o.array().colwise() *= start.head(n).array();
+            den.head(n).array() *= start.head(n).array();
+        } else {
+            o.setZero();
+            den.head(n).setZero();
+        }
+        // Every pair: o_p += Σ_{j≤p} γ^{p−j} (q'_p·k'_j) v_j, tile by tile.
+        for (Index j0 = 0; j0 <= i0; j0 += c) {
+            const Index m = std::min(c, tokens - j0);
+            auto k = kf.topRows(m);
+            auto p = scores.topLeftCorner(n, m);
+            apply_features<T>(phi, K.middleRows(j0, m), k);
+            p.noalias() = q * k.transpose();
+            if (decays || j0 == i0) {
+                decay_mask<T>(options.decay, i0 - j0, c, mask);
+                apply_mask(p, mask, c);
+            }
+            o.noalias() += p * V.middleRows(j0, m);
+            den.head(n) += p.rowwise().sum();
+        }
+        if (options.normalize)
+            normalize_rows(o, den, n, eps);
+    }
+    if (!wants_state)
+        return;
+    // The final state, from the same chunked fold as the chunked form.
+    const ColumnVector<T> powers = decay_powers<T>(options.decay, c);
+    for (Index j0 = 0; j0 < tokens; j0 += c) {
+        const Index m = std::min(c, tokens - j0);
+        auto k = kf.topRows(m);
+        apply_features<T>(phi, K.middleRows(j0, m), k);
+        fold_chunk(k, V.middleRows(j0, m), powers, decays, s);
+    }
+}
+
+enum class LinearForm { quadratic, recurrent, chunked };
+
+template <LinearForm form, class DQ, class DK, class DV, class DO, class Phi>
+void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                      const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O, const Phi& phi,
+                      const LinearOptions& options, LinearState<typename DQ::Scalar>* state) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn linear attention works on float or double matrices.");
+    static_assert(same_scalar<DQ, DK, DV, DO>, "memattn linear attention: Q, K, V and O must share one scalar type.");
+    static_assert(FeatureMap<Phi, T>,
+                  "memattn linear attention: phi must be a feature map for this scalar: a copyable type with "
+                  "`Index output_dim(Index d) const` and `void operator()(ConstMatrixRef<T> X, MatrixRef<T> Y) "
+                  "const` (see memattn/feature_maps.hpp).");
+    const Index features = check_linear_arguments<T>(function, phi, shape(Q), shape(K), shape(V), shape(O), options,
+                                                     state);
+    LinearState<T> local;
+    LinearState<T>& s = state != nullptr ? *state : local;
+    const bool has_initial = s.mu.size() != 0 || s.nu.size() != 0;
+    if (!has_initial) {
+        s.mu.setZero(features, V.cols());
+        s.nu.setZero(features);
+    }
+    const ConstMatrixRef<T> q(Q.derived()), k(K.derived()), v(V.derived());
+    if constexpr (form == LinearForm::chunked)
+        chunked_form(q, k, v, writable(O), phi, options, features, s);
+    else if constexpr (form == LinearForm::recurrent)
+        recurrent_form(q, k, v, writable(O), phi, options, features, s);
+    else
+        quadratic_form(q, k, v, writable(O), phi, options, features, s, has_initial, state != nullptr);
+}
+
+}  // namespace detail
+
+/// "Pairs": o_i = (Σ_{j≤i} γ^{i−j} (q'_i·k'_j) v_j + γ^{i+1} q'_i μ0) / (… + eps), by tiles
+/// of options.chunk_size; O(N²·(d'+dv)). `state`: initial state in (empty = zero),
+/// final state out.
+template <class DQ, class DK, class DV, class DO, class Phi = EluPlusOne>
+void quadratic_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O, const Phi& phi = {},
+                                const LinearOptions& options = {},
+                                LinearState<typename DQ::Scalar>* state = nullptr) {
+    detail::linear_attention<detail::LinearForm::quadratic>("quadratic_linear_attention", Q, K, V, O, phi, options,
+                                                            state);
+}
+
+/// "Summary": μ and ν updated token by token (the recurrence at the top of this file).
+template <class DQ, class DK, class DV, class DO, class Phi = EluPlusOne>
+void recurrent_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O, const Phi& phi = {},
+                                const LinearOptions& options = {},
+                                LinearState<typename DQ::Scalar>* state = nullptr) {
+    detail::linear_attention<detail::LinearForm::recurrent>("recurrent_linear_attention", Q, K, V, O, phi, options,
+                                                            state);
+}
+
+/// Chunks of options.chunk_size tokens: pairs inside the chunk, the carried state across
+/// chunks, one GEMM to fold the chunk into the state. The fastest form for long inputs.
+///
+///   Matrix<float> O(N, dv);
+///   LinearState<float> state;                       // empty: start from zero
+///   chunked_linear_attention(Q, K, V, O, EluPlusOne{}, {.decay = 0.99}, &state);
+template <class DQ, class DK, class DV, class DO, class Phi = EluPlusOne>
+void chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O, const Phi& phi = {},
+                              const LinearOptions& options = {}, LinearState<typename DQ::Scalar>* state = nullptr) {
+    detail::linear_attention<detail::LinearForm::chunked>("chunked_linear_attention", Q, K, V, O, phi, options,
+                                                          state);
+}
+
+}  // namespace memattn

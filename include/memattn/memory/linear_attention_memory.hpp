@@ -1,0 +1,219 @@
+#pragma once
+// LinearAttentionMemory: the state of linear attention, μ (d'×dv) and ν (1×d'), as a
+// Memory. Its size is fixed by (d', dv), however many tokens it has seen.
+//
+//   update(k, v):  μ ← γ μ + φ(k)ᵀ v,   ν ← γ ν + φ(k)         (one rank-1 update)
+//   attend(q):     o = φ(q) μ / (φ(q)·ν + eps)   (or φ(q) μ when not normalising)
+//
+// Its outputs equal recurrent_linear_attention (and the two other forms) on the same
+// tokens; `prefill` runs chunked_linear_attention on the memory's own state and leaves
+// it ready for decoding. Katharopoulos et al. 2020, "Transformers are RNNs".
+//
+// No allocation after construction in update/attend: update writes φ(k) into a row
+// allocated by the constructor. attend is const and may run on several threads at once,
+// so it cannot share that row: φ(q) goes into a stack buffer of 32 KiB (8192 float or
+// 4096 double features, enough for Taylor2 up to d = 127 in float / 89 in double and
+// for FavorPlus up to m = 8192 / 4096). A larger feature dim uses a row allocated by
+// the constructor behind a mutex, so such attends are serialised but still allocate
+// nothing.
+
+#include "memattn/feature_maps.hpp"
+#include "memattn/kernels/linear_attention.hpp"
+#include "memattn/memory/concept.hpp"
+#include "memattn/types.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+namespace memattn {
+
+template <Scalar T, FeatureMap<T> Phi = EluPlusOne>
+class LinearAttentionMemory {
+public:
+    using Scalar = T;
+    using FeatureMapType = Phi;
+
+    /// Features φ(q) attend computes in its stack buffer; beyond, see the header comment.
+    static constexpr Index stack_features = Index(32768 / sizeof(T));
+
+    LinearAttentionMemory(Index key_dim, Index value_dim, Phi phi = {}, LinearOptions options = {})
+        : key_dim_(checked_dim(key_dim, "key_dim")),
+          value_dim_(checked_dim(value_dim, "value_dim")),
+          phi_(std::move(phi)),
+          options_(options),
+          feature_dim_(checked_features(phi_, key_dim)) {
+        // The options as every kernel checks them (no tokens: only chunk_size, eps, decay).
+        detail::check_linear_arguments<T>("LinearAttentionMemory", phi_, {0, key_dim}, {0, key_dim}, {0, value_dim},
+                                          {0, value_dim}, options_, nullptr);
+        state_.mu.setZero(feature_dim_, value_dim_);
+        state_.nu.setZero(feature_dim_);
+        key_features_.resize(feature_dim_);
+        if (feature_dim_ > stack_features)
+            wide_ = std::make_unique<WideScratch>(feature_dim_);
+    }
+
+    LinearAttentionMemory(const LinearAttentionMemory& other)
+        : key_dim_(other.key_dim_),
+          value_dim_(other.value_dim_),
+          phi_(other.phi_),
+          options_(other.options_),
+          feature_dim_(other.feature_dim_),
+          state_(other.state_),
+          length_(other.length_),
+          key_features_(other.key_features_),
+          wide_(other.wide_ ? std::make_unique<WideScratch>(feature_dim_) : nullptr) {}
+    LinearAttentionMemory(LinearAttentionMemory&&) noexcept = default;
+    LinearAttentionMemory& operator=(const LinearAttentionMemory& other) {
+        if (this != &other) {
+            LinearAttentionMemory copy(other);
+            *this = std::move(copy);
+        }
+        return *this;
+    }
+    LinearAttentionMemory& operator=(LinearAttentionMemory&&) noexcept = default;
+    ~LinearAttentionMemory() = default;
+
+    /// μ ← γ μ + φ(k)ᵀ v,  ν ← γ ν + φ(k). Throws (leaving the memory unchanged) on a
+    /// key or value of the wrong size.
+    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
+        check_pair("LinearAttentionMemory::update", key.cols(), value.cols());
+        Eigen::Map<const Matrix<T>> k(key.data(), 1, key_dim_);
+        phi_(ConstMatrixRef<T>(k), MatrixRef<T>(key_features_));  // only the scratch row changes before here
+        if (options_.decay != 1) {
+            const auto gamma = static_cast<T>(options_.decay);
+            state_.mu *= gamma;
+            state_.nu *= gamma;
+        }
+        state_.mu.noalias() += key_features_.transpose() * value;
+        state_.nu += key_features_;
+        ++length_;
+    }
+
+    /// out = φ(q) μ / (φ(q)·ν + eps), or φ(q) μ; zero before any update.
+    void attend(ConstRowRef<T> query, RowRef<T> out) const {
+        detail::require(query.cols() == key_dim_, "LinearAttentionMemory::attend", "query", "has shape ",
+                        detail::shape(query), ", expected 1x", key_dim_);
+        detail::require(out.cols() == value_dim_, "LinearAttentionMemory::attend", "out", "has shape ",
+                        detail::shape(out), ", expected 1x", value_dim_);
+        if (feature_dim_ <= stack_features) {
+            alignas(64) T buffer[stack_features];
+            attend_with(query, out, buffer);
+        } else {
+            const std::lock_guard<std::mutex> lock(wide_->mutex);
+            attend_with(query, out, wide_->features.data());
+        }
+    }
+
+    /// Feeds many tokens: per block of options().chunk_size, φ(K) into scratch (allocated
+    /// once per call) and one GEMM μ ← γⁿ μ + φ(K)ᵀ diag(γ^{n−1−j}) V.
+    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        detail::require(keys.rows() == values.rows(), "LinearAttentionMemory::extend", "values", "has shape ",
+                        detail::shape(values), ", expected ", keys.rows(), " rows as keys (", detail::shape(keys),
+                        ")");
+        check_pair("LinearAttentionMemory::extend", keys.cols(), values.cols());
+        const Index c = std::min(options_.chunk_size, std::max<Index>(keys.rows(), 1));
+        Matrix<T> features(c, feature_dim_);
+        const auto powers = detail::decay_powers<T>(options_.decay, c);
+        for (Index start = 0; start < keys.rows(); start += c) {
+            const Index n = std::min(c, keys.rows() - start);
+            auto k = features.topRows(n);
+            detail::apply_features<T>(phi_, keys.middleRows(start, n), k);
+            detail::fold_chunk(k, values.middleRows(start, n), powers, options_.decay != 1, state_);
+        }
+        length_ += keys.rows();
+    }
+
+    /// The outputs decode would give (row i sees the memory plus tokens 0..i), by
+    /// chunked_linear_attention on the memory's state, which is left after the last token.
+    void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
+        check_pair("LinearAttentionMemory::prefill", keys.cols(), values.cols());
+        chunked_linear_attention(queries, keys, values, out, phi_, options_, &state_);
+        length_ += keys.rows();
+    }
+
+    [[nodiscard]] Index length() const noexcept { return length_; }
+    /// Bytes of the state μ and ν: (d'·dv + d')·sizeof(T), whatever the length.
+    [[nodiscard]] std::size_t footprint() const noexcept {
+        return static_cast<std::size_t>(feature_dim_ * (value_dim_ + 1)) * sizeof(T);
+    }
+    /// Bytes allocated: the state plus the scratch rows for φ(k) (and φ(q) when wide).
+    [[nodiscard]] std::size_t capacity() const noexcept {
+        const Index rows = wide_ ? 2 : 1;
+        return footprint() + static_cast<std::size_t>(rows * feature_dim_) * sizeof(T);
+    }
+    void reset() noexcept {
+        state_.mu.setZero();
+        state_.nu.setZero();
+        length_ = 0;
+    }
+
+    /// The state, to save; set_state(saved, length) resumes from it (copied into the
+    /// memory's own storage, no allocation). Throws, changing nothing, on wrong shapes.
+    [[nodiscard]] const LinearState<T>& state() const noexcept { return state_; }
+    void set_state(const LinearState<T>& state, Index length = 0) {
+        detail::require(state.mu.rows() == feature_dim_ && state.mu.cols() == value_dim_,
+                        "LinearAttentionMemory::set_state", "state.mu", "has shape ", detail::shape(state.mu),
+                        ", expected ", feature_dim_, 'x', value_dim_);
+        detail::require(state.nu.cols() == feature_dim_, "LinearAttentionMemory::set_state", "state.nu", "has shape ",
+                        detail::shape(state.nu), ", expected 1x", feature_dim_);
+        detail::require(length >= 0, "LinearAttentionMemory::set_state", "length", "is ", length, ", expected >= 0");
+        state_.mu = state.mu;
+        state_.nu = state.nu;
+        length_ = length;
+    }
+
+    [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
+    [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
+    [[nodiscard]] Index feature_dim() const noexcept { return feature_dim_; }
+    [[nodiscard]] const Phi& feature_map() const noexcept { return phi_; }
+    [[nodiscard]] const LinearOptions& options() const noexcept { return options_; }
+
+private:
+    struct WideScratch {
+        explicit WideScratch(Index features) : features(features) {}
+        std::mutex mutex;
+        Vector<T> features;
+    };
+
+    void attend_with(const ConstRowRef<T>& query, RowRef<T>& out, T* buffer) const {
+        Eigen::Map<const Matrix<T>> q(query.data(), 1, key_dim_);
+        Eigen::Map<Matrix<T>> qf(buffer, 1, feature_dim_);
+        phi_(ConstMatrixRef<T>(q), MatrixRef<T>(qf));
+        out.noalias() = qf * state_.mu;  // q'μ
+        if (options_.normalize)
+            out *= T(1) / (qf.row(0).dot(state_.nu) + static_cast<T>(options_.eps));  // / (q'·ν + eps)
+    }
+
+    void check_pair(const char* function, Index key_cols, Index value_cols) const {
+        detail::require(key_cols == key_dim_, function, "key", "has ", key_cols, " columns, expected ", key_dim_);
+        detail::require(value_cols == value_dim_, function, "value", "has ", value_cols, " columns, expected ",
+                        value_dim_);
+    }
+
+    static Index checked_dim(Index dim, const char* argument) {
+        detail::require(dim > 0, "LinearAttentionMemory", argument, "is ", dim, ", expected > 0");
+        return dim;
+    }
+
+    static Index checked_features(const Phi& phi, Index key_dim) {
+        const auto features = static_cast<Index>(phi.output_dim(key_dim));
+        detail::require(features > 0, "LinearAttentionMemory", "phi", "has output_dim(", key_dim, ") = ", features,
+                        ", expected > 0");
+        return features;
+    }
+
+    Index key_dim_;
+    Index value_dim_;
+    Phi phi_;
+    LinearOptions options_;
+    Index feature_dim_;
+    LinearState<T> state_;
+    Index length_ = 0;
+    Vector<T> key_features_;               // φ(k) in update
+    std::unique_ptr<WideScratch> wide_;    // φ(q) in attend when d' > stack_features
+};
+
+}  // namespace memattn
