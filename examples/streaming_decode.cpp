@@ -41,6 +41,7 @@ Entry entry(std::string name, M memory) {
 std::vector<Entry> all_memories(Index d, Index dv) {
     std::vector<Entry> list;
     list.push_back(entry("kv_cache", memattn::KVCache<float>(d, dv)));
+    list.push_back(entry("linear_attention", memattn::LinearAttentionMemory<float>(d, dv)));
     return list;
 }
 
