@@ -11,3 +11,7 @@
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/kv_cache.hpp"
 #include "memattn/memory/linear_attention_memory.hpp"
+#include "memattn/memory/compressor.hpp"
+#include "memattn/memory/hybrid_cache.hpp"
+#include "memattn/memory/moving_average_cache.hpp"
+#include "memattn/memory/sliding_window_cache.hpp"

@@ -1,0 +1,28 @@
+#pragma once
+// The always-on shape checks at the entry points of the fixed-size memories, so every
+// memory words its std::invalid_argument the same way: function, argument, shapes.
+
+#include "memattn/types.hpp"
+
+namespace memattn::detail {
+
+/// Key(s) key.rows × key_dim and value(s) of as many rows × value_dim.
+inline void check_pairs(const char* function, Shape key, Shape value, Index key_dim, Index value_dim) {
+    require(key.cols == key_dim, function, "key", "has shape ", key, ", expected ", key_dim, " columns (key_dim)");
+    require(value.cols == value_dim && value.rows == key.rows, function, "value", "has shape ", value, ", expected ",
+            key.rows, 'x', value_dim, " (key is ", key, ")");
+}
+
+/// One query 1 × key_dim and its output 1 × value_dim.
+inline void check_query(const char* function, Shape query, Shape out, Index key_dim, Index value_dim) {
+    require(query.cols == key_dim, function, "query", "has shape ", query, ", expected 1x", key_dim);
+    require(out.cols == value_dim, function, "out", "has shape ", out, ", expected 1x", value_dim);
+}
+
+/// A constructor's integer argument, at least `least`.
+inline Index at_least(Index value, Index least, const char* function, const char* argument) {
+    require(value >= least, function, argument, "is ", value, ", expected >= ", least);
+    return value;
+}
+
+}  // namespace memattn::detail

@@ -1,0 +1,89 @@
+#pragma once
+// Compressors for HybridCache: how the `rate` consecutive pairs evicted from the local
+// window pool into one compressed (key, value) slot. A compressor is incremental: it
+// absorbs one row at a time, at its position in the slot (0 first), into the slot
+// row, so a slot is usable while it is still open and nothing is buffered. Keys and
+// values are pooled separately by the same compressor. A user's compressor is a small
+// struct, e.g. "keep the last row":
+//
+//   struct LastPool {
+//       template <class T>
+//       void absorb(memattn::RowRef<T> slot, memattn::ConstRowRef<T> row, memattn::Index) const { slot = row; }
+//   };
+//   memattn::HybridCache<float, LastPool> cache(64, 64, 512, 4, 256);
+
+#include "memattn/detail/assert.hpp"
+#include "memattn/types.hpp"
+
+#include <concepts>
+#include <utility>
+#include <vector>
+
+namespace memattn {
+
+/// C pools rows of T: `c.absorb(slot, row, position)` folds the row at `position` of a
+/// slot into `slot`; at position 0 it sets the slot from the row alone.
+template <class C, class T>
+concept Compressor = std::copy_constructible<C> &&
+    requires(const C& c, RowRef<T> slot, ConstRowRef<T> row, Index position) {
+        c.absorb(slot, row, position);
+    };
+
+/// The mean of the rows: m_0 = x_0, m_p = m_{p−1} + (x_p − m_{p−1}) / (p + 1).
+struct MeanPool {
+    template <class T>
+    void absorb(RowRef<T> slot, ConstRowRef<T> row, Index position) const {
+        if (position == 0)
+            slot = row;
+        else
+            slot += (row - slot) * (T(1) / static_cast<T>(position + 1));
+    }
+};
+
+/// The element-wise maximum of the rows.
+struct MaxPool {
+    template <class T>
+    void absorb(RowRef<T> slot, ConstRowRef<T> row, Index position) const {
+        if (position == 0)
+            slot = row;
+        else
+            slot = slot.cwiseMax(row);
+    }
+};
+
+/// Σ_p w_p · x_p with a weight per position in the slot, as a 1-D convolution with
+/// kernel size and stride `rate` (a learned compression, Rae et al. 2020,
+/// "Compressive Transformers") gives. A slot still open holds the partial sum.
+class WeightedPool {
+public:
+    explicit WeightedPool(std::vector<double> weights) : weights_(std::move(weights)) {}
+
+    template <class T>
+    void absorb(RowRef<T> slot, ConstRowRef<T> row, Index position) const {
+        MEMATTN_DASSERT(position >= 0 && position < max_rate());
+        const T w = static_cast<T>(weights_[static_cast<std::size_t>(position)]);
+        if (position == 0)
+            slot = w * row;
+        else
+            slot += w * row;
+    }
+
+    /// The longest slot it can pool: one weight per position. HybridCache checks its
+    /// `rate` against this when a compressor provides it.
+    [[nodiscard]] Index max_rate() const noexcept { return static_cast<Index>(weights_.size()); }
+    [[nodiscard]] const std::vector<double>& weights() const noexcept { return weights_; }
+
+private:
+    std::vector<double> weights_;
+};
+
+namespace detail {
+
+/// A compressor that can pool only slots up to some length says so.
+template <class C>
+concept LimitsRate = requires(const C& c) {
+    { c.max_rate() } -> std::convertible_to<Index>;
+};
+
+}  // namespace detail
+}  // namespace memattn

@@ -1,0 +1,163 @@
+#pragma once
+// HybridCache: a local window of the last `window` raw pairs, and up to `slots`
+// compressed pairs summarising what fell out of it, in the manner of the Compressive
+// Transformer (Rae et al. 2020). A pair evicted from the window is absorbed into the
+// newest open compressed slot; a slot closes after `rate` pairs; when a new slot opens
+// and `slots` exist already, the oldest is dropped (FIFO). `attend` is one softmax
+// over compressed ∪ local, through the shared online-softmax state.
+//
+//   HybridCache<float> cache(64, 64, /*window=*/512, /*rate=*/4, /*slots=*/256);
+//   HybridCache<float, MaxPool> peaks(64, 64, 512, 4, 256);
+//   HybridCache<float, WeightedPool> learned(64, 64, 512, 4, 256, 0.f, WeightedPool({.1, .2, .3, .4}));
+//
+// Laws: slots == 0 is SlidingWindowCache(window); rate == 1 (with a compressor that
+// keeps a lone row, as all three here do but a WeightedPool with w_0 != 1) is
+// SlidingWindowCache(window + slots).
+//
+// State, all derived from length L: the window holds tokens [E, L) with
+// E = max(0, L − window) evicted so far; evicted token e went to slot e / rate at
+// position e % rate; slots [max(0, S − slots), S) with S = ⌈E / rate⌉ are kept, slot g
+// in row g % slots of a ring. Both rings are allocated at construction.
+
+#include "memattn/detail/memory_checks.hpp"
+#include "memattn/detail/pair_ring.hpp"
+#include "memattn/memory/compressor.hpp"
+#include "memattn/memory/concept.hpp"
+#include "memattn/softmax_state.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <utility>
+
+namespace memattn {
+
+template <Scalar T, class C = MeanPool>
+class HybridCache {
+    static_assert(Compressor<C, T>,
+                  "HybridCache<T, C>: C must be a compressor, a copyable struct with a const member "
+                  "absorb(memattn::RowRef<T> slot, memattn::ConstRowRef<T> row, memattn::Index position) that folds "
+                  "the row at `position` of a slot into `slot` (setting it from the row alone at position 0); "
+                  "see memattn/memory/compressor.hpp.");
+
+public:
+    using Scalar = T;
+    using CompressorType = C;
+
+    /// `window` >= 1 raw pairs, `rate` >= 1 pairs per compressed slot, `slots` >= 0
+    /// compressed slots; `scale` 0 means 1/sqrt(key_dim).
+    HybridCache(Index key_dim, Index value_dim, Index window, Index rate, Index slots, T scale = T(0),
+                C compressor = C{})
+        : key_dim_(detail::at_least(key_dim, 1, "HybridCache", "key_dim")),
+          value_dim_(detail::at_least(value_dim, 1, "HybridCache", "value_dim")),
+          window_(detail::at_least(window, 1, "HybridCache", "window")),
+          rate_(detail::at_least(rate, 1, "HybridCache", "rate")),
+          slots_(detail::at_least(slots, 0, "HybridCache", "slots")),
+          scale_(checked_scale(scale, key_dim)),
+          compressor_(std::move(compressor)),
+          local_(window, key_dim, value_dim),
+          compressed_(slots, key_dim, value_dim) {
+        if constexpr (detail::LimitsRate<C>)
+            detail::require(rate <= compressor_.max_rate(), "HybridCache", "rate", "is ", rate,
+                            ", expected <= ", compressor_.max_rate(), " (the compressor's max_rate)");
+    }
+
+    /// Stores one pair; the pair it pushes out of the window goes into a compressed slot.
+    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
+        detail::check_pairs("HybridCache::update", detail::shape(key), detail::shape(value), key_dim_, value_dim_);
+        if (length_ >= window_)
+            compress(length_ - window_, local_.key(length_ - window_), local_.value(length_ - window_));
+        local_.put(length_, key, value);
+        ++length_;
+    }
+
+    /// Stores many pairs: compresses only evicted pairs whose slot survives, copies
+    /// only the pairs that end in the window.
+    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        detail::check_pairs("HybridCache::extend", detail::shape(keys), detail::shape(values), key_dim_, value_dim_);
+        const Index end = length_ + keys.rows();
+        const Index evicted_before = evicted(length_), evicted_after = evicted(end);
+        if (slots_ > 0) {
+            const Index first_kept = std::max<Index>(0, slot_count(evicted_after) - slots_) * rate_;
+            for (Index e = std::max(evicted_before, first_kept); e < evicted_after; ++e) {
+                if (e < length_)
+                    compress(e, local_.key(e), local_.value(e));
+                else
+                    compress(e, keys.row(e - length_), values.row(e - length_));
+            }
+        }
+        const Index first = std::max(length_, end - window_);
+        local_.put_rows(first, keys.middleRows(first - length_, end - first),
+                        values.middleRows(first - length_, end - first));
+        length_ = end;
+    }
+
+    /// out = Σ_j softmax_j(scale · q·k_j) v_j over the kept compressed slots and the
+    /// window; zero when empty.
+    void attend(ConstRowRef<T> query, RowRef<T> out) const {
+        detail::check_query("HybridCache::attend", detail::shape(query), detail::shape(out), key_dim_, value_dim_);
+        SoftmaxState<T> state;
+        out.setZero();
+        const Index e = evicted(length_), s = slot_count(e);
+        if (slots_ > 0)
+            compressed_.attend(query, first_slot(s), s, scale_, state, out);
+        local_.attend(query, e, length_, scale_, state, out);
+        state.finish(out);
+    }
+
+    [[nodiscard]] Index length() const noexcept { return length_; }
+    /// Bytes of the pairs held now (raw and compressed); constant once both are full.
+    [[nodiscard]] std::size_t footprint() const noexcept {
+        const Index e = evicted(length_), s = slot_count(e);
+        return local_.bytes(length_ - e) + compressed_.bytes(s - first_slot(s));
+    }
+    /// Bytes allocated at construction: window + slots pairs.
+    [[nodiscard]] std::size_t capacity() const noexcept { return local_.bytes(window_ + slots_); }
+    void reset() noexcept { length_ = 0; }
+
+    [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
+    [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
+    [[nodiscard]] Index window() const noexcept { return window_; }
+    [[nodiscard]] Index rate() const noexcept { return rate_; }
+    [[nodiscard]] Index slots() const noexcept { return slots_; }
+    [[nodiscard]] T scale() const noexcept { return scale_; }
+    [[nodiscard]] const C& compressor() const noexcept { return compressor_; }
+
+private:
+    /// Tokens pushed out of the window after `length` tokens.
+    [[nodiscard]] Index evicted(Index length) const noexcept { return std::max<Index>(0, length - window_); }
+    /// Slots opened by `evicted` tokens: ⌈evicted / rate⌉.
+    [[nodiscard]] Index slot_count(Index evicted) const noexcept { return (evicted + rate_ - 1) / rate_; }
+    /// The oldest slot kept when `count` have been opened.
+    [[nodiscard]] Index first_slot(Index count) const noexcept { return std::max<Index>(0, count - slots_); }
+
+    /// Evicted token e joins slot e / rate at position e % rate; position 0 opens the
+    /// slot in the ring row of slot e / rate − slots, which is thereby dropped.
+    template <class K, class V>
+    void compress(Index e, const K& key, const V& value) {
+        if (slots_ == 0)
+            return;
+        const Index slot = e / rate_, position = e % rate_;
+        compressor_.absorb(RowRef<T>(compressed_.key(slot)), ConstRowRef<T>(key), position);
+        compressor_.absorb(RowRef<T>(compressed_.value(slot)), ConstRowRef<T>(value), position);
+    }
+
+    static T checked_scale(T scale, Index key_dim) {
+        detail::require(std::isfinite(scale), "HybridCache", "scale", "is ", scale, ", expected a finite number");
+        return detail::resolve_scale(scale, key_dim);
+    }
+
+    Index key_dim_;
+    Index value_dim_;
+    Index window_;
+    Index rate_;
+    Index slots_;
+    T scale_;
+    C compressor_;
+    detail::PairRing<T> local_;       ///< item j: token j, the last `window` of them
+    detail::PairRing<T> compressed_;  ///< item g: compressed slot g, the last `slots` of them
+    Index length_ = 0;
+};
+
+}  // namespace memattn

@@ -1,0 +1,168 @@
+#pragma once
+// SlidingWindowCache: the last `window` (key, value) pairs plus the first `sinks`
+// ("attention sinks", Xiao et al. 2023, "Efficient Streaming Language Models with
+// Attention Sinks"). The query at position p sees the keys j <= p with j < sinks or
+// j > p − window (the window counts the current token), so `attend` equals
+// causal_softmax_attention with that window and those sinks, at a constant cost and
+// footprint per token.
+//
+//   SlidingWindowCache<float> cache(64, 64, /*window=*/512, /*sinks=*/4);
+//   memattn::decode(cache, Q, K, V, O);  // row i of O sees tokens 0..3 and i−511..i
+//
+// State: the sinks are items 0..sinks−1 of one ring, token j >= sinks is item
+// j − sinks of a ring of `window` rows; both are allocated at construction, so
+// update/attend never allocate. Everything else derives from length().
+
+#include "memattn/detail/memory_checks.hpp"
+#include "memattn/detail/pair_ring.hpp"
+#include "memattn/kernels/causal_softmax.hpp"
+#include "memattn/memory/concept.hpp"
+#include "memattn/softmax_state.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+
+namespace memattn {
+
+template <Scalar T>
+class SlidingWindowCache {
+public:
+    using Scalar = T;
+
+    /// `window` >= 1 counts the current token; `scale` 0 means 1/sqrt(key_dim).
+    SlidingWindowCache(Index key_dim, Index value_dim, Index window, Index sinks = 0, T scale = T(0))
+        : key_dim_(checked(key_dim, 1, "key_dim")),
+          value_dim_(checked(value_dim, 1, "value_dim")),
+          window_(checked(window, 1, "window")),
+          sinks_(checked(sinks, 0, "sinks")),
+          scale_(checked_scale(scale, key_dim)),
+          sink_pairs_(sinks, key_dim, value_dim),
+          window_pairs_(window, key_dim, value_dim) {}
+
+    /// Stores one pair; the pair `window` positions back (if not a sink) is forgotten.
+    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
+        check_pair("SlidingWindowCache::update", detail::shape(key), detail::shape(value));
+        if (length_ < sinks_)
+            sink_pairs_.put(length_, key, value);
+        else
+            window_pairs_.put(length_ - sinks_, key, value);
+        ++length_;
+    }
+
+    /// Stores many pairs; only the ones still visible afterwards are copied.
+    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        check_pair("SlidingWindowCache::extend", detail::shape(keys), detail::shape(values));
+        store(keys, values);
+    }
+
+    /// Outputs for the queries at positions length() .. length() + n − 1, equal to
+    /// feeding the pairs one by one and attending after each (decode), then stores the
+    /// pairs. The whole prompt goes through causal_softmax_attention over
+    /// [cached pairs the first query still sees ++ the prompt's pairs] with this
+    /// cache's window and sinks, so no query loses a pair that a later one pushed out
+    /// of the ring (the bug of writing the prompt into the ring first). Positions stay
+    /// right across the gap between sinks and window: the kernel's window test compares
+    /// differences of positions, and the sinks are the first `sinks` rows either way.
+    /// Scratch: one copy of those pairs, allocated per call (none when the cache is empty).
+    void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
+        const char* function = "SlidingWindowCache::prefill";
+        check_pair(function, detail::shape(keys), detail::shape(values));
+        detail::require(queries.rows() == keys.rows() && queries.cols() == key_dim_, function, "queries", "has shape ",
+                        detail::shape(queries), ", expected ", keys.rows(), 'x', key_dim_);
+        detail::require(out.rows() == keys.rows() && out.cols() == value_dim_, function, "out", "has shape ",
+                        detail::shape(out), ", expected ", keys.rows(), 'x', value_dim_);
+        const SoftmaxOptions options{.scale = static_cast<double>(scale_), .window = window_, .sinks = sinks_};
+        const auto no_lse = [](Index, T) {};
+        // Window items the query at position length() sees: tokens > length() − window.
+        const Index first_item = std::max<Index>(0, window_items() - window_ + 1);
+        const Index cached = held_sinks() + window_items() - first_item, n = keys.rows();
+        if (cached == 0) {
+            detail::causal_softmax_views<T>(queries, keys, values, out, no_lse, options);
+        } else {
+            Matrix<T> all_keys(cached + n, key_dim_), all_values(cached + n, value_dim_);
+            sink_pairs_.copy_out(0, held_sinks(), all_keys, all_values);
+            window_pairs_.copy_out(first_item, window_items(), all_keys.middleRows(held_sinks(), cached - held_sinks()),
+                                   all_values.middleRows(held_sinks(), cached - held_sinks()));
+            all_keys.bottomRows(n) = keys;
+            all_values.bottomRows(n) = values;
+            detail::causal_softmax_views<T>(queries, all_keys, all_values, out, no_lse, options);
+        }
+        store(keys, values);
+    }
+
+    /// out = Σ_{j visible} softmax_j(scale · q·k_j) v_j over the sinks and the window;
+    /// zero when empty.
+    void attend(ConstRowRef<T> query, RowRef<T> out) const {
+        detail::check_query("SlidingWindowCache::attend", detail::shape(query), detail::shape(out), key_dim_,
+                            value_dim_);
+        SoftmaxState<T> state;
+        out.setZero();
+        sink_pairs_.attend(query, 0, held_sinks(), scale_, state, out);
+        window_pairs_.attend(query, first_window_item(), window_items(), scale_, state, out);
+        state.finish(out);
+    }
+
+    [[nodiscard]] Index length() const noexcept { return length_; }
+    /// Bytes of the pairs held now: grows with the first window + sinks tokens, then constant.
+    [[nodiscard]] std::size_t footprint() const noexcept {
+        return sink_pairs_.bytes(held_sinks()) + window_pairs_.bytes(window_items() - first_window_item());
+    }
+    /// Bytes allocated at construction: window + sinks pairs.
+    [[nodiscard]] std::size_t capacity() const noexcept { return sink_pairs_.bytes(sinks_ + window_); }
+    /// Forgets every pair and keeps the allocation.
+    void reset() noexcept { length_ = 0; }
+
+    [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
+    [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
+    [[nodiscard]] Index window() const noexcept { return window_; }
+    [[nodiscard]] Index sinks() const noexcept { return sinks_; }
+    [[nodiscard]] T scale() const noexcept { return scale_; }
+
+private:
+    /// Sinks held: min(length, sinks).
+    [[nodiscard]] Index held_sinks() const noexcept { return std::min(length_, sinks_); }
+    /// Non-sink tokens seen (window items are numbered from the first of them).
+    [[nodiscard]] Index window_items() const noexcept { return std::max<Index>(0, length_ - sinks_); }
+    /// The oldest window item the newest token (position length − 1) still sees.
+    [[nodiscard]] Index first_window_item() const noexcept { return std::max<Index>(0, window_items() - window_); }
+
+    void store(const ConstMatrixRef<T>& keys, const ConstMatrixRef<T>& values) {
+        const Index n = keys.rows(), end = length_ + n;
+        // Sinks among the new tokens: positions [length, min(sinks, end)).
+        const Index sink_end = std::min(sinks_, end);
+        if (length_ < sink_end)
+            sink_pairs_.put_rows(length_, keys.topRows(sink_end - length_), values.topRows(sink_end - length_));
+        // Window tokens that remain visible after the last one: the last `window` non-sinks.
+        const Index first = std::max({length_, sinks_, end - window_});
+        if (first < end)
+            window_pairs_.put_rows(first - sinks_, keys.middleRows(first - length_, end - first),
+                                   values.middleRows(first - length_, end - first));
+        length_ = end;
+    }
+
+    void check_pair(const char* function, detail::Shape key, detail::Shape value) const {
+        detail::check_pairs(function, key, value, key_dim_, value_dim_);
+    }
+
+    static Index checked(Index value, Index least, const char* argument) {
+        return detail::at_least(value, least, "SlidingWindowCache", argument);
+    }
+
+    static T checked_scale(T scale, Index key_dim) {
+        detail::require(std::isfinite(scale), "SlidingWindowCache", "scale", "is ", scale, ", expected a finite number");
+        return detail::resolve_scale(scale, key_dim);
+    }
+
+    Index key_dim_;
+    Index value_dim_;
+    Index window_;
+    Index sinks_;
+    T scale_;
+    detail::PairRing<T> sink_pairs_;    ///< item j: token j < sinks
+    detail::PairRing<T> window_pairs_;  ///< item j: token sinks + j
+    Index length_ = 0;
+};
+
+}  // namespace memattn
