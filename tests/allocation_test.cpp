@@ -1,0 +1,183 @@
+// The fixed-size memories allocate everything at construction: once built (and once
+// full), update, attend and extend never touch the heap. Two counters prove it:
+//  - a replaced global operator new (std::vector, std::string, ... and any `new`);
+//  - Eigen's own allocator, which calls malloc directly and so bypasses operator new:
+//    with EIGEN_RUNTIME_NO_MALLOC, Eigen checks every heap allocation (matrices and
+//    the temporaries of products) with eigen_assert, which this file redefines to
+//    count those instead of aborting.
+// Both replacements must not reach the main test binary, hence this executable.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+namespace alloc_test {
+
+std::atomic<long> operator_news{0};
+std::atomic<long> eigen_mallocs{0};
+
+/// eigen_assert's failure path: an Eigen heap allocation while forbidden is counted;
+/// any other failed Eigen assertion aborts, as it would normally.
+inline void eigen_assertion_failed(const char* condition) {
+    if (std::strstr(condition, "heap allocation is forbidden") != nullptr) {
+        eigen_mallocs.fetch_add(1);
+        return;
+    }
+    std::abort();
+}
+
+}  // namespace alloc_test
+
+#define EIGEN_RUNTIME_NO_MALLOC
+#define eigen_assert(x) ((x) ? static_cast<void>(0) : ::alloc_test::eigen_assertion_failed(#x))
+
+#include "support.hpp"
+
+#include <memattn/memory/hybrid_cache.hpp>
+#include <memattn/memory/moving_average_cache.hpp>
+#include <memattn/memory/sliding_window_cache.hpp>
+
+#include <vector>
+
+// ---------------------------------------------------------------- replaced operator new
+
+namespace {
+
+void* counted_allocation(std::size_t size, std::size_t alignment) {
+    alloc_test::operator_news.fetch_add(1);
+    if (size == 0)
+        size = 1;
+    void* p = alignment <= alignof(std::max_align_t) ? std::malloc(size)
+                                                      : std::aligned_alloc(alignment, (size + alignment - 1) / alignment * alignment);
+    return p;
+}
+
+// Not inlined into operator delete: otherwise g++ pairs `delete` with `free` at the
+// call site and warns (-Wmismatched-new-delete), although both ends are replaced here.
+[[gnu::noinline]] void release(void* p) noexcept { std::free(p); }
+
+}  // namespace
+
+void* operator new(std::size_t size) {
+    if (void* p = counted_allocation(size, 0))
+        return p;
+    throw std::bad_alloc();
+}
+void* operator new[](std::size_t size) {
+    if (void* p = counted_allocation(size, 0))
+        return p;
+    throw std::bad_alloc();
+}
+void* operator new(std::size_t size, std::align_val_t alignment) {
+    if (void* p = counted_allocation(size, static_cast<std::size_t>(alignment)))
+        return p;
+    throw std::bad_alloc();
+}
+void* operator new[](std::size_t size, std::align_val_t alignment) {
+    if (void* p = counted_allocation(size, static_cast<std::size_t>(alignment)))
+        return p;
+    throw std::bad_alloc();
+}
+void* operator new(std::size_t size, const std::nothrow_t&) noexcept { return counted_allocation(size, 0); }
+void* operator new[](std::size_t size, const std::nothrow_t&) noexcept { return counted_allocation(size, 0); }
+void operator delete(void* p) noexcept { release(p); }
+void operator delete[](void* p) noexcept { release(p); }
+void operator delete(void* p, std::size_t) noexcept { release(p); }
+void operator delete[](void* p, std::size_t) noexcept { release(p); }
+void operator delete(void* p, std::align_val_t) noexcept { release(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { release(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { release(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { release(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { release(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { release(p); }
+
+// ---------------------------------------------------------------- tests
+
+using namespace memattn;
+using memattn::test::random_matrix;
+
+namespace {
+
+/// Counts heap allocations from construction to `stop()`.
+class HeapWatch {
+public:
+    HeapWatch() : news_(alloc_test::operator_news.load()), eigen_(alloc_test::eigen_mallocs.load()) {
+        Eigen::internal::set_is_malloc_allowed(false);
+    }
+    ~HeapWatch() { Eigen::internal::set_is_malloc_allowed(true); }
+    HeapWatch(const HeapWatch&) = delete;
+    HeapWatch& operator=(const HeapWatch&) = delete;
+
+    struct Counts {
+        long operator_news;
+        long eigen_mallocs;
+    };
+    Counts stop() const {
+        Eigen::internal::set_is_malloc_allowed(true);
+        return {alloc_test::operator_news.load() - news_, alloc_test::eigen_mallocs.load() - eigen_};
+    }
+
+private:
+    long news_;
+    long eigen_;
+};
+
+/// Fills `mem` past its capacity, then streams tokens through update + attend and
+/// extend while watching the heap.
+template <class M>
+void check_no_allocation(M mem) {
+    using T = typename M::Scalar;
+    const Index d = mem.key_dim(), dv = mem.value_dim(), n = 300;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
+    Vector<T> out(dv);
+    mem.extend(K.topRows(5), V.topRows(5));  // a partly filled memory too
+    HeapWatch watch;
+    for (Index i = 0; i < n; ++i) {
+        mem.update(K.row(i), V.row(i));
+        mem.attend(Q.row(i), out);
+    }
+    mem.extend(K, V);
+    mem.extend(K.topRows(7), V.topRows(7));
+    mem.attend(Q.row(0), out);
+    mem.reset();
+    mem.update(K.row(0), V.row(0));
+    mem.attend(Q.row(0), out);
+    const auto counts = watch.stop();
+    CHECK(counts.operator_news == 0);
+    CHECK(counts.eigen_mallocs == 0);
+    CHECK(out.allFinite());
+}
+
+}  // namespace
+
+TEST_CASE("The heap watch sees operator new and Eigen's malloc", "[memory][allocation]") {
+    HeapWatch watch;
+    auto* boxed = new int(3);
+    Matrix<float> m(8, 8);
+    m.setZero();
+    const auto counts = watch.stop();
+    delete boxed;
+    CHECK(counts.operator_news == 1);
+    CHECK(counts.eigen_mallocs >= 1);
+}
+
+TEMPLATE_TEST_CASE("Fixed-size memories never allocate in update, attend or extend", "[memory][allocation]", float,
+                   double) {
+    using T = TestType;
+    SECTION("SlidingWindowCache") { check_no_allocation(SlidingWindowCache<T>(16, 8, 64, 4)); }
+    SECTION("SlidingWindowCache, window 1, no sinks") { check_no_allocation(SlidingWindowCache<T>(3, 5, 1)); }
+    SECTION("SlidingWindowCache, window > attend block") { check_no_allocation(SlidingWindowCache<T>(8, 8, 600, 2)); }
+    SECTION("MovingAverageCache, windowed") { check_no_allocation(MovingAverageCache<T>(16, 8, 32)); }
+    SECTION("MovingAverageCache, cumulative") { check_no_allocation(MovingAverageCache<T>(16, 8, 0)); }
+    SECTION("MovingAverageCache, exponential") {
+        check_no_allocation(MovingAverageCache<T>::exponential(16, 8, T(0.2)));
+    }
+    SECTION("HybridCache, mean") { check_no_allocation(HybridCache<T>(16, 8, 32, 4, 8)); }
+    SECTION("HybridCache, max") { check_no_allocation(HybridCache<T, MaxPool>(16, 8, 32, 3, 5)); }
+    SECTION("HybridCache, weighted") {
+        check_no_allocation(HybridCache<T, WeightedPool>(16, 8, 32, 2, 8, T(0), WeightedPool({0.5, 0.5})));
+    }
+    SECTION("HybridCache, no slots") { check_no_allocation(HybridCache<T>(16, 8, 32, 2, 0)); }
+}
