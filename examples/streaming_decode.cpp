@@ -42,6 +42,11 @@ std::vector<Entry> all_memories(Index d, Index dv) {
     std::vector<Entry> list;
     list.push_back(entry("kv_cache", memattn::KVCache<float>(d, dv)));
     list.push_back(entry("linear_attention", memattn::LinearAttentionMemory<float>(d, dv)));
+    list.push_back(entry("sliding_window_512+4", memattn::SlidingWindowCache<float>(d, dv, 512, 4)));
+    list.push_back(entry("sliding_window_4096", memattn::SlidingWindowCache<float>(d, dv, 4096)));
+    list.push_back(entry("moving_average", memattn::MovingAverageCache<float>(d, dv, 0)));
+    list.push_back(entry("ema_0.1", memattn::MovingAverageCache<float>::exponential(d, dv, 0.1f)));
+    list.push_back(entry("hybrid_512/4/256", memattn::HybridCache<float>(d, dv, 512, 4, 256)));
     return list;
 }
 
