@@ -106,14 +106,19 @@ public:
     /// which the caller scales lane i of its accumulator before adding Σ_j p_ji v_j:
     ///   m_new = max(m_old, max_j s_j),  sum = α·sum + Σ_j p_j,  acc = α·acc + Σ_j p_j v_j.
     /// A lane that has seen only −∞ stays empty with α = 0 (its accumulator is zero).
-    void absorb(T* s, Index keys, Index ld, Index n) {
+    /// `may_be_masked = false` promises no −∞ in the tile and skips the masking of weights.
+    void absorb(T* s, Index keys, Index ld, Index n, bool may_be_masked = true) {
         MEMATTN_DASSERT(n <= lanes() && ld >= n);
         constexpr Index width = detail::packet_lanes<T>;
         Index i = 0;
-        for (; i + width <= n; i += width)
-            absorb_lanes<detail::Packet<T>>(s + i, keys, ld, i);
+        for (; i + width <= n; i += width) {
+            if (may_be_masked)
+                absorb_lanes<detail::Packet<T>, true>(s + i, keys, ld, i);
+            else
+                absorb_lanes<detail::Packet<T>, false>(s + i, keys, ld, i);
+        }
         for (; i < n; ++i)
-            absorb_lanes<T>(s + i, keys, ld, i);
+            absorb_lanes<T, true>(s + i, keys, ld, i);
     }
 
     /// α per lane from the last absorb.
@@ -126,7 +131,7 @@ private:
     static constexpr Index max_row = 0, sum_row = 1, alpha_row = 2;
 
     /// absorb() for the lanes of one packet P starting at lane `first`.
-    template <class P>
+    template <class P, bool Masked>
     void absorb_lanes(T* s, Index keys, Index ld, Index first) {
         using namespace Eigen::internal;
         const P minus_inf = pset1<P>(SoftmaxState<T>::minus_inf);
@@ -140,12 +145,14 @@ private:
         const P empty = pcmp_eq(m_new, minus_inf);
         const P shift = pselect(empty, pset1<P>(T(0)), m_new);
         // α = exp(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
-        const P alpha = pand(pcmp_lt(minus_inf, m_old), pexp(psub(m_old, shift)));
+        const P alpha = pand(pcmp_lt(minus_inf, m_old), detail::exp_nonpositive(psub(m_old, shift)));
         P block_sum = pset1<P>(T(0));
         for (Index j = 0; j < keys; ++j) {
             const P logit = ploadu<P>(s + j * ld);
-            // p = exp(s − m_new), and exactly 0 for a masked logit (Eigen's exp clamps −∞).
-            const P weight = pand(pcmp_lt(minus_inf, logit), pexp(psub(logit, shift)));
+            // p = exp(s − m_new), and exactly 0 for a masked logit (exp_nonpositive clamps −∞).
+            P weight = detail::exp_nonpositive(psub(logit, shift));
+            if constexpr (Masked)
+                weight = pand(pcmp_lt(minus_inf, logit), weight);
             pstoreu(s + j * ld, weight);
             block_sum = padd(block_sum, weight);
         }

@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <limits>
 
 namespace memattn {
@@ -72,6 +73,12 @@ public:
         : q_(Q), k_(K), v_(V), scale_(scale), window_(window), sinks_(sinks), tiles_(tiles),
           lanes_(round_up(tiles.queries, 2 * packet_lanes<T>)), qt_(K.cols(), lanes_), s_(tiles.keys, lanes_),
           acc_(lanes_, V.cols()), state_(lanes_) {}
+
+    /// Bytes of scratch one call allocates: all the extra memory it needs, whatever Nq and Nk.
+    static std::size_t scratch_bytes(Index d, Index dv, SoftmaxTiles tiles) {
+        const Index lanes = round_up(tiles.queries, 2 * packet_lanes<T>);
+        return sizeof(T) * static_cast<std::size_t>(lanes * (d + tiles.keys + dv + 3));
+    }
 
     /// Writes O and calls lse(i, lse_i) for every query row i.
     template <class LseSink>
@@ -113,9 +120,10 @@ private:
         // Sᵀ = K_tile · (scale·Q_tile)ᵀ, keys × queries.
         tile_product<T>(n, cols_, d, k_.data() + j0 * k_.outerStride(), k_.outerStride(), 1, qt_.data(), lanes_,
                         s_.data(), lanes_, nullptr);
-        if (!fully_visible(j0, n))
+        const bool masked = !fully_visible(j0, n);
+        if (masked)
             mask(j0, n);
-        state_.absorb(s_.data(), n, lanes_, cols_);  // m, sum, α; Sᵀ becomes Pᵀ
+        state_.absorb(s_.data(), n, lanes_, cols_, masked);  // m, sum, α; Sᵀ becomes Pᵀ
         // acc = α ⊙ acc + P · V_tile: A(r, k) = Pᵀ(k, r) is read with strides (1, lanes).
         tile_product<T>(cols_, dv, n, s_.data(), 1, lanes_, v_.data() + j0 * v_.outerStride(), v_.outerStride(),
                         acc_.data(), dv, state_.alpha());
@@ -128,17 +136,17 @@ private:
     }
 
     /// Sᵀ(j, i) = −∞ where query i does not see key j: a masked key gets weight 0.
+    /// Query i (position p0 + i) sees key j iff j ≤ p0 + i and, unless j is a sink,
+    /// p0 + i < j + window: for each key a contiguous run of lanes [first, end).
     void mask(Index j0, Index n) {
         constexpr T minus_inf = -std::numeric_limits<T>::infinity();
         for (Index jj = 0; jj < n; ++jj) {
             const Index j = j0 + jj;
+            const Index first = std::clamp<Index>(j - p0_, 0, cols_);
+            const Index end = window_ == 0 || j < sinks_ ? cols_ : std::clamp<Index>(j + window_ - p0_, first, cols_);
             T* row = s_.data() + jj * lanes_;
-            for (Index i = 0; i < cols_; ++i) {
-                const Index p = p0_ + i;
-                const bool visible = j <= p && (j < sinks_ || window_ == 0 || j > p - window_);
-                if (!visible)
-                    row[i] = minus_inf;
-            }
+            std::fill(row, row + first, minus_inf);
+            std::fill(row + end, row + cols_, minus_inf);
         }
     }
 

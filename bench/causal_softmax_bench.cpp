@@ -1,0 +1,159 @@
+// causal_softmax_attention against, in the same binary and run: the naive version
+// (materialise the scores, mask, softmax, multiply), Eigen's products on the same tiles
+// without the softmax (the practical ceiling), and the core's FMA peak.
+//
+// GFLOPS counts 2·(d + dv) FLOPs per visible (query, key) pair for the kernel and the
+// naive version (so their ratio is a ratio of times), and the FLOPs actually executed
+// for the tile GEMM and the FMA loop. Float, one thread, d = dv.
+#include "bench_common.hpp"
+
+#include <memattn/kernels/causal_softmax.hpp>
+
+#include <algorithm>
+#include <limits>
+
+namespace {
+
+using memattn::Index;
+using memattn::Matrix;
+using memattn::bench::random_matrix;
+using memattn::bench::set_gflops;
+
+/// Visible (query, key) pairs of a causal self-attention of n tokens with a window.
+double visible_pairs(Index n, Index window) {
+    double pairs = 0;
+    for (Index p = 0; p < n; ++p)
+        pairs += static_cast<double>(window > 0 ? std::min(p + 1, window) : p + 1);
+    return pairs;
+}
+
+struct Case {
+    Index n, d, window;
+    explicit Case(const benchmark::State& state)
+        : n(state.range(0)), d(state.range(1)), window(state.range(2)) {}
+    [[nodiscard]] double useful_flops() const { return 2.0 * static_cast<double>(2 * d) * visible_pairs(n, window); }
+};
+
+void BM_CausalSoftmax(benchmark::State& state) {
+    const Case c(state);
+    const Matrix<float> Q = random_matrix<float>(c.n, c.d, 1), K = random_matrix<float>(c.n, c.d, 2),
+                        V = random_matrix<float>(c.n, c.d, 3);
+    Matrix<float> O(c.n, c.d);
+    for (auto _ : state) {
+        memattn::causal_softmax_attention(Q, K, V, O, {.scale = 0, .window = c.window});
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, c.useful_flops());
+    state.counters["scratch_KiB"] =
+        static_cast<double>(memattn::detail::TiledCausalSoftmax<float>::scratch_bytes(c.d, c.d, {})) / 1024.0;
+}
+
+/// Scores for all N² pairs, masked, softmax by rows, times V.
+void BM_Naive(benchmark::State& state) {
+    const Case c(state);
+    const Matrix<float> Q = random_matrix<float>(c.n, c.d, 1), K = random_matrix<float>(c.n, c.d, 2),
+                        V = random_matrix<float>(c.n, c.d, 3);
+    Matrix<float> O(c.n, c.d), S(c.n, c.n);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+    for (auto _ : state) {
+        S.noalias() = scale * (Q * K.transpose());
+        for (Index i = 0; i < c.n; ++i) {
+            const Index first = c.window > 0 ? std::max<Index>(0, i - c.window + 1) : 0;
+            auto row = S.row(i).array();
+            row.head(first).setConstant(-std::numeric_limits<float>::infinity());
+            row.tail(c.n - i - 1).setConstant(-std::numeric_limits<float>::infinity());
+            row = (row - row.maxCoeff()).exp();
+            row /= row.sum();
+        }
+        O.noalias() = S * V;
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, c.useful_flops());
+}
+
+/// The kernel's tile loop with Eigen's products and no softmax: S = Q_t K_tᵀ, O_t += S V_t
+/// on the same 64 × 64 tiles the kernel visits.
+void BM_EigenTileGemm(benchmark::State& state) {
+    const Case c(state);
+    const Index t = memattn::detail::SoftmaxTiles{}.queries, tk = memattn::detail::SoftmaxTiles{}.keys;
+    const Matrix<float> Q = random_matrix<float>(c.n, c.d, 1), K = random_matrix<float>(c.n, c.d, 2),
+                        V = random_matrix<float>(c.n, c.d, 3);
+    Matrix<float> O = Matrix<float>::Zero(c.n, c.d), S(t, tk);
+    double flops = 0;
+    for (auto _ : state) {
+        flops = 0;
+        for (Index i0 = 0; i0 < c.n; i0 += t) {
+            const Index rows = std::min(t, c.n - i0);
+            const Index hi = i0 + rows, lo = c.window > 0 ? std::max<Index>(0, i0 - c.window + 1) : 0;
+            for (Index j1 = hi; j1 > lo; j1 -= tk) {
+                const Index j0 = std::max(lo, j1 - tk), n = j1 - j0;
+                S.topLeftCorner(rows, n).noalias() = Q.middleRows(i0, rows) * K.middleRows(j0, n).transpose();
+                O.middleRows(i0, rows).noalias() += S.topLeftCorner(rows, n) * V.middleRows(j0, n);
+                flops += 2.0 * static_cast<double>(rows * n * 2 * c.d);
+            }
+        }
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, flops);
+}
+
+/// One core's FMA peak: 12 independent chains of packet FMAs (2 FLOPs per lane).
+void BM_FmaPeak(benchmark::State& state) {
+    using P = memattn::detail::Packet<float>;
+    using namespace Eigen::internal;
+    constexpr int chains = 12;
+    constexpr Index steps = 1 << 20;
+    P acc[chains];
+    for (int i = 0; i < chains; ++i)
+        acc[i] = pset1<P>(0.001f * static_cast<float>(i));
+    const P a = pset1<P>(0.999999f), b = pset1<P>(1e-7f);
+    for (auto _ : state) {
+        for (Index s = 0; s < steps; ++s)
+            for (int i = 0; i < chains; ++i)
+                acc[i] = pmadd(acc[i], a, b);
+        benchmark::DoNotOptimize(acc);
+    }
+    set_gflops(state, 2.0 * chains * memattn::detail::packet_lanes<float> * static_cast<double>(steps));
+}
+
+/// Tile sizes: N = 4096, full causal, query tile × key tile.
+void BM_TileSweep(benchmark::State& state) {
+    const Index n = 4096, d = state.range(0);
+    const memattn::detail::SoftmaxTiles tiles{state.range(1), state.range(2)};
+    const Matrix<float> Q = random_matrix<float>(n, d, 1), K = random_matrix<float>(n, d, 2),
+                        V = random_matrix<float>(n, d, 3);
+    Matrix<float> O(n, d);
+    for (auto _ : state) {
+        memattn::detail::causal_softmax_views<float>(Q, K, V, O, [](Index, float) {}, {}, tiles);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, 2.0 * static_cast<double>(2 * d) * visible_pairs(n, 0));
+}
+
+void cases(benchmark::internal::Benchmark* b, Index max_n) {
+    b->ArgNames({"N", "d", "window"})->Unit(benchmark::kMillisecond);
+    for (const Index n : {1024, 4096, 16384})
+        for (const Index d : {64, 128})
+            for (const Index window : {0, 512})
+                if (n <= max_n)
+                    b->Args({n, d, window});
+}
+
+BENCHMARK(BM_FmaPeak);
+BENCHMARK(BM_CausalSoftmax)->Apply([](auto* b) { cases(b, 16384); });
+BENCHMARK(BM_EigenTileGemm)->Apply([](auto* b) { cases(b, 16384); });
+BENCHMARK(BM_Naive)->Apply([](auto* b) { cases(b, 16384); });
+BENCHMARK(BM_CausalSoftmax)->Name("BM_CausalSoftmax_long")->ArgNames({"N", "d", "window"})->Args({131072, 64, 512})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_TileSweep)
+    ->ArgNames({"d", "qtile", "ktile"})
+    ->ArgsProduct({{64, 128}, {32, 64, 128}, {32, 64, 128, 256}})
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
