@@ -388,3 +388,22 @@ TEST_CASE("LinearAttentionMemory: concurrent attends, wide feature maps, copies"
         thread.join();
     CHECK(mismatches == std::vector<int>(4, 0));
 }
+
+TEMPLATE_TEST_CASE("LinearAttentionMemory: bulk extend over several blocks equals updates", "[linear][memory]", float,
+                   double) {
+    using T = TestType;
+    const Index n = 2 * LinearAttentionMemory<T>::extend_block + 37, d = 3, dv = 2;
+    const double decay = GENERATE(1.0, 0.99, 0.3);
+    const LinearOptions options{.decay = decay};
+    const Matrix<T> K = random_matrix<T>(n, d, 31), V = random_matrix<T>(n, dv, 32);
+    LinearAttentionMemory<T, Relu> bulk(d, dv, {}, options), stepped(d, dv, {}, options);
+    extend(bulk, K, V);
+    for (Index i = 0; i < n; ++i)
+        stepped.update(K.row(i), V.row(i));
+    CHECK(bulk.length() == n);
+    const MatrixD Kf = features(Relu{}, reference::to_double(K));
+    const auto expected = reference::linear_attention(Kf, Kf, reference::to_double(V), decay);
+    check_close(bulk.state().mu, expected.mu, linear_tolerance<T>());
+    check_close(bulk.state().nu, expected.nu, linear_tolerance<T>());
+    check_close(stepped.state().mu, expected.mu, linear_tolerance<T>());
+}

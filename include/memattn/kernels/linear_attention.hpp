@@ -37,7 +37,7 @@
 namespace memattn {
 
 struct LinearOptions {
-    Index chunk_size = 64;  ///< tokens per chunk (chunked form) or per φ application (all forms)
+    Index chunk_size = 16;  ///< tokens per chunk (chunked form) or per φ application (all forms)
     double eps = 1e-6;      ///< added to the normaliser q'·ν
     double decay = 1;       ///< γ ∈ (0, 1]: the state is multiplied by γ before each token
     bool normalize = true;  ///< divide by q'·ν + eps
@@ -127,19 +127,24 @@ void apply_mask(Tile& s, const Vector<T>& mask, Index c) {
         s.row(i).array() *= mask.segment(c - 1 - i, s.cols()).array();
 }
 
-/// Folds n tokens (features kf: n×d', values v: n×dv) into the state with one GEMM:
+/// Folds n tokens (features kf: n×d', values v: n×dv) into a state (μ, ν) with one GEMM:
 ///   μ ← γⁿ μ + Σ_j γ^{n−1−j} k'_jᵀ v_j,     ν ← γⁿ ν + Σ_j γ^{n−1−j} k'_j.
 /// `powers` holds γ^k for k = 0..≥n; kf is scaled in place when γ < 1.
-template <class T, class KF, class VB>
-void fold_chunk(KF& kf, const VB& v, const ColumnVector<T>& powers, bool decays, LinearState<T>& s) {
+template <class T, class KF, class VB, class MU, class NU>
+void fold_views(KF& kf, const VB& v, const ColumnVector<T>& powers, bool decays, MU& mu, NU& nu) {
     const Index n = kf.rows();
     if (decays) {
         kf.array().colwise() *= powers.head(n).reverse().array();  // row j × γ^{n−1−j}
-        s.mu *= powers(n);
-        s.nu *= powers(n);
+        mu *= powers(n);
+        nu *= powers(n);
     }
-    s.mu.noalias() += kf.transpose() * v;
-    s.nu += kf.colwise().sum();
+    mu.noalias() += kf.transpose() * v;
+    nu += kf.colwise().sum();
+}
+
+template <class T, class KF, class VB>
+void fold_chunk(KF& kf, const VB& v, const ColumnVector<T>& powers, bool decays, LinearState<T>& s) {
+    fold_views(kf, v, powers, decays, s.mu, s.nu);
 }
 
 /// o ← o / (den + eps), row by row.
@@ -152,14 +157,29 @@ void normalize_rows(OB& o, ColumnVector<T>& den, Index n, T eps) {
 
 // ------------------------------------------------------------------------- chunked
 
-/// Scratch (allocated once): qf, kf (C×d') the features of one chunk; scores (C×C) the
-/// masked pairs A of the chunk; den (C) the normalisers; powers (C+1) γ^k; mask (2C−1).
+/// One chunk of n ≤ C tokens is two GEMMs and a GEMV over a scratch laid out so that
+/// the state and the chunk sit side by side (allocated once per call):
+///
+///   left  (C × (d'+C)):  [ q'  |  A ]       q' = φ(Q_c) (scaled by γ^{i+1}),  A = masked pairs
+///   right ((d'+C) × dv): [ μ   ;  V_c ]     μ lives here for the whole call, V_c is copied in
+///   total (1 × (d'+C)):  [ ν   ,  1…1 ]     ν lives here too
+///   keys  (C × d'):      k' = φ(K_c)
+///
+///   A_ij = γ^{i−j} q'_i·k'_j (j ≤ i, else 0)                       GEMM 1: q' k'ᵀ, then the mask
+///   O_c  = [γ^{i+1} q' | A] [μ ; V_c] = γ^{i+1} q'μ + A V_c          GEMM 2, one call for both terms
+///   den  = [γ^{i+1} q' | A] [ν ; 1]  = γ^{i+1} q'·ν + Σ_j A_ij       GEMV
+///   μ ← γⁿ μ + (diag(γ^{n−1−j}) k')ᵀ V_c,  ν ← γⁿ ν + Σ_j γ^{n−1−j} k'_j   GEMM 3 (fold_views)
+///
+/// Putting q' before A keeps a short last chunk contiguous: its operands are the top-left
+/// n × (d'+n) of `left` and the top d'+n rows of `right`.
 template <class T, class Phi>
 void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, MatrixRef<T> O,
                   const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& s) {
     const Index tokens = Q.rows();
     const Index c = std::min(options.chunk_size, std::max<Index>(tokens, 1));
-    Matrix<T> qf(c, features), kf(c, features), scores(c, c);
+    const Index f = features, dv = V.cols();
+    Matrix<T> left(c, f + c), right(f + c, dv), keys(c, f);
+    Vector<T> total(f + c);
     ColumnVector<T> den(c);
     const ColumnVector<T> powers = decay_powers<T>(options.decay, c);
     Vector<T> mask;
@@ -167,31 +187,37 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
     const bool decays = options.decay != 1;
     const auto eps = static_cast<T>(options.eps);
 
+    right.topRows(f) = s.mu;
+    total.head(f) = s.nu;
+    total.tail(c).setOnes();
+
     for (Index start = 0; start < tokens; start += c) {
         const Index n = std::min(c, tokens - start);
-        auto q = qf.topRows(n);
-        auto k = kf.topRows(n);
-        auto a = scores.topLeftCorner(n, n);
+        auto q = left.topLeftCorner(n, f);
+        auto a = left.block(0, f, n, n);
+        auto k = keys.topRows(n);
+        auto mu = right.topRows(f);
+        auto v = right.middleRows(f, n);
+        auto nu = total.head(f);
         auto o = O.middleRows(start, n);
-        const auto v = V.middleRows(start, n);
         apply_features<T>(phi, Q.middleRows(start, n), q);
         apply_features<T>(phi, K.middleRows(start, n), k);
+        v = V.middleRows(start, n);
 
-        // Pairs inside the chunk: A_ij = γ^{i−j} q'_i·k'_j (j ≤ i), O = A V.
-        a.noalias() = q * k.transpose();
+        a.noalias() = q * k.transpose();  // GEMM 1
         apply_mask(a, mask, c);
-        o.noalias() = a * v;
-        // Queries against the state carried in: O += γ^{i+1} q'_i μ, den_i = γ^{i+1} q'_i·ν + Σ_j A_ij.
         if (decays)
-            q.array().colwise() *= powers.segment(1, n).array();
-        o.noalias() += q * s.mu;
+            q.array().colwise() *= powers.segment(1, n).array();  // γ^{i+1} q'_i
+        const auto operands = left.topLeftCorner(n, f + n);
+        o.noalias() = operands * right.topRows(f + n);  // GEMM 2: γ^{i+1} q'μ + A V_c
         if (options.normalize) {
-            den.head(n).noalias() = q * s.nu.transpose();
-            den.head(n) += a.rowwise().sum();
+            den.head(n).noalias() = operands * total.head(f + n).transpose();  // γ^{i+1} q'·ν + Σ_j A_ij
             normalize_rows(o, den, n, eps);
         }
-        fold_chunk(k, v, powers, decays, s);
+        fold_views(k, v, powers, decays, mu, nu);  // GEMM 3
     }
+    s.mu = right.topRows(f);
+    s.nu = total.head(f);
 }
 
 // ------------------------------------------------------------------------- recurrent

@@ -22,6 +22,7 @@
 #include "memattn/memory/concept.hpp"
 #include "memattn/types.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <memory>
@@ -107,14 +108,18 @@ public:
         }
     }
 
-    /// Feeds many tokens: per block of options().chunk_size, φ(K) into scratch (allocated
-    /// once per call) and one GEMM μ ← γⁿ μ + φ(K)ᵀ diag(γ^{n−1−j}) V.
+    /// Tokens per block of extend: no queries, so no pairs term to keep small; long
+    /// blocks make the fold one large GEMM.
+    static constexpr Index extend_block = 256;
+
+    /// Feeds many tokens: per block of up to extend_block tokens, φ(K) into scratch
+    /// (allocated once per call) and one GEMM μ ← γⁿ μ + φ(K)ᵀ diag(γ^{n−1−j}) V.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         detail::require(keys.rows() == values.rows(), "LinearAttentionMemory::extend", "values", "has shape ",
                         detail::shape(values), ", expected ", keys.rows(), " rows as keys (", detail::shape(keys),
                         ")");
         check_pair("LinearAttentionMemory::extend", keys.cols(), values.cols());
-        const Index c = std::min(options_.chunk_size, std::max<Index>(keys.rows(), 1));
+        const Index c = std::min(extend_block, std::max<Index>(keys.rows(), 1));
         Matrix<T> features(c, feature_dim_);
         const auto powers = detail::decay_powers<T>(options_.decay, c);
         for (Index start = 0; start < keys.rows(); start += c) {

@@ -1,0 +1,129 @@
+// Linear attention, float, one thread, elu+1, normalised, d = dv: the three forms, in the
+// same binary and run as
+//   - a plain Eigen GEMM doing the chunked form's FLOPs (the ceiling: the chunked form at
+//     Eigen's GEMM speed), reported as tokens/s so the ratio reads directly;
+//   - causal_softmax_attention at the same N (where linear attention starts to win);
+//   - the chunked form across chunk sizes at N = 65536 (how the default was chosen).
+//
+// tokens/s = N / time of one call. The chunked form's FLOPs per token, with d' = d here:
+//   2C·d' (QKᵀ inside the chunk) + 2C·dv (AV) + 2d'dv (Qμ) + 2d'dv (KᵀV fold).
+#include "bench_common.hpp"
+
+#include <memattn/kernels/causal_softmax.hpp>
+#include <memattn/kernels/linear_attention.hpp>
+
+namespace {
+
+using memattn::Index;
+using memattn::Matrix;
+using memattn::bench::random_matrix;
+
+enum class Form { quadratic, recurrent, chunked };
+
+void set_tokens(benchmark::State& state, Index n) {
+    state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(n) * static_cast<double>(state.iterations()),
+                                                    benchmark::Counter::kIsRate);
+}
+
+double chunked_flops_per_token(Index d, Index dv, Index chunk) {
+    return static_cast<double>(2 * chunk * (d + dv) + 4 * d * dv);
+}
+
+struct Inputs {
+    Matrix<float> Q, K, V, O;
+    Inputs(Index n, Index d) : Q(random_matrix<float>(n, d, 1)), K(random_matrix<float>(n, d, 2)),
+                               V(random_matrix<float>(n, d, 3)), O(n, d) {}
+};
+
+template <Form form>
+void BM_Linear(benchmark::State& state) {
+    const Index n = state.range(0), d = state.range(1);
+    const Index chunk = state.range(2) > 0 ? state.range(2) : memattn::LinearOptions{}.chunk_size;
+    Inputs in(n, d);
+    const memattn::LinearOptions options{.chunk_size = chunk};
+    for (auto _ : state) {
+        if constexpr (form == Form::quadratic)
+            memattn::quadratic_linear_attention(in.Q, in.K, in.V, in.O, memattn::EluPlusOne{}, options);
+        else if constexpr (form == Form::recurrent)
+            memattn::recurrent_linear_attention(in.Q, in.K, in.V, in.O, memattn::EluPlusOne{}, options);
+        else
+            memattn::chunked_linear_attention(in.Q, in.K, in.V, in.O, memattn::EluPlusOne{}, options);
+        benchmark::DoNotOptimize(in.O.data());
+        benchmark::ClobberMemory();
+    }
+    set_tokens(state, n);
+    if constexpr (form == Form::chunked)
+        memattn::bench::set_gflops(state, static_cast<double>(n) * chunked_flops_per_token(d, d, chunk));
+}
+
+// chunk 0: the default (LinearOptions{}.chunk_size).
+BENCHMARK(BM_Linear<Form::chunked>)
+    ->Name("BM_LinearChunked")
+    ->ArgNames({"n", "d", "chunk"})
+    ->ArgsProduct({{1024, 4096, 65536}, {64, 128}, {0}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Linear<Form::recurrent>)
+    ->Name("BM_LinearRecurrent")
+    ->ArgNames({"n", "d", "chunk"})
+    ->ArgsProduct({{1024, 4096, 65536}, {64, 128}, {0}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Linear<Form::quadratic>)
+    ->Name("BM_LinearQuadratic")
+    ->ArgNames({"n", "d", "chunk"})
+    ->ArgsProduct({{1024, 4096}, {64, 128}, {0}})
+    ->Unit(benchmark::kMillisecond);
+
+// How the default chunk size was chosen.
+BENCHMARK(BM_Linear<Form::chunked>)
+    ->Name("BM_ChunkSize")
+    ->ArgNames({"n", "d", "chunk"})
+    ->ArgsProduct({{65536}, {64, 128}, {8, 16, 24, 32, 48, 64, 128}})
+    ->Unit(benchmark::kMillisecond);
+
+// The ceiling: an Eigen GEMM (n × k) · (k × d) with k chosen so that it does the chunked
+// form's FLOPs for n tokens at the default chunk size; its tokens/s is the chunked form's
+// if it ran at GEMM speed.
+void BM_GemmCeiling(benchmark::State& state) {
+    const Index n = state.range(0), d = state.range(1);
+    const auto k = static_cast<Index>(chunked_flops_per_token(d, d, memattn::LinearOptions{}.chunk_size) /
+                                      (2.0 * static_cast<double>(d)));
+    const Matrix<float> A = random_matrix<float>(n, k, 1), B = random_matrix<float>(k, d, 2);
+    Matrix<float> C(n, d);
+    for (auto _ : state) {
+        C.noalias() = A * B;
+        benchmark::DoNotOptimize(C.data());
+        benchmark::ClobberMemory();
+    }
+    set_tokens(state, n);
+    memattn::bench::set_gflops(state, 2.0 * static_cast<double>(n * k * d));
+}
+BENCHMARK(BM_GemmCeiling)
+    ->ArgNames({"n", "d"})
+    ->ArgsProduct({{1024, 4096, 65536}, {64, 128}})
+    ->Unit(benchmark::kMillisecond);
+
+// Where linear attention starts to win: causal softmax (FlashAttention-style tiles) and
+// the chunked form at the same lengths.
+void BM_CausalSoftmax(benchmark::State& state) {
+    const Index n = state.range(0), d = state.range(1);
+    Inputs in(n, d);
+    for (auto _ : state) {
+        memattn::causal_softmax_attention(in.Q, in.K, in.V, in.O);
+        benchmark::DoNotOptimize(in.O.data());
+        benchmark::ClobberMemory();
+    }
+    set_tokens(state, n);
+}
+BENCHMARK(BM_CausalSoftmax)
+    ->ArgNames({"n", "d"})
+    ->ArgsProduct({{128, 256, 512, 1024, 2048, 4096, 65536}, {64, 128}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Linear<Form::chunked>)
+    ->Name("BM_CrossoverChunked")
+    ->ArgNames({"n", "d", "chunk"})
+    ->ArgsProduct({{128, 256, 512, 1024, 2048}, {64, 128}, {0}})
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
