@@ -1,5 +1,6 @@
 #include "support.hpp"
 
+#include <memattn/kernels/causal_softmax.hpp>
 #include <memattn/memory/sliding_window_cache.hpp>
 
 using namespace memattn;
@@ -30,6 +31,10 @@ TEMPLATE_TEST_CASE("SlidingWindowCache decode equals windowed causal softmax wit
     const auto expected = reference::softmax_attention(reference::to_double(Q), reference::to_double(K),
                                                        reference::to_double(V), 0.0, window, sinks);
     check_close(O, expected.out, tolerance<T>());
+    // DESIGN invariant 2: decode and the whole-sequence kernel agree.
+    Matrix<T> kernel(n, dv);
+    causal_softmax_attention(Q, K, V, kernel, SoftmaxOptions{.window = window, .sinks = sinks});
+    check_close(O, reference::to_double(kernel), tolerance<T>());
 }
 
 TEMPLATE_TEST_CASE("SlidingWindowCache: a window at least the sequence is full attention", "[memory][sliding_window]",

@@ -10,9 +10,9 @@
 //   HybridCache<float, MaxPool> peaks(64, 64, 512, 4, 256);
 //   HybridCache<float, WeightedPool> learned(64, 64, 512, 4, 256, 0.f, WeightedPool({.1, .2, .3, .4}));
 //
-// Laws: slots == 0 is SlidingWindowCache(window); rate == 1 (with a compressor that
-// keeps a lone row, as all three here do but a WeightedPool with w_0 != 1) is
-// SlidingWindowCache(window + slots).
+// Laws: slots == 0 is SlidingWindowCache(window); rate == 1 is
+// SlidingWindowCache(window + slots) for a compressor that keeps a slot's single row
+// as it is (MeanPool, MaxPool; WeightedPool only with w_0 = 1).
 //
 // State, all derived from length L: the window holds tokens [E, L) with
 // E = max(0, L − window) evicted so far; evicted token e went to slot e / rate at
