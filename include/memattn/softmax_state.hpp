@@ -84,8 +84,11 @@ struct SoftmaxState {
 
 /// The same online softmax for a block of queries at once, one lane per query, stored
 /// as arrays (max, sum) so a whole tile is updated with SIMD packets across queries.
-/// Lane i is exactly the SoftmaxState `state(i)`, so finishing a row, its log-sum-exp
-/// and merging with other partial states go through the one scalar mechanism above.
+/// It works in base 2: the logits it is given are s·log2(e) (the tiled kernel folds the
+/// factor into its query scale), and p = 2^(s₂ − m₂) = exp(s − m), which saves a multiply
+/// per weight. Lane i is exactly the SoftmaxState `state(i)` (max converted back to
+/// natural units), so finishing a row, its log-sum-exp and merging with other partial
+/// states go through the one scalar mechanism above.
 /// Used by the tiled kernel (kernels/causal_softmax.hpp); allocates its lanes once.
 template <class T>
 class SoftmaxBlockState {
@@ -100,10 +103,11 @@ public:
         lanes_.row(sum_row).setZero();
     }
 
-    /// Folds a key-major tile of logits into lanes [0, n): s[j·ld + i] is the logit of
-    /// key j for query i, j < keys. On return it holds the weight p = exp(s − m_new)
-    /// (0 for a masked logit of −∞), and alpha() the factor α = exp(m_old − m_new) by
-    /// which the caller scales lane i of its accumulator before adding Σ_j p_ji v_j:
+    /// Folds a key-major tile of base-2 logits into lanes [0, n): s[j·ld + i] is
+    /// log2(e)·s_ji for key j and query i, j < keys. On return it holds the weight
+    /// p = 2^(s₂ − m₂) = exp(s − m_new) (0 for a masked logit of −∞), and alpha() the factor
+    /// α = exp(m_old − m_new) by which the caller scales lane i of its accumulator before
+    /// adding Σ_j p_ji v_j:
     ///   m_new = max(m_old, max_j s_j),  sum = α·sum + Σ_j p_j,  acc = α·acc + Σ_j p_j v_j.
     /// A lane that has seen only −∞ stays empty with α = 0 (its accumulator is zero).
     /// `may_be_masked = false` promises no −∞ in the tile and skips the masking of weights.
@@ -124,8 +128,10 @@ public:
     /// α per lane from the last absorb.
     [[nodiscard]] const T* alpha() const noexcept { return &lanes_(alpha_row, 0); }
 
-    /// Lane i as a scalar state.
-    [[nodiscard]] SoftmaxState<T> state(Index i) const { return {lanes_(max_row, i), lanes_(sum_row, i)}; }
+    /// Lane i as a scalar state (natural logarithms: max = m₂ · ln 2).
+    [[nodiscard]] SoftmaxState<T> state(Index i) const {
+        return {lanes_(max_row, i) * T(0.693147180559945309417232121458), lanes_(sum_row, i)};
+    }
 
 private:
     static constexpr Index max_row = 0, sum_row = 1, alpha_row = 2;
@@ -140,19 +146,20 @@ private:
         const P m_old = ploadu<P>(max);
         P m_new = m_old;
         for (Index j = 0; j < keys; ++j)
-            m_new = pmax(m_new, ploadu<P>(s + j * ld));  // m_new = max(m_old, max_j s_j)
+            m_new = pmax(m_new, ploadu<P>(s + j * ld));  // m₂ = max(m_old, max_j s_j)
         // Subtract 0 instead of −∞ in lanes that saw nothing, so no −∞ − (−∞) = NaN.
         const P empty = pcmp_eq(m_new, minus_inf);
         const P shift = pselect(empty, pset1<P>(T(0)), m_new);
-        // α = exp(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
-        const P alpha = pand(pcmp_lt(minus_inf, m_old), detail::exp_nonpositive(psub(m_old, shift)));
+        // α = 2^(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
+        const P alpha = pand(pcmp_lt(minus_inf, m_old), detail::exp2_nonpositive(psub(m_old, shift)));
         P block_sum = pset1<P>(T(0));
         for (Index j = 0; j < keys; ++j) {
             const P logit = ploadu<P>(s + j * ld);
-            // p = exp(s − m_new), and exactly 0 for a masked logit (exp_nonpositive clamps −∞).
-            P weight = detail::exp_nonpositive(psub(logit, shift));
+            // p = 2^(s₂ − m₂), and exactly 0 for a masked logit (exp2_nonpositive clamps −∞);
+            // a NaN logit stays NaN and poisons its query, as in the reference.
+            P weight = detail::exp2_nonpositive(psub(logit, shift));
             if constexpr (Masked)
-                weight = pand(pcmp_lt(minus_inf, logit), weight);
+                weight = pandnot(weight, pcmp_eq(logit, minus_inf));
             pstoreu(s + j * ld, weight);
             block_sum = padd(block_sum, weight);
         }

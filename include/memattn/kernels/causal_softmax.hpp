@@ -11,10 +11,11 @@
 // Algorithm. Queries are cut into tiles of `queries` rows and, for each, the visible
 // keys into tiles of `keys` rows, walked from the diagonal down to the window's start
 // (then the sink tokens below the window). Per (query tile, key tile):
-//   Sᵀ = K_tile · (scale·Q_tile)ᵀ                      keys × queries, key-major
+//   Sᵀ = K_tile · (log2(e)·scale·Q_tile)ᵀ              keys × queries, key-major
 //   mask the tile with −∞ where it crosses the diagonal or the window's edge
-//   per query lane:  m_new = max(m_old, max_j s_j),  α = exp(m_old − m_new),
-//                    p_j = exp(s_j − m_new),  sum = α·sum + Σ_j p_j
+//   per query lane:  m_new = max(m_old, max_j s_j),  α = 2^(m_old − m_new),
+//                    p_j = 2^(s_j − m_new),  sum = α·sum + Σ_j p_j
+//   (base-2 logits: 2^(log2(e)·x) = e^x, and 2^x is cheaper than e^x, detail/packet.hpp)
 //   acc = α ⊙ acc + Pᵀᵀ · V_tile                        queries × dv
 // and o_i = acc_i / sum_i, lse_i = m_i + log(sum_i) once all key tiles are done.
 // Tiles wholly above the diagonal or outside the window are never visited, so a
@@ -28,7 +29,7 @@
 // the rescale by α is fused into its load of acc.
 //
 // Scratch, allocated once per call, O(tile), `lanes` = queries rounded up to 2 packets:
-//   qt     d × lanes       scale·Q_tileᵀ (zero in lanes past the last query)
+//   qt     d × lanes       log2(e)·scale·Q_tileᵀ (zero in lanes past the last query)
 //   s      keys × lanes    logits Sᵀ, then the weights Pᵀ in place
 //   acc    lanes × dv      unnormalised outputs
 //   state  3 × lanes       max, sum, α per query (SoftmaxBlockState)
@@ -101,14 +102,15 @@ public:
 private:
     static Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
 
-    /// Loads scale·Q_tileᵀ and empties the accumulators for queries [i0, i0 + rows).
+    /// Loads log2(e)·scale·Q_tileᵀ (base-2 logits, see SoftmaxBlockState) and empties the
+    /// accumulators for queries [i0, i0 + rows).
     void start_query_tile(Index i0, Index rows) {
         i0_ = i0;
         rows_ = rows;
         cols_ = std::min(lanes_, round_up(rows, 2 * packet_lanes<T>));
         p0_ = k_.rows() - q_.rows() + i0;
         p1_ = p0_ + rows - 1;
-        qt_.leftCols(rows) = scale_ * q_.middleRows(i0, rows).transpose();
+        qt_.leftCols(rows) = (scale_ * T(1.44269504088896340735992468100)) * q_.middleRows(i0, rows).transpose();
         qt_.middleCols(rows, cols_ - rows).setZero();
         acc_.topRows(cols_).setZero();
         state_.reset();
@@ -117,7 +119,7 @@ private:
     /// Folds keys [j0, j0 + n) into every query of the tile.
     void attend_key_tile(Index j0, Index n) {
         const Index d = k_.cols(), dv = v_.cols();
-        // Sᵀ = K_tile · (scale·Q_tile)ᵀ, keys × queries.
+        // Sᵀ = K_tile · (log2(e)·scale·Q_tile)ᵀ, keys × queries.
         tile_product<T>(n, cols_, d, k_.data() + j0 * k_.outerStride(), k_.outerStride(), 1, qt_.data(), lanes_,
                         s_.data(), lanes_, nullptr);
         const bool masked = !fully_visible(j0, n);
