@@ -116,12 +116,12 @@ void BM_CausalSoftmax(benchmark::State& state) {
 }
 BENCHMARK(BM_CausalSoftmax)
     ->ArgNames({"n", "d"})
-    ->ArgsProduct({{128, 256, 512, 1024, 2048, 4096, 65536}, {64, 128}})
+    ->ArgsProduct({{128, 192, 256, 384, 512, 1024, 2048, 4096, 65536}, {64, 128}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Linear<Form::chunked>)
     ->Name("BM_CrossoverChunked")
     ->ArgNames({"n", "d", "chunk"})
-    ->ArgsProduct({{128, 256, 512, 1024, 2048}, {64, 128}, {0}})
+    ->ArgsProduct({{128, 192, 256, 384, 512, 1024, 2048}, {64, 128}, {0}})
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -19,12 +19,18 @@
 // φ is applied one chunk of rows at a time into O(C·d') scratch (never O(N·d')), by the
 // one routine all three forms share. Every form allocates its scratch once per call.
 //
-// Chunk size: LinearOptions::chunk_size = 64 by default, chosen by
-// bench/linear_attention_bench.cpp (BM_ChunkSize) on an AVX2+FMA Zen-1 core, float,
-// elu+1, normalised, N = 65536: see the table in that file. 64 was the fastest or
-// within a few percent of it for d = dv = 64 and 128: shorter chunks spend more of their
-// time in the O(N·d'·dv) state products at small GEMM efficiency, longer ones pay the
-// O(N·C·(d'+dv)) pairs term.
+// Chunk size: LinearOptions::chunk_size = 16 by default (DESIGN.md first said 64), chosen
+// by bench/linear_attention_bench.cpp (BM_ChunkSize): float, elu+1, normalised,
+// N = 65536, one thread of an AVX2+FMA Zen-1 core at 2 GHz (Eigen sgemm ≈ 32 GFLOP/s):
+//
+//   chunk          8     16     24     32     48     64    128
+//   d = dv = 64   912    974    919    911    777    774    572   thousand tokens/s
+//   d = dv = 128  294    327    297    306    268    281    229
+//
+// Per token the chunked form does 4·d'·dv FLOPs of state products whatever the chunk,
+// plus 2·C·(d'+dv) for the pairs inside the chunk: at C = 64 that second term equals
+// the first (d = 64), at C = 16 it is a fifth, and Eigen's GEMM still runs the
+// 16-row products at ~28 GFLOP/s. Below 16 the per-chunk overhead wins.
 
 #include "memattn/detail/assert.hpp"
 #include "memattn/feature_maps.hpp"
@@ -37,7 +43,7 @@
 namespace memattn {
 
 struct LinearOptions {
-    Index chunk_size = 16;  ///< tokens per chunk (chunked form) or per φ application (all forms)
+    Index chunk_size = 16;  ///< tokens per chunk (chunked form), per φ application (recurrent form)
     double eps = 1e-6;      ///< added to the normaliser q'·ν
     double decay = 1;       ///< γ ∈ (0, 1]: the state is multiplied by γ before each token
     bool normalize = true;  ///< divide by q'·ν + eps
@@ -256,6 +262,8 @@ void recurrent_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, cons
 
 // ------------------------------------------------------------------------- quadratic
 
+/// Tiles of C = max(chunk_size, 64) queries × C keys: every pair is computed anyway, so
+/// the small chunks that suit the chunked form would only make the GEMMs less efficient.
 /// Scratch (allocated once): qf, kf (C×d') the features of a query tile and a key
 /// tile; scores (C×C) their masked products; den (C); mask (2C−1); start (C) the factors
 /// γ^{p+1} of the initial state for the query tile.
@@ -264,7 +272,7 @@ void quadratic_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, cons
                     MatrixRef<T> O, const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& s,
                     bool has_initial, bool wants_state) {
     const Index tokens = Q.rows();
-    const Index c = std::min(options.chunk_size, std::max<Index>(tokens, 1));
+    const Index c = std::min(std::max<Index>(options.chunk_size, 64), std::max<Index>(tokens, 1));
     Matrix<T> qf(c, features), kf(c, features), scores(c, c);
     ColumnVector<T> den(c), start(c);
     Vector<T> mask;
