@@ -46,7 +46,9 @@ void BM_CausalSoftmax(benchmark::State& state) {
     }
     set_gflops(state, c.useful_flops());
     state.counters["scratch_KiB"] =
-        static_cast<double>(memattn::detail::TiledCausalSoftmax<float>::scratch_bytes(c.d, c.d, {})) / 1024.0;
+        static_cast<double>(memattn::detail::TiledCausalSoftmax<float>::scratch_bytes(
+            c.d, c.d, memattn::detail::default_tiles(c.window))) /
+        1024.0;
 }
 
 /// Scores for all N² pairs, masked, softmax by rows, times V.
@@ -77,7 +79,7 @@ void BM_Naive(benchmark::State& state) {
 /// on the same 64 × 64 tiles the kernel visits.
 void BM_EigenTileGemm(benchmark::State& state) {
     const Case c(state);
-    const Index t = memattn::detail::SoftmaxTiles{}.queries, tk = memattn::detail::SoftmaxTiles{}.keys;
+    const Index t = 64, tk = 64;  // the calibration: Eigen's products on 64 × 64 tiles
     const Matrix<float> Q = random_matrix<float>(c.n, c.d, 1), K = random_matrix<float>(c.n, c.d, 2),
                         V = random_matrix<float>(c.n, c.d, 3);
     Matrix<float> O = Matrix<float>::Zero(c.n, c.d), S(t, tk);
@@ -119,19 +121,20 @@ void BM_FmaPeak(benchmark::State& state) {
     set_gflops(state, 2.0 * chains * memattn::detail::packet_lanes<float> * static_cast<double>(steps));
 }
 
-/// Tile sizes: N = 4096, full causal, query tile × key tile.
+/// Tile sizes: N = 4096, query tile × key tile, full causal and a window of 512.
 void BM_TileSweep(benchmark::State& state) {
-    const Index n = 4096, d = state.range(0);
+    const Index n = 4096, d = state.range(0), window = state.range(3);
     const memattn::detail::SoftmaxTiles tiles{state.range(1), state.range(2)};
     const Matrix<float> Q = random_matrix<float>(n, d, 1), K = random_matrix<float>(n, d, 2),
                         V = random_matrix<float>(n, d, 3);
     Matrix<float> O(n, d);
     for (auto _ : state) {
-        memattn::detail::causal_softmax_views<float>(Q, K, V, O, [](Index, float) {}, {}, tiles);
+        memattn::detail::causal_softmax_views<float>(Q, K, V, O, [](Index, float) {}, {.scale = 0, .window = window},
+                                                     tiles);
         benchmark::DoNotOptimize(O.data());
         benchmark::ClobberMemory();
     }
-    set_gflops(state, 2.0 * static_cast<double>(2 * d) * visible_pairs(n, 0));
+    set_gflops(state, 2.0 * static_cast<double>(2 * d) * visible_pairs(n, window));
 }
 
 void cases(benchmark::internal::Benchmark* b, Index max_n) {
@@ -150,8 +153,8 @@ BENCHMARK(BM_Naive)->Apply([](auto* b) { cases(b, 16384); });
 BENCHMARK(BM_CausalSoftmax)->Name("BM_CausalSoftmax_long")->ArgNames({"N", "d", "window"})->Args({131072, 64, 512})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_TileSweep)
-    ->ArgNames({"d", "qtile", "ktile"})
-    ->ArgsProduct({{64, 128}, {32, 64, 128}, {32, 64, 128, 256}})
+    ->ArgNames({"d", "qtile", "ktile", "window"})
+    ->ArgsProduct({{64, 128}, {32, 64, 128}, {64, 128, 256}, {0, 512}})
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

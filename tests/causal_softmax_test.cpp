@@ -13,8 +13,11 @@ using memattn::test::tolerance;
 
 namespace {
 
+// Sizes are swept around the query tiles (32 windowed, 64 full) and the key tile.
 constexpr Index tile = detail::SoftmaxTiles{}.queries;
-static_assert(detail::SoftmaxTiles{}.keys == tile, "the sweep below puts sizes around one tile size");
+constexpr Index key_tile = detail::SoftmaxTiles{}.keys;
+static_assert(detail::default_tiles(1).queries == tile / 2 && key_tile == 2 * tile,
+              "the sweep below puts sizes around these tile sizes");
 
 /// Runs the kernel with lse and checks both against the double reference.
 template <class T>
@@ -38,7 +41,8 @@ void check_against_reference(const Matrix<T>& Q, const Matrix<T>& K, const Matri
 
 TEMPLATE_TEST_CASE("causal softmax: sizes around the tile, windows and sinks", "[softmax][kernel]", float, double) {
     using T = TestType;
-    const Index n = GENERATE(Index(0), Index(1), Index(2), tile - 1, tile, tile + 1, 3 * tile + 2, Index(1000));
+    const Index n = GENERATE(Index(0), Index(1), Index(2), tile / 2 - 1, tile / 2 + 1, tile - 1, tile, tile + 1,
+                             key_tile - 1, key_tile, key_tile + 1, 3 * key_tile + 2, Index(1000));
     const Index window = GENERATE(Index(0), Index(1), Index(2), Index(17), tile, Index(1001));
     const Index sinks = GENERATE(Index(0), Index(1), Index(4));
     CAPTURE(n, window, sinks);

@@ -33,11 +33,27 @@
 //   s      keys × lanes    logits Sᵀ, then the weights Pᵀ in place
 //   acc    lanes × dv      unnormalised outputs
 //   state  3 × lanes       max, sum, α per query (SoftmaxBlockState)
-// For 64 × 64 tiles and d = dv = 64 in float that is 48 KiB, whatever the sequence.
+// For 64 × 128 tiles and d = dv = 64 in float that is 64 KiB, whatever the sequence.
 //
-// Tile sizes, measured with bench/causal_softmax_bench.cpp (BM_TileSweep, N = 4096,
-// float, full causal, 1 thread, AMD EPYC Zen 1, AVX2+FMA), GFLOP/s at d = 64 / 128:
-// see the table in TILE_SWEEP below; 64 queries × 64 keys was chosen.
+// Tile sizes, measured with bench/causal_softmax_bench.cpp (BM_TileSweep: N = 4096,
+// float, 1 thread, AMD EPYC Zen 1 with AVX2+FMA, GFLOP/s of useful work, one run on a
+// shared machine, so ±3% is noise), query tile × key tile:
+//
+//                 full causal, d=64 / d=128     window 512, d=64 / d=128
+//    32 ×  64       27.5 / 27.3                   26.0 / 27.6
+//    32 × 128       27.9 / 27.5                   27.2 / 29.5   <- windowed calls
+//    32 × 256       27.5 / 26.8                   27.2 / 29.6
+//    64 ×  64       27.2 / 28.3                   25.4 / 26.8
+//    64 × 128       28.0 / 28.7                   25.6 / 27.7   <- full calls
+//    64 × 256       27.5 / 29.1                   25.7 / 27.8
+//   128 × 128       28.0 / 30.6                   22.7 / 24.3
+//   (key tiles of 32 lost 10–20%: the per-tile bookkeeping stops being amortised)
+//
+// Key tiles of 128 amortise the per-tile work (α rescale of acc, the max pass) and
+// still keep Sᵀ (128 × 64 floats = 32 KiB) in L1/L2. Query tiles trade the reuse of
+// each K/V tile against waste at the edges: a window's key span per query tile is
+// window + queries − 1, so windowed calls take 32 rows; full causal calls take 64
+// (128 wins at d = 128 by 6% but wastes more on the diagonal at small N).
 
 #include "memattn/detail/tile_product.hpp"
 #include "memattn/softmax_state.hpp"
@@ -59,11 +75,15 @@ struct SoftmaxOptions {
 
 namespace detail {
 
-/// Rows of a query tile and of a key tile.
+/// Rows of a query tile and of a key tile (measured: see the top of the file).
 struct SoftmaxTiles {
     Index queries = 64;
-    Index keys = 64;
+    Index keys = 128;
 };
+
+/// The tiles for a call: narrower query tiles under a window, where a tile's key span
+/// is window + queries − 1 for `window` useful keys per query.
+constexpr SoftmaxTiles default_tiles(Index window) { return window > 0 ? SoftmaxTiles{32, 128} : SoftmaxTiles{}; }
 
 /// The tiled kernel for one call: its scratch and its steps (see the top of the file).
 template <class T>
@@ -191,12 +211,19 @@ void check_softmax_arguments(const char* function, Shape q, Shape k, Shape v, Sh
 /// The kernel on views, after the checks; `lse(i, value)` receives each row's log-sum-exp.
 template <class T, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
-                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxTiles tiles = {}) {
+                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxTiles tiles) {
     if (Q.rows() == 0)
         return;
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
     TiledCausalSoftmax<T> kernel(Q, K, V, scale, options.window, options.sinks, tiles);
     kernel.run(O, lse);
+}
+
+/// The same with the measured tiles for the call (default_tiles).
+template <class T, class LseSink>
+void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options) {
+    causal_softmax_views<T>(Q, K, V, O, lse, options, default_tiles(options.window));
 }
 
 }  // namespace detail
