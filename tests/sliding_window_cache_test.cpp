@@ -54,13 +54,14 @@ TEMPLATE_TEST_CASE("SlidingWindowCache: a window at least the sequence is full a
 TEMPLATE_TEST_CASE("SlidingWindowCache: prefill and extend equal the token loop", "[memory][sliding_window]", float,
                    double) {
     using T = TestType;
-    const Index window = 5, d = 4, dv = 3;
+    const Index window = GENERATE(5, 300), d = 4, dv = 3;
     const Index sinks = GENERATE(0, 2);
     const Index before = GENERATE(0, 1, 3, 20);     // tokens already in the cache
-    const Index prompt = GENERATE(3, 5, 6, 17);     // shorter than, equal to, longer than the window
+    // Shorter than, equal to, longer than the window; 600 takes several kernel calls.
+    const Index prompt = GENERATE(3, 5, 6, 17, 600);
     const Index after = 7;                          // decoding continues from the state left behind
     const Index n = before + prompt + after;
-    CAPTURE(sinks, before, prompt);
+    CAPTURE(window, sinks, before, prompt);
     const Matrix<T> Q = random_matrix<T>(n, d, 31), K = random_matrix<T>(n, d, 32), V = random_matrix<T>(n, dv, 33);
 
     SlidingWindowCache<T> stepped(d, dv, window, sinks);

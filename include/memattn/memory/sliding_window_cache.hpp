@@ -59,13 +59,10 @@ public:
 
     /// Outputs for the queries at positions length() .. length() + n − 1, equal to
     /// feeding the pairs one by one and attending after each (decode), then stores the
-    /// pairs. The whole prompt goes through causal_softmax_attention over
-    /// [cached pairs the first query still sees ++ the prompt's pairs] with this
-    /// cache's window and sinks, so no query loses a pair that a later one pushed out
-    /// of the ring (the bug of writing the prompt into the ring first). Positions stay
-    /// right across the gap between sinks and window: the kernel's window test compares
-    /// differences of positions, and the sinks are the first `sinks` rows either way.
-    /// Scratch: one copy of those pairs, allocated per call (none when the cache is empty).
+    /// pairs. No query loses a pair that a later one of the same prompt pushed out of
+    /// the ring (the bug of writing the prompt into the ring first): the prompt goes
+    /// through causal_softmax_attention with this cache's window and sinks, over the
+    /// pairs its queries see, read from the cache and the prompt.
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         const char* function = "SlidingWindowCache::prefill";
         check_pair(function, detail::shape(keys), detail::shape(values));
@@ -73,22 +70,10 @@ public:
                         detail::shape(queries), ", expected ", keys.rows(), 'x', key_dim_);
         detail::require(out.rows() == keys.rows() && out.cols() == value_dim_, function, "out", "has shape ",
                         detail::shape(out), ", expected ", keys.rows(), 'x', value_dim_);
-        const SoftmaxOptions options{.scale = static_cast<double>(scale_), .window = window_, .sinks = sinks_};
-        const auto no_lse = [](Index, T) {};
-        // Window items the query at position length() sees: tokens > length() − window.
-        const Index first_item = std::max<Index>(0, window_items() - window_ + 1);
-        const Index cached = held_sinks() + window_items() - first_item, n = keys.rows();
-        if (cached == 0) {
-            detail::causal_softmax_views<T>(queries, keys, values, out, no_lse, options);
-        } else {
-            Matrix<T> all_keys(cached + n, key_dim_), all_values(cached + n, value_dim_);
-            sink_pairs_.copy_out(0, held_sinks(), all_keys, all_values);
-            window_pairs_.copy_out(first_item, window_items(), all_keys.middleRows(held_sinks(), cached - held_sinks()),
-                                   all_values.middleRows(held_sinks(), cached - held_sinks()));
-            all_keys.bottomRows(n) = keys;
-            all_values.bottomRows(n) = values;
-            detail::causal_softmax_views<T>(queries, all_keys, all_values, out, no_lse, options);
-        }
+        if (length_ == 0)  // the prompt is the whole sequence: the kernel reads it in place
+            detail::causal_softmax_views<T>(queries, keys, values, out, [](Index, T) {}, kernel_options());
+        else
+            prefill_after_cache(queries, keys, values, out);
         store(keys, values);
     }
 
@@ -140,6 +125,60 @@ private:
             window_pairs_.put_rows(first - sinks_, keys.middleRows(first - length_, end - first),
                                    values.middleRows(first - length_, end - first));
         length_ = end;
+    }
+
+    /// Queries of one kernel call when the prompt continues a cached prefix.
+    static constexpr Index prefill_chunk = 256;
+
+    [[nodiscard]] SoftmaxOptions kernel_options() const {
+        return {.scale = static_cast<double>(scale_), .window = window_, .sinks = sinks_};
+    }
+
+    /// prefill after a cached prefix, in chunks of max(window, prefill_chunk) queries.
+    /// For chunk [a, b) of the prompt (positions P + a .. P + b − 1, P = length()) the
+    /// kernel gets the keys [sinks: positions 0 .. sinks − 1] ++ [positions
+    /// max(sinks, P + a − window + 1) .. P + b − 1], each read from the cache below P
+    /// and from the prompt above. Skipping the positions in between keeps the kernel's
+    /// mask right: its window test compares differences of positions, which the skip
+    /// does not change, and the sinks are the first `sinks` rows either way.
+    /// Scratch: sinks + window − 1 + chunk pairs, allocated once per call.
+    void prefill_after_cache(const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
+                             const ConstMatrixRef<T>& values, MatrixRef<T> out) const {
+        const Index n = keys.rows(), chunk = std::max(window_, prefill_chunk);
+        const Index rows = std::min(sinks_ + window_ - 1 + chunk, length_ + n);
+        Matrix<T> chunk_keys(rows, key_dim_), chunk_values(rows, value_dim_);
+        // Copies positions [first, last) into the scratch from row `row` on; returns the next row.
+        const auto gather = [&](Index first, Index last, Index row) {
+            const Index cached_end = std::min(last, length_);
+            if (first < cached_end) {
+                auto k = chunk_keys.middleRows(row, cached_end - first);
+                auto v = chunk_values.middleRows(row, cached_end - first);
+                const Index sink_end = std::min(cached_end, sinks_);
+                if (first < sink_end)
+                    sink_pairs_.copy_out(first, sink_end, k.topRows(sink_end - first), v.topRows(sink_end - first));
+                const Index from = std::max(first, sinks_);
+                if (from < cached_end)
+                    window_pairs_.copy_out(from - sinks_, cached_end - sinks_, k.bottomRows(cached_end - from),
+                                           v.bottomRows(cached_end - from));
+            }
+            const Index prompt_first = std::max(first, length_);
+            if (prompt_first < last) {
+                chunk_keys.middleRows(row + prompt_first - first, last - prompt_first) =
+                    keys.middleRows(prompt_first - length_, last - prompt_first);
+                chunk_values.middleRows(row + prompt_first - first, last - prompt_first) =
+                    values.middleRows(prompt_first - length_, last - prompt_first);
+            }
+            return row + (last - first);
+        };
+        for (Index a = 0; a < n; a += chunk) {
+            const Index b = std::min(n, a + chunk), end = length_ + b;
+            const Index sink_end = std::min(sinks_, end);
+            const Index window_first = std::max(sink_end, length_ + a - window_ + 1);
+            const Index used = gather(window_first, end, gather(0, sink_end, 0));
+            detail::causal_softmax_views<T>(queries.middleRows(a, b - a), chunk_keys.topRows(used),
+                                            chunk_values.topRows(used), out.middleRows(a, b - a), [](Index, T) {},
+                                            kernel_options());
+        }
     }
 
     void check_pair(const char* function, detail::Shape key, detail::Shape value) const {
