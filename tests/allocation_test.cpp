@@ -36,6 +36,7 @@ inline void eigen_assertion_failed(const char* condition) {
 #include "support.hpp"
 
 #include <memattn/memory/hybrid_cache.hpp>
+#include <memattn/memory/linear_attention_memory.hpp>
 #include <memattn/memory/moving_average_cache.hpp>
 #include <memattn/memory/sliding_window_cache.hpp>
 
@@ -180,4 +181,14 @@ TEMPLATE_TEST_CASE("Fixed-size memories never allocate in update, attend or exte
         check_no_allocation(HybridCache<T, WeightedPool>(16, 8, 32, 2, 8, T(0), WeightedPool({0.5, 0.5})));
     }
     SECTION("HybridCache, no slots") { check_no_allocation(HybridCache<T>(16, 8, 32, 2, 0)); }
+    SECTION("LinearAttentionMemory") { check_no_allocation(LinearAttentionMemory<T>(16, 8)); }
+    SECTION("LinearAttentionMemory, decay, Taylor2") {
+        check_no_allocation(LinearAttentionMemory<T, Taylor2>(16, 8, {}, {.decay = 0.9}));
+    }
+    SECTION("LinearAttentionMemory, FavorPlus, unnormalised") {
+        check_no_allocation(LinearAttentionMemory<T, FavorPlus>(16, 8, FavorPlus(16, 64, 1), {.normalize = false}));
+    }
+    SECTION("LinearAttentionMemory, features beyond attend's stack buffer") {
+        check_no_allocation(LinearAttentionMemory<T, Taylor2>(130, 4));
+    }
 }

@@ -51,7 +51,9 @@ public:
                                           {0, value_dim}, options_, nullptr);
         state_.mu.setZero(feature_dim_, value_dim_);
         state_.nu.setZero(feature_dim_);
-        key_features_.resize(feature_dim_);
+        extend_rows_ = std::clamp<Index>(extend_scratch_elements / feature_dim_, 1, extend_block);
+        key_features_.resize(extend_rows_, feature_dim_);
+        powers_ = detail::decay_powers<T>(options_.decay, extend_rows_);
         if (feature_dim_ > stack_features)
             wide_ = std::make_unique<WideScratch>(feature_dim_);
     }
@@ -64,7 +66,9 @@ public:
           feature_dim_(other.feature_dim_),
           state_(other.state_),
           length_(other.length_),
+          extend_rows_(other.extend_rows_),
           key_features_(other.key_features_),
+          powers_(other.powers_),
           wide_(other.wide_ ? std::make_unique<WideScratch>(feature_dim_) : nullptr) {}
     LinearAttentionMemory(LinearAttentionMemory&&) noexcept = default;
     LinearAttentionMemory& operator=(const LinearAttentionMemory& other) {
@@ -82,14 +86,15 @@ public:
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         check_pair("LinearAttentionMemory::update", key.cols(), value.cols());
         Eigen::Map<const Matrix<T>> k(key.data(), 1, key_dim_);
-        phi_(ConstMatrixRef<T>(k), MatrixRef<T>(key_features_));  // only the scratch row changes before here
+        auto kf = key_features_.topRows(1);
+        phi_(ConstMatrixRef<T>(k), MatrixRef<T>(kf));  // only the scratch row changes before here
         if (options_.decay != 1) {
             const auto gamma = static_cast<T>(options_.decay);
             state_.mu *= gamma;
             state_.nu *= gamma;
         }
-        state_.mu.noalias() += key_features_.transpose() * value;
-        state_.nu += key_features_;
+        state_.mu.noalias() += kf.transpose() * value;
+        state_.nu += kf;
         ++length_;
     }
 
@@ -108,25 +113,26 @@ public:
         }
     }
 
-    /// Tokens per block of extend: no queries, so no pairs term to keep small; long
-    /// blocks make the fold one large GEMM.
+    /// Most tokens per block of extend: no queries, so no pairs term to keep small; long
+    /// blocks make the fold one large GEMM. The block's φ(K) scratch is allocated by the
+    /// constructor with min(256, max(1, 16384 / d')) rows (≤ 64 KiB in float, at least
+    /// one row), so extend allocates nothing either.
     static constexpr Index extend_block = 256;
+    static constexpr Index extend_scratch_elements = 16384;
 
-    /// Feeds many tokens: per block of up to extend_block tokens, φ(K) into scratch
-    /// (allocated once per call) and one GEMM μ ← γⁿ μ + φ(K)ᵀ diag(γ^{n−1−j}) V.
+    /// Feeds many tokens: per block of extend_rows() tokens, φ(K) into the scratch and one
+    /// GEMM μ ← γⁿ μ + φ(K)ᵀ diag(γ^{n−1−j}) V.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         detail::require(keys.rows() == values.rows(), "LinearAttentionMemory::extend", "values", "has shape ",
                         detail::shape(values), ", expected ", keys.rows(), " rows as keys (", detail::shape(keys),
                         ")");
         check_pair("LinearAttentionMemory::extend", keys.cols(), values.cols());
-        const Index c = std::min(extend_block, std::max<Index>(keys.rows(), 1));
-        Matrix<T> features(c, feature_dim_);
-        const auto powers = detail::decay_powers<T>(options_.decay, c);
+        const Index c = extend_rows_;
         for (Index start = 0; start < keys.rows(); start += c) {
             const Index n = std::min(c, keys.rows() - start);
-            auto k = features.topRows(n);
+            auto k = key_features_.topRows(n);
             detail::apply_features<T>(phi_, keys.middleRows(start, n), k);
-            detail::fold_chunk(k, values.middleRows(start, n), powers, options_.decay != 1, state_);
+            detail::fold_chunk(k, values.middleRows(start, n), powers_, options_.decay != 1, state_);
         }
         length_ += keys.rows();
     }
@@ -144,11 +150,14 @@ public:
     [[nodiscard]] std::size_t footprint() const noexcept {
         return static_cast<std::size_t>(feature_dim_ * (value_dim_ + 1)) * sizeof(T);
     }
-    /// Bytes allocated: the state plus the scratch rows for φ(k) (and φ(q) when wide).
+    /// Bytes allocated: the state plus the scratch for φ(K) in update/extend (and for φ(q)
+    /// in attend when d' is beyond the stack buffer).
     [[nodiscard]] std::size_t capacity() const noexcept {
-        const Index rows = wide_ ? 2 : 1;
-        return footprint() + static_cast<std::size_t>(rows * feature_dim_) * sizeof(T);
+        const Index rows = extend_rows_ + (wide_ ? 1 : 0);
+        return footprint() + static_cast<std::size_t>(rows * feature_dim_ + powers_.size()) * sizeof(T);
     }
+    /// Tokens per GEMM in extend.
+    [[nodiscard]] Index extend_rows() const noexcept { return extend_rows_; }
     void reset() noexcept {
         state_.mu.setZero();
         state_.nu.setZero();
@@ -217,7 +226,9 @@ private:
     Index feature_dim_;
     LinearState<T> state_;
     Index length_ = 0;
-    Vector<T> key_features_;               // φ(k) in update
+    Index extend_rows_ = 1;                // rows of key_features_
+    Matrix<T> key_features_;               // φ(k) in update (row 0), φ(K) of a block in extend
+    detail::ColumnVector<T> powers_;       // γ^k, k = 0..extend_rows_, for extend
     std::unique_ptr<WideScratch> wide_;    // φ(q) in attend when d' > stack_features
 };
 
