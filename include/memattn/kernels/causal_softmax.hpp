@@ -16,7 +16,7 @@
 //   per query lane:  m_new = max(m_old, max_j s_j),  α = 2^(m_old − m_new),
 //                    p_j = 2^(s_j − m_new),  sum = α·sum + Σ_j p_j
 //   (base-2 logits: 2^(log2(e)·x) = e^x, and 2^x is cheaper than e^x, detail/packet.hpp)
-//   acc = α ⊙ acc + Pᵀᵀ · V_tile                        queries × dv
+//   acc = α ⊙ acc + P · V_tile                          queries × dv (P read from Pᵀ)
 // and o_i = acc_i / sum_i, lse_i = m_i + log(sum_i) once all key tiles are done.
 // Tiles wholly above the diagonal or outside the window are never visited, so a
 // windowed call costs O(Nq · (window + tile)), not O(Nq · Nk).
@@ -54,6 +54,18 @@
 // each K/V tile against waste at the edges: a window's key span per query tile is
 // window + queries − 1, so windowed calls take 32 rows; full causal calls take 64
 // (128 wins at d = 128 by 6% but wastes more on the diagonal at small N).
+
+// Measured against Eigen's products on the same 64 × 64 tiles without any softmax (the
+// practical ceiling: this core's FMA peak is 34–40 GFLOP/s and Eigen's GEMM reaches
+// 29–31), same binary and run, N ∈ {1024, 4096, 16384}, d ∈ {64, 128}: 0.87–1.03× of
+// it, 2.4–56× the naive materialise-mask-softmax-multiply version, and windowed calls
+// (512) within 10% of full ones. What remains at d = 64 is the 2^x per weight (5 FMAs
+// per 8 weights against 128 for the two products) and the max/sum passes.
+//
+// Non-finite input: a NaN logit poisons the queries that see its key (the final
+// division is SoftmaxState::finish's, so its policy for a NaN sum applies); a logit of
+// −∞ is a masked key. A non-finite value in V also reaches queries of the same tile
+// that are masked from it, since the tile product multiplies their weight 0 by it.
 
 #include "memattn/detail/tile_product.hpp"
 #include "memattn/softmax_state.hpp"
