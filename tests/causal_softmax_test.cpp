@@ -122,6 +122,31 @@ TEMPLATE_TEST_CASE("causal softmax: logits of 1e4 do not overflow", "[softmax][k
         REQUIRE_THAT(static_cast<double>(lse(i)), Catch::Matchers::WithinRel(1e4, tolerance<T>()));
 }
 
+TEMPLATE_TEST_CASE("causal softmax: a non-finite value poisons only the queries that see it", "[softmax][kernel]",
+                   float, double) {
+    using T = TestType;
+    const Index n = 150, bad = GENERATE(Index(1), Index(70));
+    const T poison = GENERATE(std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity());
+    const SoftmaxOptions options{.scale = 0, .window = GENERATE(Index(0), Index(9)), .sinks = GENERATE(0, 2)};
+    CAPTURE(bad, poison, options.window, options.sinks);
+    const Matrix<T> Q = random_matrix<T>(n, 4, 22), K = random_matrix<T>(n, 4, 23);
+    Matrix<T> V = random_matrix<T>(n, 3, 24);
+    V(bad, 1) = poison;
+    Matrix<T> O(n, 3);
+    causal_softmax_attention(Q, K, V, O, options);
+    const auto expected = reference::softmax_attention(reference::to_double(Q), reference::to_double(K),
+                                                       reference::to_double(V), 0, options.window, options.sinks);
+    for (Index i = 0; i < n; ++i) {
+        CAPTURE(i);
+        if (reference::visible(bad, i, options.window, options.sinks)) {
+            CHECK_FALSE(O.row(i).allFinite());
+        } else {
+            REQUIRE(O.row(i).allFinite());
+            check_close(O.row(i), expected.out.row(i), tolerance<T>());
+        }
+    }
+}
+
 TEMPLATE_TEST_CASE("causal softmax: views with a row stride, lse in a column", "[softmax][kernel]", float, double) {
     using T = TestType;
     const Index n = 150, heads = 3, d = 8, dv = 5;

@@ -64,8 +64,9 @@
 //
 // Non-finite input: a NaN logit poisons the queries that see its key (the final
 // division is SoftmaxState::finish's, so its policy for a NaN sum applies); a logit of
-// −∞ is a masked key. A non-finite value in V also reaches queries of the same tile
-// that are masked from it, since the tile product multiplies their weight 0 by it.
+// −∞ is a masked key. A non-finite value in V poisons exactly the queries that see it:
+// a masked tile whose V rows are not all finite is multiplied query by query over the
+// visible keys only (the tile product would give the masked ones 0 · ∞ = NaN).
 
 #include "memattn/detail/tile_product.hpp"
 #include "memattn/softmax_state.hpp"
@@ -159,8 +160,40 @@ private:
             mask(j0, n);
         state_.absorb(s_.data(), n, lanes_, cols_, masked);  // m, sum, α; Sᵀ becomes Pᵀ
         // acc = α ⊙ acc + P · V_tile: A(r, k) = Pᵀ(k, r) is read with strides (1, lanes).
-        tile_product<T>(cols_, dv, n, s_.data(), 1, lanes_, v_.data() + j0 * v_.outerStride(), v_.outerStride(),
-                        acc_.data(), dv, state_.alpha());
+        // A masked weight is 0, and 0 · ∞ = NaN: where V_tile is not all finite, a masked
+        // tile goes query by query over the keys each one sees (O(n·dv) to check, against
+        // O(lanes·n·dv) for the product), so a bad value poisons only the queries that see it.
+        if (masked && !finite_values(j0, n))
+            accumulate_visible_keys(j0, n);
+        else
+            tile_product<T>(cols_, dv, n, s_.data(), 1, lanes_, v_.data() + j0 * v_.outerStride(), v_.outerStride(),
+                            acc_.data(), dv, state_.alpha());
+    }
+
+    /// Every value of rows [j0, j0 + n) is finite: 0·x is 0, or NaN for ±∞ and NaN, and a
+    /// sum keeps NaN. A vectorised reduction (Eigen's allFinite is a scalar loop here).
+    [[nodiscard]] bool finite_values(Index j0, Index n) const {
+        return (v_.middleRows(j0, n).array() * T(0)).sum() == T(0);
+    }
+
+    /// acc_i = α_i·acc_i + Σ_{j visible to i} p_ji v_j for each query i of the tile, keys [j0, j0 + n).
+    void accumulate_visible_keys(Index j0, Index n) {
+        const Index dv = v_.cols();
+        const T one = 1;
+        for (Index i = 0; i < rows_; ++i) {
+            const Index p = p0_ + i;
+            Eigen::Map<Vector<T>>(acc_.data() + i * dv, dv) *= state_.alpha()[i];
+            // Visible: [0, p] under no window, else the sinks below the window, then (p − window, p].
+            const Index window_begin = window_ == 0 ? 0 : std::max<Index>(0, p - window_ + 1);
+            const Index runs[2][2] = {{0, std::min(sinks_, window_begin)}, {window_begin, p + 1}};
+            for (const auto& run : runs) {
+                const Index begin = std::max(run[0], j0), end = std::min(run[1], j0 + n);
+                if (begin < end)
+                    tile_product<T>(1, dv, end - begin, s_.data() + (begin - j0) * lanes_ + i, 1, lanes_,
+                                    v_.data() + begin * v_.outerStride(), v_.outerStride(), acc_.data() + i * dv, dv,
+                                    &one);
+            }
+        }
     }
 
     /// Every query of the tile sees every key of [j0, j0 + n).
