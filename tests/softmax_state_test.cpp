@@ -57,6 +57,16 @@ TEMPLATE_TEST_CASE("SoftmaxState: empty states and fully masked blocks stay fini
     CHECK(acc.isZero());
     CHECK(state.log_sum_exp() == -std::numeric_limits<T>::infinity());
 
+    // A NaN logit poisons the state, even beside masked ones: not empty, NaN output.
+    SoftmaxState<T> poisoned;
+    std::vector<T> with_nan{-std::numeric_limits<T>::infinity(), std::numeric_limits<T>::quiet_NaN()};
+    poisoned.absorb(with_nan.data(), 2);
+    CHECK_FALSE(poisoned.empty());
+    Vector<T> poisoned_acc = Vector<T>::Ones(2);
+    poisoned.finish(poisoned_acc);
+    CHECK(poisoned_acc.array().isNaN().all());
+    CHECK(std::isnan(poisoned.log_sum_exp()));
+
     // Huge logits: exp is taken relative to the running maximum.
     std::vector<T> big{T(1e4), T(-1e4), T(1e4) - 1};
     state.absorb(big.data(), 3);

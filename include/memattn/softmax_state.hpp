@@ -27,8 +27,9 @@ struct SoftmaxState {
     T max = minus_inf;  ///< running maximum logit m
     T sum = T(0);       ///< running Σ exp(s_j − m)
 
-    /// True while no key has been seen (acc must then be zero).
-    [[nodiscard]] bool empty() const noexcept { return !(sum > T(0)); }
+    /// True while no key has been seen (acc must then be zero). A NaN sum (a NaN logit
+    /// or value was seen) is not empty: it poisons the output instead of hiding as zero.
+    [[nodiscard]] bool empty() const noexcept { return sum == T(0); }
 
     /// Folds logits s[0, n) into the state. On return s[j] holds the weight
     /// p_j = exp(s_j − m_new); the result is the factor α = exp(m_old − m_new) by which
@@ -38,7 +39,10 @@ struct SoftmaxState {
     /// state stays empty and α = 1, so nothing becomes NaN.
     T absorb(T* s, Index n) {
         Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> a(s, n);
-        const T new_max = n > 0 ? std::max(max, a.maxCoeff()) : max;
+        // PropagateNaN: a NaN logit makes the maximum NaN, so it poisons the state even
+        // when every other logit is −∞ (std::max and plain maxCoeff may drop it).
+        const T block_max = n > 0 ? a.template maxCoeff<Eigen::PropagateNaN>() : minus_inf;
+        const T new_max = std::isnan(block_max) ? block_max : std::max(max, block_max);
         if (new_max == minus_inf) {
             a.setZero();
             return T(1);
