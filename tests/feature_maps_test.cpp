@@ -10,18 +10,9 @@ using namespace memattn;
 using memattn::test::random_matrix;
 using reference::MatrixD;
 using memattn::test::HasSubstring;
+using memattn::test::SquarePlusOne;
 
 namespace {
-
-// A user's own map, in a few lines: φ(x) = (x², 1), positive, for any scalar.
-struct SquarePlusOne {
-    Index output_dim(Index d) const { return d + 1; }
-    template <class T>
-    void operator()(ConstMatrixRef<T> X, MatrixRef<T> Y) const {
-        Y.leftCols(X.cols()) = X.array().square().matrix();
-        Y.col(X.cols()).setOnes();
-    }
-};
 
 // Only for float: a map may support one scalar.
 struct FloatOnly {

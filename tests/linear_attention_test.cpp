@@ -16,18 +16,9 @@ using memattn::test::tolerance;
 using reference::MatrixD;
 using reference::RowD;
 using memattn::test::HasSubstring;
+using memattn::test::SquarePlusOne;
 
 namespace {
-
-// A user's own feature map: φ(x) = (x², 1).
-struct SquarePlusOne {
-    Index output_dim(Index d) const { return d + 1; }
-    template <class T>
-    void operator()(ConstMatrixRef<T> X, MatrixRef<T> Y) const {
-        Y.leftCols(X.cols()) = X.array().square().matrix();
-        Y.col(X.cols()).setOnes();
-    }
-};
 
 static_assert(Memory<LinearAttentionMemory<float>>);
 static_assert(Memory<LinearAttentionMemory<double, Taylor2>>);

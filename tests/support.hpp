@@ -47,4 +47,14 @@ void check_close(const Eigen::MatrixBase<D>& actual, const MatrixD& expected, do
     REQUIRE_THAT(error, Catch::Matchers::WithinAbs(0.0, rel * magnitude));
 }
 
+// A user's own feature map, in a few lines: φ(x) = (x², 1), positive, for any scalar.
+struct SquarePlusOne {
+    Index output_dim(Index d) const { return d + 1; }
+    template <class T>
+    void operator()(ConstMatrixRef<T> X, MatrixRef<T> Y) const {
+        Y.leftCols(X.cols()) = X.array().square().matrix();
+        Y.col(X.cols()).setOnes();
+    }
+};
+
 }  // namespace memattn::test

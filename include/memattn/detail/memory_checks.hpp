@@ -2,7 +2,10 @@
 // The always-on shape checks at the entry points of the fixed-size memories, so every
 // memory words its std::invalid_argument the same way: function, argument, shapes.
 
+#include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
+
+#include <cmath>
 
 namespace memattn::detail {
 
@@ -23,6 +26,13 @@ inline void check_query(const char* function, Shape query, Shape out, Index key_
 inline Index at_least(Index value, Index least, const char* function, const char* argument) {
     require(value >= least, function, argument, "is ", value, ", expected >= ", least);
     return value;
+}
+
+/// A softmax memory's `scale`: finite, and 0 resolved to 1/sqrt(key_dim).
+template <class T>
+T checked_scale(T scale, Index key_dim, const char* function) {
+    require(std::isfinite(scale), function, "scale", "is ", scale, ", expected a finite number (0: 1/sqrt(key_dim))");
+    return resolve_scale(scale, key_dim);
 }
 
 }  // namespace memattn::detail

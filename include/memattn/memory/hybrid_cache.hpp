@@ -54,7 +54,7 @@ public:
           window_(detail::at_least(window, 1, "HybridCache", "window")),
           rate_(detail::at_least(rate, 1, "HybridCache", "rate")),
           slots_(detail::at_least(slots, 0, "HybridCache", "slots")),
-          scale_(checked_scale(scale, key_dim)),
+          scale_(detail::checked_scale(scale, key_dim, "HybridCache")),
           compressor_(std::move(compressor)),
           local_(window, key_dim, value_dim),
           compressed_(slots, key_dim, value_dim) {
@@ -143,10 +143,6 @@ private:
         compressor_.absorb(RowRef<T>(compressed_.value(slot)), ConstRowRef<T>(value), position);
     }
 
-    static T checked_scale(T scale, Index key_dim) {
-        detail::require(std::isfinite(scale), "HybridCache", "scale", "is ", scale, ", expected a finite number");
-        return detail::resolve_scale(scale, key_dim);
-    }
 
     Index key_dim_;
     Index value_dim_;

@@ -4,6 +4,7 @@
 // it is the baseline the fixed-size memories are measured against.
 
 #include "memattn/kernels/causal_softmax.hpp"
+#include "memattn/detail/memory_checks.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
@@ -21,10 +22,11 @@ public:
 
     /// `scale` multiplies q·k before the softmax; 0 means 1/sqrt(key_dim).
     KVCache(Index key_dim, Index value_dim, T scale = T(0))
-        : key_dim_(checked_dim(key_dim, "key_dim")), value_dim_(checked_dim(value_dim, "value_dim")), keys_(0, key_dim), values_(0, value_dim) {
-        detail::require(std::isfinite(scale), "KVCache", "scale", "is ", scale, ", expected a finite number");
-        scale_ = detail::resolve_scale(scale, key_dim);
-    }
+        : key_dim_(detail::at_least(key_dim, 1, "KVCache", "key_dim")),
+          value_dim_(detail::at_least(value_dim, 1, "KVCache", "value_dim")),
+          scale_(detail::checked_scale(scale, key_dim, "KVCache")),
+          keys_(0, key_dim),
+          values_(0, value_dim) {}
 
     /// Appends one pair. Storage grows geometrically (doubling), so n updates cost
     /// O(n) amortised copies; a throwing update leaves the cache unchanged.
@@ -128,14 +130,9 @@ private:
         return static_cast<std::size_t>(rows) * static_cast<std::size_t>(key_dim_ + value_dim_) * sizeof(T);
     }
 
-    static Index checked_dim(Index dim, const char* argument) {
-        detail::require(dim > 0, "KVCache", argument, "is ", dim, ", expected > 0");
-        return dim;
-    }
-
     Index key_dim_;
     Index value_dim_;
-    T scale_{};
+    T scale_;
     Matrix<T> keys_;
     Matrix<T> values_;
     Index length_ = 0;

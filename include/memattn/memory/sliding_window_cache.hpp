@@ -37,7 +37,7 @@ public:
           value_dim_(checked(value_dim, 1, "value_dim")),
           window_(checked(window, 1, "window")),
           sinks_(checked(sinks, 0, "sinks")),
-          scale_(checked_scale(scale, key_dim)),
+          scale_(detail::checked_scale(scale, key_dim, "SlidingWindowCache")),
           sink_pairs_(sinks, key_dim, value_dim),
           window_pairs_(window, key_dim, value_dim) {}
 
@@ -189,10 +189,6 @@ private:
         return detail::at_least(value, least, "SlidingWindowCache", argument);
     }
 
-    static T checked_scale(T scale, Index key_dim) {
-        detail::require(std::isfinite(scale), "SlidingWindowCache", "scale", "is ", scale, ", expected a finite number");
-        return detail::resolve_scale(scale, key_dim);
-    }
 
     Index key_dim_;
     Index value_dim_;
