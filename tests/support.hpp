@@ -52,6 +52,8 @@ struct SquarePlusOne {
     Index output_dim(Index d) const { return d + 1; }
     template <class T>
     void operator()(ConstMatrixRef<T> X, MatrixRef<T> Y) const {
+        if (X.rows() == 0)  // a column block of an empty view offsets a null pointer (UBSan)
+            return;
         Y.leftCols(X.cols()) = X.array().square().matrix();
         Y.col(X.cols()).setOnes();
     }
