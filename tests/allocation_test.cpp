@@ -36,6 +36,7 @@ inline void eigen_assertion_failed(const char* condition) {
 #include "support.hpp"
 
 #include <memattn/memory/hybrid_cache.hpp>
+#include <memattn/memory/kv_cache.hpp>
 #include <memattn/memory/linear_attention_memory.hpp>
 #include <memattn/memory/moving_average_cache.hpp>
 #include <memattn/memory/sliding_window_cache.hpp>
@@ -190,5 +191,32 @@ TEMPLATE_TEST_CASE("Fixed-size memories never allocate in update, attend or exte
     }
     SECTION("LinearAttentionMemory, features beyond attend's stack buffer") {
         check_no_allocation(LinearAttentionMemory<T, Taylor2>(130, 4));
+    }
+}
+
+TEMPLATE_TEST_CASE("KVCache: the decode steps after a prefill or a bulk extend do not reallocate", "[memory][allocation]",
+                   float, double) {
+    using T = TestType;
+    const Index n = 2000, d = 16, dv = 8, steps = 200;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
+    Matrix<T> O(n, dv);
+    Vector<T> out(dv);
+    for (const bool bulk_prefill : {true, false}) {
+        KVCache<T> cache(d, dv);
+        if (bulk_prefill)
+            prefill(cache, Q, K, V, O);
+        else
+            extend(cache, K, V);
+        INFO((bulk_prefill ? "after prefill" : "after extend") << " of " << n << " pairs, capacity "
+                                                               << cache.capacity() << " bytes");
+        HeapWatch watch;
+        for (Index i = 0; i < steps; ++i) {
+            cache.update(K.row(i), V.row(i));
+            cache.attend(Q.row(i), out);
+        }
+        const auto counts = watch.stop();
+        CHECK(counts.operator_news == 0);
+        CHECK(counts.eigen_mallocs == 0);
+        CHECK(cache.length() == n + steps);
     }
 }

@@ -21,8 +21,6 @@
 
 #include "memattn/types.hpp"
 
-#include <Eigen/Core>
-
 #include <algorithm>
 #include <cmath>
 #include <concepts>
@@ -31,6 +29,7 @@
 #include <numbers>
 #include <random>
 #include <type_traits>
+#include <utility>
 
 namespace memattn {
 
@@ -44,12 +43,18 @@ concept FeatureMap = Scalar<T> && std::copy_constructible<F> &&
 
 namespace detail {
 
-/// The shape check every provided map makes: Y is X.rows() × output_dim(X.cols()).
+/// The output of every provided map, after its checks: Y is X.rows() × output_dim, a
+/// writable row-major view, and shares no element with X.
 template <class DX, class DY>
-void check_feature_shapes(const char* function, const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DY>& Y,
-                          Index output_dim) {
-    require(Y.rows() == X.rows() && Y.cols() == output_dim, function, "Y", "has shape ", shape(Y), ", expected ",
-            X.rows(), 'x', output_dim, " for X of shape ", shape(X));
+MatrixRef<typename DX::Scalar> feature_output(const char* function, const Eigen::MatrixBase<DX>& X, DY&& Y,
+                                              Index output_dim) {
+    static_assert(same_scalar<DX, std::remove_cvref_t<DY>>, "memattn feature maps: X and Y must share one scalar type.");
+    const ConstMatrixRef<typename DX::Scalar> x = sequence(X);
+    MatrixRef<typename DX::Scalar> y = output(std::forward<DY>(Y));
+    require(y.rows() == x.rows() && y.cols() == output_dim, function, "Y", "has shape ", shape(y), ", expected ",
+            x.rows(), 'x', output_dim, " for X of shape ", shape(x));
+    require_disjoint(function, "Y", y, "X", x);
+    return y;
 }
 
 }  // namespace detail
@@ -59,9 +64,8 @@ void check_feature_shapes(const char* function, const Eigen::MatrixBase<DX>& X, 
 struct Identity {
     [[nodiscard]] Index output_dim(Index d) const noexcept { return d; }
     template <class DX, class DY>
-    void operator()(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DY>& Y) const {
-        detail::check_feature_shapes("Identity", X, Y, X.cols());
-        detail::writable(Y) = X;
+    void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
+        detail::feature_output("Identity", X, std::forward<DY>(Y), X.cols()) = X;
     }
 };
 
@@ -113,10 +117,9 @@ struct EluPlusOneOp {
 struct EluPlusOne {
     [[nodiscard]] Index output_dim(Index d) const noexcept { return d; }
     template <class DX, class DY>
-    void operator()(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DY>& Y) const {
-        detail::check_feature_shapes("EluPlusOne", X, Y, X.cols());
+    void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
         using T = typename DX::Scalar;
-        detail::writable(Y) = X.unaryExpr(detail::EluPlusOneOp<T>{});
+        detail::feature_output("EluPlusOne", X, std::forward<DY>(Y), X.cols()) = X.unaryExpr(detail::EluPlusOneOp<T>{});
     }
 };
 
@@ -124,10 +127,9 @@ struct EluPlusOne {
 struct Relu {
     [[nodiscard]] Index output_dim(Index d) const noexcept { return d; }
     template <class DX, class DY>
-    void operator()(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DY>& Y) const {
-        detail::check_feature_shapes("Relu", X, Y, X.cols());
+    void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
         using T = typename DX::Scalar;
-        detail::writable(Y) = X.array().max(T(0)).matrix();
+        detail::feature_output("Relu", X, std::forward<DY>(Y), X.cols()) = X.array().max(T(0)).matrix();
     }
 };
 
@@ -138,10 +140,9 @@ struct Relu {
 struct Taylor2 {
     [[nodiscard]] Index output_dim(Index d) const noexcept { return 1 + d + d * (d + 1) / 2; }
     template <class DX, class DY>
-    void operator()(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DY>& Y) const {
-        detail::check_feature_shapes("Taylor2", X, Y, output_dim(X.cols()));
+    void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
         using T = typename DX::Scalar;
-        auto y = detail::writable(Y);
+        auto y = detail::feature_output("Taylor2", X, std::forward<DY>(Y), output_dim(X.cols()));
         const Index d = X.cols();
         const T diagonal = T(1) / std::numbers::sqrt2_v<T>;
         for (Index r = 0; r < X.rows(); ++r) {
@@ -203,13 +204,12 @@ public:
     [[nodiscard]] const Matrix<double>& projection() const noexcept { return omega_; }
 
     template <class DX, class DY>
-    void operator()(const Eigen::MatrixBase<DX>& X, const Eigen::MatrixBase<DY>& Y) const {
+    void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
         using T = typename DX::Scalar;
         static_assert(Scalar<T>, "memattn::FavorPlus works on float or double rows.");
         detail::require(X.cols() == d_, "FavorPlus", "X", "has shape ", detail::shape(X), ", expected ", d_,
                         " columns (the input dim the random features were drawn for)");
-        detail::check_feature_shapes("FavorPlus", X, Y, m_);
-        auto y = detail::writable(Y);
+        auto y = detail::feature_output("FavorPlus", X, std::forward<DY>(Y), m_);
         const auto& w = scaled<T>();
         y.noalias() = X * w.transpose();  // ω_i·x̃ for every row and feature
         const T half_norm = T(0.5) / std::sqrt(static_cast<T>(d_));  // |x̃|²/2 = |x|² / (2√d)

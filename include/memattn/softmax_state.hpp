@@ -47,7 +47,7 @@ struct SoftmaxState {
             a.setZero();
             return T(1);
         }
-        a = (a - new_max).exp();
+        a = (a - new_max).unaryExpr(detail::ExpNonpositiveOp<T>{});  // −∞ → 0, no floor, NaN stays
         const T alpha = std::exp(max - new_max);  // exp(−∞) = 0 on the first block
         sum = alpha * sum + a.sum();
         max = new_max;
@@ -109,24 +109,20 @@ public:
 
     /// Folds a key-major tile of base-2 logits into lanes [0, n): s[j·ld + i] is
     /// log2(e)·s_ji for key j and query i, j < keys. On return it holds the weight
-    /// p = 2^(s₂ − m₂) = exp(s − m_new) (0 for a masked logit of −∞), and alpha() the factor
-    /// α = exp(m_old − m_new) by which the caller scales lane i of its accumulator before
-    /// adding Σ_j p_ji v_j:
+    /// p = 2^(s₂ − m₂) = exp(s − m_new) (exactly 0 for a masked logit of −∞), and alpha() the
+    /// factor α = exp(m_old − m_new) by which the caller scales lane i of its accumulator
+    /// before adding Σ_j p_ji v_j:
     ///   m_new = max(m_old, max_j s_j),  sum = α·sum + Σ_j p_j,  acc = α·acc + Σ_j p_j v_j.
-    /// A lane that has seen only −∞ stays empty with α = 0 (its accumulator is zero).
-    /// `may_be_masked = false` promises no −∞ in the tile and skips the masking of weights.
-    void absorb(T* s, Index keys, Index ld, Index n, bool may_be_masked = true) {
+    /// A lane that has seen only −∞ stays empty with α = 0 (its accumulator is zero). A NaN
+    /// logit, whatever its payload, makes its weight and so its lane's sum NaN.
+    void absorb(T* s, Index keys, Index ld, Index n) {
         MEMATTN_DASSERT(n <= lanes() && ld >= n);
         constexpr Index width = detail::packet_lanes<T>;
         Index i = 0;
-        for (; i + width <= n; i += width) {
-            if (may_be_masked)
-                absorb_lanes<detail::Packet<T>, true>(s + i, keys, ld, i);
-            else
-                absorb_lanes<detail::Packet<T>, false>(s + i, keys, ld, i);
-        }
+        for (; i + width <= n; i += width)
+            absorb_lanes<detail::Packet<T>>(s + i, keys, ld, i);
         for (; i < n; ++i)
-            absorb_lanes<T, true>(s + i, keys, ld, i);
+            absorb_lanes<T>(s + i, keys, ld, i);
     }
 
     /// α per lane from the last absorb.
@@ -141,7 +137,7 @@ private:
     static constexpr Index max_row = 0, sum_row = 1, alpha_row = 2;
 
     /// absorb() for the lanes of one packet P starting at lane `first`.
-    template <class P, bool Masked>
+    template <class P>
     void absorb_lanes(T* s, Index keys, Index ld, Index first) {
         using namespace Eigen::internal;
         const P minus_inf = pset1<P>(SoftmaxState<T>::minus_inf);
@@ -152,18 +148,14 @@ private:
         for (Index j = 0; j < keys; ++j)
             m_new = pmax(m_new, ploadu<P>(s + j * ld));  // m₂ = max(m_old, max_j s_j)
         // Subtract 0 instead of −∞ in lanes that saw nothing, so no −∞ − (−∞) = NaN.
-        const P empty = pcmp_eq(m_new, minus_inf);
-        const P shift = pselect(empty, pset1<P>(T(0)), m_new);
+        const P shift = pselect(pcmp_eq(m_new, minus_inf), pset1<P>(T(0)), m_new);
         // α = 2^(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
-        const P alpha = pand(pcmp_lt(minus_inf, m_old), detail::exp2_nonpositive(psub(m_old, shift)));
+        const P alpha = detail::exp2_nonpositive(psub(m_old, shift));
         P block_sum = pset1<P>(T(0));
         for (Index j = 0; j < keys; ++j) {
-            const P logit = ploadu<P>(s + j * ld);
-            // p = 2^(s₂ − m₂), and exactly 0 for a masked logit (exp2_nonpositive clamps −∞);
-            // a NaN logit stays NaN and poisons its query, as in the reference.
-            P weight = detail::exp2_nonpositive(psub(logit, shift));
-            if constexpr (Masked)
-                weight = pandnot(weight, pcmp_eq(logit, minus_inf));
+            // p = 2^(s₂ − m₂): exactly 0 for a masked logit (−∞) or one too small to matter,
+            // NaN for a NaN logit (pmax above may have dropped it from the maximum).
+            const P weight = detail::exp2_nonpositive(psub(ploadu<P>(s + j * ld), shift));
             pstoreu(s + j * ld, weight);
             block_sum = padd(block_sum, weight);
         }
@@ -198,7 +190,7 @@ void attend_contiguous(const Q& q, const KBlock& K, const VBlock& V, T scale, So
     }
 }
 
-/// 1/sqrt(d) when `scale` is 0 (the DESIGN.md convention), else `scale`.
+/// 1/sqrt(d) when `scale` is 0 (the convention of docs/design.md), else `scale`.
 template <class T>
 T resolve_scale(T scale, Index d) {
     return scale == T(0) ? T(1) / std::sqrt(static_cast<T>(std::max<Index>(d, 1))) : scale;

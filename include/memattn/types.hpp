@@ -2,14 +2,18 @@
 // Eigen aliases shared by every memattn header, and the one shape check that every
 // public entry point uses to report bad input.
 
-#include <Eigen/Core>
+#include "memattn/detail/eigen_core.hpp"
 
+#include <charconv>
+#include <cmath>
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 namespace memattn {
 
@@ -51,6 +55,19 @@ Shape shape(const Eigen::EigenBase<D>& m) {
     return {m.rows(), m.cols()};
 }
 
+/// Streams one part of a message; a floating-point value in its shortest form that reads
+/// back as the same value, so a rejected 1.0000000001 is not shown as 1.
+template <class Part>
+void put(std::ostream& os, const Part& part) {
+    if constexpr (std::is_floating_point_v<Part>) {
+        char buffer[64];
+        const auto result = std::to_chars(buffer, buffer + sizeof buffer, part);
+        os.write(buffer, result.ptr - buffer);
+    } else {
+        os << part;
+    }
+}
+
 /// Throws std::invalid_argument("memattn::<function>: argument '<argument>' <parts...>")
 /// unless `ok`. The message is built only on failure, so the check costs a branch.
 template <class... Parts>
@@ -59,24 +76,142 @@ void require(bool ok, std::string_view function, std::string_view argument, cons
         return;
     std::ostringstream os;
     os << "memattn::" << function << ": argument '" << argument << "' ";
-    (os << ... << parts);
+    (put(os, parts), ...);
     throw std::invalid_argument(os.str());
 }
 
-/// The output argument of a public function: Eigen's documented idiom for writable
-/// temporaries such as `O.middleCols(h * dv, dv)` is to take them by const reference
-/// and cast the constness away ("Writing Functions Taking Eigen Types").
-template <class D>
-MatrixRef<typename D::Scalar> writable(const Eigen::MatrixBase<D>& out) {
-    static_assert(static_cast<bool>(D::IsRowMajor) || D::ColsAtCompileTime == 1 || D::RowsAtCompileTime == 1,
-                  "memattn writes outputs in place into row-major storage: pass a row-major Matrix, Map or "
-                  "block (memattn::Matrix<T> is row-major).");
-    return MatrixRef<typename D::Scalar>(const_cast<Eigen::MatrixBase<D>&>(out).derived());
+/// "float" or "double", for messages.
+template <class T>
+inline constexpr const char* scalar_name = std::is_same_v<T, float> ? "float" : "double";
+
+/// A double-valued option is finite both as given and in the scalar T the call computes
+/// in (1e39 is a finite double and an infinite float).
+template <class T>
+bool finite_in(double value) {
+    return std::isfinite(value) && std::isfinite(static_cast<T>(value));
 }
 
+/// D is an Eigen matrix expression (a Matrix, Map, Block, Ref, ...), of any constness.
 template <class D>
-RowRef<typename D::Scalar> writable_row(const Eigen::MatrixBase<D>& out) {
-    return RowRef<typename D::Scalar>(const_cast<Eigen::MatrixBase<D>&>(out).derived());
+concept EigenMatrix = std::derived_from<std::remove_cvref_t<D>, Eigen::MatrixBase<std::remove_cvref_t<D>>>;
+
+/// Sequences are row-major, one token per row; a compile-time vector (one row or one
+/// column) is contiguous either way.
+template <class D>
+inline constexpr bool row_major_sequence = bool(D::IsRowMajor) || bool(D::IsVectorAtCompileTime);
+
+/// An output argument can be written through: not const, and an lvalue expression (not a
+/// block of a const matrix, a Map of const data, a const Ref, a product...).
+template <class D>
+inline constexpr bool writable_expression =
+    !std::is_const_v<std::remove_reference_t<D>> && (std::remove_cvref_t<D>::Flags & Eigen::LvalueBit) != 0;
+
+/// The view of an input sequence, after the layout check: a column-major matrix is
+/// refused at compile time rather than copied behind the caller's back.
+template <class D>
+ConstMatrixRef<typename D::Scalar> sequence(const Eigen::MatrixBase<D>& x) {
+    static_assert(row_major_sequence<D>,
+                  "memattn takes row-major sequences: use memattn::Matrix<T> or a row-major Map "
+                  "(this argument is column-major, e.g. an Eigen::MatrixXf, and would be copied)");
+    return ConstMatrixRef<typename D::Scalar>(x.derived());
+}
+
+/// Checks that an output can be written in place: writable, and row-major unless it is a
+/// vector (`sequences` false: an lse).
+template <class D, bool sequences = true>
+constexpr bool check_output() {
+    using E = std::remove_cvref_t<D>;
+    static_assert(writable_expression<D>,
+                  "memattn writes outputs in place: pass a non-const matrix, or a writable block or Map "
+                  "(this output is const)");
+    static_assert(!sequences || row_major_sequence<E>,
+                  "memattn takes row-major sequences: use memattn::Matrix<T> or a row-major Map "
+                  "(this output is column-major, e.g. an Eigen::MatrixXf)");
+    return writable_expression<D> && (!sequences || row_major_sequence<E>);
+}
+
+/// The view of an output sequence, written in place.
+template <EigenMatrix D>
+MatrixRef<typename std::remove_cvref_t<D>::Scalar> output(D&& out) {
+    using T = typename std::remove_cvref_t<D>::Scalar;
+    if constexpr (check_output<D>()) {
+        return MatrixRef<T>(out);
+    } else {  // never runs: the build has failed in check_output; this keeps the error to one
+        static Matrix<T> unused;
+        return MatrixRef<T>(unused);
+    }
+}
+
+/// Where a view's elements are: `rows` runs of `cols` contiguous elements, `stride` apart.
+struct Extent {
+    std::uintptr_t address;
+    Index rows, cols, stride;
+};
+
+template <class D>
+Extent extent(const D& view) {
+    const auto address = reinterpret_cast<std::uintptr_t>(view.data());
+    const Index rows = view.rows(), cols = view.cols();
+    const Index row_step = D::IsRowMajor ? view.outerStride() : view.innerStride();
+    const Index col_step = D::IsRowMajor ? view.innerStride() : view.outerStride();
+    if (rows == 1 || cols == 1) {  // a vector: one run, or one element per step
+        const Index step = rows == 1 ? col_step : row_step, size = rows * cols;
+        return step == 1 ? Extent{address, 1, size, size} : Extent{address, size, 1, step};
+    }
+    if (col_step == 1)
+        return {address, rows, cols, row_step};
+    if (row_step == 1)  // column-major: the same elements as its transpose
+        return {address, cols, rows, col_step};
+    const Index span = (rows - 1) * row_step + (cols - 1) * col_step + 1;  // neither: every address in between
+    return {address, 1, span, span};
+}
+
+/// Whether the run of elements [start, start + length) meets one of the rows of a view
+/// whose first element is at 0.
+inline bool run_meets_rows(Index start, Index length, const Extent& view) {
+    if (view.rows == 1 || view.stride <= 0)
+        return start < view.cols && start + length > 0;
+    const Index row = start < view.cols ? 0 : (start - view.cols) / view.stride + 1;  // first row ending past start
+    return row < view.rows && row * view.stride < start + length;
+}
+
+/// Whether two row-major views of T (unit inner stride) share an element. Exact for single
+/// rows and for views with the same row stride (blocks of one buffer, such as the column
+/// blocks of a fused QKV matrix); other views are taken to overlap when their address
+/// ranges meet.
+template <class T>
+bool overlap(Extent a, Extent b) {
+    if (a.rows == 0 || a.cols == 0 || b.rows == 0 || b.cols == 0)
+        return false;
+    const auto end = [](const Extent& e) {
+        return e.address + sizeof(T) * static_cast<std::uintptr_t>((e.rows - 1) * e.stride + e.cols);
+    };
+    if (end(a) <= b.address || end(b) <= a.address)
+        return false;
+    if (b.address < a.address)
+        std::swap(a, b);
+    const std::uintptr_t bytes = b.address - a.address;
+    if (bytes % sizeof(T) != 0)
+        return true;
+    const auto delta = static_cast<Index>(bytes / sizeof(T));  // b's first element, counted from a's
+    if (b.rows == 1)
+        return run_meets_rows(delta, b.cols, a);
+    if (a.rows == 1)
+        return run_meets_rows(-delta, a.cols, b);
+    if (a.stride != b.stride || a.cols > a.stride || b.cols > b.stride)
+        return true;
+    // b(j, e) is a's element (q + j)·s + r + e: in a's row q + j, or past its end in the next.
+    const Index s = a.stride, q = delta / s, r = delta % s;
+    return q < a.rows && (r < a.cols || (r + b.cols > s && q + 1 < a.rows));
+}
+
+/// The aliasing rule of every entry point: an output shares no element with an input.
+template <class O, class I>
+void require_disjoint(std::string_view function, std::string_view output_name, const O& out,
+                      std::string_view input_name, const I& in) {
+    require(!overlap<typename O::Scalar>(extent(out), extent(in)), function, output_name, "(", shape(out),
+            ") shares memory with argument '", input_name, "' (", shape(in),
+            "): an output must not overlap an input; write it to separate storage");
 }
 
 /// All arguments of a public function share one floating-point scalar.

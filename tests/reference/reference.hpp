@@ -1,9 +1,9 @@
 #pragma once
-// Naive double-precision references of every formula in DESIGN.md, written plainly,
+// Naive double-precision references of every formula in docs/design.md, written plainly,
 // position by position, for the tests to check the library against. Nothing here is
 // fast or clever on purpose: each function is the definition.
 
-#include <Eigen/Core>
+#include <memattn/types.hpp>  // first: it includes Eigen (see memattn/detail/eigen_core.hpp)
 
 #include <algorithm>
 #include <cmath>
@@ -36,7 +36,7 @@ struct SoftmaxResult {
     std::vector<double> lse;  ///< log Σ_j exp(scale q·k_j) per query (−∞ if nothing visible)
 };
 
-/// o_i = Σ_{j ∈ J_i} softmax_j(scale q_i·k_j) v_j with p_i = Nk − Nq + i (DESIGN.md).
+/// o_i = Σ_{j ∈ J_i} softmax_j(scale q_i·k_j) v_j with p_i = Nk − Nq + i (docs/design.md).
 /// scale 0 means 1/sqrt(d).
 inline SoftmaxResult softmax_attention(const MatrixD& Q, const MatrixD& K, const MatrixD& V, double scale = 0,
                                        Index window = 0, Index sinks = 0) {
@@ -140,7 +140,15 @@ inline MatrixD exponential_average(const MatrixD& X, double alpha) {
 using Pool = std::function<RowD(const MatrixD& rows)>;
 
 inline RowD mean_pool(const MatrixD& rows) { return rows.colwise().mean(); }
-inline RowD max_pool(const MatrixD& rows) { return rows.colwise().maxCoeff(); }
+/// The element-wise maximum; a NaN anywhere in a column makes that column NaN.
+inline RowD max_pool(const MatrixD& rows) {
+    RowD r = rows.row(0);
+    for (Index p = 1; p < rows.rows(); ++p)
+        for (Index c = 0; c < rows.cols(); ++c)
+            r(c) = std::isnan(r(c)) || std::isnan(rows(p, c)) ? std::numeric_limits<double>::quiet_NaN()
+                                                              : std::max(r(c), rows(p, c));
+    return r;
+}
 /// Σ_p w_p · row_p over the positions present in the slot.
 inline Pool weighted_pool(std::vector<double> weights) {
     return [weights = std::move(weights)](const MatrixD& rows) {

@@ -16,10 +16,27 @@ inline void check_pairs(const char* function, Shape key, Shape value, Index key_
             key.rows, 'x', value_dim, " (key is ", key, ")");
 }
 
-/// One query 1 × key_dim and its output 1 × value_dim.
-inline void check_query(const char* function, Shape query, Shape out, Index key_dim, Index value_dim) {
-    require(query.cols == key_dim, function, "query", "has shape ", query, ", expected 1x", key_dim);
-    require(out.cols == value_dim, function, "out", "has shape ", out, ", expected 1x", value_dim);
+/// One query 1 × key_dim and its output 1 × value_dim, which must not overlap it.
+template <class T>
+void check_query(const char* function, const ConstRowRef<T>& query, const RowRef<T>& out, Index key_dim,
+                 Index value_dim) {
+    require(query.cols() == key_dim, function, "query", "has shape ", shape(query), ", expected 1x", key_dim);
+    require(out.cols() == value_dim, function, "out", "has shape ", shape(out), ", expected 1x", value_dim);
+    require_disjoint(function, "out", out, "query", query);
+}
+
+/// A memory's own prefill: queries n × key_dim and out n × value_dim beside keys/values
+/// already checked, out overlapping none of them.
+template <class T>
+void check_prefill(const char* function, const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
+                   const ConstMatrixRef<T>& values, const MatrixRef<T>& out, Index key_dim, Index value_dim) {
+    require(queries.rows() == keys.rows() && queries.cols() == key_dim, function, "queries", "has shape ",
+            shape(queries), ", expected ", keys.rows(), 'x', key_dim);
+    require(out.rows() == keys.rows() && out.cols() == value_dim, function, "out", "has shape ", shape(out),
+            ", expected ", keys.rows(), 'x', value_dim);
+    require_disjoint(function, "out", out, "queries", queries);
+    require_disjoint(function, "out", out, "keys", keys);
+    require_disjoint(function, "out", out, "values", values);
 }
 
 /// A constructor's integer argument, at least `least`.

@@ -6,8 +6,7 @@
 
 #include "memattn/types.hpp"
 
-#include <Eigen/Core>
-
+#include <cmath>
 #include <type_traits>
 
 namespace memattn::detail {
@@ -19,40 +18,76 @@ using Packet = typename Eigen::internal::packet_traits<T>::type;
 template <class T>
 inline constexpr Index packet_lanes = Eigen::internal::unpacket_traits<Packet<T>>::size;
 
+/// The smallest exponent e for which exp2_nonpositive gives 2^e rather than 0: 2^e is
+/// still a normal number of T with room for the polynomial's rounding.
+template <class T>
+inline constexpr T exp2_lowest = std::is_same_v<T, float> ? T(-125) : T(-1021);
+
 /// 2^x for x ≤ 0 or −∞: the only arguments the online softmax takes (a base-2 logit
-/// minus the running maximum; see SoftmaxBlockState). For float packets, x = n + f with
-/// n = round(x), |f| ≤ 1/2; 2^f is a degree-5 polynomial (the Chebyshev interpolant on
-/// [−1/2, 1/2] with its constant set to 1 so that 2^0 = 1 exactly: relative error
-/// 2.1e-7, under two ulps) and n is added into its exponent bits. x is clamped at −125 (2^x ≈ 2.4e-38, negligible beside the maximum's weight 1;
-/// −∞ lands there too and the caller masks it), which keeps the result normal.
-/// Rounding uses the 1.5·2^23 trick: after adding it, the low mantissa bits hold n.
-/// A NaN argument gives NaN (for NaNs made by arithmetic, whose low payload bits are 0:
-/// the exponent addition then leaves the polynomial's NaN as it is).
+/// minus the running maximum; see SoftmaxBlockState).
+///   x < exp2_lowest (2^x ≤ 2.4e-38 in float, beside the maximum's weight 1): exactly 0,
+///     so a logit of −∞ is a weight of exactly 0 and no weight has a floor;
+///   x NaN, whatever its payload: NaN, so a NaN logit poisons its query.
+/// For float packets, x = n + f with n = round(x), |f| ≤ 1/2; 2^f is a degree-5
+/// polynomial (the Chebyshev interpolant on [−1/2, 1/2] with its constant set to 1 so
+/// that 2^0 = 1 exactly: relative error 2.1e-7, under two ulps) and n is added into its
+/// exponent bits, from x clamped at exp2_lowest so that the sum stays a normal number.
+/// Rounding uses the 1.5·2^23 trick: after adding it, the low mantissa bits hold n (for a
+/// NaN they hold its payload, which the exponent addition could turn into a finite
+/// number: hence the explicit NaN lanes at the end).
 /// Why not Eigen's pexp: on Zen 1 one 256-bit multiply or FMA issues per cycle, and this
 /// needs 5 of them per packet against about 10 for pexp (an extra scaling by log2 e, a
-/// degree-6 polynomial, a general ldexp). Doubles and lone lanes use pexp(x·ln 2).
+/// degree-6 polynomial, a general ldexp). Double packets use pexp(x·ln 2), which has a
+/// floor of its own (it clamps at about 2^−1024), so they take the same two fixes; lone
+/// lanes use std::exp2.
 template <class P>
 P exp2_nonpositive(const P& x) {
     using namespace Eigen::internal;
     using T = typename unpacket_traits<P>::type;
-    if constexpr (std::is_same_v<T, float> && !std::is_same_v<P, float>) {
-        using IntPacket = typename unpacket_traits<P>::integer_packet;
-        const P round_bias = pset1<P>(12582912.0f);  // 1.5·2^23
-        const P t = pmax(x, pset1<P>(-125.0f));
-        const P biased = padd(t, round_bias);        // low mantissa bits: n = round(t)
-        const P f = psub(t, psub(biased, round_bias));
-        P e = pset1<P>(1.3390863364719507e-3f);      // 2^f ≈ Σ_k c_k f^k (Horner)
-        e = pmadd(e, f, pset1<P>(9.676031918343615e-3f));
-        e = pmadd(e, f, pset1<P>(5.550357114219621e-2f));
-        e = pmadd(e, f, pset1<P>(2.4022107485307692e-1f));
-        e = pmadd(e, f, pset1<P>(6.931471880262274e-1f));
-        e = pmadd(e, f, pset1<P>(1.0f));                    // c_0 = 1: 2^0 is exact
-        // 2^t = 2^f · 2^n: add n to the exponent field (shifting out the bias's bits).
-        const IntPacket n_exponent = plogical_shift_left<23>(preinterpret<IntPacket>(biased));
-        return preinterpret<P>(padd(preinterpret<IntPacket>(e), n_exponent));
+    const T lowest = exp2_lowest<T>;
+    if constexpr (std::is_same_v<P, T>) {
+        return x < lowest ? T(0) : std::exp2(x);  // a NaN compares false and stays NaN
     } else {
-        return pexp(pmul(x, pset1<P>(T(0.693147180559945309417232121458))));
+        P power;
+        if constexpr (std::is_same_v<T, float>) {
+            using IntPacket = typename unpacket_traits<P>::integer_packet;
+            const P round_bias = pset1<P>(12582912.0f);  // 1.5·2^23
+            const P t = pmax(x, pset1<P>(lowest));
+            const P biased = padd(t, round_bias);        // low mantissa bits: n = round(t)
+            const P f = psub(t, psub(biased, round_bias));
+            P e = pset1<P>(1.3390863364719507e-3f);      // 2^f ≈ Σ_k c_k f^k (Horner)
+            e = pmadd(e, f, pset1<P>(9.676031918343615e-3f));
+            e = pmadd(e, f, pset1<P>(5.550357114219621e-2f));
+            e = pmadd(e, f, pset1<P>(2.4022107485307692e-1f));
+            e = pmadd(e, f, pset1<P>(6.931471880262274e-1f));
+            e = pmadd(e, f, pset1<P>(1.0f));                    // c_0 = 1: 2^0 is exact
+            // 2^t = 2^f · 2^n: add n to the exponent field (shifting out the bias's bits).
+            const IntPacket n_exponent = plogical_shift_left<23>(preinterpret<IntPacket>(biased));
+            power = preinterpret<P>(padd(preinterpret<IntPacket>(e), n_exponent));
+        } else {
+            power = pexp(pmul(x, pset1<P>(T(0.693147180559945309417232121458))));
+        }
+        // 0 below 2^lowest, and every bit set (a NaN) where x is NaN.
+        return por(pandnot(power, pcmp_lt(x, pset1<P>(lowest))), pcmp_lt_or_nan(x, x));
     }
 }
 
+/// e^x for x ≤ 0 as an Eigen functor with a packet path: exp2_nonpositive(x·log2 e), so
+/// a −∞ is exactly 0, nothing has a floor (Eigen's exp clamps its argument at about −88
+/// in float and gives ~3e-39 for −∞) and a NaN of any payload stays NaN.
+template <class T>
+struct ExpNonpositiveOp {
+    static constexpr T log2e = T(1.44269504088896340735992468100);
+    T operator()(const T& x) const { return exp2_nonpositive(x * log2e); }
+    template <class P>
+    P packetOp(const P& x) const {
+        return exp2_nonpositive(Eigen::internal::pmul(x, Eigen::internal::pset1<P>(log2e)));
+    }
+};
+
 }  // namespace memattn::detail
+
+template <class T>
+struct Eigen::internal::functor_traits<memattn::detail::ExpNonpositiveOp<T>> {
+    enum { Cost = 12 * NumTraits<T>::MulCost, PacketAccess = packet_traits<T>::Vectorizable };
+};

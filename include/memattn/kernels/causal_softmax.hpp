@@ -76,10 +76,11 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <utility>
 
 namespace memattn {
 
-/// Options of causal_softmax_attention (DESIGN.md).
+/// Options of causal_softmax_attention (docs/design.md).
 struct SoftmaxOptions {
     double scale = 0;  ///< multiplies q·k before the softmax; 0 means 1/sqrt(d)
     Index window = 0;  ///< each query sees its last `window` keys, itself included; 0: no limit
@@ -97,6 +98,10 @@ struct SoftmaxTiles {
 /// The tiles for a call: narrower query tiles under a window, where a tile's key span
 /// is window + queries − 1 for `window` useful keys per query.
 constexpr SoftmaxTiles default_tiles(Index window) { return window > 0 ? SoftmaxTiles{32, 128} : SoftmaxTiles{}; }
+
+/// A window of at least Nk keys limits nothing: 0, so no position arithmetic sees a
+/// window near the largest Index.
+constexpr Index effective_window(Index window, Index keys) { return window >= keys ? 0 : window; }
 
 /// The tiled kernel for one call: its scratch and its steps (see the top of the file).
 template <class T>
@@ -158,7 +163,7 @@ private:
         const bool masked = !fully_visible(j0, n);
         if (masked)
             mask(j0, n);
-        state_.absorb(s_.data(), n, lanes_, cols_, masked);  // m, sum, α; Sᵀ becomes Pᵀ
+        state_.absorb(s_.data(), n, lanes_, cols_);  // m, sum, α; Sᵀ becomes Pᵀ
         // acc = α ⊙ acc + P · V_tile: A(r, k) = Pᵀ(k, r) is read with strides (1, lanes).
         // A masked weight is 0, and 0 · ∞ = NaN: where V_tile is not all finite, a masked
         // tile goes query by query over the keys each one sees (O(n·dv) to check, against
@@ -249,8 +254,17 @@ void check_softmax_arguments(const char* function, Shape q, Shape k, Shape v, Sh
             v.cols, " (Q is ", q, ", V is ", v, ")");
     require(options.window >= 0, function, "options.window", "is ", options.window, ", expected >= 0 (0: no limit)");
     require(options.sinks >= 0, function, "options.sinks", "is ", options.sinks, ", expected >= 0");
-    require(std::isfinite(options.scale), function, "options.scale", "is ", options.scale,
-            ", expected a finite number (0: 1/sqrt(d))");
+    require(finite_in<T>(options.scale), function, "options.scale", "is ", options.scale, ", expected a number finite as ",
+            scalar_name<T>, " (0: 1/sqrt(d))");
+}
+
+/// The aliasing rule: the outputs share no element with Q, K or V.
+template <class Out, class T = typename Out::Scalar>
+void check_disjoint(const char* function, const char* name, const Out& out, const ConstMatrixRef<T>& Q,
+                    const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V) {
+    require_disjoint(function, name, out, "Q", Q);
+    require_disjoint(function, name, out, "K", K);
+    require_disjoint(function, name, out, "V", V);
 }
 
 /// The kernel on views, after the checks; `lse(i, value)` receives each row's log-sum-exp.
@@ -260,7 +274,7 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
     if (Q.rows() == 0)
         return;
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
-    TiledCausalSoftmax<T> kernel(Q, K, V, scale, options.window, options.sinks, tiles);
+    TiledCausalSoftmax<T> kernel(Q, K, V, scale, effective_window(options.window, K.rows()), options.sinks, tiles);
     kernel.run(O, lse);
 }
 
@@ -268,46 +282,54 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
 template <class T, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                           MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options) {
-    causal_softmax_views<T>(Q, K, V, O, lse, options, default_tiles(options.window));
+    causal_softmax_views<T>(Q, K, V, O, lse, options, default_tiles(effective_window(options.window, K.rows())));
 }
 
 }  // namespace detail
 
-/// O = causal softmax attention of Q over K/V (see the top of the file and DESIGN.md).
-/// Any Eigen expressions of one scalar type, e.g. one head's columns of a wider buffer.
-template <class DQ, class DK, class DV, class DO>
+/// O = causal softmax attention of Q over K/V (see the top of the file and docs/design.md).
+/// Any row-major Eigen expressions of one scalar type, e.g. one head's columns of a wider
+/// buffer; O is written in place and must not overlap Q, K or V.
+template <class DQ, class DK, class DV, detail::EigenMatrix DO>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                              const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O,
-                              const SoftmaxOptions& options = {}) {
+                              const Eigen::MatrixBase<DV>& V, DO&& O, const SoftmaxOptions& options = {}) {
     using T = typename DQ::Scalar;
     static_assert(Scalar<T>, "memattn::causal_softmax_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, DO>,
+    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
                   "memattn::causal_softmax_attention: Q, K, V and O must have the same scalar type.");
-    detail::check_softmax_arguments<T>("causal_softmax_attention", detail::shape(Q), detail::shape(K),
-                                       detail::shape(V), detail::shape(O), options);
-    detail::causal_softmax_views<T>(ConstMatrixRef<T>(Q.derived()), ConstMatrixRef<T>(K.derived()),
-                                    ConstMatrixRef<T>(V.derived()), detail::writable(O), [](Index, T) {}, options);
+    constexpr const char* function = "causal_softmax_attention";
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    detail::check_softmax_arguments<T>(function, detail::shape(q), detail::shape(k), detail::shape(v),
+                                       detail::shape(o), options);
+    detail::check_disjoint(function, "O", o, q, k, v);
+    detail::causal_softmax_views<T>(q, k, v, o, [](Index, T) {}, options);
 }
 
 /// As above, and writes lse_i = log Σ_{j visible} exp(scale · q_i·k_j) into the vector
-/// `lse` (Nq coefficients, row or column); −∞ for a row that sees no key.
-template <class DQ, class DK, class DV, class DO, class DL>
+/// `lse` (Nq coefficients of the scalar type, row or column, e.g. a memattn::Vector<T>);
+/// −∞ for a row that sees no key.
+template <class DQ, class DK, class DV, detail::EigenMatrix DO, detail::EigenMatrix DL>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                              const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O,
-                              const Eigen::MatrixBase<DL>& lse, const SoftmaxOptions& options = {}) {
+                              const Eigen::MatrixBase<DV>& V, DO&& O, DL&& lse, const SoftmaxOptions& options = {}) {
     using T = typename DQ::Scalar;
     static_assert(Scalar<T>, "memattn::causal_softmax_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, DO, DL>,
+    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>, std::remove_cvref_t<DL>>,
                   "memattn::causal_softmax_attention: Q, K, V, O and lse must have the same scalar type.");
-    detail::check_softmax_arguments<T>("causal_softmax_attention", detail::shape(Q), detail::shape(K),
-                                       detail::shape(V), detail::shape(O), options);
-    detail::require((lse.rows() == 1 || lse.cols() == 1) && lse.size() == Q.rows(), "causal_softmax_attention",
-                    "lse", "has shape ", detail::shape(lse), ", expected a vector of ", Q.rows(),
-                    " coefficients (Q is ", detail::shape(Q), ")");
-    auto& out = const_cast<Eigen::MatrixBase<DL>&>(lse).derived();  // Eigen's idiom for writable temporaries
-    detail::causal_softmax_views<T>(ConstMatrixRef<T>(Q.derived()), ConstMatrixRef<T>(K.derived()),
-                                    ConstMatrixRef<T>(V.derived()), detail::writable(O),
-                                    [&out](Index i, T value) { out.coeffRef(i) = value; }, options);
+    constexpr const char* function = "causal_softmax_attention";
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    detail::check_softmax_arguments<T>(function, detail::shape(q), detail::shape(k), detail::shape(v),
+                                       detail::shape(o), options);
+    detail::require((lse.rows() == 1 || lse.cols() == 1) && lse.size() == Q.rows(), function, "lse", "has shape ",
+                    detail::shape(lse), ", expected a vector of ", Q.rows(), " coefficients (Q is ", detail::shape(Q),
+                    ")");
+    detail::check_disjoint(function, "O", o, q, k, v);
+    if constexpr (detail::check_output<DL, false>()) {
+        detail::check_disjoint(function, "lse", lse, q, k, v);
+        detail::require_disjoint(function, "lse", lse, "O", o);
+        detail::causal_softmax_views<T>(q, k, v, o, [&lse](Index i, T value) { lse.coeffRef(i) = value; }, options);
+    }
 }
 
 }  // namespace memattn

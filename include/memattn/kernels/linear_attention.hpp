@@ -19,7 +19,7 @@
 // φ is applied one chunk of rows at a time into O(C·d') scratch (never O(N·d')), by the
 // one routine all three forms share. Every form allocates its scratch once per call.
 //
-// Chunk size: LinearOptions::chunk_size = 16 by default (DESIGN.md first said 64), chosen
+// Chunk size: LinearOptions::chunk_size = 16 by default (the first design draft said 64), chosen
 // by bench/linear_attention_bench.cpp (BM_ChunkSize): float, elu+1, normalised,
 // N = 65536, one thread of an AVX2+FMA Zen-1 core at 2 GHz (Eigen sgemm ≈ 32 GFLOP/s):
 //
@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 namespace memattn {
 
@@ -68,10 +69,10 @@ template <class T, class Phi>
 Index check_linear_arguments(const char* function, const Phi& phi, Shape q, Shape k, Shape v, Shape o,
                              const LinearOptions& options, const LinearState<T>* state) {
     require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
-    require(options.eps >= 0 && std::isfinite(options.eps), function, "options.eps", "is ", options.eps,
-            ", expected a finite number >= 0");
-    require(options.decay > 0 && options.decay <= 1, function, "options.decay", "is ", options.decay,
-            ", expected a value in (0, 1]");
+    require(options.eps >= 0 && finite_in<T>(options.eps), function, "options.eps", "is ", options.eps,
+            ", expected a number >= 0 finite as ", scalar_name<T>);
+    require(options.decay > 0 && options.decay <= 1 && static_cast<T>(options.decay) > 0, function, "options.decay",
+            "is ", options.decay, ", expected a value in (0, 1] that is not 0 as ", scalar_name<T>);
     require(k.rows == q.rows && k.cols == q.cols, function, "K", "has shape ", k, ", expected the shape of Q (", q,
             ")");
     require(v.rows == q.rows, function, "V", "has shape ", v, ", expected ", q.rows, " rows as Q (", q, ")");
@@ -329,17 +330,23 @@ enum class LinearForm { quadratic, recurrent, chunked };
 
 template <LinearForm form, class DQ, class DK, class DV, class DO, class Phi>
 void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                      const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O, const Phi& phi,
-                      const LinearOptions& options, LinearState<typename DQ::Scalar>* state) {
+                      const Eigen::MatrixBase<DV>& V, DO&& O, const Phi& phi, const LinearOptions& options,
+                      LinearState<typename DQ::Scalar>* state) {
     using T = typename DQ::Scalar;
     static_assert(Scalar<T>, "memattn linear attention works on float or double matrices.");
-    static_assert(same_scalar<DQ, DK, DV, DO>, "memattn linear attention: Q, K, V and O must share one scalar type.");
+    static_assert(same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
+                  "memattn linear attention: Q, K, V and O must share one scalar type.");
     static_assert(FeatureMap<Phi, T>,
                   "memattn linear attention: phi must be a feature map for this scalar: a copyable type with "
                   "`Index output_dim(Index d) const` and `void operator()(ConstMatrixRef<T> X, MatrixRef<T> Y) "
                   "const` (see memattn/feature_maps.hpp).");
-    const Index features = check_linear_arguments<T>(function, phi, shape(Q), shape(K), shape(V), shape(O), options,
+    const ConstMatrixRef<T> q = sequence(Q), k = sequence(K), v = sequence(V);
+    MatrixRef<T> o = output(std::forward<DO>(O));
+    const Index features = check_linear_arguments<T>(function, phi, shape(q), shape(k), shape(v), shape(o), options,
                                                      state);
+    require_disjoint(function, "O", o, "Q", q);
+    require_disjoint(function, "O", o, "K", k);
+    require_disjoint(function, "O", o, "V", v);
     LinearState<T> local;
     LinearState<T>& s = state != nullptr ? *state : local;
     const bool has_initial = s.mu.size() != 0 || s.nu.size() != 0;
@@ -347,13 +354,12 @@ void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, cons
         s.mu.setZero(features, V.cols());
         s.nu.setZero(features);
     }
-    const ConstMatrixRef<T> q(Q.derived()), k(K.derived()), v(V.derived());
     if constexpr (form == LinearForm::chunked)
-        chunked_form(q, k, v, writable(O), phi, options, features, s);
+        chunked_form(q, k, v, o, phi, options, features, s);
     else if constexpr (form == LinearForm::recurrent)
-        recurrent_form(q, k, v, writable(O), phi, options, features, s);
+        recurrent_form(q, k, v, o, phi, options, features, s);
     else
-        quadratic_form(q, k, v, writable(O), phi, options, features, s, has_initial, state != nullptr);
+        quadratic_form(q, k, v, o, phi, options, features, s, has_initial, state != nullptr);
 }
 
 }  // namespace detail
@@ -361,22 +367,22 @@ void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, cons
 /// "Pairs": o_i = (Σ_{j≤i} γ^{i−j} (q'_i·k'_j) v_j + γ^{i+1} q'_i μ0) / (… + eps), by tiles
 /// of options.chunk_size; O(N²·(d'+dv)). `state`: initial state in (empty = zero),
 /// final state out.
-template <class DQ, class DK, class DV, class DO, class Phi = EluPlusOne>
+template <class DQ, class DK, class DV, detail::EigenMatrix DO, class Phi = EluPlusOne>
 void quadratic_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                                const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O, const Phi& phi = {},
+                                const Eigen::MatrixBase<DV>& V, DO&& O, const Phi& phi = {},
                                 const LinearOptions& options = {},
                                 LinearState<typename DQ::Scalar>* state = nullptr) {
-    detail::linear_attention<detail::LinearForm::quadratic>("quadratic_linear_attention", Q, K, V, O, phi, options,
+    detail::linear_attention<detail::LinearForm::quadratic>("quadratic_linear_attention", Q, K, V, std::forward<DO>(O), phi, options,
                                                             state);
 }
 
 /// "Summary": μ and ν updated token by token (the recurrence at the top of this file).
-template <class DQ, class DK, class DV, class DO, class Phi = EluPlusOne>
+template <class DQ, class DK, class DV, detail::EigenMatrix DO, class Phi = EluPlusOne>
 void recurrent_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                                const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O, const Phi& phi = {},
+                                const Eigen::MatrixBase<DV>& V, DO&& O, const Phi& phi = {},
                                 const LinearOptions& options = {},
                                 LinearState<typename DQ::Scalar>* state = nullptr) {
-    detail::linear_attention<detail::LinearForm::recurrent>("recurrent_linear_attention", Q, K, V, O, phi, options,
+    detail::linear_attention<detail::LinearForm::recurrent>("recurrent_linear_attention", Q, K, V, std::forward<DO>(O), phi, options,
                                                             state);
 }
 
@@ -386,11 +392,11 @@ void recurrent_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
 ///   Matrix<float> O(N, dv);
 ///   LinearState<float> state;                       // empty: start from zero
 ///   chunked_linear_attention(Q, K, V, O, EluPlusOne{}, {.decay = 0.99}, &state);
-template <class DQ, class DK, class DV, class DO, class Phi = EluPlusOne>
+template <class DQ, class DK, class DV, detail::EigenMatrix DO, class Phi = EluPlusOne>
 void chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
-                              const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DO>& O, const Phi& phi = {},
+                              const Eigen::MatrixBase<DV>& V, DO&& O, const Phi& phi = {},
                               const LinearOptions& options = {}, LinearState<typename DQ::Scalar>* state = nullptr) {
-    detail::linear_attention<detail::LinearForm::chunked>("chunked_linear_attention", Q, K, V, O, phi, options,
+    detail::linear_attention<detail::LinearForm::chunked>("chunked_linear_attention", Q, K, V, std::forward<DO>(O), phi, options,
                                                           state);
 }
 

@@ -15,6 +15,8 @@
 #include "memattn/detail/assert.hpp"
 #include "memattn/types.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <concepts>
 #include <utility>
 #include <vector>
@@ -40,14 +42,14 @@ struct MeanPool {
     }
 };
 
-/// The element-wise maximum of the rows.
+/// The element-wise maximum of the rows; a NaN in any of them stays in the slot.
 struct MaxPool {
     template <class T>
     void absorb(RowRef<T> slot, ConstRowRef<T> row, Index position) const {
         if (position == 0)
             slot = row;
         else
-            slot = slot.cwiseMax(row);
+            slot = slot.binaryExpr(row, [](T a, T b) { return std::isnan(b) ? b : std::max(a, b); });  // NaN in a stays too
     }
 };
 
@@ -83,6 +85,12 @@ namespace detail {
 template <class C>
 concept LimitsRate = requires(const C& c) {
     { c.max_rate() } -> std::convertible_to<Index>;
+};
+
+/// A compressor with weights given as doubles (WeightedPool), checked in the cache's scalar.
+template <class C>
+concept HasWeights = requires(const C& c) {
+    { c.weights() } -> std::convertible_to<const std::vector<double>&>;
 };
 
 }  // namespace detail

@@ -20,6 +20,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <utility>
 
 namespace memattn {
 
@@ -79,6 +80,17 @@ void check_queries(const char* function, const M& mem, Shape q, Shape k, Shape v
             v.cols, " (Q is ", q, ", V is ", v, ")");
 }
 
+/// Every check of decode and prefill, before any token is fed: shapes, then the aliasing rule.
+template <class M, class T = typename M::Scalar>
+void check_sequences(const char* function, const M& mem, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                     const ConstMatrixRef<T>& v, const MatrixRef<T>& o) {
+    check_keys_values(function, mem, shape(k), shape(v));
+    check_queries(function, mem, shape(q), shape(k), shape(v), shape(o));
+    require_disjoint(function, "O", o, "Q", q);
+    require_disjoint(function, "O", o, "K", k);
+    require_disjoint(function, "O", o, "V", v);
+}
+
 /// decode's loop, after the checks.
 template <class M, class T = typename M::Scalar>
 void decode_rows(M& mem, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
@@ -92,17 +104,18 @@ void decode_rows(M& mem, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
 }  // namespace detail
 
 /// Feeds the rows of K/V one by one and, after each, attends with the same row of Q,
-/// so row i of O sees tokens 0..i (and whatever the memory held before).
-template <Memory M, class DQ, class DK, class DV, class DO>
+/// so row i of O sees tokens 0..i (and whatever the memory held before). O must not
+/// overlap Q, K or V.
+template <Memory M, class DQ, class DK, class DV, detail::EigenMatrix DO>
 void decode(M& mem, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-            const Eigen::MatrixBase<DO>& O) {
+            DO&& O) {
     using T = typename M::Scalar;
-    static_assert(detail::same_scalar<M, DQ, DK, DV, DO>,
+    static_assert(detail::same_scalar<M, DQ, DK, DV, std::remove_cvref_t<DO>>,
                   "memattn::decode: Q, K, V and O must have the memory's Scalar type.");
-    detail::check_keys_values("decode", mem, detail::shape(K), detail::shape(V));
-    detail::check_queries("decode", mem, detail::shape(Q), detail::shape(K), detail::shape(V), detail::shape(O));
-    detail::decode_rows(mem, ConstMatrixRef<T>(Q.derived()), ConstMatrixRef<T>(K.derived()),
-                        ConstMatrixRef<T>(V.derived()), detail::writable(O));
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    detail::check_sequences("decode", mem, q, k, v, o);
+    detail::decode_rows(mem, q, k, v, o);
 }
 
 /// Feeds many tokens; uses the memory's own bulk `extend(K, V)` when it has one.
@@ -110,8 +123,8 @@ template <Memory M, class DK, class DV>
 void extend(M& mem, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V) {
     using T = typename M::Scalar;
     static_assert(detail::same_scalar<M, DK, DV>, "memattn::extend: K and V must have the memory's Scalar type.");
-    detail::check_keys_values("extend", mem, detail::shape(K), detail::shape(V));
-    const ConstMatrixRef<T> k(K.derived()), v(V.derived());
+    const ConstMatrixRef<T> k = detail::sequence(K), v = detail::sequence(V);
+    detail::check_keys_values("extend", mem, detail::shape(k), detail::shape(v));
     if constexpr (detail::HasBulkExtend<M>) {
         mem.extend(k, v);
     } else {
@@ -121,20 +134,20 @@ void extend(M& mem, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>&
 }
 
 /// Same outputs as `decode`, through the memory's whole-sequence kernel where it has
-/// one (`prefill(Q, K, V, O)`), else token by token.
-template <Memory M, class DQ, class DK, class DV, class DO>
+/// one (`prefill(Q, K, V, O)`), else token by token. O must not overlap Q, K or V.
+template <Memory M, class DQ, class DK, class DV, detail::EigenMatrix DO>
 void prefill(M& mem, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
-             const Eigen::MatrixBase<DO>& O) {
+             DO&& O) {
     using T = typename M::Scalar;
-    static_assert(detail::same_scalar<M, DQ, DK, DV, DO>,
+    static_assert(detail::same_scalar<M, DQ, DK, DV, std::remove_cvref_t<DO>>,
                   "memattn::prefill: Q, K, V and O must have the memory's Scalar type.");
-    detail::check_keys_values("prefill", mem, detail::shape(K), detail::shape(V));
-    detail::check_queries("prefill", mem, detail::shape(Q), detail::shape(K), detail::shape(V), detail::shape(O));
-    const ConstMatrixRef<T> q(Q.derived()), k(K.derived()), v(V.derived());
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    detail::check_sequences("prefill", mem, q, k, v, o);
     if constexpr (detail::HasBulkPrefill<M>)
-        mem.prefill(q, k, v, detail::writable(O));
+        mem.prefill(q, k, v, o);
     else
-        detail::decode_rows(mem, q, k, v, detail::writable(O));
+        detail::decode_rows(mem, q, k, v, o);
 }
 
 }  // namespace memattn

@@ -61,6 +61,10 @@ public:
         if constexpr (detail::LimitsRate<C>)
             detail::require(rate <= compressor_.max_rate(), "HybridCache", "rate", "is ", rate,
                             ", expected <= ", compressor_.max_rate(), " (the compressor's max_rate)");
+        if constexpr (detail::HasWeights<C>)
+            for (const double weight : compressor_.weights())
+                detail::require(detail::finite_in<T>(weight), "HybridCache", "compressor", "has weight ", weight,
+                                ", expected weights finite as ", detail::scalar_name<T>);
     }
 
     /// Stores one pair; the pair it pushes out of the window goes into a compressed slot.
@@ -79,6 +83,7 @@ public:
         const Index end = length_ + keys.rows();
         const Index evicted_before = evicted(length_), evicted_after = evicted(end);
         if (slots_ > 0) {
+            // (count − slots) · rate ≤ (count − 1) · rate < evicted: no overflow for any rate.
             const Index first_kept = std::max<Index>(0, slot_count(evicted_after) - slots_) * rate_;
             for (Index e = std::max(evicted_before, first_kept); e < evicted_after; ++e) {
                 if (e < length_)
@@ -96,7 +101,7 @@ public:
     /// out = Σ_j softmax_j(scale · q·k_j) v_j over the kept compressed slots and the
     /// window; zero when empty.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
-        detail::check_query("HybridCache::attend", detail::shape(query), detail::shape(out), key_dim_, value_dim_);
+        detail::check_query("HybridCache::attend", query, out, key_dim_, value_dim_);
         SoftmaxState<T> state;
         out.setZero();
         const Index e = evicted(length_), s = slot_count(e);
@@ -127,8 +132,11 @@ public:
 private:
     /// Tokens pushed out of the window after `length` tokens.
     [[nodiscard]] Index evicted(Index length) const noexcept { return std::max<Index>(0, length - window_); }
-    /// Slots opened by `evicted` tokens: ⌈evicted / rate⌉.
-    [[nodiscard]] Index slot_count(Index evicted) const noexcept { return (evicted + rate_ - 1) / rate_; }
+    /// Slots opened by `evicted` tokens: ⌈evicted / rate⌉ (without evicted + rate − 1,
+    /// which overflows for a rate near the largest Index).
+    [[nodiscard]] Index slot_count(Index evicted) const noexcept {
+        return evicted / rate_ + (evicted % rate_ != 0 ? 1 : 0);
+    }
     /// The oldest slot kept when `count` have been opened.
     [[nodiscard]] Index first_slot(Index count) const noexcept { return std::max<Index>(0, count - slots_); }
 

@@ -29,58 +29,56 @@ public:
           values_(0, value_dim) {}
 
     /// Appends one pair. Storage grows geometrically (doubling), so n updates cost
-    /// O(n) amortised copies; a throwing update leaves the cache unchanged.
+    /// O(n) amortised copies; a throwing update leaves the cache unchanged. The pair may
+    /// be a view of the cache's own pairs (`update(keys().row(0), values().row(0))`).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         check_pair("KVCache::update", key.cols(), value.cols());
-        reserve_for(length_ + 1);
-        keys_.row(length_) = key;
-        values_.row(length_) = value;
-        ++length_;
+        append(key, value);
     }
 
-    /// Appends many pairs with one copy per matrix.
+    /// Appends many pairs with one copy per matrix; they may be views of the cache's own.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         detail::require(keys.rows() == values.rows(), "KVCache::extend", "values", "has shape ",
                         detail::shape(values), ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
         check_pair("KVCache::extend", keys.cols(), values.cols());
-        reserve_for(length_ + keys.rows());
-        keys_.middleRows(length_, keys.rows()) = keys;
-        values_.middleRows(length_, values.rows()) = values;
-        length_ += keys.rows();
+        append(keys, values);
     }
 
     /// Appends the pairs K/V and attends with each row of Q as the token of the same row
     /// of K/V, like `decode`, in one call of the tiled kernel over the whole cache: row
     /// i sees every earlier pair and K/V rows 0..i (causal_softmax_attention, window 0,
-    /// with the queries offset to the end of the cache). Throws, unchanged, on bad shapes.
+    /// with the queries offset to the end of the cache). `out` must not overlap the
+    /// inputs; the inputs may be views of the cache's own pairs. Throws, unchanged, on
+    /// bad shapes.
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         constexpr const char* function = "KVCache::prefill";
         detail::require(keys.rows() == values.rows(), function, "values", "has shape ", detail::shape(values),
                         ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
-        detail::require(queries.rows() == keys.rows(), function, "queries", "has shape ", detail::shape(queries),
-                        ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
         check_pair(function, keys.cols(), values.cols());
-        detail::require(queries.cols() == key_dim_, function, "queries", "has shape ", detail::shape(queries),
-                        ", expected ", key_dim_, " columns");
-        detail::require(out.rows() == queries.rows() && out.cols() == value_dim_, function, "out", "has shape ",
-                        detail::shape(out), ", expected ", queries.rows(), 'x', value_dim_);
-        const Index before = length_;
-        extend(keys, values);
-        try {
-            detail::causal_softmax_views<T>(queries, this->keys(), this->values(), out, [](Index, T) {},
-                                            SoftmaxOptions{.scale = static_cast<double>(scale_)});
-        } catch (...) {
-            length_ = before;  // the kernel's scratch could not be allocated: forget the new pairs
-            throw;
+        detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
+        const Index n = keys.rows(), length = length_ + n;
+        const auto attend_all = [&](const Matrix<T>& all_keys, const Matrix<T>& all_values) {
+            detail::causal_softmax_views<T>(queries, all_keys.topRows(length), all_values.topRows(length), out,
+                                            [](Index, T) {}, SoftmaxOptions{.scale = static_cast<double>(scale_)});
+        };
+        if (length > keys_.rows()) {
+            // The queries may be views of the current storage too: it is freed only after
+            // the kernel has read them. A throw (no memory) leaves the cache as it was.
+            Storage grown = grown_with(keys, values);
+            attend_all(grown.keys, grown.values);
+            keys_.swap(grown.keys);
+            values_.swap(grown.values);
+        } else {
+            keys_.middleRows(length_, n) = keys;  // rows past length(): no input can view them
+            values_.middleRows(length_, n) = values;
+            attend_all(keys_, values_);  // its scratch may fail to allocate: length_ not yet changed
         }
+        length_ = length;
     }
 
     /// out = Σ_j softmax_j(scale · q·k_j) v_j over every stored pair; zero when empty.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
-        detail::require(query.cols() == key_dim_, "KVCache::attend", "query", "has shape ", detail::shape(query),
-                        ", expected 1x", key_dim_);
-        detail::require(out.cols() == value_dim_, "KVCache::attend", "out", "has shape ", detail::shape(out),
-                        ", expected 1x", value_dim_);
+        detail::check_query("KVCache::attend", query, out, key_dim_, value_dim_);
         SoftmaxState<T> state;
         out.setZero();
         detail::attend_contiguous(query, keys(), values(), scale_, state, out);
@@ -111,9 +109,38 @@ private:
                         value_dim_);
     }
 
-    void reserve_for(Index needed) {
-        if (needed > keys_.rows())
-            reserve_exact(std::max<Index>({needed, 2 * keys_.rows(), 16}));
+    struct Storage {
+        Matrix<T> keys, values;
+    };
+
+    /// New storage, with room to grow, holding the current pairs and then `keys`/`values`:
+    /// capacity max(2 × capacity, needed + needed / 2, 16), so a bulk append (a prefill)
+    /// leaves headroom for the decode steps after it as a single update does. The new
+    /// pairs may be views of the current storage, which is still alive while they are copied.
+    template <class K, class V>
+    Storage grown_with(const K& keys, const V& values) const {
+        const Index n = keys.rows(), needed = length_ + n;
+        const Index rows = std::max<Index>({2 * keys_.rows(), needed + needed / 2, 16});
+        Storage grown{Matrix<T>(rows, key_dim_), Matrix<T>(rows, value_dim_)};  // may throw: nothing changed yet
+        grown.keys.topRows(length_) = keys_.topRows(length_);
+        grown.values.topRows(length_) = values_.topRows(length_);
+        grown.keys.middleRows(length_, n) = keys;
+        grown.values.middleRows(length_, n) = values;
+        return grown;
+    }
+
+    template <class K, class V>
+    void append(const K& keys, const V& values) {
+        const Index n = keys.rows();
+        if (length_ + n > keys_.rows()) {
+            Storage grown = grown_with(keys, values);
+            keys_.swap(grown.keys);
+            values_.swap(grown.values);
+        } else {
+            keys_.middleRows(length_, n) = keys;  // rows past length(): no input can view them
+            values_.middleRows(length_, n) = values;
+        }
+        length_ += n;
     }
 
     void reserve_exact(Index rows) {

@@ -17,6 +17,7 @@
 // the constructor behind a mutex, so such attends are serialised but still allocate
 // nothing.
 
+#include "memattn/detail/memory_checks.hpp"
 #include "memattn/feature_maps.hpp"
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/memory/concept.hpp"
@@ -54,6 +55,7 @@ public:
         extend_rows_ = std::clamp<Index>(extend_scratch_elements / feature_dim_, 1, extend_block);
         key_features_.resize(extend_rows_, feature_dim_);
         powers_ = detail::decay_powers<T>(options_.decay, extend_rows_);
+        value_copy_.resize(value_dim_);
         if (feature_dim_ > stack_features)
             wide_ = std::make_unique<WideScratch>(feature_dim_);
     }
@@ -69,6 +71,7 @@ public:
           extend_rows_(other.extend_rows_),
           key_features_(other.key_features_),
           powers_(other.powers_),
+          value_copy_(other.value_copy_),
           wide_(other.wide_ ? std::make_unique<WideScratch>(feature_dim_) : nullptr) {}
     LinearAttentionMemory(LinearAttentionMemory&&) noexcept = default;
     LinearAttentionMemory& operator=(const LinearAttentionMemory& other) {
@@ -82,28 +85,24 @@ public:
     ~LinearAttentionMemory() = default;
 
     /// μ ← γ μ + φ(k)ᵀ v,  ν ← γ ν + φ(k). Throws (leaving the memory unchanged) on a
-    /// key or value of the wrong size.
+    /// key or value of the wrong size. The key and value may be views of the state itself
+    /// (e.g. a row of state().mu): they are read before the state changes.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         check_pair("LinearAttentionMemory::update", key.cols(), value.cols());
         Eigen::Map<const Matrix<T>> k(key.data(), 1, key_dim_);
         auto kf = key_features_.topRows(1);
         phi_(ConstMatrixRef<T>(k), MatrixRef<T>(kf));  // only the scratch row changes before here
-        if (options_.decay != 1) {
-            const auto gamma = static_cast<T>(options_.decay);
-            state_.mu *= gamma;
-            state_.nu *= gamma;
+        if (views_state(value)) {  // μ is scaled below, and the rank-1 update must not read what it writes
+            value_copy_ = value;
+            return fold_features(kf, value_copy_);
         }
-        state_.mu.noalias() += kf.transpose() * value;
-        state_.nu += kf;
-        ++length_;
+        fold_features(kf, value);
     }
 
-    /// out = φ(q) μ / (φ(q)·ν + eps), or φ(q) μ; zero before any update.
+    /// out = φ(q) μ / (φ(q)·ν + eps), or φ(q) μ; zero before any update. `out` must not
+    /// overlap `query`.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
-        detail::require(query.cols() == key_dim_, "LinearAttentionMemory::attend", "query", "has shape ",
-                        detail::shape(query), ", expected 1x", key_dim_);
-        detail::require(out.cols() == value_dim_, "LinearAttentionMemory::attend", "out", "has shape ",
-                        detail::shape(out), ", expected 1x", value_dim_);
+        detail::check_query("LinearAttentionMemory::attend", query, out, key_dim_, value_dim_);
         if (feature_dim_ <= stack_features) {
             alignas(64) T buffer[stack_features];
             attend_with(query, out, buffer);
@@ -121,12 +120,17 @@ public:
     static constexpr Index extend_scratch_elements = 16384;
 
     /// Feeds many tokens: per block of extend_rows() tokens, φ(K) into the scratch and one
-    /// GEMM μ ← γⁿ μ + φ(K)ᵀ diag(γ^{n−1−j}) V.
+    /// GEMM μ ← γⁿ μ + φ(K)ᵀ diag(γ^{n−1−j}) V. Keys and values that are views of the
+    /// state itself are copied first (the one case where extend allocates).
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         detail::require(keys.rows() == values.rows(), "LinearAttentionMemory::extend", "values", "has shape ",
                         detail::shape(values), ", expected ", keys.rows(), " rows as keys (", detail::shape(keys),
                         ")");
         check_pair("LinearAttentionMemory::extend", keys.cols(), values.cols());
+        if (views_state(keys) || views_state(values)) {  // each block's fold changes what later blocks read
+            const Matrix<T> own_keys = keys, own_values = values;
+            return extend(own_keys, own_values);
+        }
         const Index c = extend_rows_;
         for (Index start = 0; start < keys.rows(); start += c) {
             const Index n = std::min(c, keys.rows() - start);
@@ -139,8 +143,14 @@ public:
 
     /// The outputs decode would give (row i sees the memory plus tokens 0..i), by
     /// chunked_linear_attention on the memory's state, which is left after the last token.
+    /// `out` must not overlap the inputs; the inputs may be views of the state (the kernel
+    /// reads the state once, at the start, and writes it back at the end).
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
-        check_pair("LinearAttentionMemory::prefill", keys.cols(), values.cols());
+        constexpr const char* function = "LinearAttentionMemory::prefill";
+        check_pair(function, keys.cols(), values.cols());
+        detail::require(keys.rows() == values.rows(), function, "values", "has shape ", detail::shape(values),
+                        ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
+        detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
         chunked_linear_attention(queries, keys, values, out, phi_, options_, &state_);
         length_ += keys.rows();
     }
@@ -186,6 +196,26 @@ public:
     [[nodiscard]] const LinearOptions& options() const noexcept { return options_; }
 
 private:
+    /// The rank-1 update of `update` from the key's features in the scratch row.
+    template <class KF, class VR>
+    void fold_features(const KF& kf, const VR& value) {
+        if (options_.decay != 1) {
+            const auto gamma = static_cast<T>(options_.decay);
+            state_.mu *= gamma;
+            state_.nu *= gamma;
+        }
+        state_.mu.noalias() += kf.transpose() * value;
+        state_.nu += kf;
+        ++length_;
+    }
+
+    /// Whether a row or rows given to update/extend share memory with μ or ν.
+    template <class D>
+    [[nodiscard]] bool views_state(const D& input) const {
+        const detail::Extent e = detail::extent(input);
+        return detail::overlap<T>(e, detail::extent(state_.mu)) || detail::overlap<T>(e, detail::extent(state_.nu));
+    }
+
     struct WideScratch {
         explicit WideScratch(Index features) : features(features) {}
         std::mutex mutex;
@@ -229,6 +259,7 @@ private:
     Index extend_rows_ = 1;                // rows of key_features_
     Matrix<T> key_features_;               // φ(k) in update (row 0), φ(K) of a block in extend
     detail::ColumnVector<T> powers_;       // γ^k, k = 0..extend_rows_, for extend
+    Vector<T> value_copy_;                 // update's value when it is a view of the state
     std::unique_ptr<WideScratch> wide_;    // φ(q) in attend when d' > stack_features
 };
 

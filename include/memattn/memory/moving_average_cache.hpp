@@ -63,8 +63,7 @@ public:
 
     /// out = the summary value (softmax over the one summary slot); zero when empty.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
-        detail::check_query("MovingAverageCache::attend", detail::shape(query), detail::shape(out), key_dim_,
-                            value_dim_);
+        detail::check_query("MovingAverageCache::attend", query, out, key_dim_, value_dim_);
         if (length_ == 0)
             out.setZero();
         else if (alpha_ > T(0))
@@ -128,8 +127,9 @@ private:
     template <class K, class V>
     void fold(const K& key, const V& value) {
         if (alpha_ > T(0)) {
-            // s_1 = x_1,  s_t = α x_t + (1 − α) s_{t−1}
-            if (length_ == 0) {
+            // s_1 = x_1,  s_t = α x_t + (1 − α) s_{t−1}; α = 1 keeps x_t alone (not 0 · s_{t−1},
+            // which is NaN after a non-finite pair and would never recover).
+            if (length_ == 0 || alpha_ == T(1)) {
                 key_ = key;
                 value_ = value;
             } else {

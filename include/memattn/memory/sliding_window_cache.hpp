@@ -66,10 +66,7 @@ public:
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         const char* function = "SlidingWindowCache::prefill";
         check_pair(function, detail::shape(keys), detail::shape(values));
-        detail::require(queries.rows() == keys.rows() && queries.cols() == key_dim_, function, "queries", "has shape ",
-                        detail::shape(queries), ", expected ", keys.rows(), 'x', key_dim_);
-        detail::require(out.rows() == keys.rows() && out.cols() == value_dim_, function, "out", "has shape ",
-                        detail::shape(out), ", expected ", keys.rows(), 'x', value_dim_);
+        detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
         if (length_ == 0)  // the prompt is the whole sequence: the kernel reads it in place
             detail::causal_softmax_views<T>(queries, keys, values, out, [](Index, T) {}, kernel_options());
         else
@@ -80,8 +77,7 @@ public:
     /// out = Σ_{j visible} softmax_j(scale · q·k_j) v_j over the sinks and the window;
     /// zero when empty.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
-        detail::check_query("SlidingWindowCache::attend", detail::shape(query), detail::shape(out), key_dim_,
-                            value_dim_);
+        detail::check_query("SlidingWindowCache::attend", query, out, key_dim_, value_dim_);
         SoftmaxState<T> state;
         out.setZero();
         sink_pairs_.attend(query, 0, held_sinks(), scale_, state, out);

@@ -1,0 +1,66 @@
+// A user's translation unit that instantiates every kernel and every memory of memattn
+// for float and double. The build compiles it with -Wall -Wextra -Wpedantic -Werror for
+// the default target, x86-64-v3 (AVX2) and x86-64-v4 (AVX-512), so a warning that
+// memattn's headers cause in a user's optimised build on any of them fails the build.
+// It is compiled, not run: it needs only to instantiate, so it works on any CPU.
+#include <memattn/memattn.hpp>
+
+#include <type_traits>
+
+namespace {
+
+template <class T, class Phi>
+void linear_forms(const memattn::Matrix<T>& x, memattn::Matrix<T>& out, const Phi& phi) {
+    memattn::LinearState<T> state;
+    memattn::quadratic_linear_attention(x, x, x, out, phi, {}, &state);
+    memattn::recurrent_linear_attention(x, x, x, out, phi, {.decay = 0.9}, &state);
+    memattn::chunked_linear_attention(x, x, x, out, phi, {.normalize = false}, &state);
+    memattn::LinearAttentionMemory<T, Phi> memory(x.cols(), x.cols(), phi);
+    memattn::prefill(memory, x, x, x, out);
+    memattn::decode(memory, x, x, x, out);
+    memattn::extend(memory, x, x);
+}
+
+template <class M, class T>
+void use_memory(M memory, const memattn::Matrix<T>& x, memattn::Matrix<T>& out) {
+    memattn::decode(memory, x, x, x, out);
+    memattn::extend(memory, x, x);
+    memattn::prefill(memory, x, x, x, out);
+    memory.attend(x.row(0), out.row(0));
+    memory.reset();
+}
+
+template <class T>
+void everything(memattn::Index n, memattn::Index d) {
+    const memattn::Matrix<T> x = memattn::Matrix<T>::Random(n, d);
+    memattn::Matrix<T> out(n, d);
+    memattn::Vector<T> lse(n);
+    memattn::causal_softmax_attention(x, x, x, out);
+    memattn::causal_softmax_attention(x, x, x, out, lse, {.window = 4, .sinks = 1});
+
+    linear_forms<T>(x, out, memattn::EluPlusOne{});
+    linear_forms<T>(x, out, memattn::FavorPlus(d, 2 * d, 7));  // its own code per scalar
+    if constexpr (std::is_same_v<T, float>) {  // the other maps, once: compile time is the cost here
+        linear_forms<T>(x, out, memattn::Identity{});
+        linear_forms<T>(x, out, memattn::Relu{});
+        linear_forms<T>(x, out, memattn::Taylor2{});
+    }
+
+    use_memory(memattn::KVCache<T>(d, d), x, out);
+    use_memory(memattn::SlidingWindowCache<T>(d, d, 4, 1), x, out);
+    use_memory(memattn::MovingAverageCache<T>(d, d, 4), x, out);
+    use_memory(memattn::MovingAverageCache<T>(d, d, 0), x, out);
+    use_memory(memattn::MovingAverageCache<T>::exponential(d, d, T(0.5)), x, out);
+    use_memory(memattn::HybridCache<T>(d, d, 4, 2, 3), x, out);
+    use_memory(memattn::HybridCache<T, memattn::MaxPool>(d, d, 4, 2, 3), x, out);
+    use_memory(memattn::HybridCache<T, memattn::WeightedPool>(d, d, 4, 2, 3, T(0), memattn::WeightedPool({0.5, 0.5})),
+               x, out);
+}
+
+}  // namespace
+
+// An exported function, so an optimising compiler keeps (and warns about) all of it.
+void memattn_instantiate_everything(memattn::Index n, memattn::Index d) {
+    everything<float>(n, d);
+    everything<double>(n, d);
+}
