@@ -17,6 +17,8 @@
 
 using namespace memattn;
 using memattn::test::HasSubstring;
+using memattn::test::expect_poisoned_exactly;
+using memattn::test::finite_rows;
 using memattn::test::random_matrix;
 
 namespace {
@@ -34,24 +36,6 @@ void expect_rejected(const std::function<void()>& call, const std::vector<std::s
             CHECK_THAT(message, HasSubstring(needle));
     }
     CHECK(threw);
-}
-
-/// Rows of O that are all finite.
-template <class T>
-std::vector<bool> finite_rows(const Matrix<T>& O) {
-    std::vector<bool> finite;
-    for (Index i = 0; i < O.rows(); ++i)
-        finite.push_back(O.row(i).allFinite());
-    return finite;
-}
-
-template <class T>
-void expect_poisoned_exactly(const Matrix<T>& O, Index first, Index last) {
-    const auto finite = finite_rows(O);
-    for (Index i = 0; i < O.rows(); ++i) {
-        INFO("row " << i << ", expected non-finite rows " << first << ".." << last);
-        CHECK(finite[static_cast<std::size_t>(i)] == (i < first || i > last));
-    }
 }
 
 }  // namespace
@@ -132,17 +116,17 @@ TEMPLATE_TEST_CASE("A NaN with any payload in a key or query poisons exactly the
         Matrix<T> O(n, 3);
         K(bad, 1) = nan;
         causal_softmax_attention(Q, K, V, O, {.window = window});
-        expect_poisoned_exactly(O, bad, window == 0 ? n - 1 : bad + window - 1);
+        expect_poisoned_exactly(finite_rows(O), bad, window == 0 ? n - 1 : bad + window - 1);
         K(bad, 1) = 0;
         Q(bad, 2) = nan;
         causal_softmax_attention(Q, K, V, O, {.window = window});
-        expect_poisoned_exactly(O, bad, bad);
+        expect_poisoned_exactly(finite_rows(O), bad, bad);
         // The memories' attend: the same rows.
         Q(bad, 2) = 0;
         K(bad, 1) = nan;
         KVCache<T> cache(4, 3);
         decode(cache, Q, K, V, O);
-        expect_poisoned_exactly(O, bad, n - 1);
+        expect_poisoned_exactly(finite_rows(O), bad, n - 1);
     }
 }
 
@@ -198,7 +182,7 @@ TEST_CASE("MovingAverageCache::exponential(alpha = 1) recovers at the next finit
     V(bad, 1) = std::numeric_limits<float>::quiet_NaN();
     Matrix<float> O(n, 3);
     decode(ema, Q, K, V, O);
-    expect_poisoned_exactly(O, bad, bad);
+    expect_poisoned_exactly(finite_rows(O), bad, bad);
     CHECK(O.row(n - 1) == V.row(n - 1));  // it keeps the newest pair alone
 }
 

@@ -9,19 +9,13 @@
 #include <vector>
 
 using namespace memattn;
+using memattn::test::expect_poisoned_exactly;
+using memattn::test::finite_rows;
 using memattn::test::random_matrix;
 
 namespace {
 
 constexpr float nan_f = std::numeric_limits<float>::quiet_NaN();
-
-/// Rows of O that are all finite.
-std::vector<bool> finite_rows(const Matrix<float>& O) {
-    std::vector<bool> finite;
-    for (Index i = 0; i < O.rows(); ++i)
-        finite.push_back(O.row(i).allFinite());
-    return finite;
-}
 
 /// Decodes n tokens with one non-finite key and value at `bad`; returns which output rows are finite.
 template <class Mem>
@@ -32,14 +26,6 @@ std::vector<bool> decode_with_bad_token(Mem mem, Index n, Index bad, float poiso
     Matrix<float> O(n, 3);
     decode(mem, Q, K, V, O);
     return finite_rows(O);
-}
-
-/// First and last indices of the rows that are not finite, and whether every row between is not finite.
-void expect_poisoned_exactly(const std::vector<bool>& finite, Index first, Index last) {
-    for (Index i = 0; i < static_cast<Index>(finite.size()); ++i) {
-        INFO("row " << i << " of " << finite.size() << ", expected non-finite rows " << first << ".." << last);
-        CHECK(finite[static_cast<std::size_t>(i)] == (i < first || i > last));
-    }
 }
 
 }  // namespace

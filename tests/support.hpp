@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <random>
+#include <vector>
 
 namespace memattn::test {
 
@@ -58,5 +59,22 @@ struct SquarePlusOne {
         Y.col(X.cols()).setOnes();
     }
 };
+
+/// Which rows of O are all finite.
+template <class D>
+std::vector<bool> finite_rows(const Eigen::MatrixBase<D>& O) {
+    std::vector<bool> finite;
+    for (Index i = 0; i < O.rows(); ++i)
+        finite.push_back(O.row(i).allFinite());
+    return finite;
+}
+
+/// The rows first..last, and no others, are not finite.
+inline void expect_poisoned_exactly(const std::vector<bool>& finite, Index first, Index last) {
+    for (Index i = 0; i < static_cast<Index>(finite.size()); ++i) {
+        INFO("row " << i << " of " << finite.size() << ", expected non-finite rows " << first << ".." << last);
+        CHECK(finite[static_cast<std::size_t>(i)] == (i < first || i > last));
+    }
+}
 
 }  // namespace memattn::test
