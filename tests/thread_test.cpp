@@ -1,4 +1,5 @@
-// attend is const and safe to call from several threads on one memory at once. Its own
+// attend is const and safe to call from several threads on one memory at once, and the
+// multi-head layer's threaded paths give the same bits for any thread count. Its own
 // small executable, so that the `tsan` preset (ThreadSanitizer) builds and runs only it.
 #include "support.hpp"
 
@@ -6,6 +7,10 @@
 
 #include <thread>
 #include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 using namespace memattn;
 using memattn::test::random_matrix;
@@ -46,4 +51,98 @@ TEST_CASE("threads: attend is const and safe from several threads on one memory"
     attend_concurrently(HybridCache<float>(8, 6, 32, 4, 16));
     attend_concurrently(LinearAttentionMemory<float>(8, 6));
     attend_concurrently(LinearAttentionMemory<float, Taylor2>(8, 6));
+}
+
+namespace {
+
+/// Runs f() with 1, 2, 3 and 4 threads (without OpenMP, once per count on the one
+/// thread) and checks every result bitwise equal to the first.
+template <class F>
+void same_bits_for_any_thread_count(F&& f) {
+#if defined(_OPENMP)
+    const int saved = omp_get_max_threads();
+#endif
+    Matrix<float> first;
+    for (int threads = 1; threads <= 4; ++threads) {
+#if defined(_OPENMP)
+        omp_set_num_threads(threads);
+#endif
+        const Matrix<float> result = f();
+        if (threads == 1)
+            first = result;
+        INFO("threads " << threads);
+        CHECK(result.rows() == first.rows());
+        CHECK((result.array() == first.array()).all());
+    }
+#if defined(_OPENMP)
+    omp_set_num_threads(saved);
+#endif
+}
+
+}  // namespace
+
+TEST_CASE("threads: the multi-head kernels give the same bits for 1 to 4 threads", "[layer][threads]") {
+    const HeadLayout layout{8, 2, 16};
+    const std::vector<Index> offsets{0, 100, 100, 260, 333};
+    const Matrix<float> Q = random_matrix<float>(333, 128, 1), K = random_matrix<float>(333, 32, 2),
+                        V = random_matrix<float>(333, 32, 3);
+    same_bits_for_any_thread_count([&] {
+        Matrix<float> O(333, 128), lse(333, 8);
+        multi_head_causal_softmax_attention(Q, K, V, O, lse, layout, {.window = 70, .sinks = 2},
+                                            VarLen{offsets, offsets});
+        Matrix<float> both(333, 136);
+        both << O, lse;
+        return both;
+    });
+    same_bits_for_any_thread_count([&] {
+        Matrix<float> O(333, 128);
+        std::vector<LinearState<float>> states(4 * 2);
+        multi_head_chunked_linear_attention(Q, K, V, O, layout, EluPlusOne{}, {}, std::span(states),
+                                            VarLen{offsets, offsets});
+        return O;
+    });
+    same_bits_for_any_thread_count([&] {  // MQA: one KV head, its group split across threads
+        Matrix<float> O(333, 128);
+        multi_head_chunked_linear_attention(Q, K.leftCols(16), V.leftCols(16), O, HeadLayout{8, 1, 16});
+        return O;
+    });
+}
+
+TEST_CASE("threads: MultiHead decode and prefill give the same bits for 1 to 4 threads", "[layer][threads]") {
+    const HeadLayout layout{4, 1, 8};
+    const Index n = 2 * MultiHead<KVCache<float>>::split_keys + 100;  // split into 3 pieces
+    const Matrix<float> K = random_matrix<float>(n, 8, 4), V = random_matrix<float>(n, 8, 5);
+    const Matrix<float> Q = random_matrix<float>(3, 32, 6);
+    same_bits_for_any_thread_count([&] {
+        MultiHead<KVCache<float>> mem(layout, [](Index) { return KVCache<float>(8, 8); });
+        Matrix<float> prompt(n - 3, 32), O(3, 32);
+        prefill(mem, random_matrix<float>(n - 3, 32, 7), K.topRows(n - 3), V.topRows(n - 3), prompt);
+        decode(mem, Q, K.bottomRows(3), V.bottomRows(3), O);
+        Matrix<float> both(n, 32);
+        both << prompt, O;
+        return both;
+    });
+}
+
+TEST_CASE("threads: inside the caller's parallel region the layer runs serially", "[layer][threads]") {
+    const HeadLayout layout{4, 2, 8};
+    const Matrix<float> Q = random_matrix<float>(90, 32, 8), K = random_matrix<float>(90, 16, 9),
+                        V = random_matrix<float>(90, 16, 10);
+    Matrix<float> expected(90, 32);
+    multi_head_causal_softmax_attention(Q, K, V, expected, layout);
+    std::vector<Matrix<float>> results(2, Matrix<float>(90, 32));
+    std::vector<int> threads_seen(2, 0);
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(2)
+#endif
+    for (int t = 0; t < 2; ++t) {
+        threads_seen[static_cast<std::size_t>(t)] = detail::available_threads();
+        multi_head_causal_softmax_attention(Q, K, V, results[static_cast<std::size_t>(t)], layout);
+    }
+    for (int t = 0; t < 2; ++t) {
+        CHECK((results[static_cast<std::size_t>(t)].array() == expected.array()).all());
+#if defined(_OPENMP)
+        CHECK(threads_seen[static_cast<std::size_t>(t)] == 1);
+#endif
+    }
 }

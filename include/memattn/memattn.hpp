@@ -15,3 +15,7 @@
 #include "memattn/memory/hybrid_cache.hpp"
 #include "memattn/memory/moving_average_cache.hpp"
 #include "memattn/memory/sliding_window_cache.hpp"
+#include "memattn/layer/head_layout.hpp"
+#include "memattn/layer/parallel.hpp"
+#include "memattn/layer/multi_head_kernels.hpp"
+#include "memattn/layer/multi_head_memory.hpp"

@@ -190,6 +190,55 @@ void attend_contiguous(const Q& q, const KBlock& K, const VBlock& V, T scale, So
     }
 }
 
+/// Grouped attend: at most `group_rows` queries and `group_keys` keys per step, so the
+/// logits (16 × 128 floats = 8 KiB) stay on the stack and in L1.
+inline constexpr Index group_rows = 16;
+inline constexpr Index group_keys = 128;
+
+/// g ≤ group_rows queries Qg (g×d) against contiguous keys K (n×d) and values V (n×dv):
+/// folds s_rj = scale · q_r·k_j into states[r] and row r of `acc` (g×dv), key block by key
+/// block, with one small GEMM per block for the logits and one for the values (where
+/// attend_contiguous does one GEMV each per query). The keys and values are read once
+/// for the whole group, which is what grouped-query attention saves.
+template <class T, class QB, class KBlock, class VBlock, class Acc>
+void attend_group_contiguous(const QB& Qg, const KBlock& K, const VBlock& V, T scale, SoftmaxState<T>* states,
+                             Acc&& acc) {
+    const Index g = Qg.rows();
+    MEMATTN_DASSERT(g <= group_rows && K.rows() == V.rows() && K.cols() == Qg.cols() && V.cols() == acc.cols() &&
+                    acc.rows() == g);
+    alignas(64) T buffer[group_rows * group_keys];
+    for (Index j0 = 0; j0 < K.rows(); j0 += group_keys) {
+        const Index n = std::min(group_keys, K.rows() - j0);
+        Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> s(buffer, g, n, Eigen::OuterStride<>(group_keys));
+        s.noalias() = scale * (Qg * K.middleRows(j0, n).transpose());
+        for (Index r = 0; r < g; ++r) {
+            const T alpha = states[r].absorb(buffer + r * group_keys, n);
+            if (alpha != T(1))
+                acc.row(r) *= alpha;
+        }
+        acc.noalias() += s * V.middleRows(j0, n);
+    }
+}
+
+/// out (g×dv) = softmax attention of each row of `queries` (g×d) over the pairs a memory
+/// reads, given as `for_each_run(f)` calling f(keys, values) for each contiguous run in
+/// order; rows with no visible pair get zero. Allocates nothing.
+template <class T, class ForEachRun>
+void attend_group_runs(const ConstMatrixRef<T>& queries, MatrixRef<T>& out, T scale, const ForEachRun& for_each_run) {
+    for (Index r0 = 0; r0 < queries.rows(); r0 += group_rows) {
+        const Index g = std::min(group_rows, queries.rows() - r0);
+        SoftmaxState<T> states[group_rows];
+        auto acc = out.middleRows(r0, g);
+        acc.setZero();
+        const auto q = queries.middleRows(r0, g);
+        for_each_run([&](const auto& keys, const auto& values) {
+            attend_group_contiguous(q, keys, values, scale, states, acc);
+        });
+        for (Index r = 0; r < g; ++r)
+            states[r].finish(acc.row(r));
+    }
+}
+
 /// 1/sqrt(d) when `scale` is 0 (the convention of docs/design.md), else `scale`.
 template <class T>
 T resolve_scale(T scale, Index d) {

@@ -6,6 +6,7 @@
 #include <memattn/memattn.hpp>
 
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -30,6 +31,43 @@ void use_memory(M memory, const memattn::Matrix<T>& x, memattn::Matrix<T>& out) 
     memory.reset();
 }
 
+/// A layer's memory: queries (and outputs) twice as wide as the keys (and values).
+template <class M, class Q, class K, class T>
+void use_memory(M memory, const Q& q_half, const K& k, memattn::Matrix<T>& out) {
+    const memattn::Matrix<T> q = memattn::Matrix<T>::Zero(q_half.rows(), 2 * q_half.cols());
+    memattn::decode(memory, q, k, k, out);
+    memattn::extend(memory, k, k);
+    memattn::prefill(memory, q, k, k, out);
+    memory.attend(q.row(0), out.row(0));
+    memory.reset();
+}
+
+/// The layer: both multi-head kernels and MultiHead over each kind of memory.
+template <class T>
+void layer(const memattn::Matrix<T>& x, memattn::Matrix<T>& out, memattn::Index d) {
+    const memattn::HeadLayout layout{2, 1, d / 2};
+    const auto k = x.leftCols(d / 2);
+    memattn::Matrix<T> lse(x.rows(), 2);
+    const std::vector<memattn::Index> offsets{0, x.rows() / 2, x.rows()};
+    memattn::multi_head_causal_softmax_attention(x, k, k, out, layout, {.window = 4}, {offsets, offsets});
+    memattn::multi_head_causal_softmax_attention(x, k, k, out, lse, layout);
+    std::vector<memattn::LinearState<T>> states(2);
+    memattn::multi_head_chunked_linear_attention(x, k, k, out, layout, memattn::EluPlusOne{}, {}, std::span(states),
+                                                 {offsets, offsets});
+    const memattn::Index h = d / 2;
+    use_memory(memattn::MultiHead<memattn::KVCache<T>>(layout, [h](memattn::Index) { return memattn::KVCache<T>(h, h); }),
+               x.leftCols(h), k, out);
+    use_memory(memattn::MultiHead<memattn::SlidingWindowCache<T>>(
+                   layout, [h](memattn::Index) { return memattn::SlidingWindowCache<T>(h, h, 4, 1); }),
+               x.leftCols(h), k, out);
+    use_memory(memattn::MultiHead<memattn::HybridCache<T>>(
+                   layout, [h](memattn::Index) { return memattn::HybridCache<T>(h, h, 4, 2, 3); }),
+               x.leftCols(h), k, out);
+    use_memory(memattn::MultiHead<memattn::LinearAttentionMemory<T>>(
+                   layout, [h](memattn::Index) { return memattn::LinearAttentionMemory<T>(h, h); }),
+               x.leftCols(h), k, out);
+}
+
 template <class T>
 void everything(memattn::Index n, memattn::Index d) {
     const memattn::Matrix<T> x = memattn::Matrix<T>::Random(n, d);
@@ -45,6 +83,7 @@ void everything(memattn::Index n, memattn::Index d) {
         linear_forms<T>(x, out, memattn::Relu{});
         linear_forms<T>(x, out, memattn::Taylor2{});
     }
+    layer<T>(x, out, d);
 
     use_memory(memattn::KVCache<T>(d, d), x, out);
     use_memory(memattn::SlidingWindowCache<T>(d, d, 4, 1), x, out);

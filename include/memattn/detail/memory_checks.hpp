@@ -25,6 +25,17 @@ void check_query(const char* function, const ConstRowRef<T>& query, const RowRef
     require_disjoint(function, "out", out, "query", query);
 }
 
+/// Queries g × key_dim and their outputs g × value_dim (attend_group), not overlapping.
+template <class T>
+void check_group_query(const char* function, const ConstMatrixRef<T>& queries, const MatrixRef<T>& out,
+                       Index key_dim, Index value_dim) {
+    require(queries.cols() == key_dim, function, "queries", "has shape ", shape(queries), ", expected ",
+            queries.rows(), 'x', key_dim);
+    require(out.rows() == queries.rows() && out.cols() == value_dim, function, "out", "has shape ", shape(out),
+            ", expected ", queries.rows(), 'x', value_dim, " (queries is ", shape(queries), ")");
+    require_disjoint(function, "out", out, "queries", queries);
+}
+
 /// A memory's own prefill: queries n × key_dim and out n × value_dim beside keys/values
 /// already checked, out overlapping none of them.
 template <class T>

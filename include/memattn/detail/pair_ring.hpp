@@ -77,6 +77,14 @@ public:
         });
     }
 
+    /// Calls f(keys, values) with the rows of each contiguous run of the items [first, last), oldest first.
+    template <class F>
+    void for_each_block(Index first, Index last, F&& f) const {
+        for_each_run(first, last, [&](Index row, Index, Index n) {
+            f(keys_.middleRows(row, n), values_.middleRows(row, n));
+        });
+    }
+
     /// Copies the items [first, last), oldest first, into the leading rows of K and V.
     template <class K, class V>
     void copy_out(Index first, Index last, K&& keys, V&& values) const {

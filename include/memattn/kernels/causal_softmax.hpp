@@ -103,20 +103,43 @@ constexpr SoftmaxTiles default_tiles(Index window) { return window > 0 ? Softmax
 /// window near the largest Index.
 constexpr Index effective_window(Index window, Index keys) { return window >= keys ? 0 : window; }
 
-/// The tiled kernel for one call: its scratch and its steps (see the top of the file).
+/// Round n up to a multiple of m.
+constexpr Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
+
+/// The scratch of the tiled kernel (see the top of the file), allocated once and reused
+/// by every call on the same d, dv and tiles: a multi-head call keeps one per thread.
+template <class T>
+struct SoftmaxScratch {
+    SoftmaxScratch(Index d, Index dv, SoftmaxTiles tiles)
+        : tiles(tiles), lanes(round_up(tiles.queries, 2 * packet_lanes<T>)), qt(d, lanes), s(tiles.keys, lanes),
+          acc(lanes, dv), state(lanes) {}
+
+    /// Bytes of scratch: all the extra memory a call needs, whatever Nq and Nk.
+    static std::size_t bytes(Index d, Index dv, SoftmaxTiles tiles) {
+        const Index lanes = round_up(tiles.queries, 2 * packet_lanes<T>);
+        return sizeof(T) * static_cast<std::size_t>(lanes * (d + tiles.keys + dv + 3));
+    }
+
+    SoftmaxTiles tiles;
+    Index lanes;
+    Matrix<T> qt, s, acc;
+    SoftmaxBlockState<T> state;
+};
+
+/// The tiled kernel for one call on a scratch: its steps (see the top of the file).
 template <class T>
 class TiledCausalSoftmax {
 public:
     TiledCausalSoftmax(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, T scale,
-                       Index window, Index sinks, SoftmaxTiles tiles)
-        : q_(Q), k_(K), v_(V), scale_(scale), window_(window), sinks_(sinks), tiles_(tiles),
-          lanes_(round_up(tiles.queries, 2 * packet_lanes<T>)), qt_(K.cols(), lanes_), s_(tiles.keys, lanes_),
-          acc_(lanes_, V.cols()), state_(lanes_) {}
+                       Index window, Index sinks, SoftmaxScratch<T>& scratch)
+        : q_(Q), k_(K), v_(V), scale_(scale), window_(window), sinks_(sinks), tiles_(scratch.tiles),
+          lanes_(scratch.lanes), qt_(scratch.qt), s_(scratch.s), acc_(scratch.acc), state_(scratch.state) {
+        MEMATTN_DASSERT(qt_.rows() == K.cols() && acc_.cols() == V.cols());
+    }
 
     /// Bytes of scratch one call allocates: all the extra memory it needs, whatever Nq and Nk.
     static std::size_t scratch_bytes(Index d, Index dv, SoftmaxTiles tiles) {
-        const Index lanes = round_up(tiles.queries, 2 * packet_lanes<T>);
-        return sizeof(T) * static_cast<std::size_t>(lanes * (d + tiles.keys + dv + 3));
+        return SoftmaxScratch<T>::bytes(d, dv, tiles);
     }
 
     /// Writes O and calls lse(i, lse_i) for every query row i.
@@ -138,8 +161,6 @@ public:
     }
 
 private:
-    static Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
-
     /// Loads log2(e)·scale·Q_tileᵀ (base-2 logits, see SoftmaxBlockState) and empties the
     /// accumulators for queries [i0, i0 + rows).
     void start_query_tile(Index i0, Index rows) {
@@ -238,8 +259,10 @@ private:
     Index window_, sinks_;
     SoftmaxTiles tiles_;
     Index lanes_;
-    Matrix<T> qt_, s_, acc_;  // scratch, see the top of the file
-    SoftmaxBlockState<T> state_;
+    Matrix<T>& qt_;  // scratch, see the top of the file
+    Matrix<T>& s_;
+    Matrix<T>& acc_;
+    SoftmaxBlockState<T>& state_;
     Index i0_ = 0, rows_ = 0, cols_ = 0, p0_ = 0, p1_ = 0;  // the current query tile
 };
 
@@ -267,15 +290,26 @@ void check_disjoint(const char* function, const char* name, const Out& out, cons
     require_disjoint(function, name, out, "V", V);
 }
 
+/// The kernel on views and a scratch, after the checks; `lse(i, value)` receives each
+/// row's log-sum-exp. The tiles are the scratch's.
+template <class T, class LseSink>
+void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxScratch<T>& scratch) {
+    if (Q.rows() == 0)
+        return;
+    const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
+    TiledCausalSoftmax<T> kernel(Q, K, V, scale, effective_window(options.window, K.rows()), options.sinks, scratch);
+    kernel.run(O, lse);
+}
+
 /// The kernel on views, after the checks; `lse(i, value)` receives each row's log-sum-exp.
 template <class T, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                           MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxTiles tiles) {
     if (Q.rows() == 0)
         return;
-    const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
-    TiledCausalSoftmax<T> kernel(Q, K, V, scale, effective_window(options.window, K.rows()), options.sinks, tiles);
-    kernel.run(O, lse);
+    SoftmaxScratch<T> scratch(K.cols(), V.cols(), tiles);
+    causal_softmax_views<T>(Q, K, V, O, lse, options, scratch);
 }
 
 /// The same with the measured tiles for the call (default_tiles).

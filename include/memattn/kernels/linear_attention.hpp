@@ -179,12 +179,19 @@ void normalize_rows(OB& o, ColumnVector<T>& den, Index n, T eps) {
 ///
 /// Putting q' before A keeps a short last chunk contiguous: its operands are the top-left
 /// n × (d'+n) of `left` and the top d'+n rows of `right`.
+///
+/// A group of g query heads over one KV head (grouped-query attention) shares the keys,
+/// the values and so the state: Q is n × g·d and O n × g·dv, member m in columns
+/// [m·d, (m+1)·d) and [m·dv, (m+1)·dv). Per chunk k' and V_c are loaded once, the two
+/// GEMMs run per member on the shared [μ ; V_c], and the state is folded once. Each
+/// member's arithmetic is exactly that of a single-head call (g = 1) with its queries.
 template <class T, class Phi>
 void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, MatrixRef<T> O,
                   const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& s) {
     const Index tokens = Q.rows();
     const Index c = std::min(options.chunk_size, std::max<Index>(tokens, 1));
-    const Index f = features, dv = V.cols();
+    const Index f = features, d = K.cols(), dv = V.cols(), members = Q.cols() / d;
+    MEMATTN_DASSERT(Q.cols() == members * d && O.cols() == members * dv);
     Matrix<T> left(c, f + c), right(f + c, dv), keys(c, f);
     Vector<T> total(f + c);
     ColumnVector<T> den(c);
@@ -206,20 +213,21 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
         auto mu = right.topRows(f);
         auto v = right.middleRows(f, n);
         auto nu = total.head(f);
-        auto o = O.middleRows(start, n);
-        apply_features<T>(phi, Q.middleRows(start, n), q);
         apply_features<T>(phi, K.middleRows(start, n), k);
         v = V.middleRows(start, n);
-
-        a.noalias() = q * k.transpose();  // GEMM 1
-        apply_mask(a, mask, c);
-        if (decays)
-            q.array().colwise() *= powers.segment(1, n).array();  // γ^{i+1} q'_i
-        const auto operands = left.topLeftCorner(n, f + n);
-        o.noalias() = operands * right.topRows(f + n);  // GEMM 2: γ^{i+1} q'μ + A V_c
-        if (options.normalize) {
-            den.head(n).noalias() = operands * total.head(f + n).transpose();  // γ^{i+1} q'·ν + Σ_j A_ij
-            normalize_rows(o, den, n, eps);
+        for (Index m = 0; m < members; ++m) {
+            auto o = O.block(start, m * dv, n, dv);
+            apply_features<T>(phi, Q.block(start, m * d, n, d), q);
+            a.noalias() = q * k.transpose();  // GEMM 1
+            apply_mask(a, mask, c);
+            if (decays)
+                q.array().colwise() *= powers.segment(1, n).array();  // γ^{i+1} q'_i
+            const auto operands = left.topLeftCorner(n, f + n);
+            o.noalias() = operands * right.topRows(f + n);  // GEMM 2: γ^{i+1} q'μ + A V_c
+            if (options.normalize) {
+                den.head(n).noalias() = operands * total.head(f + n).transpose();  // γ^{i+1} q'·ν + Σ_j A_ij
+                normalize_rows(o, den, n, eps);
+            }
         }
         fold_views(k, v, powers, decays, mu, nu);  // GEMM 3
     }

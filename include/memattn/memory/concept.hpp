@@ -54,6 +54,21 @@ concept KnowsDims = requires(const M& m) {
     { m.value_dim() } -> std::convertible_to<Index>;
 };
 
+/// A memory whose queries and outputs are wider than its keys and values (a layer of
+/// heads, memattn::MultiHead) says so; otherwise a query has a key's width and an output
+/// a value's.
+template <class M>
+concept KnowsQueryDims = requires(const M& m) {
+    { m.query_dim() } -> std::convertible_to<Index>;
+    { m.output_dim() } -> std::convertible_to<Index>;
+};
+
+/// g queries at once against one pass over the state: `attend_group(Qg, Og)`.
+template <class M>
+concept HasGroupAttend = requires(const M& m, ConstMatrixRef<typename M::Scalar> Q, MatrixRef<typename M::Scalar> O) {
+    m.attend_group(Q, O);
+};
+
 /// Checks K/V (and Q/O when given) against each other and, where the memory tells its
 /// dims, against the memory, before any token is fed: a bad call changes nothing.
 template <class M>
@@ -70,7 +85,13 @@ void check_keys_values(const char* function, const M& mem, Shape k, Shape v) {
 template <class M>
 void check_queries(const char* function, const M& mem, Shape q, Shape k, Shape v, Shape o) {
     require(q.rows == k.rows, function, "Q", "has shape ", q, ", expected ", k.rows, " rows as K (", k, ")");
-    if constexpr (KnowsDims<M>) {
+    if constexpr (KnowsQueryDims<M>) {
+        require(q.cols == mem.query_dim(), function, "Q", "has shape ", q, ", expected ", mem.query_dim(),
+                " columns (the memory's query_dim)");
+        require(o.rows == q.rows && o.cols == mem.output_dim(), function, "O", "has shape ", o, ", expected ", q.rows,
+                'x', mem.output_dim(), " (Q's rows x the memory's output_dim)");
+        return;
+    } else if constexpr (KnowsDims<M>) {
         require(q.cols == mem.key_dim(), function, "Q", "has shape ", q, ", expected ", mem.key_dim(),
                 " columns (the memory's key_dim)");
     } else {

@@ -85,6 +85,23 @@ public:
         state.finish(out);
     }
 
+    /// Row r of `out` = attend(row r of `queries`), to rounding, for g queries at once:
+    /// the pairs are read once for the group (grouped-query attention), the logits and
+    /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+        detail::check_group_query("KVCache::attend_group", queries, out, key_dim_, value_dim_);
+        detail::attend_group_runs<T>(queries, out, scale_, [this](const auto& f) { for_each_run(f); });
+    }
+
+    /// Calls f(keys, values) for each contiguous run of the pairs `attend` reads, in the
+    /// order it reads them, as read-only row blocks: how a caller splits one attend
+    /// across threads (memattn::MultiHead's split-KV decode) and merges the parts.
+    template <class F>
+    void for_each_run(F&& f) const {
+        if (length_ > 0)
+            f(keys(), values());
+    }
+
     [[nodiscard]] Index length() const noexcept { return length_; }
     /// Bytes of the pairs held now.
     [[nodiscard]] std::size_t footprint() const noexcept { return bytes(length_); }
@@ -92,6 +109,13 @@ public:
     [[nodiscard]] std::size_t capacity() const noexcept { return bytes(keys_.rows()); }
     /// Forgets every pair and keeps the allocation.
     void reset() noexcept { length_ = 0; }
+    /// Forgets the newest pairs, keeping the first `tokens` (at most length()): takes the
+    /// cache back to an earlier length, e.g. to undo a speculative step. Keeps the allocation.
+    void truncate(Index tokens) {
+        detail::require(tokens >= 0 && tokens <= length_, "KVCache::truncate", "tokens", "is ", tokens,
+                        ", expected 0 .. length() = ", length_);
+        length_ = tokens;
+    }
     /// Allocates room for `tokens` pairs in all, so later updates up to that length do not allocate.
     void reserve(Index tokens) { reserve_exact(std::max(tokens, length_)); }
 

@@ -85,6 +85,23 @@ public:
         state.finish(out);
     }
 
+    /// Row r of `out` = attend(row r of `queries`), to rounding, for g queries at once:
+    /// the pairs are read once for the group (grouped-query attention), the logits and
+    /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+        detail::check_group_query("SlidingWindowCache::attend_group", queries, out, key_dim_, value_dim_);
+        detail::attend_group_runs<T>(queries, out, scale_, [this](const auto& f) { for_each_run(f); });
+    }
+
+    /// Calls f(keys, values) for each contiguous run of the pairs `attend` reads, in the
+    /// order it reads them, as read-only row blocks: how a caller splits one attend
+    /// across threads (memattn::MultiHead's split-KV decode) and merges the parts.
+    template <class F>
+    void for_each_run(F&& f) const {
+        sink_pairs_.for_each_block(0, held_sinks(), f);
+        window_pairs_.for_each_block(first_window_item(), window_items(), f);
+    }
+
     [[nodiscard]] Index length() const noexcept { return length_; }
     /// Bytes of the pairs held now: grows with the first window + sinks tokens, then constant.
     [[nodiscard]] std::size_t footprint() const noexcept {

@@ -1,0 +1,193 @@
+// The multi-head layer (memattn/layer/) against, in the same binary and run: the
+// single-head kernel it is built from (the layer must add no overhead on one thread),
+// itself on 1 and 2 threads, and, for decoding, a step whose KV heads are not shared.
+//
+//   BM_SoftmaxLayer/threads/q_heads/kv_heads/d     N = 4096, GFLOPS of useful work
+//   BM_SoftmaxHead/d                              one head of the same, single-head kernel
+//   BM_LinearLayer/threads/q_heads/kv_heads/d     chunked linear attention, N = 4096
+//   BM_LinearHead/d                               one head, chunked_linear_attention
+//   BM_Decode/threads/q_heads/kv_heads/position   one MultiHead<KVCache> attend, d = 128
+//   BM_Varlen/threads/batched                     16 sequences of 64..4096 tokens (batched
+//                                                 = 1) or one sequence of the same work
+//
+// GFLOPS counts 2·(d + dv) per visible (query, key) pair per query head for softmax,
+// 4·d·dv per token per query head for linear attention, and 2·(d + dv) per stored pair
+// per query head for decoding. Float, d = dv. Real time (the layer runs threads).
+// Run with --benchmark_repetitions=10 --benchmark_enable_random_interleaving=true.
+#include "bench_common.hpp"
+
+#include <memattn/layer/multi_head_kernels.hpp>
+#include <memattn/layer/multi_head_memory.hpp>
+
+#include <cmath>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace {
+
+using memattn::HeadLayout;
+using memattn::Index;
+using memattn::Matrix;
+using memattn::bench::random_matrix;
+using memattn::bench::set_gflops;
+
+constexpr Index tokens = 4096;
+
+void use_threads(benchmark::State& state, Index threads) {
+#if defined(_OPENMP)
+    omp_set_num_threads(static_cast<int>(threads));
+#else
+    if (threads > 1)
+        state.SkipWithError("built without OpenMP");
+#endif
+    state.counters["threads"] = static_cast<double>(threads);
+}
+
+double causal_pairs(Index n) { return 0.5 * static_cast<double>(n) * static_cast<double>(n + 1); }
+
+HeadLayout layout_of(const benchmark::State& state) {
+    return {state.range(1), state.range(2), state.range(3)};
+}
+
+void BM_SoftmaxLayer(benchmark::State& state) {
+    use_threads(state, state.range(0));
+    const HeadLayout layout = layout_of(state);
+    const Index d = layout.head_dim;
+    const Matrix<float> Q = random_matrix<float>(tokens, layout.q_heads * d, 1),
+                        K = random_matrix<float>(tokens, layout.kv_heads * d, 2),
+                        V = random_matrix<float>(tokens, layout.kv_heads * d, 3);
+    Matrix<float> O(tokens, layout.q_heads * d);
+    for (auto _ : state) {
+        memattn::multi_head_causal_softmax_attention(Q, K, V, O, layout);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, static_cast<double>(layout.q_heads) * 4.0 * static_cast<double>(d) * causal_pairs(tokens));
+}
+
+void BM_SoftmaxHead(benchmark::State& state) {
+    const Index d = state.range(0);
+    const Matrix<float> Q = random_matrix<float>(tokens, d, 1), K = random_matrix<float>(tokens, d, 2),
+                        V = random_matrix<float>(tokens, d, 3);
+    Matrix<float> O(tokens, d);
+    for (auto _ : state) {
+        memattn::causal_softmax_attention(Q, K, V, O);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, 4.0 * static_cast<double>(d) * causal_pairs(tokens));
+}
+
+void BM_LinearLayer(benchmark::State& state) {
+    use_threads(state, state.range(0));
+    const HeadLayout layout = layout_of(state);
+    const Index d = layout.head_dim;
+    const Matrix<float> Q = random_matrix<float>(tokens, layout.q_heads * d, 1),
+                        K = random_matrix<float>(tokens, layout.kv_heads * d, 2),
+                        V = random_matrix<float>(tokens, layout.kv_heads * d, 3);
+    Matrix<float> O(tokens, layout.q_heads * d);
+    for (auto _ : state) {
+        memattn::multi_head_chunked_linear_attention(Q, K, V, O, layout);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, static_cast<double>(layout.q_heads) * 4.0 * static_cast<double>(d * d) *
+                          static_cast<double>(tokens));
+}
+
+void BM_LinearHead(benchmark::State& state) {
+    const Index d = state.range(0);
+    const Matrix<float> Q = random_matrix<float>(tokens, d, 1), K = random_matrix<float>(tokens, d, 2),
+                        V = random_matrix<float>(tokens, d, 3);
+    Matrix<float> O(tokens, d);
+    for (auto _ : state) {
+        memattn::chunked_linear_attention(Q, K, V, O);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, 4.0 * static_cast<double>(d * d) * static_cast<double>(tokens));
+}
+
+void BM_Decode(benchmark::State& state) {
+    use_threads(state, state.range(0));
+    const HeadLayout layout{state.range(1), state.range(2), 128};
+    const Index position = state.range(3), d = layout.head_dim;
+    memattn::MultiHead<memattn::KVCache<float>> mem(layout, [d](Index) { return memattn::KVCache<float>(d, d); });
+    memattn::extend(mem, random_matrix<float>(position, layout.kv_heads * d, 2),
+                    random_matrix<float>(position, layout.kv_heads * d, 3));
+    const Matrix<float> q = random_matrix<float>(1, layout.q_heads * d, 1);
+    Matrix<float> o(1, layout.q_heads * d);
+    for (auto _ : state) {
+        mem.attend(q.row(0), o.row(0));
+        benchmark::DoNotOptimize(o.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, static_cast<double>(layout.q_heads) * 4.0 * static_cast<double>(d * position));
+    state.counters["KV_MiB"] = static_cast<double>(mem.footprint()) / (1024.0 * 1024.0);
+}
+
+/// 16 lengths spread geometrically over 64..4096, and the one length of equal causal work.
+std::vector<Index> varlen_lengths() {
+    std::vector<Index> lengths;
+    for (int b = 0; b < 16; ++b)
+        lengths.push_back(static_cast<Index>(std::lround(64.0 * std::pow(64.0, b / 15.0))));
+    return lengths;
+}
+
+void BM_Varlen(benchmark::State& state) {
+    use_threads(state, state.range(0));
+    const bool batched = state.range(1) != 0;
+    const HeadLayout layout{8, 2, 64};
+    const Index d = layout.head_dim;
+    std::vector<Index> lengths = varlen_lengths();
+    double pairs = 0;
+    for (Index n : lengths)
+        pairs += causal_pairs(n);
+    if (!batched)  // one sequence of (about) the same number of visible pairs
+        lengths = {static_cast<Index>(std::lround(std::sqrt(2.0 * pairs)))};
+    std::vector<Index> offsets{0};
+    for (Index n : lengths)
+        offsets.push_back(offsets.back() + n);
+    const Index n = offsets.back();
+    const Matrix<float> Q = random_matrix<float>(n, layout.q_heads * d, 1),
+                        K = random_matrix<float>(n, layout.kv_heads * d, 2),
+                        V = random_matrix<float>(n, layout.kv_heads * d, 3);
+    Matrix<float> O(n, layout.q_heads * d);
+    const memattn::VarLen batch{offsets, offsets};
+    for (auto _ : state) {
+        memattn::multi_head_causal_softmax_attention(Q, K, V, O, layout, {}, batch);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    double visible = 0;
+    for (Index length : lengths)
+        visible += causal_pairs(length);
+    set_gflops(state, static_cast<double>(layout.q_heads) * 4.0 * static_cast<double>(d) * visible);
+}
+
+void layer_args(benchmark::internal::Benchmark* b) {
+    for (Index d : {64, 128})
+        for (Index threads : {1, 2})
+            for (auto [q, kv] : {std::pair<Index, Index>{8, 8}, {8, 2}})
+                b->Args({threads, q, kv, d});
+}
+
+}  // namespace
+
+BENCHMARK(BM_SoftmaxLayer)->Apply(layer_args)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SoftmaxHead)->Arg(64)->Arg(128)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LinearLayer)->Apply(layer_args)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LinearHead)->Arg(64)->Arg(128)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Decode)
+    ->ArgsProduct({{1, 2}, {8}, {8, 2}, {4096, 65536}})
+    ->Args({1, 2, 2, 4096})
+    ->Args({1, 2, 2, 65536})
+    ->Args({2, 2, 2, 65536})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Varlen)->ArgsProduct({{1, 2}, {0, 1}})->UseRealTime()->Unit(benchmark::kMillisecond);
+
+BENCHMARK_MAIN();

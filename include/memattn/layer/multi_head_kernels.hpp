@@ -1,0 +1,315 @@
+#pragma once
+// A whole attention layer in one call: every query head of every sequence of a batch,
+// on every core (docs/design.md, "Multi-head layers").
+//
+//   multi_head_causal_softmax_attention(Q, K, V, O, layout[, options][, batch])
+//   multi_head_causal_softmax_attention(Q, K, V, O, lse, layout[, options][, batch])
+//   multi_head_chunked_linear_attention(Q, K, V, O, layout[, phi][, options][, states][, batch])
+//
+// Buffers and batches: layer/head_layout.hpp. A multi-head call is many single-head
+// calls plus a schedule (layer/parallel.hpp):
+//
+// - Softmax: the work items are (sequence, KV head, tile of queries, query head of the
+//   group), in that order, so the query heads of a group read the same K/V tiles one
+//   after the other while they are in cache. An item runs the single-head kernel on its
+//   queries against the keys up to its last query, with the sequence's tiles, so every
+//   output is bitwise the one of causal_softmax_attention on that head and sequence.
+//   Items cost (queries × keys they see) and are cut into equal-cost ranges per thread.
+// - Linear: the state μ/ν depends only on K and V, so it belongs to a (sequence, KV
+//   head), and the query heads of a group share it: one pass over K/V per group, the
+//   queries of the group against each chunk (detail::chunked_form). When there are
+//   fewer (sequence, KV head) pairs than threads a group is split into sub-groups of
+//   query heads that each carry the state (the fold is repeated, the outputs are not),
+//   so MQA still uses every core. Outputs are bitwise those of chunked_linear_attention
+//   per query head whatever the split.
+//
+// Threads: OpenMP when the translation unit is built with it (the memattn::memattn
+// target adds it when CMake finds it), else serial; the same bits either way.
+
+#include "memattn/kernels/causal_softmax.hpp"
+#include "memattn/kernels/linear_attention.hpp"
+#include "memattn/layer/head_layout.hpp"
+#include "memattn/layer/parallel.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace memattn {
+namespace detail {
+
+/// One softmax work item: query rows [q_begin, q_begin + rows) of `head`, sequence `seq`.
+struct SoftmaxItem {
+    std::size_t seq;
+    Index head, q_begin, rows;
+};
+
+/// The items of a softmax call, in schedule order (see the top of the file).
+inline std::vector<SoftmaxItem> softmax_items(const HeadLayout& layout, const VarLen& batch, Index q_rows,
+                                              Index k_rows, const SoftmaxOptions& options) {
+    std::vector<SoftmaxItem> items;
+    const Index g = layout.group_size();
+    for (std::size_t b = 0; b < sequence_count(batch); ++b) {
+        const SequenceSpan span = sequence_span(batch, b, q_rows, k_rows);
+        const Index tile = default_tiles(effective_window(options.window, span.k_rows)).queries;
+        for (Index kv = 0; kv < layout.kv_heads; ++kv)
+            for (Index i0 = 0; i0 < span.q_rows; i0 += tile)
+                for (Index m = 0; m < g; ++m)
+                    items.push_back({b, kv * g + m, i0, std::min(tile, span.q_rows - i0)});
+    }
+    return items;
+}
+
+/// Keys an item's queries see, summed (at its middle query), plus a per-item constant.
+inline double softmax_item_cost(const SoftmaxItem& item, const SequenceSpan& span, const SoftmaxOptions& options) {
+    const Index window = effective_window(options.window, span.k_rows);
+    const Index position = span.k_rows - span.q_rows + item.q_begin + item.rows / 2;
+    Index keys = position + 1;
+    if (window > 0)
+        keys = std::min(keys, window) + std::min(options.sinks, std::max<Index>(0, position + 1 - window));
+    return static_cast<double>(item.rows) * static_cast<double>(keys + 64);
+}
+
+/// One KV head's keys and values for one sequence, and the scale its heads use.
+template <class T>
+struct HeadKeys {
+    ConstMatrixRef<T> keys, values;
+    double scale;
+};
+
+/// The softmax layer after the checks, over any source of keys: `head_keys(span, kv)`
+/// gives KV head kv's HeadKeys for a sequence; lse(row, head, value) receives each
+/// log-sum-exp. `k_rows` is the keys' row count that the batch's offsets index.
+template <class T, class HeadKeysOf, class LseSink>
+void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink&& lse, const HeadLayout& layout,
+                            const SoftmaxOptions& options, const VarLen& batch, Index k_rows,
+                            const HeadKeysOf& head_keys) {
+    const Index d = layout.head_dim, dv = layout.values();
+    const std::vector<SoftmaxItem> items = softmax_items(layout, batch, Q.rows(), k_rows, options);
+    const auto span_of = [&](const SoftmaxItem& item) { return sequence_span(batch, item.seq, Q.rows(), k_rows); };
+    parallel_ranges(
+        static_cast<Index>(items.size()),
+        [&](Index i) {
+            const SoftmaxItem& item = items[static_cast<std::size_t>(i)];
+            return softmax_item_cost(item, span_of(item), options);
+        },
+        [&](Index first, Index last) {
+            std::optional<SoftmaxScratch<T>> full, windowed;  // one per tile shape, made on first use
+            for (Index i = first; i < last; ++i) {
+                const SoftmaxItem& item = items[static_cast<std::size_t>(i)];
+                const SequenceSpan span = span_of(item);
+                const SoftmaxTiles tiles = default_tiles(effective_window(options.window, span.k_rows));
+                std::optional<SoftmaxScratch<T>>& scratch = tiles.queries == SoftmaxTiles{}.queries ? full : windowed;
+                if (!scratch)
+                    scratch.emplace(d, dv, tiles);
+                const HeadKeys<T> source = head_keys(span, layout.kv_head_of(item.head));
+                // Keys up to the item's last query: its queries stay bottom-right aligned.
+                const Index keys = span.k_rows - span.q_rows + item.q_begin + item.rows;
+                const Index row0 = span.q_begin + item.q_begin;
+                SoftmaxOptions head_options = options;
+                head_options.scale = source.scale;
+                causal_softmax_views<T>(
+                    Q.block(row0, item.head * d, item.rows, d), source.keys.topRows(keys),
+                    source.values.topRows(keys), O.block(row0, item.head * dv, item.rows, dv),
+                    [&](Index r, T value) { lse(row0 + r, item.head, value); }, head_options, *scratch);
+            }
+        });
+}
+
+/// The softmax layer on packed K/V buffers, after the checks.
+template <class T, class LseSink>
+void multi_head_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                              MatrixRef<T> O, LseSink&& lse, const HeadLayout& layout, const SoftmaxOptions& options,
+                              const VarLen& batch) {
+    const Index d = layout.head_dim, dv = layout.values();
+    multi_head_softmax_run<T>(Q, O, lse, layout, options, batch, K.rows(), [&](const SequenceSpan& span, Index kv) {
+        return HeadKeys<T>{K.block(span.k_begin, kv * d, span.k_rows, d),
+                           V.block(span.k_begin, kv * dv, span.k_rows, dv), options.scale};
+    });
+}
+
+template <class T>
+void check_softmax_layer(const char* function, const HeadLayout& layout, const ConstMatrixRef<T>& q,
+                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const MatrixRef<T>& o,
+                         const SoftmaxOptions& options, const VarLen& batch) {
+    check_layout(function, layout);
+    check_packed(function, layout, shape(q), shape(k), shape(v), shape(o));
+    check_varlen(function, batch, q.rows(), k.rows());
+    // The per-head checks on one head's shapes (options; Nq <= Nk was checked per sequence).
+    check_softmax_arguments<T>(function, {0, layout.head_dim}, {0, layout.head_dim}, {0, layout.values()},
+                               {0, layout.values()}, options);
+    check_disjoint(function, "O", o, q, k, v);
+}
+
+}  // namespace detail
+
+/// The causal softmax attention of every query head of every sequence (see the top of
+/// the file and layer/head_layout.hpp): O[:, h·dv, dv] is causal_softmax_attention of
+/// Q's head h over K/V's head h / (q_heads / kv_heads), sequence by sequence. Throws
+/// std::invalid_argument, writing nothing, on a bad layout, shapes, options or offsets.
+template <class DQ, class DK, class DV, detail::EigenMatrix DO>
+void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                         const Eigen::MatrixBase<DV>& V, DO&& O, const HeadLayout& layout,
+                                         const SoftmaxOptions& options = {}, const VarLen& batch = {}) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must be float or double.");
+    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
+                  "memattn::multi_head_causal_softmax_attention: Q, K, V and O must have the same scalar type.");
+    constexpr const char* function = "multi_head_causal_softmax_attention";
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    detail::check_softmax_layer<T>(function, layout, q, k, v, o, options, batch);
+    detail::multi_head_softmax_views<T>(q, k, v, o, [](Index, Index, T) {}, layout, options, batch);
+}
+
+/// As above, and writes lse(i, h) = log Σ_{j visible} exp(scale · q_ih·k_j) into `lse`,
+/// a tokens × q_heads matrix of the scalar type; −∞ where a row sees no key.
+template <class DQ, class DK, class DV, detail::EigenMatrix DO, detail::EigenMatrix DL>
+void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                         const Eigen::MatrixBase<DV>& V, DO&& O, DL&& lse, const HeadLayout& layout,
+                                         const SoftmaxOptions& options = {}, const VarLen& batch = {}) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must be float or double.");
+    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>, std::remove_cvref_t<DL>>,
+                  "memattn::multi_head_causal_softmax_attention: Q, K, V, O and lse must have the same scalar type.");
+    constexpr const char* function = "multi_head_causal_softmax_attention";
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    detail::check_softmax_layer<T>(function, layout, q, k, v, o, options, batch);
+    detail::require(lse.rows() == Q.rows() && lse.cols() == layout.q_heads, function, "lse", "has shape ",
+                    detail::shape(lse), ", expected ", Q.rows(), 'x', layout.q_heads, " (Q's rows x q_heads)");
+    if constexpr (detail::check_output<DL, false>()) {
+        detail::check_disjoint(function, "lse", lse, q, k, v);
+        detail::require_disjoint(function, "lse", lse, "O", o);
+        detail::multi_head_softmax_views<T>(
+            q, k, v, o, [&lse](Index i, Index h, T value) { lse.coeffRef(i, h) = value; }, layout, options, batch);
+    }
+}
+
+namespace detail {
+
+/// One linear work item: query heads [first, first + members) of KV head `kv`, sequence `seq`.
+struct LinearItem {
+    std::size_t seq;
+    Index kv, first, members;
+};
+
+template <class T, class Phi>
+void check_linear_layer(const char* function, const HeadLayout& layout, const Phi& phi, const ConstMatrixRef<T>& q,
+                        const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const MatrixRef<T>& o,
+                        const LinearOptions& options, std::span<LinearState<T>> states, const VarLen& batch,
+                        Index& features) {
+    check_layout(function, layout);
+    check_packed(function, layout, shape(q), shape(k), shape(v), shape(o));
+    check_varlen(function, batch, q.rows(), k.rows());
+    const std::size_t sequences = sequence_count(batch);
+    if (batch.q_offsets.empty())
+        require(q.rows() == k.rows(), function, "K", "has ", k.rows(), " rows, expected ", q.rows(),
+                " as Q (linear attention: one key per query)");
+    for (std::size_t b = 0; b < sequences; ++b) {
+        const SequenceSpan span = sequence_span(batch, b, q.rows(), k.rows());
+        require(span.q_rows == span.k_rows, function, "varlen", "gives sequence ", b, ' ', span.q_rows,
+                " queries and ", span.k_rows, " keys, expected as many keys as queries (linear attention)");
+    }
+    const Index d = layout.head_dim, dv = layout.values();
+    features = check_linear_arguments<T>(function, phi, {0, d}, {0, d}, {0, dv}, {0, dv}, options, nullptr);
+    const std::size_t expected = sequences * static_cast<std::size_t>(layout.kv_heads);
+    require(states.empty() || states.size() == expected, function, "states", "has ", states.size(),
+            " states, expected 0 or ", expected, " (sequences ", sequences, " x kv_heads ", layout.kv_heads, ")");
+    for (std::size_t i = 0; i < states.size(); ++i) {
+        const LinearState<T>& s = states[i];
+        if (s.mu.size() == 0 && s.nu.size() == 0)
+            continue;
+        const std::string name = "states[" + std::to_string(i) + "]";
+        require(s.mu.rows() == features && s.mu.cols() == dv, function, name + ".mu", "has shape ", shape(s.mu),
+                ", expected ", features, 'x', dv, " (feature dim x value_dim)");
+        require(s.nu.cols() == features, function, name + ".nu", "has shape ", shape(s.nu), ", expected 1x",
+                features, " (feature dim)");
+    }
+    require_disjoint(function, "O", o, "Q", q);
+    require_disjoint(function, "O", o, "K", k);
+    require_disjoint(function, "O", o, "V", v);
+}
+
+}  // namespace detail
+
+/// Chunked causal linear attention (kernels/linear_attention.hpp) for every query head
+/// of every sequence. `states`: empty, or one LinearState per (sequence b, KV head g) at
+/// index b·kv_heads + g, shared by the group's query heads (the state depends only on
+/// K and V): each empty or the shape of a state, carried in, the final state out.
+/// Sequences need as many keys as queries. Outputs are bitwise chunked_linear_attention
+/// per query head; throws std::invalid_argument, changing nothing, on bad input.
+template <class DQ, class DK, class DV, detail::EigenMatrix DO, class Phi = EluPlusOne>
+void multi_head_chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                         const Eigen::MatrixBase<DV>& V, DO&& O, const HeadLayout& layout,
+                                         const Phi& phi = {}, const LinearOptions& options = {},
+                                         std::span<LinearState<typename DQ::Scalar>> states = {},
+                                         const VarLen& batch = {}) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn::multi_head_chunked_linear_attention: the scalar type must be float or double.");
+    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
+                  "memattn::multi_head_chunked_linear_attention: Q, K, V and O must have the same scalar type.");
+    static_assert(FeatureMap<Phi, T>, "memattn::multi_head_chunked_linear_attention: phi must be a feature map for "
+                                      "this scalar (see memattn/feature_maps.hpp).");
+    constexpr const char* function = "multi_head_chunked_linear_attention";
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    Index features = 0;
+    detail::check_linear_layer<T>(function, layout, phi, q, k, v, o, options, states, batch, features);
+
+    const Index d = layout.head_dim, dv = layout.values(), g = layout.group_size();
+    const std::size_t sequences = detail::sequence_count(batch);
+    const auto pairs = static_cast<Index>(sequences) * layout.kv_heads;
+    // Sub-groups per group: enough items for every thread (a choice that changes no bit).
+    const Index threads = detail::available_threads();
+    const Index split = std::min(g, std::max<Index>(1, (threads + pairs - 1) / pairs));
+    std::vector<detail::LinearItem> items;
+    for (std::size_t b = 0; b < sequences; ++b)
+        for (Index kv = 0; kv < layout.kv_heads; ++kv)
+            for (Index part = 0; part < split; ++part) {
+                const Index first = part * g / split, end = (part + 1) * g / split;
+                items.push_back({b, kv, first, end - first});
+            }
+    // With sub-groups, each starts from a copy of the initial state taken before any
+    // sub-group writes its final state back.
+    std::vector<LinearState<T>> initial;
+    if (split > 1)
+        initial.assign(states.begin(), states.end());
+    detail::parallel_ranges(
+        static_cast<Index>(items.size()),
+        [&](Index i) {
+            const detail::LinearItem& item = items[static_cast<std::size_t>(i)];
+            const auto span = detail::sequence_span(batch, item.seq, q.rows(), k.rows());
+            return static_cast<double>(span.q_rows) * static_cast<double>(item.members + 1);
+        },
+        [&](Index first, Index last) {
+            for (Index i = first; i < last; ++i) {
+                const detail::LinearItem& item = items[static_cast<std::size_t>(i)];
+                const auto span = detail::sequence_span(batch, item.seq, q.rows(), k.rows());
+                const std::size_t index = item.seq * static_cast<std::size_t>(layout.kv_heads) +
+                                          static_cast<std::size_t>(item.kv);
+                LinearState<T> state;  // a copy: a throw leaves the caller's state as it was
+                if (!states.empty())
+                    state = split > 1 ? initial[index] : states[index];
+                if (state.mu.size() == 0 && state.nu.size() == 0) {
+                    state.mu.setZero(features, dv);
+                    state.nu.setZero(features);
+                }
+                const Index head = item.kv * g + item.first;
+                detail::chunked_form<T>(q.block(span.q_begin, head * d, span.q_rows, item.members * d),
+                                        k.block(span.k_begin, item.kv * d, span.k_rows, d),
+                                        v.block(span.k_begin, item.kv * dv, span.k_rows, dv),
+                                        o.block(span.q_begin, head * dv, span.q_rows, item.members * dv), phi, options,
+                                        features, state);
+                if (!states.empty() && item.first == 0)
+                    states[index] = std::move(state);
+            }
+        },
+        static_cast<int>(threads));
+}
+
+}  // namespace memattn

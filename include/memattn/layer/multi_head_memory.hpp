@@ -1,0 +1,348 @@
+#pragma once
+// MultiHead<M>: a Memory over a whole layer of heads (docs/design.md, "Multi-head layers").
+//
+//   HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};
+//   MultiHead<SlidingWindowCache<float>> mem(layout, [](Index) { return SlidingWindowCache<float>(64, 64, 512, 4); });
+//   mem.update(k_row, v_row);   // packed rows: kv_heads·head_dim, kv_heads·value_dim
+//   mem.attend(q_row, o_row);   // packed rows: q_heads·head_dim, q_heads·value_dim
+//   memattn::decode(mem, Q, K, V, O);  memattn::prefill(mem, Q, K, V, O);  // unchanged
+//
+// It holds one memory per KV head, made by the factory (called with the KV head's index),
+// and declares query_dim()/output_dim() so decode and prefill check the wider Q and O.
+//
+// attend: the query heads of a group are adjacent in the packed row, so a group's queries
+// are one g × head_dim block, and each KV head's memory is read once for the whole group
+// (its attend_group when it has one, else g attends). For the softmax memories whose pairs
+// it can see (for_each_run: KVCache, SlidingWindowCache, HybridCache) the keys are cut into
+// pieces of `split_keys` pairs (flash-decoding): the pieces of every head are spread over
+// the threads, each folds its pairs into partial softmax states, and the partial states
+// of a head are merged in piece order. The pieces depend only on the memory's length, not
+// on the number of threads, so the output is bitwise the same for any thread count; a
+// step whose total work is below `parallel_work` stays on the calling thread.
+//
+// prefill: MultiHead<KVCache> appends the prompt to every head's cache and runs the
+// multi-head kernel over the caches (every query head, tile by tile, on every thread:
+// bitwise each head's KVCache::prefill). Other memories with their own prefill run it per
+// head (in parallel across heads) when every KV head has one query head; anything else
+// goes token by token (update, then attend).
+//
+// A call that throws std::invalid_argument changes nothing; the factory's memories must
+// agree with the layout (checked where the memory tells its key_dim and value_dim).
+
+#include "memattn/layer/head_layout.hpp"
+#include "memattn/layer/multi_head_kernels.hpp"
+#include "memattn/layer/parallel.hpp"
+#include "memattn/memory/concept.hpp"
+#include "memattn/memory/kv_cache.hpp"
+#include "memattn/softmax_state.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <concepts>
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace memattn {
+namespace detail {
+
+/// A softmax memory that shows the runs of pairs its attend reads, and its scale.
+template <class M>
+concept HasPairRuns = requires(const M& m) {
+    m.for_each_run([](const auto&, const auto&) {});
+    { m.scale() } -> std::convertible_to<typename M::Scalar>;
+};
+
+template <class M>
+inline constexpr bool is_kv_cache = false;
+template <class T>
+inline constexpr bool is_kv_cache<KVCache<T>> = true;
+
+}  // namespace detail
+
+template <Memory M>
+class MultiHead {
+    using T = typename M::Scalar;
+
+public:
+    using Scalar = T;
+
+    /// Pairs per piece of a split attend (see the top of the file).
+    static constexpr Index split_keys = 4096;
+    /// Pairs × query heads × (head_dim + value_dim) of one step below which it runs on one thread.
+    static constexpr double parallel_work = 1 << 20;
+
+    /// One memory per KV head: make(kv) for kv = 0 .. kv_heads − 1.
+    template <class Factory>
+        requires std::invocable<Factory&, Index> && std::convertible_to<std::invoke_result_t<Factory&, Index>, M>
+    MultiHead(const HeadLayout& layout, Factory&& make) : layout_(checked(layout)) {
+        heads_.reserve(static_cast<std::size_t>(layout_.kv_heads));
+        for (Index h = 0; h < layout_.kv_heads; ++h) {
+            heads_.push_back(make(h));
+            if constexpr (detail::KnowsDims<M>) {
+                const std::string name = "make(" + std::to_string(h) + ")";
+                detail::require(heads_.back().key_dim() == layout_.head_dim, "MultiHead", name.c_str(),
+                                "has key_dim ", heads_.back().key_dim(), ", expected layout.head_dim ",
+                                layout_.head_dim);
+                detail::require(heads_.back().value_dim() == layout_.values(), "MultiHead", name.c_str(),
+                                "has value_dim ", heads_.back().value_dim(), ", expected the layout's value_dim ",
+                                layout_.values());
+            }
+        }
+    }
+
+    /// Feeds one token: `key` is kv_heads·head_dim wide, `value` kv_heads·value_dim.
+    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
+        detail::check_pairs("MultiHead::update", detail::shape(key), detail::shape(value), key_dim(), value_dim());
+        const Index d = layout_.head_dim, dv = layout_.values();
+        all_or_nothing([&] {
+            for (Index h = 0; h < layout_.kv_heads; ++h)
+                heads_[static_cast<std::size_t>(h)].update(key.segment(h * d, d), value.segment(h * dv, dv));
+        });
+    }
+
+    /// Feeds many tokens (packed rows), through each head's own extend where it has one.
+    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        detail::check_pairs("MultiHead::extend", detail::shape(keys), detail::shape(values), key_dim(), value_dim());
+        const Index d = layout_.head_dim, dv = layout_.values();
+        all_or_nothing([&] {
+            for (Index h = 0; h < layout_.kv_heads; ++h)
+                memattn::extend(heads_[static_cast<std::size_t>(h)], keys.middleCols(h * d, d),
+                                values.middleCols(h * dv, dv));
+        });
+    }
+
+    /// Outputs of every query head for the tokens K/V (see the top of the file), equal
+    /// to decode's; `out` must not overlap the inputs.
+    void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
+        constexpr const char* function = "MultiHead::prefill";
+        detail::check_pairs(function, detail::shape(keys), detail::shape(values), key_dim(), value_dim());
+        detail::check_prefill(function, queries, keys, values, out, query_dim(), output_dim());
+        if constexpr (detail::is_kv_cache<M>) {
+            prefill_caches(queries, keys, values, out);
+        } else if constexpr (detail::HasBulkPrefill<M>) {
+            if (layout_.group_size() == 1) {
+                const Index d = layout_.head_dim, dv = layout_.values();
+                detail::parallel_ranges(
+                    layout_.kv_heads, [](Index) { return 1.0; },
+                    [&](Index first, Index last) {
+                        for (Index h = first; h < last; ++h)
+                            heads_[static_cast<std::size_t>(h)].prefill(
+                                queries.middleCols(h * d, d), keys.middleCols(h * d, d),
+                                values.middleCols(h * dv, dv), out.middleCols(h * dv, dv));
+                    });
+                return;
+            }
+            detail::decode_rows(*this, queries, keys, values, out);
+        } else {
+            detail::decode_rows(*this, queries, keys, values, out);
+        }
+    }
+
+    /// Every query head's output for the packed query row (see the top of the file).
+    void attend(ConstRowRef<T> query, RowRef<T> out) const {
+        detail::check_query("MultiHead::attend", query, out, query_dim(), output_dim());
+        if constexpr (detail::HasPairRuns<M>)
+            attend_split(query, out);
+        else
+            for (Index h = 0; h < layout_.kv_heads; ++h)
+                attend_head(h, query, out);
+    }
+
+    /// Tokens seen since reset (every head has seen the same).
+    [[nodiscard]] Index length() const noexcept { return heads_.front().length(); }
+    /// Bytes of state held now, over every head.
+    [[nodiscard]] std::size_t footprint() const noexcept {
+        std::size_t bytes = 0;
+        for (const M& head : heads_)
+            bytes += head.footprint();
+        return bytes;
+    }
+    void reset() {
+        for (M& head : heads_)
+            head.reset();
+    }
+
+    /// Widths of the packed rows: keys, values, queries, outputs.
+    [[nodiscard]] Index key_dim() const noexcept { return layout_.kv_heads * layout_.head_dim; }
+    [[nodiscard]] Index value_dim() const noexcept { return layout_.kv_heads * layout_.values(); }
+    [[nodiscard]] Index query_dim() const noexcept { return layout_.q_heads * layout_.head_dim; }
+    [[nodiscard]] Index output_dim() const noexcept { return layout_.q_heads * layout_.values(); }
+
+    [[nodiscard]] const HeadLayout& layout() const noexcept { return layout_; }
+    /// KV head kv's memory.
+    [[nodiscard]] const M& head(Index kv) const { return heads_.at(static_cast<std::size_t>(kv)); }
+    [[nodiscard]] M& head(Index kv) { return heads_.at(static_cast<std::size_t>(kv)); }
+
+private:
+    using GroupMap = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
+    using GroupOut = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
+
+    /// Runs `feed` on every head; for KV caches (which allocate as they grow) a throw takes
+    /// every head back to its length before the call. The fixed-size memories allocate
+    /// nothing once built, and their shape checks were made here before any head moved.
+    template <class Feed>
+    void all_or_nothing(Feed&& feed) {
+        if constexpr (detail::is_kv_cache<M>) {
+            const Index before = length();
+            try {
+                feed();
+            } catch (...) {
+                for (M& head : heads_)
+                    head.truncate(std::min(head.length(), before));
+                throw;
+            }
+        } else {
+            feed();
+        }
+    }
+
+    static HeadLayout checked(const HeadLayout& layout) {
+        detail::check_layout("MultiHead", layout);
+        return layout;
+    }
+
+    /// Group h's queries (g × head_dim) in the packed query row, and its outputs.
+    [[nodiscard]] GroupMap group_queries(const ConstRowRef<T>& query, Index h) const {
+        const Index g = layout_.group_size(), d = layout_.head_dim;
+        return GroupMap(query.data() + h * g * d, g, d, Eigen::OuterStride<>(d));
+    }
+    [[nodiscard]] GroupOut group_outputs(RowRef<T>& out, Index h) const {
+        const Index g = layout_.group_size(), dv = layout_.values();
+        return GroupOut(out.data() + h * g * dv, g, dv, Eigen::OuterStride<>(dv));
+    }
+
+    /// KV head h's group through its memory's own attend(s).
+    void attend_head(Index h, const ConstRowRef<T>& query, RowRef<T>& out) const {
+        const M& head = heads_[static_cast<std::size_t>(h)];
+        const GroupMap q = group_queries(query, h);
+        GroupOut o = group_outputs(out, h);
+        if constexpr (detail::HasGroupAttend<M>) {
+            head.attend_group(q, o);
+        } else {
+            for (Index m = 0; m < q.rows(); ++m)
+                head.attend(q.row(m), o.row(m));
+        }
+    }
+
+    /// Pairs head h's attend reads.
+    [[nodiscard]] Index pairs(Index h) const {
+        Index n = 0;
+        heads_[static_cast<std::size_t>(h)].for_each_run([&n](const auto& keys, const auto&) { n += keys.rows(); });
+        return n;
+    }
+
+    /// One piece of a split attend: pairs [first, last) of head h.
+    struct Piece {
+        Index head, first, last;
+    };
+
+    /// Folds pairs [first, last) of head h into g partial states and accumulator rows.
+    void attend_piece(const Piece& piece, const GroupMap& q, SoftmaxState<T>* states, GroupOut& acc) const {
+        const M& head = heads_[static_cast<std::size_t>(piece.head)];
+        const T scale = head.scale();
+        acc.setZero();
+        for (Index r0 = 0; r0 < q.rows(); r0 += detail::group_rows) {
+            const Index g = std::min(detail::group_rows, q.rows() - r0);
+            auto acc_rows = acc.middleRows(r0, g);
+            Index offset = 0;
+            head.for_each_run([&](const auto& keys, const auto& values) {
+                const Index begin = std::max(piece.first, offset), end = std::min(piece.last, offset + keys.rows());
+                if (begin < end)
+                    detail::attend_group_contiguous(q.middleRows(r0, g), keys.middleRows(begin - offset, end - begin),
+                                                    values.middleRows(begin - offset, end - begin), scale,
+                                                    states + r0, acc_rows);
+                offset += keys.rows();
+            });
+        }
+    }
+
+    /// attend for memories with pair runs (see the top of the file).
+    void attend_split(const ConstRowRef<T>& query, RowRef<T>& out) const {
+        const Index g = layout_.group_size(), dv = layout_.values();
+        std::vector<Index> counts(static_cast<std::size_t>(layout_.kv_heads));
+        Index total = 0, most = 0;
+        for (Index h = 0; h < layout_.kv_heads; ++h) {
+            counts[static_cast<std::size_t>(h)] = pairs(h);
+            total += counts[static_cast<std::size_t>(h)];
+            most = std::max(most, counts[static_cast<std::size_t>(h)]);
+        }
+        const double work = static_cast<double>(total) * static_cast<double>(g) *
+                            static_cast<double>(layout_.head_dim + dv);
+        const int threads = work < parallel_work ? 1 : 0;
+        if (most <= split_keys) {  // one piece per head: each head's own grouped attend
+            detail::parallel_ranges(
+                layout_.kv_heads, [&](Index h) { return static_cast<double>(counts[static_cast<std::size_t>(h)]); },
+                [&](Index first, Index last) {
+                    for (Index h = first; h < last; ++h)
+                        attend_head(h, query, out);
+                },
+                threads);
+            return;
+        }
+        // Pieces of split_keys pairs (the last one of a head shorter), head by head.
+        std::vector<Piece> pieces;
+        std::vector<Index> first_piece;
+        for (Index h = 0; h < layout_.kv_heads; ++h) {
+            first_piece.push_back(static_cast<Index>(pieces.size()));
+            const Index n = counts[static_cast<std::size_t>(h)];
+            for (Index j = 0; j < std::max<Index>(n, 1); j += split_keys)
+                pieces.push_back({h, j, std::min(n, j + split_keys)});
+        }
+        first_piece.push_back(static_cast<Index>(pieces.size()));
+        // Piece 0 of a head accumulates in the output; the others in scratch.
+        std::vector<SoftmaxState<T>> states(pieces.size() * static_cast<std::size_t>(g));
+        Matrix<T> partial(static_cast<Index>(pieces.size()) * g, dv);
+        detail::parallel_ranges(
+            static_cast<Index>(pieces.size()),
+            [&](Index i) {
+                const Piece& p = pieces[static_cast<std::size_t>(i)];
+                return static_cast<double>(p.last - p.first + 64);
+            },
+            [&](Index first, Index last) {
+                for (Index i = first; i < last; ++i) {
+                    const Piece& p = pieces[static_cast<std::size_t>(i)];
+                    GroupOut acc = i == first_piece[static_cast<std::size_t>(p.head)]
+                                       ? group_outputs(out, p.head)
+                                       : GroupOut(partial.data() + i * g * dv, g, dv, Eigen::OuterStride<>(dv));
+                    attend_piece(p, group_queries(query, p.head), states.data() + i * g, acc);
+                }
+            },
+            threads);
+        // Merge each head's pieces in order, then normalise.
+        for (Index h = 0; h < layout_.kv_heads; ++h) {
+            const Index p0 = first_piece[static_cast<std::size_t>(h)];
+            GroupOut o = group_outputs(out, h);
+            for (Index r = 0; r < g; ++r) {
+                SoftmaxState<T>& state = states[static_cast<std::size_t>(p0 * g + r)];
+                for (Index p = p0 + 1; p < first_piece[static_cast<std::size_t>(h) + 1]; ++p)
+                    state.merge(states[static_cast<std::size_t>(p * g + r)], o.row(r), partial.row(p * g + r));
+                state.finish(o.row(r));
+            }
+        }
+    }
+
+    /// MultiHead<KVCache>::prefill: append, then the multi-head kernel over the caches;
+    /// a throw (no memory) takes every cache back to its length before the call.
+    void prefill_caches(const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
+                        const ConstMatrixRef<T>& values, MatrixRef<T>& out) {
+        const Index d = layout_.head_dim, dv = layout_.values();
+        all_or_nothing([&] {
+            for (Index h = 0; h < layout_.kv_heads; ++h)
+                heads_[static_cast<std::size_t>(h)].extend(keys.middleCols(h * d, d), values.middleCols(h * dv, dv));
+            detail::multi_head_softmax_run<T>(
+                queries, out, [](Index, Index, T) {}, layout_, SoftmaxOptions{}, VarLen{}, length(),
+                [this](const detail::SequenceSpan&, Index kv) {
+                    const M& head = heads_[static_cast<std::size_t>(kv)];
+                    return detail::HeadKeys<T>{head.keys(), head.values(), static_cast<double>(head.scale())};
+                });
+        });
+    }
+
+    HeadLayout layout_;
+    std::vector<M> heads_;
+};
+
+}  // namespace memattn
