@@ -90,7 +90,7 @@ public:
     /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
     void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
         detail::check_group_query("KVCache::attend_group", queries, out, key_dim_, value_dim_);
-        detail::attend_group_runs<T>(queries, out, scale_, [this](const auto& f) { for_each_run(f); });
+        detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_run(f); });
     }
 
     /// Calls f(keys, values) for each contiguous run of the pairs `attend` reads, in the
