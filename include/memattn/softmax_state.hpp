@@ -210,13 +210,23 @@ void attend_group_contiguous(const QB& Qg, const KBlock& K, const VBlock& V, T s
     for (Index j0 = 0; j0 < K.rows(); j0 += group_keys) {
         const Index n = std::min(group_keys, K.rows() - j0);
         Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> s(buffer, g, n, Eigen::OuterStride<>(group_keys));
-        s.noalias() = scale * (Qg * K.middleRows(j0, n).transpose());
+        // One query: Eigen's GEMV. More: coefficient-based products, as Eigen's blocked
+        // GEMM packs its operands and sizes its blocks on every call, which costs more
+        // than these g × 128 × d products (measured: bench/multi_head_bench.cpp, BM_Decode).
+        const bool single = g == 1;
+        if (single)
+            s.noalias() = scale * (Qg * K.middleRows(j0, n).transpose());
+        else
+            s.noalias() = (scale * Qg).lazyProduct(K.middleRows(j0, n).transpose());
         for (Index r = 0; r < g; ++r) {
             const T alpha = states[r].absorb(buffer + r * group_keys, n);
             if (alpha != T(1))
                 acc.row(r) *= alpha;
         }
-        acc.noalias() += s * V.middleRows(j0, n);
+        if (single)
+            acc.noalias() += s * V.middleRows(j0, n);
+        else
+            acc.noalias() += s.lazyProduct(V.middleRows(j0, n));
     }
 }
 
