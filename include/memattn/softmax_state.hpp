@@ -12,6 +12,7 @@
 
 #include "memattn/detail/assert.hpp"
 #include "memattn/detail/packet.hpp"
+#include "memattn/detail/tile_product.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
@@ -93,8 +94,9 @@ struct SoftmaxState {
 /// per weight. Lane i is exactly the SoftmaxState `state(i)` (max converted back to
 /// natural units), so finishing a row, its log-sum-exp and merging with other partial
 /// states go through the one scalar mechanism above.
-/// Used by the tiled kernel (kernels/causal_softmax.hpp); allocates its lanes once.
-template <class T>
+/// Used by the tiled kernel (kernels/causal_softmax.hpp), which allocates its lanes once,
+/// and by the grouped attend below, whose lanes (at most MaxLanes) live on the stack.
+template <class T, int MaxLanes = Eigen::Dynamic>
 class SoftmaxBlockState {
 public:
     explicit SoftmaxBlockState(Index lanes) : lanes_(3, lanes) { reset(); }
@@ -164,7 +166,7 @@ private:
         pstoreu(&lanes_(alpha_row, first), alpha);
     }
 
-    Eigen::Array<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> lanes_;  // rows: max, sum, α
+    Eigen::Array<T, 3, Eigen::Dynamic, Eigen::RowMajor, 3, MaxLanes> lanes_;  // rows: max, sum, α
 };
 
 namespace detail {
@@ -190,45 +192,90 @@ void attend_contiguous(const Q& q, const KBlock& K, const VBlock& V, T scale, So
     }
 }
 
-/// Grouped attend: at most `group_rows` queries and `group_keys` keys per step, so the
-/// logits (16 × 128 floats = 8 KiB) stay on the stack and in L1.
+/// Grouped attend: at most `group_rows` queries and `group_keys` keys per step.
 inline constexpr Index group_rows = 16;
 inline constexpr Index group_keys = 128;
 
-/// g ≤ group_rows queries Qg (g×d) against contiguous keys K (n×d) and values V (n×dv):
-/// folds s_rj = scale · q_r·k_j into states[r] and row r of `acc` (g×dv), key block by key
-/// block, with one small GEMM per block for the logits and one for the values (where
-/// attend_contiguous does one GEMV each per query). The keys and values are read once
-/// for the whole group, which is what grouped-query attention saves.
-template <class T, class QB, class KBlock, class VBlock, class Acc>
-void attend_group_contiguous(const QB& Qg, const KBlock& K, const VBlock& V, T scale, SoftmaxState<T>* states,
-                             Acc&& acc) {
-    const Index g = Qg.rows();
-    MEMATTN_DASSERT(g <= group_rows && K.rows() == V.rows() && K.cols() == Qg.cols() && V.cols() == acc.cols() &&
-                    acc.rows() == g);
-    alignas(64) T buffer[group_rows * group_keys];
-    for (Index j0 = 0; j0 < K.rows(); j0 += group_keys) {
-        const Index n = std::min(group_keys, K.rows() - j0);
-        Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> s(buffer, g, n, Eigen::OuterStride<>(group_keys));
-        // One query: Eigen's GEMV. More: coefficient-based products, as Eigen's blocked
-        // GEMM packs its operands and sizes its blocks on every call, which costs more
-        // than these g × 128 × d products (measured: bench/multi_head_bench.cpp, BM_Decode).
-        const bool single = g == 1;
-        if (single)
-            s.noalias() = scale * (Qg * K.middleRows(j0, n).transpose());
-        else
-            s.noalias() = (scale * Qg).lazyProduct(K.middleRows(j0, n).transpose());
-        for (Index r = 0; r < g; ++r) {
-            const T alpha = states[r].absorb(buffer + r * group_keys, n);
-            if (alpha != T(1))
-                acc.row(r) *= alpha;
+/// g ≤ group_rows queries against runs of keys and values, each read once for the whole
+/// group (what grouped-query attention saves), per block of ≤ 128 keys, with all scratch
+/// on the stack. The logits take one of two routes, by measurement (bench/multi_head_bench.cpp,
+/// BM_Decode, and g queries against 4096 keys at d = 128):
+/// - g ≥ a packet's lanes and d ≤ max_depth, the tiled kernel's: Sᵀ = K_b · (log2(e)·scale·Q_g)ᵀ
+///   (keys × lanes, register-blocked) and the online softmax in base 2 across the lanes
+///   (SoftmaxBlockState); at g = 16 twice as fast as the other route;
+/// - fewer queries: S = scale · Q_g K_bᵀ as dot products vectorised along the head dim and
+///   one SoftmaxState per query, since a key-major product would fill only g of a
+///   packet's lanes (g = 4: 1.6× faster than the tiled route with AVX2).
+/// Then acc = α ⊙ acc + P · V_b, one register-blocked product with α fused into its load.
+/// One query goes through attend_contiguous, which is exactly `attend`.
+template <class T>
+class GroupAttention {
+public:
+    static constexpr Index max_depth = 256;
+
+    template <class QB>
+    GroupAttention(const QB& queries, T scale)
+        : queries_(queries), scale_(scale), g_(queries.rows()), lanes_(round_up(g_, packet_lanes<T>)),
+          tiled_(g_ >= packet_lanes<T> && queries.cols() <= max_depth), block_(tiled_ ? lanes_ : 1) {
+        MEMATTN_DASSERT(g_ <= group_rows && lanes_ <= group_rows);
+        if (!tiled_)
+            return;
+        const Index d = queries.cols();
+        const T factor = scale * T(1.44269504088896340735992468100);  // base-2 logits
+        for (Index k = 0; k < d; ++k) {
+            for (Index r = 0; r < g_; ++r)
+                qt_[k * lanes_ + r] = factor * queries(r, k);
+            for (Index r = g_; r < lanes_; ++r)
+                qt_[k * lanes_ + r] = T(0);
         }
-        if (single)
-            acc.noalias() += s * V.middleRows(j0, n);
-        else
-            acc.noalias() += s.lazyProduct(V.middleRows(j0, n));
     }
-}
+
+    /// Folds keys K (n×d) and values V (n×dv), contiguous rows of any stride, into the
+    /// states and the rows of `acc` (g×dv, zero before the first fold).
+    template <class KBlock, class VBlock, class Acc>
+    void fold(const KBlock& K, const VBlock& V, Acc&& acc) {
+        MEMATTN_DASSERT(K.rows() == V.rows() && K.cols() == queries_.cols() && V.cols() == acc.cols() &&
+                        acc.rows() == g_);
+        if (g_ == 1) {
+            attend_contiguous(queries_.row(0), K, V, scale_, states_[0], acc.row(0));
+            return;
+        }
+        const Index d = K.cols(), dv = V.cols();
+        for (Index j0 = 0; j0 < K.rows(); j0 += group_keys) {
+            const Index n = std::min(group_keys, K.rows() - j0);
+            const T* alpha = alpha_;
+            if (tiled_) {  // Sᵀ, keys × lanes, then P read from it with strides (1, lanes)
+                tile_product<T>(n, lanes_, d, K.data() + j0 * K.outerStride(), K.outerStride(), 1, qt_, lanes_, s_,
+                                lanes_, nullptr);
+                block_.absorb(s_, n, lanes_, lanes_);
+                alpha = block_.alpha();
+            } else {  // S, g × keys, then P read from it with strides (group_keys, 1)
+                Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> s(s_, g_, n, Eigen::OuterStride<>(group_keys));
+                s.noalias() = (scale_ * queries_).lazyProduct(K.middleRows(j0, n).transpose());
+                for (Index r = 0; r < g_; ++r)
+                    alpha_[r] = states_[r].absorb(s_ + r * group_keys, n);
+            }
+            tile_product<T>(g_, dv, n, s_, tiled_ ? 1 : group_keys, tiled_ ? lanes_ : 1,
+                            V.data() + j0 * V.outerStride(), V.outerStride(), acc.data(), acc.outerStride(), alpha);
+        }
+    }
+
+    /// Query r's state (natural logarithms), to finish or merge its accumulator row.
+    [[nodiscard]] SoftmaxState<T> state(Index r) const { return tiled_ ? block_.state(r) : states_[r]; }
+
+private:
+    static constexpr Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
+
+    ConstMatrixRef<T> queries_;
+    T scale_;
+    Index g_, lanes_;
+    bool tiled_;
+    SoftmaxBlockState<T, static_cast<int>(group_rows)> block_;  // tiled route
+    SoftmaxState<T> states_[group_rows];                        // the other routes
+    T alpha_[group_rows];
+    alignas(64) T qt_[max_depth * group_rows];  // log2(e)·scale·Q_gᵀ, tiled route
+    alignas(64) T s_[group_rows * group_keys];  // logits, then weights
+};
 
 /// out (g×dv) = softmax attention of each row of `queries` (g×d) over the pairs a memory
 /// reads, given as `for_each_run(f)` calling f(keys, values) for each contiguous run in
@@ -237,15 +284,12 @@ template <class T, class ForEachRun>
 void attend_group_runs(const ConstMatrixRef<T>& queries, MatrixRef<T>& out, T scale, const ForEachRun& for_each_run) {
     for (Index r0 = 0; r0 < queries.rows(); r0 += group_rows) {
         const Index g = std::min(group_rows, queries.rows() - r0);
-        SoftmaxState<T> states[group_rows];
         auto acc = out.middleRows(r0, g);
         acc.setZero();
-        const auto q = queries.middleRows(r0, g);
-        for_each_run([&](const auto& keys, const auto& values) {
-            attend_group_contiguous(q, keys, values, scale, states, acc);
-        });
+        GroupAttention<T> group(queries.middleRows(r0, g), scale);
+        for_each_run([&](const auto& keys, const auto& values) { group.fold(keys, values, acc); });
         for (Index r = 0; r < g; ++r)
-            states[r].finish(acc.row(r));
+            group.state(r).finish(acc.row(r));
     }
 }
 

@@ -242,20 +242,21 @@ private:
     /// Folds pairs [first, last) of head h into g partial states and accumulator rows.
     void attend_piece(const Piece& piece, const GroupMap& q, SoftmaxState<T>* states, GroupOut& acc) const {
         const M& head = heads_[static_cast<std::size_t>(piece.head)];
-        const T scale = head.scale();
         acc.setZero();
         for (Index r0 = 0; r0 < q.rows(); r0 += detail::group_rows) {
             const Index g = std::min(detail::group_rows, q.rows() - r0);
             auto acc_rows = acc.middleRows(r0, g);
+            detail::GroupAttention<T> group(q.middleRows(r0, g), head.scale());
             Index offset = 0;
             head.for_each_run([&](const auto& keys, const auto& values) {
                 const Index begin = std::max(piece.first, offset), end = std::min(piece.last, offset + keys.rows());
                 if (begin < end)
-                    detail::attend_group_contiguous(q.middleRows(r0, g), keys.middleRows(begin - offset, end - begin),
-                                                    values.middleRows(begin - offset, end - begin), scale,
-                                                    states + r0, acc_rows);
+                    group.fold(keys.middleRows(begin - offset, end - begin), values.middleRows(begin - offset, end - begin),
+                               acc_rows);
                 offset += keys.rows();
             });
+            for (Index r = 0; r < g; ++r)
+                states[r0 + r] = group.state(r);
         }
     }
 
