@@ -39,6 +39,8 @@ void per_head_softmax(const Matrix<T>& Q, const Matrix<T>& K, const Matrix<T>& V
     const Index d = layout.head_dim, dv = layout.values();
     for (std::size_t b = 0; b + 1 < q_offsets.size(); ++b) {
         const Index q0 = q_offsets[b], nq = q_offsets[b + 1] - q0, k0 = k_offsets[b], nk = k_offsets[b + 1] - k0;
+        if (nq == 0)  // nothing to compute, and no block of an empty matrix (a null pointer)
+            continue;
         for (Index h = 0; h < layout.q_heads; ++h) {
             const Index kv = layout.kv_head_of(h);
             Vector<T> l(nq);
@@ -68,7 +70,7 @@ void check_softmax_layer(const HeadLayout& layout, const SoftmaxOptions& options
     CHECK(same_bits(O2, R));
     // And against the double-precision definition, sequence by sequence and head by head.
     for (std::size_t b = 0; b < q_lengths.size(); ++b)
-        for (Index h = 0; h < layout.q_heads; ++h) {
+        for (Index h = 0; h < layout.q_heads && q_lengths[b] > 0; ++h) {
             const Index kv = layout.kv_head_of(h);
             const auto expected = reference::softmax_attention(
                 reference::to_double(Q.block(qo[b], h * d, q_lengths[b], d)),
@@ -148,9 +150,16 @@ void check_linear_layer(const HeadLayout& layout, const LinearOptions& options, 
             const Index kv = h / g;
             const std::size_t index = b * static_cast<std::size_t>(layout.kv_heads) + static_cast<std::size_t>(kv);
             LinearState<T> s = initial[index];
-            chunked_linear_attention(Q.block(offsets[b], h * d, lengths[b], d), K.block(offsets[b], kv * d, lengths[b], d),
-                                     V.block(offsets[b], kv * dv, lengths[b], dv),
-                                     R.block(offsets[b], h * dv, lengths[b], dv), EluPlusOne{}, options, &s);
+            if (lengths[b] == 0) {  // empty matrices, not blocks of an empty one (a null pointer)
+                Matrix<T> none(0, dv);
+                chunked_linear_attention(Matrix<T>(0, d), Matrix<T>(0, d), Matrix<T>(0, dv), none, EluPlusOne{},
+                                         options, &s);
+            } else {
+                chunked_linear_attention(Q.block(offsets[b], h * d, lengths[b], d),
+                                         K.block(offsets[b], kv * d, lengths[b], d),
+                                         V.block(offsets[b], kv * dv, lengths[b], dv),
+                                         R.block(offsets[b], h * dv, lengths[b], dv), EluPlusOne{}, options, &s);
+            }
             if (h % g == 0)
                 expected_states[index] = s;
         }
@@ -162,7 +171,7 @@ void check_linear_layer(const HeadLayout& layout, const LinearOptions& options, 
         CHECK(same_bits(Matrix<T>(states[i].nu), Matrix<T>(expected_states[i].nu)));
     }
     // Without states: the same outputs as starting from zero.
-    if (B == 1) {
+    if (B == 1 && n > 0) {
         Matrix<T> zero_start(n, layout.q_heads * dv), Z(n, layout.q_heads * dv);
         multi_head_chunked_linear_attention(Q, K, V, zero_start, layout, EluPlusOne{}, options);
         for (Index h = 0; h < layout.q_heads; ++h)
@@ -184,6 +193,14 @@ TEMPLATE_TEST_CASE("multi_head_chunked_linear_attention equals the chunked form 
         check_linear_layer<T>({4, 2, 8}, {.chunk_size = 8}, {17, 0, 1, 30}, 34);
     }
     SECTION("d = 1") { check_linear_layer<T>({2, 1, 1}, {}, {20}, 35); }
+    SECTION("0 and 1 tokens") {
+        check_linear_layer<T>({4, 2, 8}, {}, {0}, 38);
+        check_linear_layer<T>({4, 2, 8}, {}, {1}, 39);
+    }
+    SECTION("past the staging block, a last block shorter than a chunk") {
+        check_linear_layer<T>({4, 4, 8}, {.decay = 0.9}, {2 * detail::LinearStage<T>::rows + 5}, 36);
+        check_linear_layer<T>({4, 2, 8}, {.chunk_size = 24}, {300, 517}, 37);
+    }
 }
 
 TEST_CASE("The linear layer against the double-precision definition", "[layer][linear]") {
@@ -219,6 +236,11 @@ void check_multi_head(const HeadLayout& layout, Make make, Index n, double rel) 
     static_assert(Memory<MultiHead<M>>);
     decode(a, Q, K, V, decoded);
     const Index split = n / 3;
+    Matrix<float> none(0, layout.q_heads * dv);  // an empty prompt changes nothing
+    prefill(b, Matrix<float>(0, layout.q_heads * d), Matrix<float>(0, layout.kv_heads * d),
+            Matrix<float>(0, layout.kv_heads * dv), none);
+    extend(b, Matrix<float>(0, layout.kv_heads * d), Matrix<float>(0, layout.kv_heads * dv));
+    CHECK(b.length() == 0);
     prefill(b, Q.topRows(split), K.topRows(split), V.topRows(split), prefilled.topRows(split));
     prefill(b, Q.bottomRows(n - split), K.bottomRows(n - split), V.bottomRows(n - split),
             prefilled.bottomRows(n - split));
@@ -302,6 +324,32 @@ TEST_CASE("attend_group equals g single attends", "[layer][memory]") {
     Matrix<float> out = Matrix<float>::Constant(g, 5, 1.0f);
     empty.attend_group(Qg, out);
     CHECK(out.isZero(0));
+}
+
+TEST_CASE("prefill_group equals g prefills, bit for bit", "[layer][memory]") {
+    const Index g = 3, d = 8, dv = 5, n = 300;
+    const Matrix<float> K = random_matrix<float>(n, d, 74), V = random_matrix<float>(n, dv, 75);
+    const Matrix<float> Q = random_matrix<float>(n, g * d, 76, 2.0);
+    const auto check = [&](auto make) {
+        for (const Index before : {Index(0), Index(70)}) {  // a fresh memory and a cached prefix
+            auto grouped = make();
+            extend(grouped, K.topRows(before), V.topRows(before));
+            Matrix<float> out(n - before, g * dv), expected(n - before, g * dv);
+            grouped.prefill_group(Q.bottomRows(n - before), K.bottomRows(n - before), V.bottomRows(n - before), out);
+            for (Index m = 0; m < g; ++m) {
+                auto single = make();
+                extend(single, K.topRows(before), V.topRows(before));
+                Matrix<float> o(n - before, dv);
+                prefill(single, Q.block(before, m * d, n - before, d), K.bottomRows(n - before),
+                        V.bottomRows(n - before), o);
+                expected.middleCols(m * dv, dv) = o;
+            }
+            CHECK(same_bits(out, expected));
+            CHECK(grouped.length() == n);
+        }
+    };
+    check([&] { return SlidingWindowCache<float>(d, dv, 64, 2); });
+    check([&] { return LinearAttentionMemory<float>(d, dv, EluPlusOne{}, {.decay = 0.95}); });
 }
 
 // ------------------------------------------------------------------- bad input

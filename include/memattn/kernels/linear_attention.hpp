@@ -185,11 +185,18 @@ void normalize_rows(OB& o, ColumnVector<T>& den, Index n, T eps) {
 /// [m·d, (m+1)·d) and [m·dv, (m+1)·dv). Per chunk k' and V_c are loaded once, the two
 /// GEMMs run per member on the shared [μ ; V_c], and the state is folded once. Each
 /// member's arithmetic is exactly that of a single-head call (g = 1) with its queries.
+///
+/// The scratch holds C = min(chunk_size, tokens) rows. A caller that cuts one sequence
+/// into several calls (the layer's staging) passes the whole sequence's `tokens` as
+/// `sequence_tokens`, so every call lays out its scratch alike: Eigen's small products
+/// round differently at different alignments, and the pieces then give the bits of the
+/// whole.
 template <class T, class Phi>
 void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, MatrixRef<T> O,
-                  const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& s) {
+                  const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& s,
+                  Index sequence_tokens = -1) {
     const Index tokens = Q.rows();
-    const Index c = std::min(options.chunk_size, std::max<Index>(tokens, 1));
+    const Index c = std::min(options.chunk_size, std::max<Index>(sequence_tokens >= 0 ? sequence_tokens : tokens, 1));
     const Index f = features, d = K.cols(), dv = V.cols(), members = Q.cols() / d;
     MEMATTN_DASSERT(Q.cols() == members * d && O.cols() == members * dv);
     Matrix<T> left(c, f + c), right(f + c, dv), keys(c, f);

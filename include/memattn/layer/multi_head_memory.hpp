@@ -22,9 +22,11 @@
 //
 // prefill: MultiHead<KVCache> appends the prompt to every head's cache and runs the
 // multi-head kernel over the caches (every query head, tile by tile, on every thread:
-// bitwise each head's KVCache::prefill). Other memories with their own prefill run it per
-// head (in parallel across heads) when every KV head has one query head; anything else
-// goes token by token (update, then attend).
+// bitwise each head's KVCache::prefill). Memories with a grouped prefill
+// (SlidingWindowCache, LinearAttentionMemory: `prefill_group`, the group's queries against
+// the pairs gathered or folded once) run it per KV head, in parallel across KV heads;
+// other memories with their own prefill run it per head when every KV head has one query
+// head; anything else goes token by token (update, then attend).
 //
 // A call that throws std::invalid_argument changes nothing; the factory's memories must
 // agree with the layout (checked where the memory tells its key_dim and value_dim).
@@ -106,6 +108,8 @@ public:
     /// Feeds many tokens (packed rows), through each head's own extend where it has one.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         detail::check_pairs("MultiHead::extend", detail::shape(keys), detail::shape(values), key_dim(), value_dim());
+        if (keys.rows() == 0)  // no column block of an empty (possibly null) view
+            return;
         const Index d = layout_.head_dim, dv = layout_.values();
         all_or_nothing([&] {
             for (Index h = 0; h < layout_.kv_heads; ++h)
@@ -120,8 +124,20 @@ public:
         constexpr const char* function = "MultiHead::prefill";
         detail::check_pairs(function, detail::shape(keys), detail::shape(values), key_dim(), value_dim());
         detail::check_prefill(function, queries, keys, values, out, query_dim(), output_dim());
+        if (keys.rows() == 0)  // no column block of an empty (possibly null) view
+            return;
         if constexpr (detail::is_kv_cache<M>) {
             prefill_caches(queries, keys, values, out);
+        } else if constexpr (detail::HasGroupPrefill<M>) {
+            const Index d = layout_.head_dim, dv = layout_.values(), g = layout_.group_size();
+            detail::parallel_ranges(
+                layout_.kv_heads, [](Index) { return 1.0; },
+                [&](Index first, Index last) {
+                    for (Index h = first; h < last; ++h)
+                        heads_[static_cast<std::size_t>(h)].prefill_group(
+                            queries.middleCols(h * g * d, g * d), keys.middleCols(h * d, d),
+                            values.middleCols(h * dv, dv), out.middleCols(h * g * dv, g * dv));
+                });
         } else if constexpr (detail::HasBulkPrefill<M>) {
             if (layout_.group_size() == 1) {
                 const Index d = layout_.head_dim, dv = layout_.values();

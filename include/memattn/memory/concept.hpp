@@ -63,6 +63,14 @@ concept KnowsQueryDims = requires(const M& m) {
     { m.output_dim() } -> std::convertible_to<Index>;
 };
 
+/// prefill for g query heads over one KV head: `prefill_group(Q, K, V, O)` with Q
+/// n × g·key_dim and O n × g·value_dim.
+template <class M>
+concept HasGroupPrefill = requires(M& m, ConstMatrixRef<typename M::Scalar> Q, ConstMatrixRef<typename M::Scalar> K,
+                                   ConstMatrixRef<typename M::Scalar> V, MatrixRef<typename M::Scalar> O) {
+    m.prefill_group(Q, K, V, O);
+};
+
 /// g queries at once against one pass over the state: `attend_group(Qg, Og)`.
 template <class M>
 concept HasGroupAttend = requires(const M& m, ConstMatrixRef<typename M::Scalar> Q, MatrixRef<typename M::Scalar> O) {

@@ -155,6 +155,24 @@ public:
         length_ += keys.rows();
     }
 
+    /// prefill for g queries per token against the same keys and values (a group of query
+    /// heads over this KV head): `queries` is n × g·key_dim and `out` n × g·value_dim,
+    /// member m in columns [m·key_dim, (m+1)·key_dim) and [m·value_dim, (m+1)·value_dim).
+    /// The keys are folded into the state once; each member's outputs are bitwise its prefill's.
+    void prefill_group(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                       MatrixRef<T> out) {
+        constexpr const char* function = "LinearAttentionMemory::prefill_group";
+        check_pair(function, keys.cols(), values.cols());
+        detail::require(keys.rows() == values.rows(), function, "values", "has shape ", detail::shape(values),
+                        ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
+        const Index members = queries.cols() / key_dim_;
+        detail::require(members >= 1 && queries.cols() == members * key_dim_, function, "queries", "has shape ",
+                        detail::shape(queries), ", expected a multiple of key_dim = ", key_dim_, " columns");
+        detail::check_prefill(function, queries, keys, values, out, members * key_dim_, members * value_dim_);
+        detail::chunked_form<T>(queries, keys, values, out, phi_, options_, feature_dim_, state_);
+        length_ += keys.rows();
+    }
+
     [[nodiscard]] Index length() const noexcept { return length_; }
     /// Bytes of the state μ and ν: (d'·dv + d')·sizeof(T), whatever the length.
     [[nodiscard]] std::size_t footprint() const noexcept {

@@ -67,10 +67,23 @@ public:
         const char* function = "SlidingWindowCache::prefill";
         check_pair(function, detail::shape(keys), detail::shape(values));
         detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
-        if (length_ == 0)  // the prompt is the whole sequence: the kernel reads it in place
-            detail::causal_softmax_views<T>(queries, keys, values, out, [](Index, T) {}, kernel_options());
-        else
-            prefill_after_cache(queries, keys, values, out);
+        prefill_members(queries, keys, values, out, 1);
+        store(keys, values);
+    }
+
+    /// prefill for g queries per token against the same pairs (a group of query heads
+    /// over this KV head): `queries` is n × g·key_dim and `out` n × g·value_dim, member m
+    /// in columns [m·key_dim, (m+1)·key_dim) and [m·value_dim, (m+1)·value_dim). The
+    /// pairs are gathered once and stored once; each member's outputs are its prefill's.
+    void prefill_group(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                       MatrixRef<T> out) {
+        const char* function = "SlidingWindowCache::prefill_group";
+        check_pair(function, detail::shape(keys), detail::shape(values));
+        const Index members = queries.cols() / key_dim_;
+        detail::require(members >= 1 && queries.cols() == members * key_dim_, function, "queries", "has shape ",
+                        detail::shape(queries), ", expected a multiple of key_dim = ", key_dim_, " columns");
+        detail::check_prefill(function, queries, keys, values, out, members * key_dim_, members * value_dim_);
+        prefill_members(queries, keys, values, out, members);
         store(keys, values);
     }
 
@@ -143,6 +156,28 @@ private:
     /// Queries of one kernel call when the prompt continues a cached prefix.
     static constexpr Index prefill_chunk = 256;
 
+    /// The outputs of prefill for `members` queries per token, before the pairs are stored.
+    void prefill_members(const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
+                         const ConstMatrixRef<T>& values, MatrixRef<T>& out, Index members) const {
+        if (length_ > 0) {
+            prefill_after_cache(queries, keys, values, out, members);
+            return;
+        }
+        // The prompt is the whole sequence: the kernel reads it in place.
+        if (queries.rows() == 0)
+            return;
+        detail::SoftmaxScratch<T> scratch(key_dim_, value_dim_, kernel_tiles(keys.rows()));
+        for (Index m = 0; m < members; ++m)
+            detail::causal_softmax_views<T>(queries.middleCols(m * key_dim_, key_dim_), keys, values,
+                                            out.middleCols(m * value_dim_, value_dim_), [](Index, T) {},
+                                            kernel_options(), scratch);
+    }
+
+    /// The kernel's tiles for `keys` keys under this cache's window (default_tiles).
+    [[nodiscard]] detail::SoftmaxTiles kernel_tiles(Index keys) const {
+        return detail::default_tiles(detail::effective_window(window_, keys));
+    }
+
     [[nodiscard]] SoftmaxOptions kernel_options() const {
         return {.scale = static_cast<double>(scale_), .window = window_, .sinks = sinks_};
     }
@@ -156,7 +191,7 @@ private:
     /// does not change, and the sinks are the first `sinks` rows either way.
     /// Scratch: sinks + window − 1 + chunk pairs, allocated once per call.
     void prefill_after_cache(const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
-                             const ConstMatrixRef<T>& values, MatrixRef<T> out) const {
+                             const ConstMatrixRef<T>& values, MatrixRef<T>& out, Index members) const {
         const Index n = keys.rows(), chunk = std::max(window_, prefill_chunk);
         const Index rows = std::min(sinks_ + window_ - 1 + chunk, length_ + n);
         Matrix<T> chunk_keys(rows, key_dim_), chunk_values(rows, value_dim_);
@@ -188,9 +223,11 @@ private:
             const Index sink_end = std::min(sinks_, end);
             const Index window_first = std::max(sink_end, length_ + a - window_ + 1);
             const Index used = gather(window_first, end, gather(0, sink_end, 0));
-            detail::causal_softmax_views<T>(queries.middleRows(a, b - a), chunk_keys.topRows(used),
-                                            chunk_values.topRows(used), out.middleRows(a, b - a), [](Index, T) {},
-                                            kernel_options());
+            for (Index m = 0; m < members; ++m)
+                detail::causal_softmax_views<T>(queries.block(a, m * key_dim_, b - a, key_dim_),
+                                                chunk_keys.topRows(used), chunk_values.topRows(used),
+                                                out.block(a, m * value_dim_, b - a, value_dim_), [](Index, T) {},
+                                                kernel_options());
         }
     }
 
