@@ -4,6 +4,8 @@
 //
 //   BM_SoftmaxLayer/threads/q_heads/kv_heads/d     N = 4096, GFLOPS of useful work
 //   BM_SoftmaxHead/d                              one head of the same, single-head kernel
+//   BM_SoftmaxHeadPerThread/d/threads:t           t independent single-head kernels at once,
+//                                                 one per thread: the machine's own scaling
 //   BM_LinearLayer/threads/q_heads/kv_heads/d     chunked linear attention, N = 4096
 //   BM_LinearHead/d                               one head, chunked_linear_attention
 //   BM_Decode/threads/q_heads/kv_heads/position   one MultiHead<KVCache> attend, d = 128
@@ -72,6 +74,22 @@ void BM_SoftmaxHead(benchmark::State& state) {
     const Index d = state.range(0);
     const Matrix<float> Q = random_matrix<float>(tokens, d, 1), K = random_matrix<float>(tokens, d, 2),
                         V = random_matrix<float>(tokens, d, 3);
+    Matrix<float> O(tokens, d);
+    for (auto _ : state) {
+        memattn::causal_softmax_attention(Q, K, V, O);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, 4.0 * static_cast<double>(d) * causal_pairs(tokens));
+}
+
+/// The machine's own two-core scaling: one single-head kernel per benchmark thread, each
+/// on its own inputs, no memattn threading; GFLOPS summed over the threads.
+void BM_SoftmaxHeadPerThread(benchmark::State& state) {
+    const Index d = state.range(0);
+    const auto seed = static_cast<unsigned>(state.thread_index());
+    const Matrix<float> Q = random_matrix<float>(tokens, d, 1 + seed), K = random_matrix<float>(tokens, d, 2 + seed),
+                        V = random_matrix<float>(tokens, d, 3 + seed);
     Matrix<float> O(tokens, d);
     for (auto _ : state) {
         memattn::causal_softmax_attention(Q, K, V, O);
@@ -179,6 +197,7 @@ void layer_args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_SoftmaxLayer)->Apply(layer_args)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SoftmaxHead)->Arg(64)->Arg(128)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SoftmaxHeadPerThread)->Arg(64)->Arg(128)->Threads(1)->Threads(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LinearLayer)->Apply(layer_args)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LinearHead)->Arg(64)->Arg(128)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Decode)
