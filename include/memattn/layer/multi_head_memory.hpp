@@ -128,30 +128,28 @@ public:
             return;
         if constexpr (detail::is_kv_cache<M>) {
             prefill_caches(queries, keys, values, out);
-        } else if constexpr (detail::HasGroupPrefill<M>) {
+        } else if constexpr (detail::HasGroupPrefill<M> || detail::HasBulkPrefill<M>) {
             const Index d = layout_.head_dim, dv = layout_.values(), g = layout_.group_size();
+            if (!detail::HasGroupPrefill<M> && g > 1) {
+                detail::decode_rows(*this, queries, keys, values, out);
+                return;
+            }
+            // One KV head per work item; its group's queries are g·d adjacent columns.
             detail::parallel_ranges(
                 layout_.kv_heads, [](Index) { return 1.0; },
                 [&](Index first, Index last) {
-                    for (Index h = first; h < last; ++h)
-                        heads_[static_cast<std::size_t>(h)].prefill_group(
-                            queries.middleCols(h * g * d, g * d), keys.middleCols(h * d, d),
-                            values.middleCols(h * dv, dv), out.middleCols(h * g * dv, g * dv));
+                    for (Index h = first; h < last; ++h) {
+                        M& head = heads_[static_cast<std::size_t>(h)];
+                        const auto q = queries.middleCols(h * g * d, g * d);
+                        const auto k = keys.middleCols(h * d, d);
+                        const auto v = values.middleCols(h * dv, dv);
+                        auto o = out.middleCols(h * g * dv, g * dv);
+                        if constexpr (detail::HasGroupPrefill<M>)
+                            head.prefill_group(q, k, v, o);
+                        else
+                            head.prefill(q, k, v, o);
+                    }
                 });
-        } else if constexpr (detail::HasBulkPrefill<M>) {
-            if (layout_.group_size() == 1) {
-                const Index d = layout_.head_dim, dv = layout_.values();
-                detail::parallel_ranges(
-                    layout_.kv_heads, [](Index) { return 1.0; },
-                    [&](Index first, Index last) {
-                        for (Index h = first; h < last; ++h)
-                            heads_[static_cast<std::size_t>(h)].prefill(
-                                queries.middleCols(h * d, d), keys.middleCols(h * d, d),
-                                values.middleCols(h * dv, dv), out.middleCols(h * dv, dv));
-                    });
-                return;
-            }
-            detail::decode_rows(*this, queries, keys, values, out);
         } else {
             detail::decode_rows(*this, queries, keys, values, out);
         }
