@@ -35,6 +35,7 @@ inline void eigen_assertion_failed(const char* condition) {
 
 #include "support.hpp"
 
+#include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/hybrid_cache.hpp>
 #include <memattn/memory/kv_cache.hpp>
 #include <memattn/memory/linear_attention_memory.hpp>
@@ -191,6 +192,14 @@ TEMPLATE_TEST_CASE("Fixed-size memories never allocate in update, attend or exte
     }
     SECTION("LinearAttentionMemory, features beyond attend's stack buffer") {
         check_no_allocation(LinearAttentionMemory<T, Taylor2>(130, 4));
+    }
+    SECTION("MultiHead<SlidingWindowCache>, two heads: a short step stays on this thread") {
+        check_no_allocation(
+            MultiHead<SlidingWindowCache<T>>(HeadLayout{2, 2, 8, 4}, [](Index) { return SlidingWindowCache<T>(8, 4, 32, 2); }));
+    }
+    SECTION("MultiHead<HybridCache>, two heads") {
+        check_no_allocation(
+            MultiHead<HybridCache<T>>(HeadLayout{2, 2, 8, 4}, [](Index) { return HybridCache<T>(8, 4, 16, 4, 8); }));
     }
 }
 

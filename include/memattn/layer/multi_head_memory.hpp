@@ -18,7 +18,8 @@
 // the threads, each folds its pairs into partial softmax states, and the partial states
 // of a head are merged in piece order. The pieces depend only on the memory's length, not
 // on the number of threads, so the output is bitwise the same for any thread count; a
-// step whose total work is below `parallel_work` stays on the calling thread.
+// step whose total work is below `parallel_work` stays on the calling thread and, with
+// one piece per head, allocates nothing (the split path allocates its partial states).
 //
 // prefill: MultiHead<KVCache> appends the prompt to every head's cache and runs the
 // multi-head kernel over the caches (every query head, tile by tile, on every thread:
@@ -277,19 +278,17 @@ private:
     /// attend for memories with pair runs (see the top of the file).
     void attend_split(const ConstRowRef<T>& query, RowRef<T>& out) const {
         const Index g = layout_.group_size(), dv = layout_.values();
-        std::vector<Index> counts(static_cast<std::size_t>(layout_.kv_heads));
         Index total = 0, most = 0;
         for (Index h = 0; h < layout_.kv_heads; ++h) {
-            counts[static_cast<std::size_t>(h)] = pairs(h);
-            total += counts[static_cast<std::size_t>(h)];
-            most = std::max(most, counts[static_cast<std::size_t>(h)]);
+            total += pairs(h);
+            most = std::max(most, pairs(h));
         }
         const double work = static_cast<double>(total) * static_cast<double>(g) *
                             static_cast<double>(layout_.head_dim + dv);
-        const int threads = work < parallel_work ? 1 : 0;
+        const int threads = work < parallel_work ? 1 : 0;  // one thread: no schedule, no allocation
         if (most <= split_keys) {  // one piece per head: each head's own grouped attend
             detail::parallel_ranges(
-                layout_.kv_heads, [&](Index h) { return static_cast<double>(counts[static_cast<std::size_t>(h)]); },
+                layout_.kv_heads, [&](Index h) { return static_cast<double>(pairs(h)); },
                 [&](Index first, Index last) {
                     for (Index h = first; h < last; ++h)
                         attend_head(h, query, out);
@@ -302,7 +301,7 @@ private:
         std::vector<Index> first_piece;
         for (Index h = 0; h < layout_.kv_heads; ++h) {
             first_piece.push_back(static_cast<Index>(pieces.size()));
-            const Index n = counts[static_cast<std::size_t>(h)];
+            const Index n = pairs(h);
             for (Index j = 0; j < std::max<Index>(n, 1); j += split_keys)
                 pieces.push_back({h, j, std::min(n, j + split_keys)});
         }
