@@ -54,79 +54,68 @@ HeadLayout layout_of(const benchmark::State& state) {
     return {state.range(1), state.range(2), state.range(3)};
 }
 
-void BM_SoftmaxLayer(benchmark::State& state) {
-    use_threads(state, state.range(0));
-    const HeadLayout layout = layout_of(state);
+/// Times call(Q, K, V, O) on random packed inputs of `n` tokens for `layout` and sets
+/// GFLOPS from `flops` per call. `seed` gives each benchmark thread its own inputs.
+template <class Call>
+void time_layer(benchmark::State& state, const HeadLayout& layout, double flops, Call&& call, Index n = tokens,
+                unsigned seed = 0) {
     const Index d = layout.head_dim;
-    const Matrix<float> Q = random_matrix<float>(tokens, layout.q_heads * d, 1),
-                        K = random_matrix<float>(tokens, layout.kv_heads * d, 2),
-                        V = random_matrix<float>(tokens, layout.kv_heads * d, 3);
-    Matrix<float> O(tokens, layout.q_heads * d);
+    const Matrix<float> Q = random_matrix<float>(n, layout.q_heads * d, 1 + seed),
+                        K = random_matrix<float>(n, layout.kv_heads * d, 2 + seed),
+                        V = random_matrix<float>(n, layout.kv_heads * d, 3 + seed);
+    Matrix<float> O(n, layout.q_heads * d);
     for (auto _ : state) {
-        memattn::multi_head_causal_softmax_attention(Q, K, V, O, layout);
+        call(Q, K, V, O);
         benchmark::DoNotOptimize(O.data());
         benchmark::ClobberMemory();
     }
-    set_gflops(state, static_cast<double>(layout.q_heads) * 4.0 * static_cast<double>(d) * causal_pairs(tokens));
+    set_gflops(state, flops);
+}
+
+/// Useful FLOPs of causal softmax over `heads` query heads, and of linear attention.
+double softmax_flops(Index heads, Index d) {
+    return static_cast<double>(heads) * 4.0 * static_cast<double>(d) * causal_pairs(tokens);
+}
+double linear_flops(Index heads, Index d) {
+    return static_cast<double>(heads) * 4.0 * static_cast<double>(d * d) * static_cast<double>(tokens);
+}
+
+void BM_SoftmaxLayer(benchmark::State& state) {
+    use_threads(state, state.range(0));
+    const HeadLayout layout = layout_of(state);
+    time_layer(state, layout, softmax_flops(layout.q_heads, layout.head_dim), [&](auto& Q, auto& K, auto& V, auto& O) {
+        memattn::multi_head_causal_softmax_attention(Q, K, V, O, layout);
+    });
 }
 
 void BM_SoftmaxHead(benchmark::State& state) {
     const Index d = state.range(0);
-    const Matrix<float> Q = random_matrix<float>(tokens, d, 1), K = random_matrix<float>(tokens, d, 2),
-                        V = random_matrix<float>(tokens, d, 3);
-    Matrix<float> O(tokens, d);
-    for (auto _ : state) {
-        memattn::causal_softmax_attention(Q, K, V, O);
-        benchmark::DoNotOptimize(O.data());
-        benchmark::ClobberMemory();
-    }
-    set_gflops(state, 4.0 * static_cast<double>(d) * causal_pairs(tokens));
+    time_layer(state, {1, 1, d}, softmax_flops(1, d),
+               [](auto& Q, auto& K, auto& V, auto& O) { memattn::causal_softmax_attention(Q, K, V, O); });
 }
 
 /// The machine's own two-core scaling: one single-head kernel per benchmark thread, each
 /// on its own inputs, no memattn threading; GFLOPS summed over the threads.
 void BM_SoftmaxHeadPerThread(benchmark::State& state) {
     const Index d = state.range(0);
-    const auto seed = static_cast<unsigned>(state.thread_index());
-    const Matrix<float> Q = random_matrix<float>(tokens, d, 1 + seed), K = random_matrix<float>(tokens, d, 2 + seed),
-                        V = random_matrix<float>(tokens, d, 3 + seed);
-    Matrix<float> O(tokens, d);
-    for (auto _ : state) {
-        memattn::causal_softmax_attention(Q, K, V, O);
-        benchmark::DoNotOptimize(O.data());
-        benchmark::ClobberMemory();
-    }
-    set_gflops(state, 4.0 * static_cast<double>(d) * causal_pairs(tokens));
+    time_layer(
+        state, {1, 1, d}, softmax_flops(1, d),
+        [](auto& Q, auto& K, auto& V, auto& O) { memattn::causal_softmax_attention(Q, K, V, O); }, tokens,
+        static_cast<unsigned>(state.thread_index()));
 }
 
 void BM_LinearLayer(benchmark::State& state) {
     use_threads(state, state.range(0));
     const HeadLayout layout = layout_of(state);
-    const Index d = layout.head_dim;
-    const Matrix<float> Q = random_matrix<float>(tokens, layout.q_heads * d, 1),
-                        K = random_matrix<float>(tokens, layout.kv_heads * d, 2),
-                        V = random_matrix<float>(tokens, layout.kv_heads * d, 3);
-    Matrix<float> O(tokens, layout.q_heads * d);
-    for (auto _ : state) {
+    time_layer(state, layout, linear_flops(layout.q_heads, layout.head_dim), [&](auto& Q, auto& K, auto& V, auto& O) {
         memattn::multi_head_chunked_linear_attention(Q, K, V, O, layout);
-        benchmark::DoNotOptimize(O.data());
-        benchmark::ClobberMemory();
-    }
-    set_gflops(state, static_cast<double>(layout.q_heads) * 4.0 * static_cast<double>(d * d) *
-                          static_cast<double>(tokens));
+    });
 }
 
 void BM_LinearHead(benchmark::State& state) {
     const Index d = state.range(0);
-    const Matrix<float> Q = random_matrix<float>(tokens, d, 1), K = random_matrix<float>(tokens, d, 2),
-                        V = random_matrix<float>(tokens, d, 3);
-    Matrix<float> O(tokens, d);
-    for (auto _ : state) {
-        memattn::chunked_linear_attention(Q, K, V, O);
-        benchmark::DoNotOptimize(O.data());
-        benchmark::ClobberMemory();
-    }
-    set_gflops(state, 4.0 * static_cast<double>(d * d) * static_cast<double>(tokens));
+    time_layer(state, {1, 1, d}, linear_flops(1, d),
+               [](auto& Q, auto& K, auto& V, auto& O) { memattn::chunked_linear_attention(Q, K, V, O); });
 }
 
 void BM_Decode(benchmark::State& state) {
@@ -169,21 +158,16 @@ void BM_Varlen(benchmark::State& state) {
     std::vector<Index> offsets{0};
     for (Index n : lengths)
         offsets.push_back(offsets.back() + n);
-    const Index n = offsets.back();
-    const Matrix<float> Q = random_matrix<float>(n, layout.q_heads * d, 1),
-                        K = random_matrix<float>(n, layout.kv_heads * d, 2),
-                        V = random_matrix<float>(n, layout.kv_heads * d, 3);
-    Matrix<float> O(n, layout.q_heads * d);
     const memattn::VarLen batch{offsets, offsets};
-    for (auto _ : state) {
-        memattn::multi_head_causal_softmax_attention(Q, K, V, O, layout, {}, batch);
-        benchmark::DoNotOptimize(O.data());
-        benchmark::ClobberMemory();
-    }
     double visible = 0;
     for (Index length : lengths)
         visible += causal_pairs(length);
-    set_gflops(state, static_cast<double>(layout.q_heads) * 4.0 * static_cast<double>(d) * visible);
+    time_layer(
+        state, layout, static_cast<double>(layout.q_heads) * 4.0 * static_cast<double>(d) * visible,
+        [&](auto& Q, auto& K, auto& V, auto& O) {
+            memattn::multi_head_causal_softmax_attention(Q, K, V, O, layout, {}, batch);
+        },
+        offsets.back());
 }
 
 void layer_args(benchmark::internal::Benchmark* b) {
