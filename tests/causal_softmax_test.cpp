@@ -13,10 +13,10 @@ using memattn::test::tolerance;
 
 namespace {
 
-// Sizes are swept around the query tiles (32 windowed, 64 full) and the key tile.
+// Sizes are swept around the query tile (32 with AVX2, 64 with AVX-512) and the key tile.
 constexpr Index tile = detail::SoftmaxTiles{}.queries;
 constexpr Index key_tile = detail::SoftmaxTiles{}.keys;
-static_assert(detail::default_tiles(1).queries == tile / 2 && key_tile == 2 * tile,
+static_assert(detail::default_tiles(1).queries == tile && key_tile >= 2 * tile,
               "the sweep below puts sizes around these tile sizes");
 
 /// Runs the kernel with lse and checks both against the double reference.
@@ -163,6 +163,79 @@ TEMPLATE_TEST_CASE("causal softmax: views with a row stride, lse in a column", "
         CHECK_THAT(static_cast<double>(lse(n - 1, h)),
                    Catch::Matchers::WithinRel(expected.lse.back(), 10 * tolerance<T>()));
     }
+}
+
+/// C = diag(α)·C + A·B through tile_product with blocking B, A(r, k) = a[r·a_row + k·a_k].
+template <class T, class B>
+Matrix<T> blocked_product(const Matrix<T>& A, bool transposed_a, const Matrix<T>& Bm, const Matrix<T>& C0,
+                          const std::vector<T>* alpha) {
+    const Matrix<T> At = A.transpose();  // A stored key-major, as the kernel reads Pᵀ
+    const T* a = transposed_a ? At.data() : A.data();
+    const Index a_row = transposed_a ? 1 : A.cols(), a_k = transposed_a ? A.rows() : 1;
+    Matrix<T> C = C0;
+    detail::tile_product<T, B>(A.rows(), Bm.cols(), A.cols(), a, a_row, a_k, Bm.data(), Bm.cols(), C.data(), C.cols(),
+                               alpha ? alpha->data() : nullptr);
+    return C;
+}
+
+TEMPLATE_TEST_CASE("tile_product: every blocking gives the plain product, bit for bit the same", "[softmax][tile]",
+                   float, double) {
+    using T = TestType;
+    constexpr Index lanes = detail::packet_lanes<T>;
+    const Index rows = GENERATE(Index(0), Index(1), Index(5), Index(6), Index(7), Index(13), Index(64));
+    const Index cols = GENERATE_COPY(Index(1), lanes - 1, lanes, 2 * lanes + 3, 4 * lanes, 5 * lanes + 1, 8 * lanes);
+    const Index depth = GENERATE(Index(0), Index(1), Index(9), Index(64));
+    const bool transposed_a = GENERATE(false, true), scaled = GENERATE(false, true);
+    if (cols <= 0)
+        return;
+    const Matrix<T> A = random_matrix<T>(rows, depth, 1), Bm = random_matrix<T>(depth, cols, 2);
+    const Matrix<T> C0 = random_matrix<T>(rows, cols, 3);
+    std::vector<T> alpha(static_cast<std::size_t>(rows));
+    for (Index r = 0; r < rows; ++r)
+        alpha[static_cast<std::size_t>(r)] = T(0.5) + T(r % 3);
+    const std::vector<T>* scale = scaled ? &alpha : nullptr;
+
+    // The default blocking, the AVX-512 one (with this machine's packets), 0.1's and the degenerate ones.
+    const Matrix<T> C = blocked_product<T, detail::DefaultBlocking>(A, transposed_a, Bm, C0, scale);
+    Eigen::MatrixXd expected = reference::to_double(A) * reference::to_double(Bm);
+    if (scaled)
+        for (Index r = 0; r < rows; ++r)
+            expected.row(r) += static_cast<double>(alpha[static_cast<std::size_t>(r)]) * C0.row(r).template cast<double>();
+    check_close(C, expected, tolerance<T>());
+    CHECK(C == (blocked_product<T, detail::Blocking<6, 4>>(A, transposed_a, Bm, C0, scale)));
+    CHECK(C == (blocked_product<T, detail::Blocking<6, 2>>(A, transposed_a, Bm, C0, scale)));
+    CHECK(C == (blocked_product<T, detail::Blocking<4, 2>>(A, transposed_a, Bm, C0, scale)));
+    CHECK(C == (blocked_product<T, detail::Blocking<8, 3>>(A, transposed_a, Bm, C0, scale)));
+    CHECK(C == (blocked_product<T, detail::Blocking<1, 1>>(A, transposed_a, Bm, C0, scale)));
+}
+
+/// The kernel with blocking B on views and the default tiles.
+template <class T, class B>
+Matrix<T> kernel_with_blocking(const Matrix<T>& Q, const Matrix<T>& K, const Matrix<T>& V, SoftmaxOptions options,
+                               Vector<T>& lse) {
+    Matrix<T> O(Q.rows(), V.cols());
+    lse.resize(Q.rows());
+    detail::SoftmaxScratch<T> scratch(K.cols(), V.cols(), detail::default_tiles(options.window));
+    detail::causal_softmax_views<T, B>(Q, K, V, O, [&lse](Index i, T value) { lse(i) = value; }, options, scratch);
+    return O;
+}
+
+TEMPLATE_TEST_CASE("causal softmax: the AVX-512 and AVX2 blockings give the same bits", "[softmax][kernel][tile]",
+                   float, double) {
+    using T = TestType;
+    const Index n = GENERATE(Index(1), Index(45), Index(300)), d = GENERATE(Index(1), Index(24), Index(64));
+    const Index window = GENERATE(Index(0), Index(37));
+    const Matrix<T> Q = random_matrix<T>(n, d, 4), K = random_matrix<T>(n, d, 5), V = random_matrix<T>(n, d + 3, 6);
+    const SoftmaxOptions options{.scale = 0, .window = window, .sinks = 2};
+    Vector<T> lse, lse_other;
+    const Matrix<T> O = kernel_with_blocking<T, detail::DefaultBlocking>(Q, K, V, options, lse);
+    const auto expected = reference::softmax_attention(reference::to_double(Q), reference::to_double(K),
+                                                       reference::to_double(V), 0, window, 2);
+    check_close(O, expected.out, tolerance<T>());
+    CHECK(O == (kernel_with_blocking<T, detail::Blocking<6, 4>>(Q, K, V, options, lse_other)));
+    CHECK(lse == lse_other);
+    CHECK(O == (kernel_with_blocking<T, detail::Blocking<4, 2>>(Q, K, V, options, lse_other)));
+    CHECK(lse == lse_other);
 }
 
 TEMPLATE_TEST_CASE("SoftmaxBlockState lanes equal SoftmaxState, masked lanes stay empty", "[softmax][state]", float,

@@ -8,24 +8,62 @@
 // two strides, so Kᵀ-free scores and key-major weights both work), B row-major with row
 // stride ldb, C row-major with row stride ldc. Nothing is packed or allocated.
 //
-// Register blocking: a micro-tile of kRows rows × 2 packets keeps 2·kRows accumulators
-// in registers and, per step k, loads 2 packets of B and broadcasts kRows scalars of A.
-// With AVX2 (16 ymm registers) micro_rows = 4 uses 8 accumulators + 2 B + 1 broadcast;
-// Zen 1 issues one 256-bit FMA per cycle with a latency of 5, so 8 independent chains
-// hide the latency, and 4 divides every query-tile width (multiples of 2 packets), so
-// the product over a tile's queries has no leftover rows. Measured on 64×64×64 tiles:
-// 34 GFLOP/s for Sᵀ = K·Qᵀ and 33 for acc += P·V, against 32 and 33 for Eigen's own
-// products and an FMA peak of 34–38 on this core.
-// Columns left over after the 2-packet blocks take a 1-packet block, then scalar lanes
-// (the same code instantiated with the scalar as its "packet").
+// Register blocking: a micro-tile of Rows rows × Packets packets keeps Rows·Packets
+// accumulators in registers and, per step k, loads Packets packets of B and broadcasts
+// Rows scalars of A: Rows·Packets + Packets + 1 registers. The blocking is a template
+// parameter (Blocking), chosen per instruction set at compile time from the register
+// count (DefaultBlocking):
+//   16 vector registers (SSE, AVX2):  6 × 2 packets, 12 accumulators + 2 + 1 = 15;
+//   32 vector registers (AVX-512):    6 × 4 packets, 24 accumulators + 4 + 1 = 29.
+// A core with two FMA ports of latency 4 needs 8 independent chains in flight; 12 (24
+// with two 512-bit ports) leave slack for the loads and broadcasts. Measured with AVX2
+// on an AMD EPYC (Zen 3, two 256-bit FMA ports, peak 94 GFLOP/s on one core), a 128-key
+// tile's two products (Sᵀ = K·Qᵀ then acc = α ⊙ acc + P·V, 64 queries, d = dv = 64):
+//   4 × 2 (the 0.1 blocking, 8 chains)  46 GFLOP/s     6 × 2   81 GFLOP/s
+//   5 × 2                               73             8 × 1   61
+//   4 × 3, 3 × 4 (spill past 16)        37–44          2 × 4   46
+// On a core with one 256-bit FMA port (Zen 1, latency 5) 8 chains were already enough
+// and 4 × 2 and 6 × 2 are within noise of each other there.
+// Rows left over below a micro-tile take a micro-tile of exactly that many rows, whole
+// packets of columns left over a block of exactly that many packets, and lanes left
+// over the same code instantiated with the scalar as its "packet". Every element of
+// C is the same sum in the same order (k ascending, one FMA per term) whatever the
+// blocking, so the blocking changes no result bit.
 
 #include "memattn/detail/packet.hpp"
 #include "memattn/types.hpp"
 
+#include <utility>
+
 namespace memattn::detail {
 
-/// Rows of one micro-tile.
-inline constexpr Index micro_rows = 4;
+/// A micro-tile of Rows rows × Packets SIMD packets of C (see the top of the file).
+template <int Rows, int Packets>
+struct Blocking {
+    static_assert(Rows >= 1 && Packets >= 1);
+    static constexpr int rows = Rows;
+    static constexpr int packets = Packets;
+};
+
+/// Vector registers of the target: Eigen's count for its instruction set (32 with
+/// AVX-512 or NEON, 16 with SSE and AVX).
+#ifdef EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS
+inline constexpr int vector_registers = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS;
+#else
+inline constexpr int vector_registers = 16;
+#endif
+
+/// The blocking for this instruction set (measurements at the top of the file).
+using DefaultBlocking = std::conditional_t<(vector_registers >= 32), Blocking<6, 4>, Blocking<6, 2>>;
+
+/// f.template operator()<n>() for a run-time n in [1, Max]: the leftover rows and packets
+/// of a product get a micro-tile of exactly their size.
+template <int Max, class F>
+inline void dispatch(Index n, F&& f) {
+    [&]<int... I>(std::integer_sequence<int, I...>) {
+        (void)((n == I + 1 && (f.template operator()<I + 1>(), true)) || ...);
+    }(std::make_integer_sequence<int, Max>{});
+}
 
 /// One micro-tile: Rows × (Packets · lanes of P) of C.
 template <class P, int Rows, int Packets, class T>
@@ -53,37 +91,63 @@ inline void micro_tile(Index depth, const T* a, Index a_row, Index a_k, const T*
             pstoreu(c + r * ldc + p * lanes, acc[r][p]);
 }
 
-/// Every row of one column block, micro_rows at a time, then the leftover rows singly.
-template <class P, int Packets, class T>
-inline void column_block(Index rows, Index depth, const T* a, Index a_row, Index a_k, const T* b, Index ldb, T* c,
-                         Index ldc, const T* row_scale) {
-    constexpr int block = static_cast<int>(micro_rows);
-    Index r = 0;
-    for (; r + block <= rows; r += block)
-        micro_tile<P, block, Packets>(depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc, ldc,
-                                      row_scale ? row_scale + r : nullptr);
-    for (; r < rows; ++r)
-        micro_tile<P, 1, Packets>(depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc, ldc,
-                                  row_scale ? row_scale + r : nullptr);
+/// One strip of Rows rows across all columns: Packets-wide blocks, then the whole
+/// packets left over as one block of exactly that many, then the lanes left over.
+template <int Rows, int Packets, class T>
+inline void row_strip(Index cols, Index depth, const T* a, Index a_row, Index a_k, const T* b, Index ldb, T* c,
+                      Index ldc, const T* row_scale) {
+    using P = Packet<T>;
+    constexpr Index lanes = packet_lanes<T>;
+    constexpr Index block = Packets * lanes;
+    Index j = 0;
+    for (; j + block <= cols; j += block)
+        micro_tile<P, Rows, Packets>(depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale);
+    if constexpr (Packets > 1) {
+        const Index left = (cols - j) / lanes;
+        if (left > 0)
+            dispatch<Packets - 1>(left, [&]<int L>() { micro_tile<P, Rows, L>(depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale); });
+        j += left * lanes;
+    }
+    if constexpr (lanes > 1) {
+        for (; j < cols; ++j)
+            micro_tile<T, Rows, 1>(depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale);
+    }
 }
 
 /// C = diag(row_scale)·C + A·B, or C = A·B when row_scale is null (see the top of the file).
-template <class T>
+template <class T, class B = DefaultBlocking>
 void tile_product(Index rows, Index cols, Index depth, const T* a, Index a_row, Index a_k, const T* b, Index ldb,
                   T* c, Index ldc, const T* row_scale) {
-    constexpr Index lanes = packet_lanes<T>;
-    Index j = 0;
-    // Column blocks outermost: a block of B (depth × 2 packets) stays in L1 for all rows.
-    for (; j + 2 * lanes <= cols; j += 2 * lanes)
-        column_block<Packet<T>, 2>(rows, depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale);
-    if constexpr (lanes > 1) {
-        if (j + lanes <= cols) {
-            column_block<Packet<T>, 1>(rows, depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale);
-            j += lanes;
-        }
+    // Row strips outermost: a strip of A (Rows × depth) stays in registers and L1 while
+    // it meets every column of B; the callers' B (Qᵀ of a query tile, a V tile) is the
+    // operand that fits in L1 and is reused by every strip.
+    Index r = 0;
+    for (; r + B::rows <= rows; r += B::rows)
+        row_strip<B::rows, B::packets>(cols, depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc, ldc,
+                                       row_scale ? row_scale + r : nullptr);
+    if constexpr (B::rows > 1) {
+        if (r < rows)
+            dispatch<B::rows - 1>(rows - r, [&]<int L>() {
+                row_strip<L, B::packets>(cols, depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc, ldc,
+                                         row_scale ? row_scale + r : nullptr);
+            });
     }
-    for (; j < cols; ++j)
-        column_block<T, 1>(rows, depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale);
+}
+
+/// Asks for rows [0, rows) of a row-major block (row stride `stride`, `cols` scalars per
+/// row) to be brought into L2 while the current tile computes: the next key tile's K and
+/// V, which the hardware prefetchers do not foresee (the kernel walks key tiles from the
+/// diagonal down).
+template <class T>
+inline void prefetch_rows([[maybe_unused]] const T* p, Index rows, Index stride, Index cols) {
+#if defined(__GNUC__)
+    constexpr Index line = 64 / static_cast<Index>(sizeof(T));
+    for (Index r = 0; r < rows; ++r)
+        for (Index k = 0; k < cols; k += line)
+            __builtin_prefetch(p + r * stride + k, 0, 2);
+#else
+    (void)rows, (void)stride, (void)cols;
+#endif
 }
 
 }  // namespace memattn::detail

@@ -89,15 +89,20 @@ struct SoftmaxOptions {
 
 namespace detail {
 
+/// Rows of a query tile: the width of two micro-tile column blocks of float packets with
+/// 16 registers (32 queries, AVX2), one block with 32 registers (64 queries, AVX-512),
+/// so every row strip of Sᵀ runs whole micro-tiles (measured: see the top of the file).
+inline constexpr Index default_query_tile = std::max<Index>(32, DefaultBlocking::packets * packet_lanes<float>);
+
 /// Rows of a query tile and of a key tile (measured: see the top of the file).
 struct SoftmaxTiles {
-    Index queries = 64;
+    Index queries = default_query_tile;
     Index keys = 128;
 };
 
-/// The tiles for a call: narrower query tiles under a window, where a tile's key span
-/// is window + queries − 1 for `window` useful keys per query.
-constexpr SoftmaxTiles default_tiles(Index window) { return window > 0 ? SoftmaxTiles{32, 128} : SoftmaxTiles{}; }
+/// The tiles for a call, full or windowed: the same since the 6-row blocking (at 4 × 2,
+/// windowed calls took 32-query tiles and full ones 64; now 32 measures best for both).
+constexpr SoftmaxTiles default_tiles(Index /*window*/) { return SoftmaxTiles{}; }
 
 /// A window of at least Nk keys limits nothing: 0, so no position arithmetic sees a
 /// window near the largest Index.
@@ -126,8 +131,9 @@ struct SoftmaxScratch {
     SoftmaxBlockState<T> state;
 };
 
-/// The tiled kernel for one call on a scratch: its steps (see the top of the file).
-template <class T>
+/// The tiled kernel for one call on a scratch: its steps (see the top of the file). The
+/// products use the register blocking B (detail/tile_product.hpp), which changes no bit.
+template <class T, class B = DefaultBlocking>
 class TiledCausalSoftmax {
 public:
     TiledCausalSoftmax(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, T scale,
@@ -151,6 +157,7 @@ public:
             const Index lo = window_ > 0 ? std::max<Index>(0, p0_ - window_ + 1) : 0;
             for (Index j1 = hi; j1 > lo; j1 -= tiles_.keys) {             // diagonal tile first
                 const Index j0 = std::max(lo, j1 - tiles_.keys);
+                prefetch_key_tile(std::max(lo, j0 - tiles_.keys), j0);     // the next one
                 attend_key_tile(j0, j1 - j0);
             }
             const Index sink_end = std::min(sinks_, lo);                   // sinks below the window
@@ -175,11 +182,17 @@ private:
         state_.reset();
     }
 
+    /// Keys and values [j0, j1) towards L2 while the current tile computes.
+    void prefetch_key_tile(Index j0, Index j1) const {
+        prefetch_rows(k_.data() + j0 * k_.outerStride(), j1 - j0, k_.outerStride(), k_.cols());
+        prefetch_rows(v_.data() + j0 * v_.outerStride(), j1 - j0, v_.outerStride(), v_.cols());
+    }
+
     /// Folds keys [j0, j0 + n) into every query of the tile.
     void attend_key_tile(Index j0, Index n) {
         const Index d = k_.cols(), dv = v_.cols();
         // Sᵀ = K_tile · (log2(e)·scale·Q_tile)ᵀ, keys × queries.
-        tile_product<T>(n, cols_, d, k_.data() + j0 * k_.outerStride(), k_.outerStride(), 1, qt_.data(), lanes_,
+        tile_product<T, B>(n, cols_, d, k_.data() + j0 * k_.outerStride(), k_.outerStride(), 1, qt_.data(), lanes_,
                         s_.data(), lanes_, nullptr);
         const bool masked = !fully_visible(j0, n);
         if (masked)
@@ -192,7 +205,7 @@ private:
         if (masked && !finite_values(j0, n))
             accumulate_visible_keys(j0, n);
         else
-            tile_product<T>(cols_, dv, n, s_.data(), 1, lanes_, v_.data() + j0 * v_.outerStride(), v_.outerStride(),
+            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, v_.data() + j0 * v_.outerStride(), v_.outerStride(),
                             acc_.data(), dv, state_.alpha());
     }
 
@@ -215,7 +228,7 @@ private:
             for (const auto& run : runs) {
                 const Index begin = std::max(run[0], j0), end = std::min(run[1], j0 + n);
                 if (begin < end)
-                    tile_product<T>(1, dv, end - begin, s_.data() + (begin - j0) * lanes_ + i, 1, lanes_,
+                    tile_product<T, B>(1, dv, end - begin, s_.data() + (begin - j0) * lanes_ + i, 1, lanes_,
                                     v_.data() + begin * v_.outerStride(), v_.outerStride(), acc_.data() + i * dv, dv,
                                     &one);
             }
@@ -291,14 +304,14 @@ void check_disjoint(const char* function, const char* name, const Out& out, cons
 }
 
 /// The kernel on views and a scratch, after the checks; `lse(i, value)` receives each
-/// row's log-sum-exp. The tiles are the scratch's.
-template <class T, class LseSink>
+/// row's log-sum-exp. The tiles are the scratch's; B is the register blocking.
+template <class T, class B = DefaultBlocking, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                           MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxScratch<T>& scratch) {
     if (Q.rows() == 0)
         return;
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
-    TiledCausalSoftmax<T> kernel(Q, K, V, scale, effective_window(options.window, K.rows()), options.sinks, scratch);
+    TiledCausalSoftmax<T, B> kernel(Q, K, V, scale, effective_window(options.window, K.rows()), options.sinks, scratch);
     kernel.run(O, lse);
 }
 
