@@ -43,10 +43,53 @@ std::size_t decode_step(benchmark::State& state, MakeMemory make) {
     return mem.footprint();
 }
 
+// A step reads every pair the cache holds: bytes_per_second is its read bandwidth.
 void BM_KVCacheStep(benchmark::State& state) {
-    decode_step(state, [](Index d) { return memattn::KVCache<float>(d, d); });
+    const std::size_t bytes = decode_step(state, [](Index d) { return memattn::KVCache<float>(d, d); });
+    state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
 }
-BENCHMARK(BM_KVCacheStep)->ArgNames({"position", "d"})->ArgsProduct({{1000, 10000, 100000}, {64, 128}});
+BENCHMARK(BM_KVCacheStep)->ArgNames({"position", "d"})->ArgsProduct({{1000, 4096, 10000, 65536, 100000}, {64, 128}});
+
+// One attend over a KVCache of a fixed length (no update): the step's read of every
+// pair, for the ratio to BM_StreamingRead of the same bytes (bytes_per_second).
+void BM_KVCacheAttend(benchmark::State& state) {
+    const Index position = state.range(0), d = state.range(1);
+    const Matrix<float> tokens = memattn::bench::random_matrix<float>(pool_tokens, d, 3);
+    memattn::KVCache<float> cache(d, d);
+    for (Index filled = 0; filled < position; filled += pool_tokens) {
+        const Index n = std::min(pool_tokens, position - filled);
+        cache.extend(tokens.topRows(n), tokens.topRows(n));
+    }
+    memattn::Vector<float> out(d);
+    for (auto _ : state) {
+        cache.attend(tokens.row(7), out);
+        benchmark::DoNotOptimize(out.data());
+    }
+    state.SetBytesProcessed(static_cast<std::int64_t>(2 * position * d) * static_cast<std::int64_t>(sizeof(float)) *
+                            state.iterations());
+}
+BENCHMARK(BM_KVCacheAttend)->ArgNames({"position", "d"})->ArgsProduct({{512, 4096, 65536}, {64, 128}});
+
+// The naive decode step the issue compares with: one GEMV for the logits, a softmax,
+// one GEMV for the output, on a KVCache's stored pairs (its scratch allocated once).
+void BM_NaiveDecodeStep(benchmark::State& state) {
+    const Index position = state.range(0), d = state.range(1);
+    const Matrix<float> K = memattn::bench::random_matrix<float>(position, d, 1);
+    const Matrix<float> V = memattn::bench::random_matrix<float>(position, d, 2);
+    const memattn::Vector<float> q = memattn::bench::random_matrix<float>(1, d, 3);
+    memattn::Vector<float> s(position), out(d);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (auto _ : state) {
+        s.noalias() = scale * (q * K.transpose());
+        s = (s.array() - s.maxCoeff()).exp();
+        out.noalias() = (s / s.sum()) * V;
+        benchmark::DoNotOptimize(out.data());
+    }
+    state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+    state.SetBytesProcessed(static_cast<std::int64_t>(2 * position * d) * static_cast<std::int64_t>(sizeof(float)) *
+                            state.iterations());
+}
+BENCHMARK(BM_NaiveDecodeStep)->ArgNames({"position", "d"})->ArgsProduct({{512, 4096, 65536}, {64, 128}});
 
 const std::vector<std::int64_t> positions = {1000, 10000, 100000, 1000000};
 
@@ -107,7 +150,7 @@ void BM_StreamingRead(benchmark::State& state) {
     state.SetBytesProcessed(static_cast<std::int64_t>(2 * rows * d) * static_cast<std::int64_t>(sizeof(float)) *
                             state.iterations());
 }
-BENCHMARK(BM_StreamingRead)->ArgNames({"rows", "d"})->ArgsProduct({{4096}, {64, 128}});
+BENCHMARK(BM_StreamingRead)->ArgNames({"rows", "d"})->ArgsProduct({{512, 4096, 65536}, {64, 128}});
 
 // Ceiling for a step that reads the whole cache: one GEMV of the same shape.
 void BM_EigenGemvBaseline(benchmark::State& state) {

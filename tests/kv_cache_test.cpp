@@ -23,6 +23,27 @@ TEMPLATE_TEST_CASE("KVCache decode equals causal softmax attention", "[memory][k
     check_close(O, expected.out, tolerance<T>());
 }
 
+TEMPLATE_TEST_CASE("KVCache: an attend past the streaming size equals the reference", "[memory][kv_cache]", float,
+                   double) {
+    // Runs of at least detail::streaming_bytes of K and V take the in-order path: a few
+    // rows past it, with head dims off every packet and a block cut off in the middle.
+    using T = TestType;
+    const Index d = 67, dv = 61;
+    const auto row_bytes = static_cast<Index>((d + dv) * sizeof(T));
+    const Index n = static_cast<Index>(detail::streaming_bytes) / row_bytes + 3 + detail::attend_block / 2;
+    const Matrix<T> K = random_matrix<T>(n, d, 21), V = random_matrix<T>(n, dv, 22), q = random_matrix<T>(2, d, 23);
+    KVCache<T> cache(d, dv);
+    cache.extend(K, V);
+    REQUIRE(cache.footprint() >= detail::streaming_bytes);
+    for (Index r = 0; r < q.rows(); ++r) {
+        Vector<T> out(dv);
+        cache.attend(q.row(r), out);
+        const auto expected = reference::softmax_attention(reference::to_double(q.row(r)), reference::to_double(K),
+                                                           reference::to_double(V));
+        check_close(out, expected.out, tolerance<T>());
+    }
+}
+
 TEMPLATE_TEST_CASE("KVCache: extend and prefill equal token-by-token updates", "[memory][kv_cache]", float, double) {
     using T = TestType;
     const Index n = 300, d = 8, dv = 6;
