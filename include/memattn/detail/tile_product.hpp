@@ -65,8 +65,9 @@ inline void dispatch(Index n, F&& f) {
     }(std::make_integer_sequence<int, Max>{});
 }
 
-/// One micro-tile: Rows × (Packets · lanes of P) of C.
-template <class P, int Rows, int Packets, class T>
+/// One micro-tile: Rows × (Packets · lanes of P) of C. Accumulate: C += A·B when there
+/// is no row_scale (else C = A·B).
+template <class P, int Rows, int Packets, bool Accumulate, class T>
 inline void micro_tile(Index depth, const T* a, Index a_row, Index a_k, const T* b, Index ldb, T* c, Index ldc,
                        const T* row_scale) {
     using namespace Eigen::internal;
@@ -74,8 +75,9 @@ inline void micro_tile(Index depth, const T* a, Index a_row, Index a_k, const T*
     P acc[Rows][Packets];
     for (int r = 0; r < Rows; ++r)
         for (int p = 0; p < Packets; ++p)
-            acc[r][p] = row_scale ? pmul(pset1<P>(row_scale[r]), ploadu<P>(c + r * ldc + p * lanes))  // α ⊙ C
-                                  : pset1<P>(T(0));
+            acc[r][p] = row_scale    ? pmul(pset1<P>(row_scale[r]), ploadu<P>(c + r * ldc + p * lanes))  // α ⊙ C
+                        : Accumulate ? ploadu<P>(c + r * ldc + p * lanes)
+                                     : pset1<P>(T(0));
     for (Index k = 0; k < depth; ++k) {
         P bk[Packets];
         for (int p = 0; p < Packets; ++p)
@@ -93,7 +95,7 @@ inline void micro_tile(Index depth, const T* a, Index a_row, Index a_k, const T*
 
 /// One strip of Rows rows across all columns: Packets-wide blocks, then the whole
 /// packets left over as one block of exactly that many, then the lanes left over.
-template <int Rows, int Packets, class T>
+template <int Rows, int Packets, bool Accumulate, class T>
 inline void row_strip(Index cols, Index depth, const T* a, Index a_row, Index a_k, const T* b, Index ldb, T* c,
                       Index ldc, const T* row_scale) {
     using P = Packet<T>;
@@ -101,21 +103,24 @@ inline void row_strip(Index cols, Index depth, const T* a, Index a_row, Index a_
     constexpr Index block = Packets * lanes;
     Index j = 0;
     for (; j + block <= cols; j += block)
-        micro_tile<P, Rows, Packets>(depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale);
+        micro_tile<P, Rows, Packets, Accumulate>(depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale);
     if constexpr (Packets > 1) {
         const Index left = (cols - j) / lanes;
         if (left > 0)
-            dispatch<Packets - 1>(left, [&]<int L>() { micro_tile<P, Rows, L>(depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale); });
+            dispatch<Packets - 1>(left, [&]<int L>() {
+                micro_tile<P, Rows, L, Accumulate>(depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale);
+            });
         j += left * lanes;
     }
     if constexpr (lanes > 1) {
         for (; j < cols; ++j)
-            micro_tile<T, Rows, 1>(depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale);
+            micro_tile<T, Rows, 1, Accumulate>(depth, a, a_row, a_k, b + j, ldb, c + j, ldc, row_scale);
     }
 }
 
-/// C = diag(row_scale)·C + A·B, or C = A·B when row_scale is null (see the top of the file).
-template <class T, class B = DefaultBlocking>
+/// C = diag(row_scale)·C + A·B, or C = A·B when row_scale is null, or C += A·B when it
+/// is null and Accumulate is set (see the top of the file).
+template <class T, class B = DefaultBlocking, bool Accumulate = false>
 void tile_product(Index rows, Index cols, Index depth, const T* a, Index a_row, Index a_k, const T* b, Index ldb,
                   T* c, Index ldc, const T* row_scale) {
     // Row strips outermost: a strip of A (Rows × depth) stays in registers and L1 while
@@ -123,15 +128,22 @@ void tile_product(Index rows, Index cols, Index depth, const T* a, Index a_row, 
     // operand that fits in L1 and is reused by every strip.
     Index r = 0;
     for (; r + B::rows <= rows; r += B::rows)
-        row_strip<B::rows, B::packets>(cols, depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc, ldc,
-                                       row_scale ? row_scale + r : nullptr);
+        row_strip<B::rows, B::packets, Accumulate>(cols, depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc, ldc,
+                                                   row_scale ? row_scale + r : nullptr);
     if constexpr (B::rows > 1) {
         if (r < rows)
             dispatch<B::rows - 1>(rows - r, [&]<int L>() {
-                row_strip<L, B::packets>(cols, depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc, ldc,
-                                         row_scale ? row_scale + r : nullptr);
+                row_strip<L, B::packets, Accumulate>(cols, depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc, ldc,
+                                                     row_scale ? row_scale + r : nullptr);
             });
     }
+}
+
+/// C += A·B (see tile_product).
+template <class T, class B = DefaultBlocking>
+void tile_product_add(Index rows, Index cols, Index depth, const T* a, Index a_row, Index a_k, const T* b, Index ldb,
+                      T* c, Index ldc) {
+    tile_product<T, B, true>(rows, cols, depth, a, a_row, a_k, b, ldb, c, ldc, nullptr);
 }
 
 /// Asks for rows [0, rows) of a row-major block (row stride `stride`, `cols` scalars per

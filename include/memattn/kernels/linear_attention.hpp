@@ -33,6 +33,7 @@
 // 16-row products at ~28 GFLOP/s. Below 16 the per-chunk overhead wins.
 
 #include "memattn/detail/assert.hpp"
+#include "memattn/detail/tile_product.hpp"
 #include "memattn/feature_maps.hpp"
 #include "memattn/types.hpp"
 
@@ -145,7 +146,10 @@ void fold_views(KF& kf, const VB& v, const ColumnVector<T>& powers, bool decays,
         mu *= powers(n);
         nu *= powers(n);
     }
-    mu.noalias() += kf.transpose() * v;
+    // μ += k'ᵀ V: A(r, j) = k'(j, r) is read with strides (1, row stride of k').
+    MEMATTN_DASSERT(mu.rows() == kf.cols() && mu.cols() == v.cols() && v.rows() == n);
+    tile_product_add<T>(mu.rows(), mu.cols(), n, kf.data(), 1, kf.outerStride(), v.data(), v.outerStride(),
+                        mu.data(), mu.outerStride());
     nu += kf.colwise().sum();
 }
 
@@ -164,13 +168,13 @@ void normalize_rows(OB& o, ColumnVector<T>& den, Index n, T eps) {
 
 // ------------------------------------------------------------------------- chunked
 
-/// One chunk of n ≤ C tokens is two GEMMs and a GEMV over a scratch laid out so that
+/// One chunk of n ≤ C tokens is three GEMMs and a GEMV over a scratch laid out so that
 /// the state and the chunk sit side by side (allocated once per call):
 ///
 ///   left  (C × (d'+C)):  [ q'  |  A ]       q' = φ(Q_c) (scaled by γ^{i+1}),  A = masked pairs
 ///   right ((d'+C) × dv): [ μ   ;  V_c ]     μ lives here for the whole call, V_c is copied in
 ///   total (1 × (d'+C)):  [ ν   ,  1…1 ]     ν lives here too
-///   keys  (C × d'):      k' = φ(K_c)
+///   keys  (C × d'):      k' = φ(K_c), and keys_t (d' × C) its transpose for GEMM 1
 ///
 ///   A_ij = γ^{i−j} q'_i·k'_j (j ≤ i, else 0)                       GEMM 1: q' k'ᵀ, then the mask
 ///   O_c  = [γ^{i+1} q' | A] [μ ; V_c] = γ^{i+1} q'μ + A V_c          GEMM 2, one call for both terms
@@ -199,7 +203,7 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
     const Index c = std::min(options.chunk_size, std::max<Index>(sequence_tokens >= 0 ? sequence_tokens : tokens, 1));
     const Index f = features, d = K.cols(), dv = V.cols(), members = Q.cols() / d;
     MEMATTN_DASSERT(Q.cols() == members * d && O.cols() == members * dv);
-    Matrix<T> left(c, f + c), right(f + c, dv), keys(c, f);
+    Matrix<T> left(c, f + c), right(f + c, dv), keys(c, f), keys_t(f, c);
     Vector<T> total(f + c);
     ColumnVector<T> den(c);
     const ColumnVector<T> powers = decay_powers<T>(options.decay, c);
@@ -221,16 +225,21 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
         auto v = right.middleRows(f, n);
         auto nu = total.head(f);
         apply_features<T>(phi, K.middleRows(start, n), k);
+        keys_t.leftCols(n) = k.transpose();  // k'ᵀ, the row-major right operand of GEMM 1
         v = V.middleRows(start, n);
         for (Index m = 0; m < members; ++m) {
             auto o = O.block(start, m * dv, n, dv);
             apply_features<T>(phi, Q.block(start, m * d, n, d), q);
-            a.noalias() = q * k.transpose();  // GEMM 1
+            tile_product<T>(n, n, f, q.data(), left.outerStride(), 1, keys_t.data(), c, a.data(), left.outerStride(),
+                            nullptr);  // GEMM 1: q' k'ᵀ
             apply_mask(a, mask, c);
             if (decays)
                 q.array().colwise() *= powers.segment(1, n).array();  // γ^{i+1} q'_i
             const auto operands = left.topLeftCorner(n, f + n);
-            o.noalias() = operands * right.topRows(f + n);  // GEMM 2: γ^{i+1} q'μ + A V_c
+            // GEMM 2: γ^{i+1} q'μ + A V_c, register-blocked (Eigen's GEMM loses on these
+            // C-row products).
+            tile_product<T>(n, dv, f + n, operands.data(), operands.outerStride(), 1, right.data(),
+                            right.outerStride(), o.data(), o.outerStride(), nullptr);
             if (options.normalize) {
                 den.head(n).noalias() = operands * total.head(f + n).transpose();  // γ^{i+1} q'·ν + Σ_j A_ij
                 normalize_rows(o, den, n, eps);
