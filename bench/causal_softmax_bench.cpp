@@ -154,7 +154,7 @@ BENCHMARK(BM_CausalSoftmax)->Name("BM_CausalSoftmax_long")->ArgNames({"N", "d", 
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_TileSweep)
     ->ArgNames({"d", "qtile", "ktile", "window"})
-    ->ArgsProduct({{64, 128}, {32, 64, 128}, {64, 128, 256}, {0, 512}})
+    ->ArgsProduct({{64, 128}, {32, 48, 64, 96}, {96, 120, 128, 192}, {0, 512}})
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

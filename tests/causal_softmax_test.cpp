@@ -13,10 +13,13 @@ using memattn::test::tolerance;
 
 namespace {
 
-// Sizes are swept around the query tile (32 with AVX2, 64 with AVX-512) and the key tile.
+// Sizes are swept around the query tiles (144 full and 48 windowed with AVX2, 192 and
+// 64 with AVX-512) and the key tiles (128 full, 96 windowed).
 constexpr Index tile = detail::SoftmaxTiles{}.queries;
 constexpr Index key_tile = detail::SoftmaxTiles{}.keys;
-static_assert(detail::default_tiles(1).queries == tile && key_tile >= 2 * tile,
+constexpr Index window_tile = detail::default_tiles(1).queries;
+constexpr Index window_key_tile = detail::default_tiles(1).keys;
+static_assert(window_tile < window_key_tile && window_key_tile < key_tile && key_tile < tile,
               "the sweep below puts sizes around these tile sizes");
 
 /// Runs the kernel with lse and checks both against the double reference.
@@ -41,9 +44,10 @@ void check_against_reference(const Matrix<T>& Q, const Matrix<T>& K, const Matri
 
 TEMPLATE_TEST_CASE("causal softmax: sizes around the tile, windows and sinks", "[softmax][kernel]", float, double) {
     using T = TestType;
-    const Index n = GENERATE(Index(0), Index(1), Index(2), tile / 2 - 1, tile / 2 + 1, tile - 1, tile, tile + 1,
-                             key_tile - 1, key_tile, key_tile + 1, 3 * key_tile + 2);
-    const Index window = GENERATE(Index(0), Index(1), Index(2), Index(17), tile, Index(1001));
+    const Index n = GENERATE(Index(0), Index(1), Index(2), window_tile - 1, window_tile + 1, window_key_tile - 1,
+                             window_key_tile + 1, key_tile - 1, key_tile, key_tile + 1, tile - 1, tile, tile + 1,
+                             3 * key_tile + 2);
+    const Index window = GENERATE(Index(0), Index(1), Index(2), Index(17), window_tile, Index(1001));
     const Index sinks = GENERATE(Index(0), Index(1), Index(4));
     CAPTURE(n, window, sinks);
     const Index d = 3, dv = 5;

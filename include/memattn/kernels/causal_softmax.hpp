@@ -89,20 +89,27 @@ struct SoftmaxOptions {
 
 namespace detail {
 
-/// Rows of a query tile: the width of two micro-tile column blocks of float packets with
-/// 16 registers (32 queries, AVX2), one block with 32 registers (64 queries, AVX-512),
-/// so every row strip of Sᵀ runs whole micro-tiles (measured: see the top of the file).
-inline constexpr Index default_query_tile = std::max<Index>(32, DefaultBlocking::packets * packet_lanes<float>);
+/// Rows of a query tile under a window. With 16 registers (AVX2, 6 × 2 blocking) 48: a
+/// whole number of 6-row strips in P·V and of 2-packet column blocks in Sᵀ, so no
+/// product runs a leftover micro-tile. With 32 registers (AVX-512, 6 × 4) 64, one column
+/// block of Sᵀ. Full causal calls take three times as many (144 or 192), so that each
+/// K/V tile, read from L3 or DRAM once per query tile, serves three times the work. The
+/// AVX-512 sizes are derived from the blocking, not measured (no such core was at hand).
+inline constexpr Index window_query_tile = vector_registers >= 32 ? 64 : 48;
 
 /// Rows of a query tile and of a key tile (measured: see the top of the file).
 struct SoftmaxTiles {
-    Index queries = default_query_tile;
+    Index queries = 3 * window_query_tile;
     Index keys = 128;
+    friend constexpr bool operator==(const SoftmaxTiles&, const SoftmaxTiles&) = default;
 };
 
-/// The tiles for a call, full or windowed: the same since the 6-row blocking (at 4 × 2,
-/// windowed calls took 32-query tiles and full ones 64; now 32 measures best for both).
-constexpr SoftmaxTiles default_tiles(Index /*window*/) { return SoftmaxTiles{}; }
+/// The tiles for a call: under a window, narrower query tiles (a query tile's keys span
+/// window + queries − 1 for `window` useful ones) and shorter key tiles (a key tile cut
+/// by the window's edge is partly wasted).
+constexpr SoftmaxTiles default_tiles(Index window) {
+    return window > 0 ? SoftmaxTiles{window_query_tile, 96} : SoftmaxTiles{};
+}
 
 /// A window of at least Nk keys limits nothing: 0, so no position arithmetic sees a
 /// window near the largest Index.

@@ -141,7 +141,7 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink
                 const SoftmaxItem& item = items[static_cast<std::size_t>(i)];
                 const SequenceSpan span = span_of(item);
                 const SoftmaxTiles tiles = default_tiles(effective_window(options.window, span.k_rows));
-                std::optional<SoftmaxScratch<T>>& scratch = tiles.queries == SoftmaxTiles{}.queries ? full : windowed;
+                std::optional<SoftmaxScratch<T>>& scratch = tiles == SoftmaxTiles{} ? full : windowed;
                 if (!scratch)
                     scratch.emplace(d, dv, tiles);
                 const Index kv = layout.kv_head_of(item.head);
