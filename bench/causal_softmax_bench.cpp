@@ -4,7 +4,7 @@
 //
 // GFLOPS counts 2·(d + dv) FLOPs per visible (query, key) pair for the kernel and the
 // naive version (so their ratio is a ratio of times), and the FLOPs actually executed
-// for the tile GEMM and the FMA loop. Float, one thread, d = dv.
+// for the tile GEMM and the FMA loop. Float (and double for the kernel), one thread, d = dv.
 #include "bench_common.hpp"
 
 #include <memattn/kernels/causal_softmax.hpp>
@@ -34,11 +34,12 @@ struct Case {
     [[nodiscard]] double useful_flops() const { return 2.0 * static_cast<double>(2 * d) * visible_pairs(n, window); }
 };
 
+template <class T = float>
 void BM_CausalSoftmax(benchmark::State& state) {
     const Case c(state);
-    const Matrix<float> Q = random_matrix<float>(c.n, c.d, 1), K = random_matrix<float>(c.n, c.d, 2),
-                        V = random_matrix<float>(c.n, c.d, 3);
-    Matrix<float> O(c.n, c.d);
+    const Matrix<T> Q = random_matrix<T>(c.n, c.d, 1), K = random_matrix<T>(c.n, c.d, 2),
+                    V = random_matrix<T>(c.n, c.d, 3);
+    Matrix<T> O(c.n, c.d);
     for (auto _ : state) {
         memattn::causal_softmax_attention(Q, K, V, O, {.scale = 0, .window = c.window});
         benchmark::DoNotOptimize(O.data());
@@ -46,7 +47,7 @@ void BM_CausalSoftmax(benchmark::State& state) {
     }
     set_gflops(state, c.useful_flops());
     state.counters["scratch_KiB"] =
-        static_cast<double>(memattn::detail::TiledCausalSoftmax<float>::scratch_bytes(
+        static_cast<double>(memattn::detail::TiledCausalSoftmax<T>::scratch_bytes(
             c.d, c.d, memattn::detail::default_tiles(c.window))) /
         1024.0;
 }
@@ -147,10 +148,12 @@ void cases(benchmark::internal::Benchmark* b, Index max_n) {
 }
 
 BENCHMARK(BM_FmaPeak);
-BENCHMARK(BM_CausalSoftmax)->Apply([](auto* b) { cases(b, 16384); });
+BENCHMARK(BM_CausalSoftmax<float>)->Name("BM_CausalSoftmax")->Apply([](auto* b) { cases(b, 16384); });
+// Double: half the lanes per packet, so half the float rate is the FMA count's limit.
+BENCHMARK(BM_CausalSoftmax<double>)->Name("BM_CausalSoftmaxDouble")->Apply([](auto* b) { cases(b, 4096); });
 BENCHMARK(BM_EigenTileGemm)->Apply([](auto* b) { cases(b, 16384); });
 BENCHMARK(BM_Naive)->Apply([](auto* b) { cases(b, 16384); });
-BENCHMARK(BM_CausalSoftmax)->Name("BM_CausalSoftmax_long")->ArgNames({"N", "d", "window"})->Args({131072, 64, 512})
+BENCHMARK(BM_CausalSoftmax<float>)->Name("BM_CausalSoftmax_long")->ArgNames({"N", "d", "window"})->Args({131072, 64, 512})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_TileSweep)
     ->ArgNames({"d", "qtile", "ktile", "window"})

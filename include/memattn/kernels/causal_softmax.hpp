@@ -33,35 +33,35 @@
 //   s      keys × lanes    logits Sᵀ, then the weights Pᵀ in place
 //   acc    lanes × dv      unnormalised outputs
 //   state  3 × lanes       max, sum, α per query (SoftmaxBlockState)
-// For 64 × 128 tiles and d = dv = 64 in float that is 64 KiB, whatever the sequence.
+// For 144 × 128 tiles and d = dv = 64 in float that is 146 KiB (L2), whatever the sequence.
 //
-// Tile sizes, measured with bench/causal_softmax_bench.cpp (BM_TileSweep: N = 4096,
-// float, 1 thread, AMD EPYC Zen 1 with AVX2+FMA, GFLOP/s of useful work, one run on a
-// shared machine, so ±3% is noise), query tile × key tile:
+// Tile sizes, measured with bench/causal_softmax_bench.cpp (BM_TileSweep and the same
+// sweep at N = 16384; float, 1 thread, AMD EPYC Zen 3 with AVX2 + FMA (two 256-bit FMA
+// ports, peak 94–97 GFLOP/s measured by BM_FmaPeak), 6 × 2 blocking, GFLOP/s of useful
+// work, medians of 3 on a shared machine whose speed varies ±15% between runs):
 //
-//                 full causal, d=64 / d=128     window 512, d=64 / d=128
-//    32 ×  64       27.5 / 27.3                   26.0 / 27.6
-//    32 × 128       27.9 / 27.5                   27.2 / 29.5   <- windowed calls
-//    32 × 256       27.5 / 26.8                   27.2 / 29.6
-//    64 ×  64       27.2 / 28.3                   25.4 / 26.8
-//    64 × 128       28.0 / 28.7                   25.6 / 27.7   <- full calls
-//    64 × 256       27.5 / 29.1                   25.7 / 27.8
-//   128 × 128       28.0 / 30.6                   22.7 / 24.3
-//   (key tiles of 32 lost 10–20%: the per-tile bookkeeping stops being amortised)
+//   query × key tile   N = 4096, full, d=64 / d=128    N = 16384, full, d=64 / d=128
+//     48 × 128            54–72 / 46–72                    37–42 / 33–34
+//     96 × 128            44–58 / 54–61                    40–46 / 45
+//    144 × 128            53     / 62                       52     / 50        <- full calls
+//    192 × 128            49     / 50                       51–56 / 53–54
+//   Window 512, N = 4096:  48 × 96  65 / 62,  48 × 128  62 / 65,  64 × 128  51 / 55  <- 48 × 96
 //
-// Key tiles of 128 amortise the per-tile work (α rescale of acc, the max pass) and
-// still keep Sᵀ (128 × 64 floats = 32 KiB) in L1/L2. Query tiles trade the reuse of
-// each K/V tile against waste at the edges: a window's key span per query tile is
-// window + queries − 1, so windowed calls take 32 rows; full causal calls take 64
-// (128 wins at d = 128 by 6% but wastes more on the diagonal at small N).
+// At N = 16384 every query tile streams K and V (8–16 MiB) from L3, so a query tile of
+// 48 spends its time waiting on memory; 144 (three strips of 48) gives each K/V tile
+// three times the work. Under a window a query tile's keys span window + queries − 1,
+// and adjacent query tiles share most of them in cache, so 48 rows and shorter key
+// tiles (a tile cut by the window's edge is partly wasted) win there.
+//
+// Against the same run's references (N ∈ {4096, 16384}, d ∈ {64, 128}, three runs of
+// three repetitions): 49–60 GFLOP/s for full calls, 0.52–0.64 of the FMA peak (the 4 × 2
+// blocking of 0.1 measured 0.35–0.39 on this core); 1.2–1.6× Eigen's GEMM on 64 × 64
+// tiles without any softmax; 3–5× the naive materialise-mask-softmax-multiply version
+// (15–20× under a window of 512); windowed calls (512) within the run-to-run noise
+// (±10%) of full ones; double 20–28 GFLOP/s, 0.40–0.48 of float. The products take 83%
+// of the time (they run at 81 GFLOP/s on L1-resident tiles, 60 here: the K/V tiles and
+// Pᵀ come from L2), the softmax bookkeeping (max pass, 2^x, masks) 14%.
 
-// Measured against Eigen's products on the same 64 × 64 tiles without any softmax (the
-// practical ceiling: this core's FMA peak is 34–40 GFLOP/s and Eigen's GEMM reaches
-// 29–31), same binary and run, N ∈ {1024, 4096, 16384}, d ∈ {64, 128}: 0.87–1.03× of
-// it, 2.4–56× the naive materialise-mask-softmax-multiply version, and windowed calls
-// (512) within 10% of full ones. What remains at d = 64 is the 2^x per weight (5 FMAs
-// per 8 weights against 128 for the two products) and the max/sum passes.
-//
 // Non-finite input: a NaN logit poisons the queries that see its key (the final
 // division is SoftmaxState::finish's, so its policy for a NaN sum applies); a logit of
 // −∞ is a masked key. A non-finite value in V poisons exactly the queries that see it:

@@ -21,16 +21,20 @@
 //
 // Chunk size: LinearOptions::chunk_size = 16 by default (the first design draft said 64), chosen
 // by bench/linear_attention_bench.cpp (BM_ChunkSize): float, elu+1, normalised,
-// N = 65536, one thread of an AVX2+FMA Zen-1 core at 2 GHz (Eigen sgemm ≈ 32 GFLOP/s):
+// N = 65536, one thread of an AMD EPYC Zen 3 core with AVX2 + FMA (FMA peak 94–97
+// GFLOP/s), the per-chunk products through the register-blocked tile product:
 //
 //   chunk          8     16     24     32     48     64    128
-//   d = dv = 64   912    974    919    911    777    774    572   thousand tokens/s
-//   d = dv = 128  294    327    297    306    268    281    229
+//   d = dv = 64  1422   1704   1713   1629   1614   1480   1233   thousand tokens/s
+//   d = dv = 128  533    701    633    585    606    528    428
 //
 // Per token the chunked form does 4·d'·dv FLOPs of state products whatever the chunk,
 // plus 2·C·(d'+dv) for the pairs inside the chunk: at C = 64 that second term equals
-// the first (d = 64), at C = 16 it is a fifth, and Eigen's GEMM still runs the
-// 16-row products at ~28 GFLOP/s. Below 16 the per-chunk overhead wins.
+// the first (d = 64), at C = 16 it is a fifth. At C = 16 the form runs at 0.37 (d = 64)
+// and 0.47–0.54 (d = 128) of the FMA peak counting both terms, and faster than one
+// Eigen GEMM doing the same FLOPs (1.7–2.0M against 1.9M tokens/s at d = 64, 0.60–0.70M
+// against 0.51M at d = 128); 0.1's Eigen products ran 1.16M and 0.42M on the same core.
+// Below 16 the per-chunk overhead wins.
 
 #include "memattn/detail/assert.hpp"
 #include "memattn/detail/tile_product.hpp"
