@@ -4,6 +4,7 @@
 // ratios are taken within one run on a noisy machine.
 
 #include <benchmark/benchmark.h>
+#include <memattn/detail/packet.hpp>
 #include <memattn/types.hpp>
 
 #include <random>
@@ -37,6 +38,27 @@ void eigen_gemm(benchmark::State& state, Index m, Index n, Index k) {
         benchmark::ClobberMemory();
     }
     set_gflops(state, 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k));
+}
+
+/// One core's FMA peak for T: 12 independent chains of packet FMAs (2 FLOPs per lane),
+/// more than two FMA ports of latency 4 or 5 need, in registers only.
+template <class T>
+void fma_peak(benchmark::State& state) {
+    using P = detail::Packet<T>;
+    using namespace Eigen::internal;
+    constexpr int chains = 12;
+    constexpr Index steps = 1 << 20;
+    P acc[chains];
+    for (int i = 0; i < chains; ++i)
+        acc[i] = pset1<P>(T(0.001) * static_cast<T>(i));
+    const P a = pset1<P>(T(0.999999)), b = pset1<P>(T(1e-7));
+    for (auto _ : state) {
+        for (Index s = 0; s < steps; ++s)
+            for (int i = 0; i < chains; ++i)
+                acc[i] = pmadd(acc[i], a, b);
+        benchmark::DoNotOptimize(acc);
+    }
+    set_gflops(state, 2.0 * chains * detail::packet_lanes<T> * static_cast<double>(steps));
 }
 
 }  // namespace memattn::bench

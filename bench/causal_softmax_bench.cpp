@@ -103,24 +103,8 @@ void BM_EigenTileGemm(benchmark::State& state) {
     set_gflops(state, flops);
 }
 
-/// One core's FMA peak: 12 independent chains of packet FMAs (2 FLOPs per lane).
-void BM_FmaPeak(benchmark::State& state) {
-    using P = memattn::detail::Packet<float>;
-    using namespace Eigen::internal;
-    constexpr int chains = 12;
-    constexpr Index steps = 1 << 20;
-    P acc[chains];
-    for (int i = 0; i < chains; ++i)
-        acc[i] = pset1<P>(0.001f * static_cast<float>(i));
-    const P a = pset1<P>(0.999999f), b = pset1<P>(1e-7f);
-    for (auto _ : state) {
-        for (Index s = 0; s < steps; ++s)
-            for (int i = 0; i < chains; ++i)
-                acc[i] = pmadd(acc[i], a, b);
-        benchmark::DoNotOptimize(acc);
-    }
-    set_gflops(state, 2.0 * chains * memattn::detail::packet_lanes<float> * static_cast<double>(steps));
-}
+/// One core's FMA peak (bench_common.hpp).
+void BM_FmaPeak(benchmark::State& state) { memattn::bench::fma_peak<float>(state); }
 
 /// Tile sizes: N = 4096, query tile × key tile, full causal and a window of 512.
 void BM_TileSweep(benchmark::State& state) {

@@ -1,5 +1,6 @@
 // Linear attention, float, one thread, elu+1, normalised, d = dv: the three forms, in the
 // same binary and run as
+//   - the core's FMA peak (the chunked form's GFLOPS is counted against it);
 //   - a plain Eigen GEMM doing the chunked form's FLOPs (the ceiling: the chunked form at
 //     Eigen's GEMM speed), reported as tokens/s so the ratio reads directly;
 //   - causal_softmax_attention at the same N (where linear attention starts to win);
@@ -79,6 +80,10 @@ BENCHMARK(BM_Linear<Form::chunked>)
     ->ArgNames({"n", "d", "chunk"})
     ->ArgsProduct({{65536}, {64, 128}, {8, 16, 24, 32, 48, 64, 128}})
     ->Unit(benchmark::kMillisecond);
+
+// The core's FMA peak, for the chunked form's fraction of it (GFLOPS / this GFLOPS).
+void BM_FmaPeak(benchmark::State& state) { memattn::bench::fma_peak<float>(state); }
+BENCHMARK(BM_FmaPeak);
 
 // The ceiling: an Eigen GEMM (n × k) · (k × d) with k chosen so that it does the chunked
 // form's FLOPs for n tokens at the default chunk size; its tokens/s is the chunked form's
