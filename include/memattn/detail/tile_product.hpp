@@ -123,6 +123,12 @@ inline void row_strip(Index cols, Index depth, const T* a, Index a_row, Index a_
 template <class T, class B = DefaultBlocking, bool Accumulate = false>
 void tile_product(Index rows, Index cols, Index depth, const T* a, Index a_row, Index a_k, const T* b, Index ldb,
                   T* c, Index ldc, const T* row_scale) {
+    if (rows == 0 || cols == 0)
+        return;
+    if (depth == 0) {  // C = α ⊙ C or 0 or unchanged: A and B are not read, and may be empty (null)
+        a = b = c;
+        a_row = a_k = ldb = 0;
+    }
     // Row strips outermost: a strip of A (Rows × depth) stays in registers and L1 while
     // it meets every column of B; the callers' B (Qᵀ of a query tile, a V tile) is the
     // operand that fits in L1 and is reused by every strip.
