@@ -182,13 +182,13 @@ inline constexpr Index attend_block = 256;
 /// bench/memory_bench.cpp (BM_KVCacheAttend against BM_StreamingRead, AMD EPYC Zen 3,
 /// AVX2, float, d = dv): at 4 MiB the GEMV blocks read 39–49 GB/s against 35–38 for the
 /// streaming path; at 32 and 64 MiB (65536 pairs, d = 64 and 128) the streaming path,
-/// with its prefetch, reads 0.89–1.0 of a plain read of the same bytes, the GEMV blocks
-/// 0.58–0.75.
+/// with its prefetch, reads 0.75–0.87 of a plain read of the same bytes (0.84–0.96 when
+/// the two run alone, interleaved), the GEMV blocks 0.58–0.75.
 inline constexpr std::size_t streaming_bytes = std::size_t(16) << 20;
 
 /// Rows of `cols` scalars the streaming path asks for ahead of the row it reads: 4 KiB
-/// ahead (measured at 65536 pairs: 2 KiB reads 0.85–0.9 of a plain read, 4 KiB
-/// 0.89–1.0, none 0.7–0.78).
+/// ahead (measured at 65536 pairs, of a plain read: 4 KiB 0.84–0.96, 2 KiB 0.78–0.85,
+/// 8 KiB 0.78–0.91, 16 KiB 0.76–0.87, none 0.63–0.8).
 template <class T>
 constexpr Index rows_ahead(Index cols) {
     return std::max<Index>(1, Index(4096) / (std::max<Index>(cols, 1) * Index(sizeof(T))));
