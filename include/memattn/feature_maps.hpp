@@ -62,6 +62,7 @@ MatrixRef<typename DX::Scalar> feature_output(const char* function, const Eigen:
 /// φ(x) = x. With it linear attention is the plain (unnormalised or sign-indefinite)
 /// kernel q·k; normalising is only meaningful for inputs with positive q·k.
 struct Identity {
+    static constexpr const char* snapshot_name = "Identity";
     [[nodiscard]] Index output_dim(Index d) const noexcept { return d; }
     template <class DX, class DY>
     void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
@@ -115,6 +116,7 @@ struct EluPlusOneOp {
 /// φ(x) = elu(x) + 1 = (x + 1 if x > 0, else e^x), positive everywhere; the default.
 /// Katharopoulos et al. 2020.
 struct EluPlusOne {
+    static constexpr const char* snapshot_name = "EluPlusOne";
     [[nodiscard]] Index output_dim(Index d) const noexcept { return d; }
     template <class DX, class DY>
     void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
@@ -125,6 +127,7 @@ struct EluPlusOne {
 
 /// φ(x) = max(x, 0). Non-negative; rows of zeros give zero weight.
 struct Relu {
+    static constexpr const char* snapshot_name = "Relu";
     [[nodiscard]] Index output_dim(Index d) const noexcept { return d; }
     template <class DX, class DY>
     void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
@@ -138,6 +141,7 @@ struct Relu {
 ///   φ(q)·φ(k) = 1 + q·k + Σ_i q_i²k_i²/2 + Σ_{i<j} q_iq_jk_ik_j = 1 + q·k + (q·k)²/2,
 /// which is > 0 for every q·k (the quadratic has no real root). d' = 1 + d + d(d+1)/2.
 struct Taylor2 {
+    static constexpr const char* snapshot_name = "Taylor2";
     [[nodiscard]] Index output_dim(Index d) const noexcept { return 1 + d + d * (d + 1) / 2; }
     template <class DX, class DY>
     void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
@@ -182,6 +186,7 @@ struct Taylor2 {
 /// every platform (up to the last ulp of the C library's log/cos/sin).
 class FavorPlus {
 public:
+    static constexpr const char* snapshot_name = "FavorPlus";
     /// m features for inputs of dim d, drawn from `seed`.
     FavorPlus(Index d, Index m, std::uint64_t seed) : d_(d), m_(m) {
         detail::require(d > 0, "FavorPlus", "d", "is ", d, ", expected > 0");

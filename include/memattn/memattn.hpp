@@ -15,6 +15,8 @@
 #include "memattn/memory/hybrid_cache.hpp"
 #include "memattn/memory/moving_average_cache.hpp"
 #include "memattn/memory/sliding_window_cache.hpp"
+#include "memattn/persistence/stream.hpp"
+#include "memattn/persistence/snapshot.hpp"
 #include "memattn/layer/head_layout.hpp"
 #include "memattn/layer/parallel.hpp"
 #include "memattn/layer/multi_head_kernels.hpp"

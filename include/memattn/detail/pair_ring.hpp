@@ -10,6 +10,7 @@
 // detail::attend_contiguous and Eigen's GEMV want.
 
 #include "memattn/detail/assert.hpp"
+#include "memattn/persistence/stream.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
 
@@ -94,6 +95,17 @@ public:
         });
     }
 
+    /// Snapshots: the keys of the items [first, last), oldest first, then their values.
+    void write_items(snapshot::Writer& w, Index first, Index last) const {
+        for_each_run(first, last, [&](Index row, Index, Index n) { w.matrix(keys_.middleRows(row, n)); });
+        for_each_run(first, last, [&](Index row, Index, Index n) { w.matrix(values_.middleRows(row, n)); });
+    }
+    /// Reads what write_items wrote into the rows of the items [first, last); the caller
+    /// has checked that the reader holds them (Reader::expect_remaining), so nothing throws.
+    void read_items(snapshot::Reader& r, Index first, Index last) {
+        for_each_run(first, last, [&](Index row, Index, Index n) { r.matrix(keys_.middleRows(row, n), "keys"); });
+        for_each_run(first, last, [&](Index row, Index, Index n) { r.matrix(values_.middleRows(row, n), "values"); });
+    }
     [[nodiscard]] const Matrix<T>& keys() const noexcept { return keys_; }
     [[nodiscard]] const Matrix<T>& values() const noexcept { return values_; }
 

@@ -37,6 +37,7 @@
 #include "memattn/layer/parallel.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/kv_cache.hpp"
+#include "memattn/persistence/snapshot.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
 
@@ -191,6 +192,38 @@ public:
     [[nodiscard]] const M& head(Index kv) const { return heads_.at(static_cast<std::size_t>(kv)); }
     [[nodiscard]] M& head(Index kv) { return heads_.at(static_cast<std::size_t>(kv)); }
 
+    /// Snapshots (memattn/persistence/snapshot.hpp), when M has them: the layout (q_heads,
+    /// kv_heads, head_dim, value_dim), then each KV head's payload as a part of its own.
+    /// Loading reads every head into a copy and swaps the copies in at the end, so a
+    /// throw leaves every head as it was (and the layer holds both states meanwhile).
+    [[nodiscard]] static std::string snapshot_kind()
+        requires Snapshottable<M>
+    {
+        return "MultiHead/" + std::string(M::snapshot_kind());
+    }
+    void write_snapshot(snapshot::Writer& w) const
+        requires Snapshottable<M>
+    {
+        write_layout(w);
+        for (const M& head : heads_)
+            w.part([&](snapshot::Writer& part) { head.write_snapshot(part); });
+    }
+    void read_snapshot(snapshot::Reader& r)
+        requires Snapshottable<M>
+    {
+        r.expect("q_heads", layout_.q_heads);
+        r.expect("kv_heads", layout_.kv_heads);
+        r.expect("head_dim", layout_.head_dim);
+        r.expect("value_dim", layout_.value_dim);
+        std::vector<M> loaded = heads_;
+        for (Index h = 0; h < layout_.kv_heads; ++h) {
+            snapshot::Reader part = r.part("head " + std::to_string(h));
+            loaded[static_cast<std::size_t>(h)].read_snapshot(part);
+        }
+        r.expect_remaining(0, "the end of the layer");
+        heads_.swap(loaded);
+    }
+
 private:
     using GroupMap = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
     using GroupOut = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
@@ -212,6 +245,13 @@ private:
         } else {
             feed();
         }
+    }
+
+    void write_layout(snapshot::Writer& w) const {
+        w.index(layout_.q_heads);
+        w.index(layout_.kv_heads);
+        w.index(layout_.head_dim);
+        w.index(layout_.value_dim);
     }
 
     static HeadLayout checked(const HeadLayout& layout) {

@@ -33,6 +33,7 @@ concept Compressor = std::copy_constructible<C> &&
 
 /// The mean of the rows: m_0 = x_0, m_p = m_{p−1} + (x_p − m_{p−1}) / (p + 1).
 struct MeanPool {
+    static constexpr const char* snapshot_name = "MeanPool";
     template <class T>
     void absorb(RowRef<T> slot, ConstRowRef<T> row, Index position) const {
         if (position == 0)
@@ -44,6 +45,7 @@ struct MeanPool {
 
 /// The element-wise maximum of the rows; a NaN in any of them stays in the slot.
 struct MaxPool {
+    static constexpr const char* snapshot_name = "MaxPool";
     template <class T>
     void absorb(RowRef<T> slot, ConstRowRef<T> row, Index position) const {
         if (position == 0)
@@ -58,6 +60,7 @@ struct MaxPool {
 /// "Compressive Transformers") gives. A slot still open holds the partial sum.
 class WeightedPool {
 public:
+    static constexpr const char* snapshot_name = "WeightedPool";
     explicit WeightedPool(std::vector<double> weights) : weights_(std::move(weights)) {}
 
     template <class T>

@@ -23,12 +23,15 @@
 #include "memattn/detail/pair_ring.hpp"
 #include "memattn/memory/compressor.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/persistence/stream.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
+#include <string>
 #include <utility>
 
 namespace memattn {
@@ -147,6 +150,56 @@ public:
     [[nodiscard]] Index slots() const noexcept { return slots_; }
     [[nodiscard]] T scale() const noexcept { return scale_; }
     [[nodiscard]] const C& compressor() const noexcept { return compressor_; }
+
+    /// Snapshots (memattn/persistence/snapshot.hpp), for a compressor that names itself
+    /// (detail::NamedForSnapshots; the library's do): key_dim, value_dim, window, rate,
+    /// slots, scale, the compressor's name and weights, length, then the window's pairs
+    /// and the kept slots (an open slot as pooled so far), oldest first.
+    [[nodiscard]] static std::string snapshot_kind()
+        requires detail::NamedForSnapshots<C>
+    {
+        return "HybridCache/" + std::string(std::string_view(C::snapshot_name));
+    }
+    void write_snapshot(snapshot::Writer& w) const
+        requires detail::NamedForSnapshots<C>
+    {
+        w.index(key_dim_);
+        w.index(value_dim_);
+        w.index(window_);
+        w.index(rate_);
+        w.index(slots_);
+        w.number(scale_);
+        if constexpr (detail::HasWeights<C>) {
+            w.index(static_cast<Index>(compressor_.weights().size()));
+            for (const double weight : compressor_.weights())
+                w.number(weight);
+        }
+        w.index(length_);
+        const Index e = evicted(length_), s = slot_count(e);
+        local_.write_items(w, e, length_);
+        compressed_.write_items(w, first_slot(s), s);
+    }
+    void read_snapshot(snapshot::Reader& r)
+        requires detail::NamedForSnapshots<C>
+    {
+        r.expect("key_dim", key_dim_);
+        r.expect("value_dim", value_dim_);
+        r.expect("window", window_);
+        r.expect("rate", rate_);
+        r.expect("slots", slots_);
+        r.expect("scale", scale_);
+        if constexpr (detail::HasWeights<C>) {
+            r.expect("the compressor's weight count", static_cast<Index>(compressor_.weights().size()));
+            for (const double weight : compressor_.weights())
+                r.expect("a compressor weight", weight);
+        }
+        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        const Index e = evicted(length), s = slot_count(e);
+        r.expect_remaining(local_.bytes(length - e) + compressed_.bytes(s - first_slot(s)), "the held pairs");
+        local_.read_items(r, e, length);
+        compressed_.read_items(r, first_slot(s), s);
+        length_ = length;
+    }
 
 private:
     /// Tokens pushed out of the window after `length` tokens.

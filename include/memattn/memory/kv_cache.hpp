@@ -6,12 +6,14 @@
 #include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/detail/memory_checks.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/persistence/stream.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <string>
 
 namespace memattn {
 
@@ -122,6 +124,39 @@ public:
     [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
     [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
     [[nodiscard]] T scale() const noexcept { return scale_; }
+
+    /// Snapshots (memattn/persistence/snapshot.hpp): key_dim, value_dim, scale, length,
+    /// then the keys and the values, oldest first. Loading keeps the allocation when the
+    /// pairs fit in it.
+    [[nodiscard]] static std::string snapshot_kind() { return "KVCache"; }
+    void write_snapshot(snapshot::Writer& w) const {
+        w.index(key_dim_);
+        w.index(value_dim_);
+        w.number(scale_);
+        w.index(length_);
+        w.matrix(keys());
+        w.matrix(values());
+    }
+    void read_snapshot(snapshot::Reader& r) {
+        r.expect("key_dim", key_dim_);
+        r.expect("value_dim", value_dim_);
+        r.expect("scale", scale_);
+        const auto row = static_cast<std::size_t>(key_dim_ + value_dim_) * sizeof(T);
+        const Index length = r.count("length", 0, static_cast<Index>(r.remaining() / row));
+        r.expect_remaining(static_cast<std::size_t>(length) * row, "the pairs");
+        if (length > keys_.rows()) {
+            Storage loaded{Matrix<T>(length, key_dim_), Matrix<T>(length, value_dim_)};  // may throw: nothing changed
+            r.matrix(loaded.keys, "the keys");
+            r.matrix(loaded.values, "the values");
+            keys_.swap(loaded.keys);
+            values_.swap(loaded.values);
+        } else {
+            r.matrix(keys_.topRows(length), "the keys");
+            r.matrix(values_.topRows(length), "the values");
+        }
+        length_ = length;
+    }
+
     /// The stored keys and values, oldest first.
     [[nodiscard]] auto keys() const { return keys_.topRows(length_); }
     [[nodiscard]] auto values() const { return values_.topRows(length_); }

@@ -21,13 +21,18 @@
 #include "memattn/feature_maps.hpp"
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/persistence/stream.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <string_view>
 #include <utility>
 
 namespace memattn {
@@ -213,7 +218,61 @@ public:
     [[nodiscard]] const Phi& feature_map() const noexcept { return phi_; }
     [[nodiscard]] const LinearOptions& options() const noexcept { return options_; }
 
+    /// Snapshots (memattn/persistence/snapshot.hpp), for a feature map that names itself
+    /// (detail::NamedForSnapshots; the library's do): key_dim, value_dim, feature_dim, the
+    /// map's parameters (FavorPlus: its projection ω), the options (chunk_size, eps, decay,
+    /// normalize), length, then μ and ν.
+    [[nodiscard]] static std::string snapshot_kind()
+        requires detail::NamedForSnapshots<Phi>
+    {
+        return "LinearAttentionMemory/" + std::string(std::string_view(Phi::snapshot_name));
+    }
+    void write_snapshot(snapshot::Writer& w) const
+        requires detail::NamedForSnapshots<Phi>
+    {
+        w.index(key_dim_);
+        w.index(value_dim_);
+        w.index(feature_dim_);
+        if constexpr (HasProjection<Phi>)
+            w.matrix(phi_.projection());
+        w.index(options_.chunk_size);
+        w.number(options_.eps);
+        w.number(options_.decay);
+        w.flag(options_.normalize);
+        w.index(length_);
+        w.matrix(state_.mu);
+        w.matrix(state_.nu);
+    }
+    void read_snapshot(snapshot::Reader& r)
+        requires detail::NamedForSnapshots<Phi>
+    {
+        r.expect("key_dim", key_dim_);
+        r.expect("value_dim", value_dim_);
+        r.expect("feature_dim", feature_dim_);
+        if constexpr (HasProjection<Phi>) {
+            const Matrix<double>& mine = phi_.projection();
+            Matrix<double> stored(mine.rows(), mine.cols());
+            r.matrix(stored, "the feature map's projection");
+            if (std::memcmp(stored.data(), mine.data(), sizeof(double) * static_cast<std::size_t>(mine.size())) != 0)
+                r.mismatch("the feature map's projection", "another", "this memory's");
+        }
+        r.expect("chunk_size", options_.chunk_size);
+        r.expect("eps", options_.eps);
+        r.expect("decay", options_.decay);
+        r.expect("normalize", options_.normalize);
+        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        r.expect_remaining(sizeof(T) * static_cast<std::size_t>(state_.mu.size() + state_.nu.size()), "mu and nu");
+        r.matrix(state_.mu, "mu");
+        r.matrix(state_.nu, "nu");
+        length_ = length;
+    }
+
 private:
+    template <class F>
+    static constexpr bool HasProjection = requires(const F& f) {
+        { f.projection() } -> std::convertible_to<const Matrix<double>&>;
+    };
+
     /// The rank-1 update of `update` from the key's features in the scratch row.
     template <class KF, class VR>
     void fold_features(const KF& kf, const VR& value) {

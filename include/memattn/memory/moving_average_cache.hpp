@@ -17,11 +17,14 @@
 #include "memattn/detail/memory_checks.hpp"
 #include "memattn/detail/pair_ring.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/persistence/stream.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
+#include <string>
 
 namespace memattn {
 
@@ -108,6 +111,46 @@ public:
     [[nodiscard]] Index window() const noexcept { return window_; }
     /// The EMA weight; 0 for the (windowed or cumulative) mean.
     [[nodiscard]] T alpha() const noexcept { return alpha_; }
+
+    /// Snapshots (memattn/persistence/snapshot.hpp): key_dim, value_dim, window, alpha,
+    /// length, the steps since the last re-sum, the running key and value (sums or
+    /// averages), their Kahan carries (cumulative mean only), then the ring's pairs
+    /// (windowed mean only), oldest first.
+    [[nodiscard]] static std::string snapshot_kind() { return "MovingAverageCache"; }
+    void write_snapshot(snapshot::Writer& w) const {
+        w.index(key_dim_);
+        w.index(value_dim_);
+        w.index(window_);
+        w.number(alpha_);
+        w.index(length_);
+        w.index(since_resum_);
+        w.matrix(key_);
+        w.matrix(value_);
+        w.matrix(key_carry_);
+        w.matrix(value_carry_);
+        if (window_ > 0)
+            ring_.write_items(w, length_ - averaged(), length_);
+    }
+    void read_snapshot(snapshot::Reader& r) {
+        r.expect("key_dim", key_dim_);
+        r.expect("value_dim", value_dim_);
+        r.expect("window", window_);
+        r.expect("alpha", alpha_);
+        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        const Index since_resum = r.count("steps since the re-sum", 0, window_ > 0 ? window_ - 1 : 0);
+        const Index held = window_ > 0 ? std::min(length, window_) : 0;
+        const std::size_t vectors =
+            sizeof(T) * static_cast<std::size_t>(key_.size() + value_.size() + key_carry_.size() + value_carry_.size());
+        r.expect_remaining(vectors + ring_.bytes(held), "the running sums and the held pairs");
+        r.matrix(key_, "the running key");
+        r.matrix(value_, "the running value");
+        r.matrix(key_carry_, "the key's carry");
+        r.matrix(value_carry_, "the value's carry");
+        if (window_ > 0)
+            ring_.read_items(r, length - held, length);
+        length_ = length;
+        since_resum_ = since_resum;
+    }
 
 private:
     MovingAverageCache(Index key_dim, Index value_dim, Index window, T alpha)

@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
+#include <string>
 
 namespace memattn {
 
@@ -125,19 +127,69 @@ public:
     /// Forgets every pair and keeps the allocation.
     void reset() noexcept { length_ = 0; }
 
+    /// Forgets the newest pairs, keeping the first `tokens`, when the cache still holds
+    /// every pair a cache that saw only those tokens would hold: before the window has
+    /// overwritten any pair (length() ≤ sinks + window), any `tokens` ≤ length(); after,
+    /// only tokens == length(). Then length() and every output equal that cache's. Throws
+    /// std::invalid_argument, unchanged, otherwise.
+    void truncate(Index tokens) {
+        constexpr const char* function = "SlidingWindowCache::truncate";
+        detail::require(tokens >= 0 && tokens <= length_, function, "tokens", "is ", tokens,
+                        ", expected 0 .. length() = ", length_);
+        // The oldest window item the shorter cache would hold must not have been overwritten.
+        detail::require(first_window_item(tokens) >= first_window_item(), function, "tokens", "is ", tokens, ", but the window of ",
+                        window_, " has overwritten the pairs before token ", first_window_item() + sinks_,
+                        " (length() = ", length_, ", sinks = ", sinks_,
+                        "): a cache truncated to ", tokens, " tokens would need them");
+        length_ = tokens;
+    }
+
     [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
     [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
     [[nodiscard]] Index window() const noexcept { return window_; }
     [[nodiscard]] Index sinks() const noexcept { return sinks_; }
     [[nodiscard]] T scale() const noexcept { return scale_; }
 
+    /// Snapshots (memattn/persistence/snapshot.hpp): key_dim, value_dim, window, sinks,
+    /// scale, length, then the held sinks and the held window pairs, oldest first (keys,
+    /// then values, of each). Loading writes into the rings allocated at construction.
+    [[nodiscard]] static std::string snapshot_kind() { return "SlidingWindowCache"; }
+    void write_snapshot(snapshot::Writer& w) const {
+        w.index(key_dim_);
+        w.index(value_dim_);
+        w.index(window_);
+        w.index(sinks_);
+        w.number(scale_);
+        w.index(length_);
+        sink_pairs_.write_items(w, 0, held_sinks());
+        window_pairs_.write_items(w, first_window_item(), window_items());
+    }
+    void read_snapshot(snapshot::Reader& r) {
+        r.expect("key_dim", key_dim_);
+        r.expect("value_dim", value_dim_);
+        r.expect("window", window_);
+        r.expect("sinks", sinks_);
+        r.expect("scale", scale_);
+        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        const Index sinks = held_sinks(length), first = first_window_item(length), last = window_items(length);
+        r.expect_remaining(sink_pairs_.bytes(sinks + last - first), "the held pairs");
+        sink_pairs_.read_items(r, 0, sinks);
+        window_pairs_.read_items(r, first, last);
+        length_ = length;
+    }
+
 private:
-    /// Sinks held: min(length, sinks).
-    [[nodiscard]] Index held_sinks() const noexcept { return std::min(length_, sinks_); }
-    /// Non-sink tokens seen (window items are numbered from the first of them).
-    [[nodiscard]] Index window_items() const noexcept { return std::max<Index>(0, length_ - sinks_); }
-    /// The oldest window item the newest token (position length − 1) still sees.
-    [[nodiscard]] Index first_window_item() const noexcept { return std::max<Index>(0, window_items() - window_); }
+    /// Sinks held after `length` tokens: min(length, sinks).
+    [[nodiscard]] Index held_sinks(Index length) const noexcept { return std::min(length, sinks_); }
+    /// Non-sink tokens among `length` (window items are numbered from the first of them).
+    [[nodiscard]] Index window_items(Index length) const noexcept { return std::max<Index>(0, length - sinks_); }
+    /// The oldest window item the token at position length − 1 still sees.
+    [[nodiscard]] Index first_window_item(Index length) const noexcept {
+        return std::max<Index>(0, window_items(length) - window_);
+    }
+    [[nodiscard]] Index held_sinks() const noexcept { return held_sinks(length_); }
+    [[nodiscard]] Index window_items() const noexcept { return window_items(length_); }
+    [[nodiscard]] Index first_window_item() const noexcept { return first_window_item(length_); }
 
     void store(const ConstMatrixRef<T>& keys, const ConstMatrixRef<T>& values) {
         const Index n = keys.rows(), end = length_ + n;

@@ -1,0 +1,132 @@
+// Fuzzing memattn::load: bytes in, never a crash, never a partial state.
+//
+// Input: one selector byte, then the stream. The selector's low bits pick the target
+// memory (a small one that has seen a few tokens); its top bit makes the harness write a
+// correct checksum over the stream first, so that mutated payloads reach the memories'
+// own checks instead of stopping at the checksum. Then:
+//   - load throws SnapshotError: the target's own snapshot is byte for byte what it was;
+//   - load returns: saving the target gives exactly the bytes load consumed (the format
+//     is canonical), and the loaded memory decodes a token.
+// Seeds (fuzz/corpus/snapshot) are valid snapshots of every target, written by this file
+// built with -DMEMATTN_SNAPSHOT_FUZZ_WRITE_SEEDS as an ordinary program and run with the
+// directory as its argument.
+#include <memattn/memattn.hpp>
+#include <memattn/persistence/snapshot.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+
+namespace {
+
+using namespace memattn;
+
+constexpr Index d = 3, dv = 2;
+
+template <class M>
+std::string saved(const M& memory) {
+    std::ostringstream out(std::ios::binary);
+    save(memory, out);
+    return out.str();
+}
+
+/// A memory that has seen `tokens` tokens of a fixed sequence.
+template <class M>
+M fed(M memory, Index tokens) {
+    using T = typename M::Scalar;
+    Matrix<T> K(tokens, memory.key_dim()), V(tokens, memory.value_dim());
+    for (Index i = 0; i < K.size(); ++i)
+        K.data()[i] = static_cast<T>((i * 37 % 11) - 5) / T(4);
+    for (Index i = 0; i < V.size(); ++i)
+        V.data()[i] = static_cast<T>((i * 13 % 7) - 3) / T(2);
+    memattn::extend(memory, K, V);
+    return memory;
+}
+
+/// Calls f(memory) with target number `which` (the seeds use every one).
+template <class F>
+void with_target(unsigned which, F&& f) {
+    switch (which % 12) {
+        case 0: return f(fed(KVCache<float>(d, dv), 3));
+        case 1: return f(fed(KVCache<double>(d, dv), 0));
+        case 2: return f(fed(SlidingWindowCache<float>(d, dv, 4, 1), 7));
+        case 3: return f(fed(SlidingWindowCache<double>(d, dv, 3), 2));
+        case 4: return f(fed(HybridCache<float>(d, dv, 3, 2, 2), 9));
+        case 5: return f(fed(HybridCache<double, WeightedPool>(d, dv, 2, 2, 3, 0.0, WeightedPool({0.5, 0.5})), 6));
+        case 6: return f(fed(MovingAverageCache<float>(d, dv, 3), 5));
+        case 7: return f(fed(MovingAverageCache<double>(d, dv, 0), 4));
+        case 8: return f(fed(LinearAttentionMemory<float>(d, dv), 5));
+        case 9: return f(fed(LinearAttentionMemory<double, FavorPlus>(d, dv, FavorPlus(d, 4, 1)), 3));
+        case 10:
+            return f(fed(MultiHead<KVCache<float>>({.q_heads = 2, .kv_heads = 2, .head_dim = d, .value_dim = dv},
+                                                    [](Index) { return KVCache<float>(d, dv); }),
+                         2));
+        default:
+            return f(fed(MultiHead<SlidingWindowCache<double>>(
+                             {.q_heads = 2, .kv_heads = 1, .head_dim = d, .value_dim = dv},
+                             [](Index) { return SlidingWindowCache<double>(d, dv, 2, 1); }),
+                         4));
+    }
+}
+
+template <class M>
+void fuzz_load(M target, std::string stream) {
+    using T = typename M::Scalar;
+    const std::string before = saved(target);
+    std::istringstream in(stream, std::ios::binary);
+    try {
+        load(target, in);
+    } catch (const SnapshotError&) {
+        if (saved(target) != before)
+            std::abort();  // a throwing load changed the memory
+        return;
+    }
+    const std::streamoff at = in.tellg();
+    const std::size_t consumed = at < 0 ? stream.size() : static_cast<std::size_t>(at);
+    if (saved(target) != stream.substr(0, consumed))
+        std::abort();  // what loaded does not save back to the same bytes
+    Index qd = target.key_dim(), od = target.value_dim();
+    if constexpr (detail::KnowsQueryDims<M>) {
+        qd = target.query_dim();
+        od = target.output_dim();
+    }
+    const Matrix<T> q = Matrix<T>::Ones(1, qd), k = Matrix<T>::Ones(1, target.key_dim()),
+                    v = Matrix<T>::Ones(1, target.value_dim());
+    Matrix<T> o(1, od);
+    decode(target, q, k, v, o);
+}
+
+}  // namespace
+
+#ifndef MEMATTN_SNAPSHOT_FUZZ_WRITE_SEEDS
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+    if (size == 0)
+        return 0;
+    const unsigned selector = data[0];
+    std::string stream(reinterpret_cast<const char*>(data + 1), size - 1);
+    if ((selector & 0x80) != 0 && stream.size() >= 4) {
+        const std::uint32_t crc = detail::Crc32c::update(0, stream.data(), stream.size() - 4);
+        detail::little_endian(crc, reinterpret_cast<unsigned char*>(stream.data() + stream.size() - 4));
+    }
+    with_target(selector & 0x7F, [&](auto target) { fuzz_load(std::move(target), stream); });
+    return 0;
+}
+
+#else
+
+#include <fstream>
+
+int main(int argc, char** argv) {
+    if (argc != 2)
+        return 2;
+    for (unsigned which = 0; which < 12; ++which)
+        with_target(which, [&](const auto& memory) {
+            std::ofstream out(std::string(argv[1]) + "/seed-" + std::to_string(which), std::ios::binary);
+            out.put(static_cast<char>(which | 0x80));  // a fixed checksum: mutations reach the payload checks
+            save(memory, out);
+        });
+}
+
+#endif
