@@ -52,10 +52,11 @@ BENCHMARK(BM_KVCacheStep)->ArgNames({"position", "d"})->ArgsProduct({{1000, 4096
 
 // One attend over a KVCache of a fixed length (no update): the step's read of every
 // pair, for the ratio to BM_StreamingRead of the same bytes (bytes_per_second).
+template <class S = float>
 void BM_KVCacheAttend(benchmark::State& state) {
     const Index position = state.range(0), d = state.range(1);
     const Matrix<float> tokens = memattn::bench::random_matrix<float>(pool_tokens, d, 3);
-    memattn::KVCache<float> cache(d, d);
+    memattn::KVCache<float, S> cache(d, d);
     for (Index filled = 0; filled < position; filled += pool_tokens) {
         const Index n = std::min(pool_tokens, position - filled);
         cache.extend(tokens.topRows(n), tokens.topRows(n));
@@ -65,10 +66,17 @@ void BM_KVCacheAttend(benchmark::State& state) {
         cache.attend(tokens.row(7), out);
         benchmark::DoNotOptimize(out.data());
     }
-    state.SetBytesProcessed(static_cast<std::int64_t>(2 * position * d) * static_cast<std::int64_t>(sizeof(float)) *
-                            state.iterations());
+    // The bytes read are the stored ones; the footprint against float's (the same pairs).
+    state.SetBytesProcessed(static_cast<std::int64_t>(cache.footprint()) * state.iterations());
+    state.counters["footprint_vs_float"] =
+        static_cast<double>(cache.footprint()) / (2.0 * static_cast<double>(position * d) * sizeof(float));
 }
 BENCHMARK(BM_KVCacheAttend)->ArgNames({"position", "d"})->ArgsProduct({{512, 4096, 65536}, {64, 128}});
+// Compact storage (storage/compact.hpp) at the sizes of the float runs above: the time
+// ratio to BM_KVCacheAttend<float> of the same position and d, within one run.
+BENCHMARK(BM_KVCacheAttend<Eigen::bfloat16>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
+BENCHMARK(BM_KVCacheAttend<Eigen::half>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
+BENCHMARK(BM_KVCacheAttend<memattn::Q8>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
 
 // The naive decode step the issue compares with: one GEMV for the logits, a softmax,
 // one GEMV for the output, on a KVCache's stored pairs (its scratch allocated once).

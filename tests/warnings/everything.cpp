@@ -5,6 +5,7 @@
 // It is compiled, not run: it needs only to instantiate, so it works on any CPU.
 #include <memattn/memattn.hpp>
 
+#include <sstream>
 #include <type_traits>
 #include <vector>
 
@@ -28,6 +29,9 @@ void use_memory(M memory, const memattn::Matrix<T>& x, memattn::Matrix<T>& out) 
     memattn::extend(memory, x, x);
     memattn::prefill(memory, x, x, x, out);
     memory.attend(x.row(0), out.row(0));
+    std::stringstream snapshot;
+    memattn::save(memory, snapshot);
+    memattn::load(memory, snapshot);
     memory.reset();
 }
 
@@ -94,6 +98,15 @@ void everything(memattn::Index n, memattn::Index d) {
     use_memory(memattn::HybridCache<T, memattn::MaxPool>(d, d, 4, 2, 3), x, out);
     use_memory(memattn::HybridCache<T, memattn::WeightedPool>(d, d, 4, 2, 3, T(0), memattn::WeightedPool({0.5, 0.5})),
                x, out);
+    // Compact K/V storage: every conversion path of the instruction set (float only: the
+    // double paths are the portable ones, and compile time is the cost here).
+    if constexpr (std::is_same_v<T, float>) {
+        use_memory(memattn::KVCache<T, Eigen::bfloat16>(d, d), x, out);
+        use_memory(memattn::KVCache<T, Eigen::half>(d, d), x, out);
+        use_memory(memattn::KVCache<T, memattn::Q8>(d, d), x, out);
+        use_memory(memattn::SlidingWindowCache<T, Eigen::half>(d, d, 4, 1), x, out);
+        use_memory(memattn::HybridCache<T, memattn::MeanPool, memattn::Q8>(d, d, 4, 2, 3), x, out);
+    }
 }
 
 }  // namespace

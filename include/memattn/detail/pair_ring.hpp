@@ -12,6 +12,7 @@
 #include "memattn/detail/assert.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/softmax_state.hpp"
+#include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
@@ -19,8 +20,11 @@
 
 namespace memattn::detail {
 
-template <class T>
+/// S: how the pairs are stored (storage/compact.hpp), T itself by default.
+template <class T, class S = T>
 class PairRing {
+    using Rows = StoredRows<T, S>;
+
 public:
     PairRing(Index capacity, Index key_dim, Index value_dim) : keys_(capacity, key_dim), values_(capacity, value_dim) {}
 
@@ -32,17 +36,39 @@ public:
         return j % capacity();
     }
 
-    auto key(Index j) { return keys_.row(row_of(j)); }
-    auto value(Index j) { return values_.row(row_of(j)); }
-    [[nodiscard]] auto key(Index j) const { return keys_.row(row_of(j)); }
-    [[nodiscard]] auto value(Index j) const { return values_.row(row_of(j)); }
+    auto key(Index j)
+        requires std::same_as<S, T>
+    {
+        return keys_.row(row_of(j));
+    }
+    auto value(Index j)
+        requires std::same_as<S, T>
+    {
+        return values_.row(row_of(j));
+    }
+    [[nodiscard]] auto key(Index j) const
+        requires std::same_as<S, T>
+    {
+        return keys_.row(row_of(j));
+    }
+    [[nodiscard]] auto value(Index j) const
+        requires std::same_as<S, T>
+    {
+        return values_.row(row_of(j));
+    }
+
+    /// Item j's key and value as T, into `key` and `value` (1 × d and 1 × dv, contiguous).
+    void decode(Index j, T* key, T* value) const {
+        keys_.decode_rows(row_of(j), 1, key, keys_.cols());
+        values_.decode_rows(row_of(j), 1, value, values_.cols());
+    }
 
     /// Stores item j (overwriting item j − capacity).
     template <class K, class V>
     void put(Index j, const K& key_row, const V& value_row) {
         const Index r = row_of(j);
-        keys_.row(r) = key_row;
-        values_.row(r) = value_row;
+        keys_.put_rows(r, key_row);
+        values_.put_rows(r, value_row);
     }
 
     /// Stores items first, first+1, ... from the rows of K and V (at most `capacity`
@@ -51,8 +77,8 @@ public:
     void put_rows(Index first, const K& keys, const V& values) {
         MEMATTN_DASSERT(keys.rows() == values.rows() && keys.rows() <= capacity());
         for_each_run(first, first + keys.rows(), [&](Index row, Index offset, Index n) {
-            keys_.middleRows(row, n) = keys.middleRows(offset, n);
-            values_.middleRows(row, n) = values.middleRows(offset, n);
+            keys_.put_rows(row, keys.middleRows(offset, n));
+            values_.put_rows(row, values.middleRows(offset, n));
         });
     }
 
@@ -74,49 +100,59 @@ public:
     template <class Q, class Acc>
     void attend(const Q& query, Index first, Index last, T scale, SoftmaxState<T>& state, Acc&& acc) const {
         for_each_run(first, last, [&](Index row, Index, Index n) {
-            attend_contiguous(query, keys_.middleRows(row, n), values_.middleRows(row, n), scale, state, acc);
+            if constexpr (Rows::compact)
+                attend_stored(query, keys_, values_, row, n, scale, state, acc);
+            else
+                attend_contiguous(query, keys_.block(row, n), values_.block(row, n), scale, state, acc);
         });
     }
 
     /// Calls f(keys, values) with the rows of each contiguous run of the items [first, last), oldest first.
     template <class F>
+        requires std::same_as<S, T>
     void for_each_block(Index first, Index last, F&& f) const {
-        for_each_run(first, last, [&](Index row, Index, Index n) {
-            f(keys_.middleRows(row, n), values_.middleRows(row, n));
-        });
+        for_each_run(first, last, [&](Index row, Index, Index n) { f(keys_.block(row, n), values_.block(row, n)); });
     }
 
     /// Copies the items [first, last), oldest first, into the leading rows of K and V.
     template <class K, class V>
     void copy_out(Index first, Index last, K&& keys, V&& values) const {
         for_each_run(first, last, [&](Index row, Index offset, Index n) {
-            keys.middleRows(offset, n) = keys_.middleRows(row, n);
-            values.middleRows(offset, n) = values_.middleRows(row, n);
+            keys_.decode_rows(row, n, keys.data() + offset * keys.outerStride(), keys.outerStride());
+            values_.decode_rows(row, n, values.data() + offset * values.outerStride(), values.outerStride());
         });
     }
 
     /// Snapshots: the keys of the items [first, last), oldest first, then their values.
     void write_items(snapshot::Writer& w, Index first, Index last) const {
-        for_each_run(first, last, [&](Index row, Index, Index n) { w.matrix(keys_.middleRows(row, n)); });
-        for_each_run(first, last, [&](Index row, Index, Index n) { w.matrix(values_.middleRows(row, n)); });
+        for_each_run(first, last, [&](Index row, Index, Index n) { keys_.write_rows(w, row, n); });
+        for_each_run(first, last, [&](Index row, Index, Index n) { values_.write_rows(w, row, n); });
     }
     /// Reads what write_items wrote into the rows of the items [first, last); the caller
     /// has checked that the reader holds them (Reader::expect_remaining), so nothing throws.
     void read_items(snapshot::Reader& r, Index first, Index last) {
-        for_each_run(first, last, [&](Index row, Index, Index n) { r.matrix(keys_.middleRows(row, n), "keys"); });
-        for_each_run(first, last, [&](Index row, Index, Index n) { r.matrix(values_.middleRows(row, n), "values"); });
+        for_each_run(first, last, [&](Index row, Index, Index n) { keys_.read_rows(r, row, n); });
+        for_each_run(first, last, [&](Index row, Index, Index n) { values_.read_rows(r, row, n); });
     }
-    [[nodiscard]] const Matrix<T>& keys() const noexcept { return keys_; }
-    [[nodiscard]] const Matrix<T>& values() const noexcept { return values_; }
+    [[nodiscard]] const Matrix<T>& keys() const noexcept
+        requires std::same_as<S, T>
+    {
+        return keys_.matrix();
+    }
+    [[nodiscard]] const Matrix<T>& values() const noexcept
+        requires std::same_as<S, T>
+    {
+        return values_.matrix();
+    }
 
-    /// Bytes of `items` pairs.
+    /// Bytes of `items` pairs, as stored.
     [[nodiscard]] std::size_t bytes(Index items) const noexcept {
-        return static_cast<std::size_t>(items) * static_cast<std::size_t>(keys_.cols() + values_.cols()) * sizeof(T);
+        return static_cast<std::size_t>(items) * (Rows::row_bytes(keys_.cols()) + Rows::row_bytes(values_.cols()));
     }
 
 private:
-    Matrix<T> keys_;
-    Matrix<T> values_;
+    Rows keys_;
+    Rows values_;
 };
 
 }  // namespace memattn::detail

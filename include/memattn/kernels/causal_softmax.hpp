@@ -70,6 +70,7 @@
 
 #include "memattn/detail/tile_product.hpp"
 #include "memattn/softmax_state.hpp"
+#include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
@@ -138,16 +139,62 @@ struct SoftmaxScratch {
     SoftmaxBlockState<T> state;
 };
 
+/// K or V read in place: a tile is rows of the matrix itself.
+template <class T>
+class PlainRows {
+public:
+    explicit PlainRows(const ConstMatrixRef<T>& m) : m_(m) {}
+    [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return m_.cols(); }
+    /// Rows [j0, j0 + n): their first coefficient and the row stride.
+    [[nodiscard]] std::pair<const T*, Index> tile(Index j0, Index) const {
+        return {m_.data() + j0 * m_.outerStride(), m_.outerStride()};
+    }
+    /// Rows [j0, j1) towards L2 while the current tile computes.
+    void prefetch(Index j0, Index j1) const {
+        prefetch_rows(m_.data() + j0 * m_.outerStride(), j1 - j0, m_.outerStride(), m_.cols());
+    }
+
+private:
+    ConstMatrixRef<T> m_;
+};
+
+/// K or V in compact storage (storage/compact.hpp): each tile is converted to T into a
+/// buffer of one tile's rows when the kernel reaches it, so the kernel never holds more
+/// than a tile of T, whatever the length.
+template <class T, class S>
+class DecodedRows {
+public:
+    DecodedRows(const StoredRows<T, S>& stored, Index rows, Index tile_rows)
+        : stored_(stored), rows_(rows), buffer_(tile_rows, stored.cols()) {}
+    [[nodiscard]] Index rows() const noexcept { return rows_; }
+    [[nodiscard]] Index cols() const noexcept { return stored_.cols(); }
+    [[nodiscard]] std::pair<const T*, Index> tile(Index j0, Index n) {
+        MEMATTN_DASSERT(n <= buffer_.rows());
+        stored_.decode_rows(j0, n, buffer_.data(), buffer_.cols());
+        return {buffer_.data(), buffer_.cols()};
+    }
+    void prefetch(Index, Index) const {}
+
+private:
+    const StoredRows<T, S>& stored_;
+    Index rows_;
+    Matrix<T> buffer_;
+};
+
 /// The tiled kernel for one call on a scratch: its steps (see the top of the file). The
 /// products use the register blocking B (detail/tile_product.hpp), which changes no bit.
-template <class T, class B = DefaultBlocking>
+/// K and V are read through row sources: PlainRows (in place) or DecodedRows (compact
+/// storage, converted tile by tile).
+template <class T, class B = DefaultBlocking, class KRows = PlainRows<T>, class VRows = PlainRows<T>>
 class TiledCausalSoftmax {
 public:
-    TiledCausalSoftmax(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, T scale,
-                       Index window, Index sinks, SoftmaxScratch<T>& scratch)
-        : q_(Q), k_(K), v_(V), scale_(scale), window_(window), sinks_(sinks), tiles_(scratch.tiles),
-          lanes_(scratch.lanes), qt_(scratch.qt), s_(scratch.s), acc_(scratch.acc), state_(scratch.state) {
-        MEMATTN_DASSERT(qt_.rows() == K.cols() && acc_.cols() == V.cols());
+    TiledCausalSoftmax(const ConstMatrixRef<T>& Q, KRows K, VRows V, T scale, Index window, Index sinks,
+                       SoftmaxScratch<T>& scratch)
+        : q_(Q), k_(std::move(K)), v_(std::move(V)), scale_(scale), window_(window), sinks_(sinks),
+          tiles_(scratch.tiles), lanes_(scratch.lanes), qt_(scratch.qt), s_(scratch.s), acc_(scratch.acc),
+          state_(scratch.state) {
+        MEMATTN_DASSERT(qt_.rows() == k_.cols() && acc_.cols() == v_.cols());
     }
 
     /// Bytes of scratch one call allocates: all the extra memory it needs, whatever Nq and Nk.
@@ -191,16 +238,16 @@ private:
 
     /// Keys and values [j0, j1) towards L2 while the current tile computes.
     void prefetch_key_tile(Index j0, Index j1) const {
-        prefetch_rows(k_.data() + j0 * k_.outerStride(), j1 - j0, k_.outerStride(), k_.cols());
-        prefetch_rows(v_.data() + j0 * v_.outerStride(), j1 - j0, v_.outerStride(), v_.cols());
+        k_.prefetch(j0, j1);
+        v_.prefetch(j0, j1);
     }
 
     /// Folds keys [j0, j0 + n) into every query of the tile.
     void attend_key_tile(Index j0, Index n) {
         const Index d = k_.cols(), dv = v_.cols();
         // Sᵀ = K_tile · (log2(e)·scale·Q_tile)ᵀ, keys × queries.
-        tile_product<T, B>(n, cols_, d, k_.data() + j0 * k_.outerStride(), k_.outerStride(), 1, qt_.data(), lanes_,
-                        s_.data(), lanes_, nullptr);
+        const auto [keys, ldk] = k_.tile(j0, n);
+        tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr);
         const bool masked = !fully_visible(j0, n);
         if (masked)
             mask(j0, n);
@@ -209,21 +256,23 @@ private:
         // A masked weight is 0, and 0 · ∞ = NaN: where V_tile is not all finite, a masked
         // tile goes query by query over the keys each one sees (O(n·dv) to check, against
         // O(lanes·n·dv) for the product), so a bad value poisons only the queries that see it.
-        if (masked && !finite_values(j0, n))
-            accumulate_visible_keys(j0, n);
+        const auto [values, ldv] = v_.tile(j0, n);
+        if (masked && !finite_values(values, ldv, n))
+            accumulate_visible_keys(j0, n, values, ldv);
         else
-            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, v_.data() + j0 * v_.outerStride(), v_.outerStride(),
-                            acc_.data(), dv, state_.alpha());
+            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, values, ldv, acc_.data(), dv, state_.alpha());
     }
 
-    /// Every value of rows [j0, j0 + n) is finite: 0·x is 0, or NaN for ±∞ and NaN, and a
-    /// sum keeps NaN. A vectorised reduction (Eigen's allFinite is a scalar loop here).
-    [[nodiscard]] bool finite_values(Index j0, Index n) const {
-        return (v_.middleRows(j0, n).array() * T(0)).sum() == T(0);
+    /// Every value of the n rows at `values` is finite: 0·x is 0, or NaN for ±∞ and NaN,
+    /// and a sum keeps NaN. A vectorised reduction (Eigen's allFinite is a scalar loop here).
+    [[nodiscard]] bool finite_values(const T* values, Index ldv, Index n) const {
+        const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> v(values, n, v_.cols(), Eigen::OuterStride<>(ldv));
+        return (v.array() * T(0)).sum() == T(0);
     }
 
-    /// acc_i = α_i·acc_i + Σ_{j visible to i} p_ji v_j for each query i of the tile, keys [j0, j0 + n).
-    void accumulate_visible_keys(Index j0, Index n) {
+    /// acc_i = α_i·acc_i + Σ_{j visible to i} p_ji v_j for each query i of the tile, keys
+    /// [j0, j0 + n), whose values are the rows at `values`.
+    void accumulate_visible_keys(Index j0, Index n, const T* values, Index ldv) {
         const Index dv = v_.cols();
         const T one = 1;
         for (Index i = 0; i < rows_; ++i) {
@@ -236,8 +285,7 @@ private:
                 const Index begin = std::max(run[0], j0), end = std::min(run[1], j0 + n);
                 if (begin < end)
                     tile_product<T, B>(1, dv, end - begin, s_.data() + (begin - j0) * lanes_ + i, 1, lanes_,
-                                    v_.data() + begin * v_.outerStride(), v_.outerStride(), acc_.data() + i * dv, dv,
-                                    &one);
+                                       values + (begin - j0) * ldv, ldv, acc_.data() + i * dv, dv, &one);
             }
         }
     }
@@ -274,7 +322,9 @@ private:
         }
     }
 
-    ConstMatrixRef<T> q_, k_, v_;
+    ConstMatrixRef<T> q_;
+    KRows k_;
+    VRows v_;
     T scale_;
     Index window_, sinks_;
     SoftmaxTiles tiles_;
@@ -318,7 +368,8 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
     if (Q.rows() == 0)
         return;
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
-    TiledCausalSoftmax<T, B> kernel(Q, K, V, scale, effective_window(options.window, K.rows()), options.sinks, scratch);
+    TiledCausalSoftmax<T, B> kernel(Q, PlainRows<T>(K), PlainRows<T>(V), scale,
+                                    effective_window(options.window, K.rows()), options.sinks, scratch);
     kernel.run(O, lse);
 }
 
@@ -337,6 +388,23 @@ template <class T, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                           MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options) {
     causal_softmax_views<T>(Q, K, V, O, lse, options, default_tiles(effective_window(options.window, K.rows())));
+}
+
+/// The kernel over the first `keys` rows of K and V kept in storage S (the prefill of a
+/// compact cache), after the checks: each K/V tile is converted to T when a query tile
+/// reaches it (DecodedRows), into two buffers of one tile.
+template <class T, class S>
+void causal_softmax_stored(const ConstMatrixRef<T>& Q, const StoredRows<T, S>& K, const StoredRows<T, S>& V,
+                           Index keys, MatrixRef<T> O, const SoftmaxOptions& options) {
+    if (Q.rows() == 0)
+        return;
+    const Index window = effective_window(options.window, keys);
+    SoftmaxScratch<T> scratch(K.cols(), V.cols(), default_tiles(window));
+    const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
+    TiledCausalSoftmax<T, DefaultBlocking, DecodedRows<T, S>, DecodedRows<T, S>> kernel(
+        Q, DecodedRows<T, S>(K, keys, scratch.tiles.keys), DecodedRows<T, S>(V, keys, scratch.tiles.keys), scale,
+        window, options.sinks, scratch);
+    kernel.run(O, [](Index, T) {});
 }
 
 }  // namespace detail

@@ -36,7 +36,10 @@
 
 namespace memattn {
 
-template <Scalar T, class C = MeanPool>
+/// S: how the window's pairs are stored, T itself or a compact type (storage/compact.hpp);
+/// the compressed slots stay in T, since the compressor pools into them in place.
+template <Scalar T, class C = MeanPool, class S = T>
+    requires StorageFor<S, T>
 class HybridCache {
     static_assert(Compressor<C, T>,
                   "HybridCache<T, C>: C must be a compressor, a copyable struct with a const member "
@@ -47,6 +50,8 @@ class HybridCache {
 public:
     using Scalar = T;
     using CompressorType = C;
+    using StorageType = S;
+    static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
 
     /// `window` >= 1 raw pairs, `rate` >= 1 pairs per compressed slot, `slots` >= 0
     /// compressed slots; `scale` 0 means 1/sqrt(key_dim).
@@ -60,7 +65,9 @@ public:
           scale_(detail::checked_scale(scale, key_dim, "HybridCache")),
           compressor_(std::move(compressor)),
           local_(window, key_dim, value_dim),
-          compressed_(slots, key_dim, value_dim) {
+          compressed_(slots, key_dim, value_dim),
+          key_row_(compact ? key_dim : 0),
+          value_row_(compact ? value_dim : 0) {
         if constexpr (detail::LimitsRate<C>)
             detail::require(rate <= compressor_.max_rate(), "HybridCache", "rate", "is ", rate,
                             ", expected <= ", compressor_.max_rate(), " (the compressor's max_rate)");
@@ -73,8 +80,9 @@ public:
     /// Stores one pair; the pair it pushes out of the window goes into a compressed slot.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         detail::check_pairs("HybridCache::update", detail::shape(key), detail::shape(value), key_dim_, value_dim_);
+        check_representable("HybridCache::update", "key", key, "value", value);
         if (length_ >= window_)
-            compress(length_ - window_, local_.key(length_ - window_), local_.value(length_ - window_));
+            compress_held(length_ - window_);
         local_.put(length_, key, value);
         ++length_;
     }
@@ -83,6 +91,7 @@ public:
     /// only the pairs that end in the window.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         detail::check_pairs("HybridCache::extend", detail::shape(keys), detail::shape(values), key_dim_, value_dim_);
+        check_representable("HybridCache::extend", "keys", keys, "values", values);
         const Index end = length_ + keys.rows();
         const Index evicted_before = evicted(length_), evicted_after = evicted(end);
         if (slots_ > 0) {
@@ -90,9 +99,9 @@ public:
             const Index first_kept = std::max<Index>(0, slot_count(evicted_after) - slots_) * rate_;
             for (Index e = std::max(evicted_before, first_kept); e < evicted_after; ++e) {
                 if (e < length_)
-                    compress(e, local_.key(e), local_.value(e));
+                    compress_held(e);
                 else
-                    compress(e, keys.row(e - length_), values.row(e - length_));
+                    compress_input(e, keys.row(e - length_), values.row(e - length_));
             }
         }
         const Index first = std::max(length_, end - window_);
@@ -117,7 +126,9 @@ public:
     /// Row r of `out` = attend(row r of `queries`), to rounding, for g queries at once:
     /// the pairs are read once for the group (grouped-query attention), the logits and
     /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
-    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const
+        requires std::same_as<S, T>
+    {
         detail::check_group_query("HybridCache::attend_group", queries, out, key_dim_, value_dim_);
         detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_run(f); });
     }
@@ -126,6 +137,7 @@ public:
     /// order it reads them, as read-only row blocks: how a caller splits one attend
     /// across threads (memattn::MultiHead's split-KV decode) and merges the parts.
     template <class F>
+        requires std::same_as<S, T>
     void for_each_run(F&& f) const {
         const Index e = evicted(length_), s = slot_count(e);
         if (slots_ > 0)
@@ -140,7 +152,7 @@ public:
         return local_.bytes(length_ - e) + compressed_.bytes(s - first_slot(s));
     }
     /// Bytes allocated at construction: window + slots pairs.
-    [[nodiscard]] std::size_t capacity() const noexcept { return local_.bytes(window_ + slots_); }
+    [[nodiscard]] std::size_t capacity() const noexcept { return local_.bytes(window_) + compressed_.bytes(slots_); }
     void reset() noexcept { length_ = 0; }
 
     [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
@@ -214,6 +226,39 @@ private:
 
     /// Evicted token e joins slot e / rate at position e % rate; position 0 opens the
     /// slot in the ring row of slot e / rate − slots, which is thereby dropped.
+    static constexpr bool compact = detail::StoredRows<T, S>::compact;
+
+    /// Refuses, before anything changes, a finite value S cannot hold (float16 past ±65504).
+    template <class K, class V>
+    static void check_representable(const char* function, const char* key_name, const K& keys,
+                                    const char* value_name, const V& values) {
+        detail::StoredRows<T, S>::check_representable(function, key_name, keys);
+        detail::StoredRows<T, S>::check_representable(function, value_name, values);
+    }
+
+    /// Compresses window item e (about to be overwritten), as the window holds it.
+    void compress_held(Index e) {
+        if constexpr (compact) {
+            local_.decode(e, key_row_.data(), value_row_.data());
+            compress(e, key_row_, value_row_);
+        } else {
+            compress(e, local_.key(e), local_.value(e));
+        }
+    }
+
+    /// Compresses an input pair that is evicted before it is stored, as the window would
+    /// have held it (rounded to S), so extend equals updates one by one.
+    template <class K, class V>
+    void compress_input(Index e, const K& key, const V& value) {
+        if constexpr (compact) {
+            detail::round_trip<T, S>(key, key_row_.data(), key_dim_);
+            detail::round_trip<T, S>(value, value_row_.data(), value_dim_);
+            compress(e, key_row_, value_row_);
+        } else {
+            compress(e, key, value);
+        }
+    }
+
     template <class K, class V>
     void compress(Index e, const K& key, const V& value) {
         if (slots_ == 0)
@@ -231,8 +276,10 @@ private:
     Index slots_;
     T scale_;
     C compressor_;
-    detail::PairRing<T> local_;       ///< item j: token j, the last `window` of them
+    detail::PairRing<T, S> local_;    ///< item j: token j, the last `window` of them
     detail::PairRing<T> compressed_;  ///< item g: compressed slot g, the last `slots` of them
+    Vector<T> key_row_;    ///< a window pair as T on its way to a slot (compact storage only)
+    Vector<T> value_row_;
     Index length_ = 0;
 };
 

@@ -8,6 +8,7 @@
 #include "memattn/memory/concept.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/softmax_state.hpp"
+#include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
@@ -17,24 +18,30 @@
 
 namespace memattn {
 
-template <Scalar T>
+/// S: how the pairs are stored, T itself or a compact type (storage/compact.hpp:
+/// Eigen::bfloat16, Eigen::half, memattn::Q8); arithmetic is in T either way.
+template <Scalar T, class S = T>
+    requires StorageFor<S, T>
 class KVCache {
 public:
     using Scalar = T;
+    using StorageType = S;
+    static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
 
     /// `scale` multiplies q·k before the softmax; 0 means 1/sqrt(key_dim).
     KVCache(Index key_dim, Index value_dim, T scale = T(0))
         : key_dim_(detail::at_least(key_dim, 1, "KVCache", "key_dim")),
           value_dim_(detail::at_least(value_dim, 1, "KVCache", "value_dim")),
           scale_(detail::checked_scale(scale, key_dim, "KVCache")),
-          keys_(0, key_dim),
-          values_(0, value_dim) {}
+          keys_(0, key_dim_),
+          values_(0, value_dim_) {}
 
     /// Appends one pair. Storage grows geometrically (doubling), so n updates cost
     /// O(n) amortised copies; a throwing update leaves the cache unchanged. The pair may
     /// be a view of the cache's own pairs (`update(keys().row(0), values().row(0))`).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         check_pair("KVCache::update", key.cols(), value.cols());
+        check_representable("KVCache::update", "key", key, "value", value);
         append(key, value);
     }
 
@@ -43,6 +50,7 @@ public:
         detail::require(keys.rows() == values.rows(), "KVCache::extend", "values", "has shape ",
                         detail::shape(values), ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
         check_pair("KVCache::extend", keys.cols(), values.cols());
+        check_representable("KVCache::extend", "keys", keys, "values", values);
         append(keys, values);
     }
 
@@ -58,24 +66,39 @@ public:
                         ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
         check_pair(function, keys.cols(), values.cols());
         detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
+        check_representable(function, "keys", keys, "values", values);
         const Index n = keys.rows(), length = length_ + n;
-        const auto attend_all = [&](const Matrix<T>& all_keys, const Matrix<T>& all_values) {
-            detail::causal_softmax_views<T>(queries, all_keys.topRows(length), all_values.topRows(length), out,
-                                            [](Index, T) {}, SoftmaxOptions{.scale = static_cast<double>(scale_)});
-        };
-        if (length > keys_.rows()) {
-            // The queries may be views of the current storage too: it is freed only after
-            // the kernel has read them. A throw (no memory) leaves the cache as it was.
-            Storage grown = grown_with(keys, values);
-            attend_all(grown.keys, grown.values);
-            keys_.swap(grown.keys);
-            values_.swap(grown.values);
+        const SoftmaxOptions options{.scale = static_cast<double>(scale_)};
+        if constexpr (Rows::compact) {
+            // The kernel reads the stored (rounded) pairs, tile by tile, as attend does.
+            const Index before = length_;
+            append(keys, values);
+            try {
+                detail::causal_softmax_stored<T, S>(queries, keys_, values_, length, out, options);
+            } catch (...) {
+                length_ = before;  // the scratch failed to allocate: the pairs were not added
+                throw;
+            }
+            return;
         } else {
-            keys_.middleRows(length_, n) = keys;  // rows past length(): no input can view them
-            values_.middleRows(length_, n) = values;
-            attend_all(keys_, values_);  // its scratch may fail to allocate: length_ not yet changed
+            const auto attend_all = [&](const Rows& all_keys, const Rows& all_values) {
+                detail::causal_softmax_views<T>(queries, all_keys.block(0, length), all_values.block(0, length), out,
+                                                [](Index, T) {}, options);
+            };
+            if (length > keys_.rows()) {
+                // The queries may be views of the current storage too: it is freed only after
+                // the kernel has read them. A throw (no memory) leaves the cache as it was.
+                Storage grown = grown_with(keys, values);
+                attend_all(grown.keys, grown.values);
+                keys_.swap(grown.keys);
+                values_.swap(grown.values);
+            } else {
+                keys_.put_rows(length_, keys);  // rows past length(): no input can view them
+                values_.put_rows(length_, values);
+                attend_all(keys_, values_);  // its scratch may fail to allocate: length_ not yet changed
+            }
+            length_ = length;
         }
-        length_ = length;
     }
 
     /// out = Σ_j softmax_j(scale · q·k_j) v_j over every stored pair; zero when empty.
@@ -83,14 +106,19 @@ public:
         detail::check_query("KVCache::attend", query, out, key_dim_, value_dim_);
         SoftmaxState<T> state;
         out.setZero();
-        detail::attend_contiguous(query, keys(), values(), scale_, state, out);
+        if constexpr (Rows::compact)
+            detail::attend_stored(query, keys_, values_, 0, length_, scale_, state, out);
+        else
+            detail::attend_contiguous(query, keys(), values(), scale_, state, out);
         state.finish(out);
     }
 
     /// Row r of `out` = attend(row r of `queries`), to rounding, for g queries at once:
     /// the pairs are read once for the group (grouped-query attention), the logits and
     /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
-    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const
+        requires std::same_as<S, T>
+    {
         detail::check_group_query("KVCache::attend_group", queries, out, key_dim_, value_dim_);
         detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_run(f); });
     }
@@ -99,13 +127,14 @@ public:
     /// order it reads them, as read-only row blocks: how a caller splits one attend
     /// across threads (memattn::MultiHead's split-KV decode) and merges the parts.
     template <class F>
+        requires std::same_as<S, T>
     void for_each_run(F&& f) const {
         if (length_ > 0)
             f(keys(), values());
     }
 
     [[nodiscard]] Index length() const noexcept { return length_; }
-    /// Bytes of the pairs held now.
+    /// Bytes of the pairs held now, as stored (S).
     [[nodiscard]] std::size_t footprint() const noexcept { return bytes(length_); }
     /// Bytes allocated (held pairs plus room to grow).
     [[nodiscard]] std::size_t capacity() const noexcept { return bytes(keys_.rows()); }
@@ -126,40 +155,48 @@ public:
     [[nodiscard]] T scale() const noexcept { return scale_; }
 
     /// Snapshots (memattn/persistence/snapshot.hpp): key_dim, value_dim, scale, length,
-    /// then the keys and the values, oldest first. Loading keeps the allocation when the
-    /// pairs fit in it.
+    /// then the keys and the values, oldest first, as stored (S). Loading keeps the
+    /// allocation when the pairs fit in it.
     [[nodiscard]] static std::string snapshot_kind() { return "KVCache"; }
     void write_snapshot(snapshot::Writer& w) const {
         w.index(key_dim_);
         w.index(value_dim_);
         w.number(scale_);
         w.index(length_);
-        w.matrix(keys());
-        w.matrix(values());
+        keys_.write_rows(w, 0, length_);
+        values_.write_rows(w, 0, length_);
     }
     void read_snapshot(snapshot::Reader& r) {
         r.expect("key_dim", key_dim_);
         r.expect("value_dim", value_dim_);
         r.expect("scale", scale_);
-        const auto row = static_cast<std::size_t>(key_dim_ + value_dim_) * sizeof(T);
+        const std::size_t row = Rows::row_bytes(key_dim_) + Rows::row_bytes(value_dim_);
         const Index length = r.count("length", 0, static_cast<Index>(r.remaining() / row));
         r.expect_remaining(static_cast<std::size_t>(length) * row, "the pairs");
         if (length > keys_.rows()) {
-            Storage loaded{Matrix<T>(length, key_dim_), Matrix<T>(length, value_dim_)};  // may throw: nothing changed
-            r.matrix(loaded.keys, "the keys");
-            r.matrix(loaded.values, "the values");
+            Storage loaded{Rows(length, key_dim_), Rows(length, value_dim_)};  // may throw: nothing changed
+            loaded.keys.read_rows(r, 0, length);
+            loaded.values.read_rows(r, 0, length);
             keys_.swap(loaded.keys);
             values_.swap(loaded.values);
         } else {
-            r.matrix(keys_.topRows(length), "the keys");
-            r.matrix(values_.topRows(length), "the values");
+            keys_.read_rows(r, 0, length);
+            values_.read_rows(r, 0, length);
         }
         length_ = length;
     }
 
-    /// The stored keys and values, oldest first.
-    [[nodiscard]] auto keys() const { return keys_.topRows(length_); }
-    [[nodiscard]] auto values() const { return values_.topRows(length_); }
+    /// The stored keys and values, oldest first (when stored as T).
+    [[nodiscard]] auto keys() const
+        requires std::same_as<S, T>
+    {
+        return keys_.block(0, length_);
+    }
+    [[nodiscard]] auto values() const
+        requires std::same_as<S, T>
+    {
+        return values_.block(0, length_);
+    }
 
 private:
     void check_pair(const char* function, Index key_cols, Index value_cols) const {
@@ -168,9 +205,19 @@ private:
                         value_dim_);
     }
 
+    using Rows = detail::StoredRows<T, S>;
+
     struct Storage {
-        Matrix<T> keys, values;
+        Rows keys, values;
     };
+
+    /// Refuses, before anything changes, a finite value S cannot hold (float16 past ±65504).
+    template <class K, class V>
+    static void check_representable(const char* function, const char* key_name, const K& keys,
+                                    const char* value_name, const V& values) {
+        Rows::check_representable(function, key_name, keys);
+        Rows::check_representable(function, value_name, values);
+    }
 
     /// New storage, with room to grow, holding the current pairs and then `keys`/`values`:
     /// capacity max(2 × capacity, needed + needed / 2, 16), so a bulk append (a prefill)
@@ -180,11 +227,11 @@ private:
     Storage grown_with(const K& keys, const V& values) const {
         const Index n = keys.rows(), needed = length_ + n;
         const Index rows = std::max<Index>({2 * keys_.rows(), needed + needed / 2, 16});
-        Storage grown{Matrix<T>(rows, key_dim_), Matrix<T>(rows, value_dim_)};  // may throw: nothing changed yet
-        grown.keys.topRows(length_) = keys_.topRows(length_);
-        grown.values.topRows(length_) = values_.topRows(length_);
-        grown.keys.middleRows(length_, n) = keys;
-        grown.values.middleRows(length_, n) = values;
+        Storage grown{Rows(rows, key_dim_), Rows(rows, value_dim_)};  // may throw: nothing changed yet
+        grown.keys.copy_rows_from(keys_, length_);
+        grown.values.copy_rows_from(values_, length_);
+        grown.keys.put_rows(length_, keys);
+        grown.values.put_rows(length_, values);
         return grown;
     }
 
@@ -196,8 +243,8 @@ private:
             keys_.swap(grown.keys);
             values_.swap(grown.values);
         } else {
-            keys_.middleRows(length_, n) = keys;  // rows past length(): no input can view them
-            values_.middleRows(length_, n) = values;
+            keys_.put_rows(length_, keys);  // rows past length(): no input can view them
+            values_.put_rows(length_, values);
         }
         length_ += n;
     }
@@ -205,22 +252,22 @@ private:
     void reserve_exact(Index rows) {
         if (rows <= keys_.rows())
             return;
-        Matrix<T> keys(rows, key_dim_), values(rows, value_dim_);  // may throw: nothing changed yet
-        keys.topRows(length_) = keys_.topRows(length_);
-        values.topRows(length_) = values_.topRows(length_);
+        Rows keys(rows, key_dim_), values(rows, value_dim_);  // may throw: nothing changed yet
+        keys.copy_rows_from(keys_, length_);
+        values.copy_rows_from(values_, length_);
         keys_.swap(keys);
         values_.swap(values);
     }
 
     [[nodiscard]] std::size_t bytes(Index rows) const noexcept {
-        return static_cast<std::size_t>(rows) * static_cast<std::size_t>(key_dim_ + value_dim_) * sizeof(T);
+        return static_cast<std::size_t>(rows) * (Rows::row_bytes(key_dim_) + Rows::row_bytes(value_dim_));
     }
 
     Index key_dim_;
     Index value_dim_;
     T scale_;
-    Matrix<T> keys_;
-    Matrix<T> values_;
+    Rows keys_;
+    Rows values_;
     Index length_ = 0;
 };
 

@@ -28,10 +28,14 @@
 
 namespace memattn {
 
-template <Scalar T>
+/// S: how the pairs are stored, T itself or a compact type (storage/compact.hpp).
+template <Scalar T, class S = T>
+    requires StorageFor<S, T>
 class SlidingWindowCache {
 public:
     using Scalar = T;
+    using StorageType = S;
+    static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
 
     /// `window` >= 1 counts the current token; `scale` 0 means 1/sqrt(key_dim).
     SlidingWindowCache(Index key_dim, Index value_dim, Index window, Index sinks = 0, T scale = T(0))
@@ -46,6 +50,7 @@ public:
     /// Stores one pair; the pair `window` positions back (if not a sink) is forgotten.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         check_pair("SlidingWindowCache::update", detail::shape(key), detail::shape(value));
+        check_representable("SlidingWindowCache::update", "key", key, "value", value);
         if (length_ < sinks_)
             sink_pairs_.put(length_, key, value);
         else
@@ -56,6 +61,7 @@ public:
     /// Stores many pairs; only the ones still visible afterwards are copied.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         check_pair("SlidingWindowCache::extend", detail::shape(keys), detail::shape(values));
+        check_representable("SlidingWindowCache::extend", "keys", keys, "values", values);
         store(keys, values);
     }
 
@@ -69,6 +75,7 @@ public:
         const char* function = "SlidingWindowCache::prefill";
         check_pair(function, detail::shape(keys), detail::shape(values));
         detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
+        check_representable(function, "keys", keys, "values", values);
         prefill_members(queries, keys, values, out, 1);
         store(keys, values);
     }
@@ -85,6 +92,7 @@ public:
         detail::require(members >= 1 && queries.cols() == members * key_dim_, function, "queries", "has shape ",
                         detail::shape(queries), ", expected a multiple of key_dim = ", key_dim_, " columns");
         detail::check_prefill(function, queries, keys, values, out, members * key_dim_, members * value_dim_);
+        check_representable(function, "keys", keys, "values", values);
         prefill_members(queries, keys, values, out, members);
         store(keys, values);
     }
@@ -103,7 +111,9 @@ public:
     /// Row r of `out` = attend(row r of `queries`), to rounding, for g queries at once:
     /// the pairs are read once for the group (grouped-query attention), the logits and
     /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
-    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const
+        requires std::same_as<S, T>
+    {
         detail::check_group_query("SlidingWindowCache::attend_group", queries, out, key_dim_, value_dim_);
         detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_run(f); });
     }
@@ -112,6 +122,7 @@ public:
     /// order it reads them, as read-only row blocks: how a caller splits one attend
     /// across threads (memattn::MultiHead's split-KV decode) and merges the parts.
     template <class F>
+        requires std::same_as<S, T>
     void for_each_run(F&& f) const {
         sink_pairs_.for_each_block(0, held_sinks(), f);
         window_pairs_.for_each_block(first_window_item(), window_items(), f);
@@ -211,7 +222,7 @@ private:
     /// The outputs of prefill for `members` queries per token, before the pairs are stored.
     void prefill_members(const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
                          const ConstMatrixRef<T>& values, MatrixRef<T>& out, Index members) const {
-        if (length_ > 0) {
+        if (length_ > 0 || detail::StoredRows<T, S>::compact) {  // compact: the kernel reads the pairs as stored
             prefill_after_cache(queries, keys, values, out, members);
             return;
         }
@@ -262,11 +273,12 @@ private:
                                            v.bottomRows(cached_end - from));
             }
             const Index prompt_first = std::max(first, length_);
-            if (prompt_first < last) {
-                chunk_keys.middleRows(row + prompt_first - first, last - prompt_first) =
-                    keys.middleRows(prompt_first - length_, last - prompt_first);
-                chunk_values.middleRows(row + prompt_first - first, last - prompt_first) =
-                    values.middleRows(prompt_first - length_, last - prompt_first);
+            if (prompt_first < last) {  // as the ring will hold them (rounded to S)
+                const Index at = row + prompt_first - first, count = last - prompt_first;
+                detail::round_trip<T, S>(keys.middleRows(prompt_first - length_, count),
+                                         chunk_keys.data() + at * key_dim_, key_dim_);
+                detail::round_trip<T, S>(values.middleRows(prompt_first - length_, count),
+                                         chunk_values.data() + at * value_dim_, value_dim_);
             }
             return row + (last - first);
         };
@@ -287,6 +299,14 @@ private:
         detail::check_pairs(function, key, value, key_dim_, value_dim_);
     }
 
+    /// Refuses, before anything changes, a finite value S cannot hold (float16 past ±65504).
+    template <class K, class V>
+    static void check_representable(const char* function, const char* key_name, const K& keys,
+                                    const char* value_name, const V& values) {
+        detail::StoredRows<T, S>::check_representable(function, key_name, keys);
+        detail::StoredRows<T, S>::check_representable(function, value_name, values);
+    }
+
     static Index checked(Index value, Index least, const char* argument) {
         return detail::at_least(value, least, "SlidingWindowCache", argument);
     }
@@ -297,8 +317,8 @@ private:
     Index window_;
     Index sinks_;
     T scale_;
-    detail::PairRing<T> sink_pairs_;    ///< item j: token j < sinks
-    detail::PairRing<T> window_pairs_;  ///< item j: token sinks + j
+    detail::PairRing<T, S> sink_pairs_;    ///< item j: token j < sinks
+    detail::PairRing<T, S> window_pairs_;  ///< item j: token sinks + j
     Index length_ = 0;
 };
 

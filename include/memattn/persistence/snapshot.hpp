@@ -70,21 +70,6 @@ inline constexpr std::uint32_t format_version = 1;
 /// The longest kind name a snapshot may hold.
 inline constexpr std::uint32_t max_kind_bytes = 255;
 
-/// How the scalars and the stored keys/values are encoded (the header's two type bytes).
-enum class TypeCode : std::uint8_t {
-    float32 = 1,
-    float64 = 2,
-    bfloat16 = 3,  ///< reserved for compact K/V storage
-    float16 = 4,   ///< reserved for compact K/V storage
-    q8 = 5,        ///< reserved for compact K/V storage
-};
-
-template <class T>
-constexpr TypeCode type_code() {
-    static_assert(Scalar<T>, "memattn::snapshot::type_code: float or double");
-    return std::is_same_v<T, float> ? TypeCode::float32 : TypeCode::float64;
-}
-
 inline std::string type_name(std::uint8_t code) {
     switch (code) {
         case 1: return "float32";
@@ -96,7 +81,8 @@ inline std::string type_name(std::uint8_t code) {
     }
 }
 
-/// The storage type code of a memory: its StorageType's when it declares one, else its Scalar's.
+/// The storage type code of a memory: its snapshot_storage when it declares one (the
+/// caches with compact K/V storage), else its Scalar's.
 template <class M>
 constexpr TypeCode storage_code() {
     if constexpr (requires { M::snapshot_storage; })

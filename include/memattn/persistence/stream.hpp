@@ -151,6 +151,21 @@ N from_little_endian(const unsigned char* in) noexcept {
 
 namespace snapshot {
 
+/// How the scalars and the stored keys/values are encoded (the header's two type bytes).
+enum class TypeCode : std::uint8_t {
+    float32 = 1,
+    float64 = 2,
+    bfloat16 = 3,
+    float16 = 4,
+    q8 = 5,
+};
+
+template <class T>
+constexpr TypeCode type_code() {
+    static_assert(Scalar<T>, "memattn::snapshot::type_code: float or double");
+    return std::is_same_v<T, float> ? TypeCode::float32 : TypeCode::float64;
+}
+
 /// Writes a payload, or only counts its bytes (no stream): memattn::save runs a memory's
 /// write_snapshot twice, once to size the payload for the header and once to write it.
 /// Keeps the CRC-32C of everything it has written.

@@ -1,0 +1,518 @@
+#pragma once
+// Compact K/V storage: the element types a cache may keep its keys and values in, and
+// the one place that converts them (docs/design.md, "Compact K/V storage").
+//
+//   KVCache<float, Eigen::bfloat16> cache(128, 128);   // half the bytes of KVCache<float>
+//   KVCache<float, memattn::Q8> small(128, 128);       // 0.28 of the bytes
+//
+// Arithmetic stays in the cache's scalar T. A value is rounded once, when it is stored;
+// reading converts a row (single-query attend) or a tile (the causal softmax kernel's
+// prefill) into T in a buffer of the reader's that stays in L1/L2, never the whole cache.
+//
+//   Eigen::bfloat16  8-bit exponent, 8-bit mantissa: float's range, relative rounding
+//                    2^-9; outputs within 1e-2 of exact on unit-scale inputs.
+//   Eigen::half      IEEE binary16: 11-bit mantissa (rounding 2^-12) but a range of
+//                    ±65504. A finite value beyond it would become ±∞ and then NaN
+//                    outputs: storing one throws std::invalid_argument (the cache
+//                    unchanged) instead; ±∞ and NaN are stored as they are (they poison
+//                    the outputs that see them, as in float). Outputs within 2e-3.
+//   memattn::Q8      like llama.cpp's q8_0: blocks of 32 values of a row (the last one
+//                    shorter when the row is) as int8 q_i with one float scale
+//                    s = max|x_i| / 127, value = s·q_i; a row of d values takes
+//                    d + 4·⌈d/32⌉ bytes. Rounding ≤ max|x|/254 per block; outputs within
+//                    2e-2. A block holding ±∞ or NaN stores a NaN scale: the whole block
+//                    reads as NaN.
+
+#include "memattn/detail/assert.hpp"
+#include "memattn/detail/packet.hpp"
+#include "memattn/detail/tile_product.hpp"
+#include "memattn/persistence/stream.hpp"
+#include "memattn/softmax_state.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace memattn {
+
+/// 8-bit K/V storage: int8 values with one float scale per block of 32 (see above).
+struct Q8 {
+    static constexpr Index block = 32;
+};
+
+/// The element types a cache can store keys and values in besides its scalar.
+template <class S>
+concept CompactStorage = std::same_as<S, Eigen::bfloat16> || std::same_as<S, Eigen::half> || std::same_as<S, Q8>;
+
+/// A cache of scalar T can store its pairs as S: T itself or a compact type.
+template <class S, class T>
+concept StorageFor = Scalar<T> && (std::same_as<S, T> || CompactStorage<S>);
+
+namespace detail {
+
+template <class S>
+inline constexpr const char* storage_name = std::is_same_v<S, Eigen::bfloat16> ? "bfloat16"
+                                            : std::is_same_v<S, Eigen::half>   ? "float16"
+                                            : std::is_same_v<S, Q8>            ? "Q8"
+                                            : std::is_same_v<S, float>         ? "float"
+                                                                               : "double";
+
+/// The snapshot type code of storage S for a cache of scalar T.
+template <class T, class S>
+constexpr snapshot::TypeCode storage_code() {
+    if constexpr (std::is_same_v<S, Eigen::bfloat16>)
+        return snapshot::TypeCode::bfloat16;
+    else if constexpr (std::is_same_v<S, Eigen::half>)
+        return snapshot::TypeCode::float16;
+    else if constexpr (std::is_same_v<S, Q8>)
+        return snapshot::TypeCode::q8;
+    else
+        return snapshot::type_code<T>();
+}
+
+/// Q8 blocks in a row of `cols` values.
+constexpr Index q8_blocks(Index cols) { return (cols + Q8::block - 1) / Q8::block; }
+
+/// The largest finite Eigen::half.
+inline constexpr float half_max = 65504.0f;
+
+/// Conversion in registers: one packet of float (Eigen's Packet<float>: 8 lanes with
+/// AVX2, 16 with AVX-512) from as many stored values, where the instruction set has the
+/// conversion (bfloat16: a 16-bit shift; half: F16C's vcvtph2ps; int8: a sign extension
+/// and an integer conversion). Elsewhere `fused` is false and rows are converted
+/// element by element.
+#if defined(__AVX512F__)
+inline constexpr bool fused_storage = true;
+inline Packet<float> load_floats(const Eigen::bfloat16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline Packet<float> load_floats(const Eigen::half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline Packet<float> load_floats(const std::int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+inline constexpr bool fused_storage = true;
+inline Packet<float> load_floats(const Eigen::bfloat16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline Packet<float> load_floats(const Eigen::half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Packet<float> load_floats(const std::int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+inline constexpr bool fused_storage = false;
+#endif
+
+/// One stored value as float.
+inline float to_float(Eigen::bfloat16 x) { return static_cast<float>(x); }
+inline float to_float(Eigen::half x) { return static_cast<float>(x); }
+inline float to_float(std::int8_t x) { return static_cast<float>(x); }
+
+/// out[0, n) = s · x[0, n) in float (s = 1 for bfloat16 and half), packet by packet where
+/// fused_storage, then the tail.
+template <class E>
+void decode_span(const E* x, Index n, float s, float* out) {
+    Index i = 0;
+    if constexpr (fused_storage) {
+        using namespace Eigen::internal;
+        constexpr Index lanes = packet_lanes<float>;
+        const Packet<float> scale = pset1<Packet<float>>(s);
+        for (; i + lanes <= n; i += lanes) {
+            if constexpr (std::is_same_v<E, std::int8_t>)
+                pstoreu(out + i, pmul(scale, load_floats(x + i)));
+            else
+                pstoreu(out + i, load_floats(x + i));
+        }
+    }
+    for (; i < n; ++i)
+        out[i] = std::is_same_v<E, std::int8_t> ? s * to_float(x[i]) : to_float(x[i]);
+}
+
+/// Σ_i q_i·x_i over n stored values, four packet accumulators (fused_storage only).
+template <class E>
+inline Packet<float> dot_span(const float* q, const E* x, Index n, Packet<float> acc) {
+    using namespace Eigen::internal;
+    using P = Packet<float>;
+    constexpr Index lanes = packet_lanes<float>;
+    P a1 = pset1<P>(0.0f), a2 = a1, a3 = a1;
+    Index c = 0;
+    for (; c + 4 * lanes <= n; c += 4 * lanes) {
+        acc = pmadd(ploadu<P>(q + c), load_floats(x + c), acc);
+        a1 = pmadd(ploadu<P>(q + c + lanes), load_floats(x + c + lanes), a1);
+        a2 = pmadd(ploadu<P>(q + c + 2 * lanes), load_floats(x + c + 2 * lanes), a2);
+        a3 = pmadd(ploadu<P>(q + c + 3 * lanes), load_floats(x + c + 3 * lanes), a3);
+    }
+    for (; c + lanes <= n; c += lanes)
+        acc = pmadd(ploadu<P>(q + c), load_floats(x + c), acc);
+    return padd(padd(acc, a1), padd(a2, a3));
+}
+
+/// acc[0, n) += w · x[0, n) (fused_storage only; the packet part, the tail is the caller's).
+template <class E>
+inline Index add_span(float w, const E* x, Index n, float* acc) {
+    using namespace Eigen::internal;
+    using P = Packet<float>;
+    constexpr Index lanes = packet_lanes<float>;
+    const P weight = pset1<P>(w);
+    Index c = 0;
+    for (; c + lanes <= n; c += lanes)
+        pstoreu(acc + c, pmadd(weight, load_floats(x + c), ploadu<P>(acc + c)));
+    return c;
+}
+
+/// Rows × cols values of T stored as S: a plain row-major matrix when S is T, else the
+/// encoded rows. Both sides have one interface: put_rows (encode), decode_rows (into a
+/// buffer of T), bytes, raw copies for growth, and the snapshot payload.
+template <class T, class S>
+class StoredRows;
+
+/// S = T: the values themselves, readable in place.
+template <class T>
+class StoredRows<T, T> {
+public:
+    static constexpr bool compact = false;
+    StoredRows(Index rows, Index cols) : m_(rows, cols) {}
+
+    [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return m_.cols(); }
+    void swap(StoredRows& other) noexcept { m_.swap(other.m_); }
+
+    /// Throws, naming `function` and `argument`, where S cannot hold a value of `rows` (never for T).
+    template <class D>
+    static void check_representable(const char*, const char*, const D&) {}
+
+    template <class D>
+    void put_rows(Index first, const D& rows) {
+        m_.middleRows(first, rows.rows()) = rows;
+    }
+    void copy_rows_from(const StoredRows& other, Index n) { m_.topRows(n) = other.m_.topRows(n); }
+    void decode_rows(Index first, Index n, T* out, Index ld) const {
+        Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>(out, n, cols(), Eigen::OuterStride<>(ld)) =
+            m_.middleRows(first, n);
+    }
+    [[nodiscard]] auto block(Index first, Index n) const { return m_.middleRows(first, n); }
+    [[nodiscard]] const Matrix<T>& matrix() const noexcept { return m_; }
+    [[nodiscard]] auto row(Index r) { return m_.row(r); }
+    [[nodiscard]] auto row(Index r) const { return m_.row(r); }
+
+    [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
+    [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept { return sizeof(T) * static_cast<std::size_t>(cols); }
+
+    void write_rows(snapshot::Writer& w, Index first, Index n) const { w.matrix(m_.middleRows(first, n)); }
+    void read_rows(snapshot::Reader& r, Index first, Index n) { r.matrix(m_.middleRows(first, n), "rows"); }
+
+private:
+    Matrix<T> m_;
+};
+
+/// bfloat16 or half: one 2-byte element per value; Eigen's vectorised casts convert.
+template <class T, class S>
+    requires std::same_as<S, Eigen::bfloat16> || std::same_as<S, Eigen::half>
+class StoredRows<T, S> {
+public:
+    static constexpr bool compact = true;
+    StoredRows(Index rows, Index cols) : m_(rows, cols) {}
+
+    [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return m_.cols(); }
+    void swap(StoredRows& other) noexcept { m_.swap(other.m_); }
+
+    template <class D>
+    static void check_representable(const char* function, const char* argument, const D& rows) {
+        if constexpr (std::is_same_v<S, Eigen::half>) {
+            // ±∞ and NaN are kept (and poison as in T); a finite value beyond ±65504 is refused.
+            for (Index r = 0; r < rows.rows(); ++r)
+                for (Index c = 0; c < rows.cols(); ++c) {
+                    const double x = static_cast<double>(rows(r, c));
+                    require(!(std::isfinite(x) && std::abs(x) > double(half_max)), function, argument,
+                            "has the value ", x, " at (", r, ", ", c,
+                            "), beyond float16's range ±65504 (it would be stored as infinity)");
+                }
+        }
+    }
+
+    template <class D>
+    void put_rows(Index first, const D& rows) {
+        if constexpr (std::is_same_v<T, float>)
+            m_.middleRows(first, rows.rows()) = rows.template cast<S>();
+        else  // double → float → S: one rounding to S's precision, as float's would be
+            m_.middleRows(first, rows.rows()) = rows.template cast<float>().template cast<S>();
+    }
+    void copy_rows_from(const StoredRows& other, Index n) { m_.topRows(n) = other.m_.topRows(n); }
+    void decode_rows(Index first, Index n, T* out, Index ld) const {
+        for (Index r = 0; r < n; ++r) {
+            if constexpr (std::is_same_v<T, float>) {
+                decode_span(&m_(first + r, 0), cols(), 1.0f, out + r * ld);
+            } else {
+                for (Index c = 0; c < cols(); ++c)
+                    out[r * ld + c] = static_cast<double>(to_float(m_(first + r, c)));
+            }
+        }
+    }
+
+    /// Asks for a row towards the cache ahead of its use.
+    void prefetch_row(Index row) const { prefetch_rows(&m_(row, 0), 1, 0, cols()); }
+
+    /// q·row in float, converted in registers (fused_storage).
+    [[nodiscard]] float dot(Index row, const float* q) const {
+        const S* x = &m_(row, 0);
+        const Index d = cols(), packed = d / packet_lanes<float> * packet_lanes<float>;
+        float sum = Eigen::internal::predux(dot_span(q, x, packed, Eigen::internal::pset1<Packet<float>>(0.0f)));
+        for (Index c = packed; c < d; ++c)
+            sum += q[c] * to_float(x[c]);
+        return sum;
+    }
+    /// acc += w · row in float, converted in registers (fused_storage).
+    void add_scaled(Index row, float w, float* acc) const {
+        const S* x = &m_(row, 0);
+        for (Index c = add_span(w, x, cols(), acc); c < cols(); ++c)
+            acc[c] += w * to_float(x[c]);
+    }
+
+    [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
+    [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept { return 2 * static_cast<std::size_t>(cols); }
+
+    void write_rows(snapshot::Writer& w, Index first, Index n) const {
+        for (Index r = first; r < first + n; ++r)
+            for (Index c = 0; c < cols(); ++c)
+                w.number(std::bit_cast<std::uint16_t>(m_(r, c)));
+    }
+    void read_rows(snapshot::Reader& r, Index first, Index n) {
+        for (Index i = first; i < first + n; ++i)
+            for (Index c = 0; c < cols(); ++c)
+                m_(i, c) = std::bit_cast<S>(r.number<std::uint16_t>("rows"));
+    }
+
+private:
+    Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m_;
+};
+
+/// Q8: int8 values and one float scale per block of 32 values of a row.
+template <class T>
+class StoredRows<T, Q8> {
+public:
+    static constexpr bool compact = true;
+    StoredRows(Index rows, Index cols) : q_(rows, cols), scales_(rows, q8_blocks(cols)) {}
+
+    [[nodiscard]] Index rows() const noexcept { return q_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return q_.cols(); }
+    void swap(StoredRows& other) noexcept {
+        q_.swap(other.q_);
+        scales_.swap(other.scales_);
+    }
+
+    template <class D>
+    static void check_representable(const char*, const char*, const D&) {}
+
+    template <class D>
+    void put_rows(Index first, const D& rows) {
+        for (Index r = 0; r < rows.rows(); ++r)
+            for (Index b = 0; b < scales_.cols(); ++b) {
+                const Index c0 = b * Q8::block, n = std::min(Q8::block, cols() - c0);
+                float amax = 0;
+                bool finite = true;
+                for (Index c = c0; c < c0 + n; ++c) {
+                    const auto x = static_cast<float>(rows(r, c));
+                    finite = finite && std::isfinite(x);
+                    amax = std::max(amax, std::abs(x));
+                }
+                const float s = !finite ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+                const float inverse = finite && amax > 0 ? 127.0f / amax : 0.0f;
+                scales_(first + r, b) = s;
+                for (Index c = c0; c < c0 + n; ++c) {
+                    const float scaled = static_cast<float>(rows(r, c)) * inverse;  // |scaled| ≤ 127
+                    q_(first + r, c) = static_cast<std::int8_t>(finite ? std::nearbyint(scaled) : 0.0f);
+                }
+            }
+    }
+    void copy_rows_from(const StoredRows& other, Index n) {
+        q_.topRows(n) = other.q_.topRows(n);
+        scales_.topRows(n) = other.scales_.topRows(n);
+    }
+    void decode_rows(Index first, Index n, T* out, Index ld) const {
+        for (Index r = 0; r < n; ++r) {
+            T* row = out + r * ld;
+            for (Index b = 0; b < scales_.cols(); ++b) {
+                const Index c0 = b * Q8::block, m = std::min(Q8::block, cols() - c0);
+                if constexpr (std::is_same_v<T, float>) {
+                    decode_span(&q_(first + r, c0), m, scales_(first + r, b), row + c0);
+                } else {
+                    alignas(64) float buffer[Q8::block];
+                    decode_span(&q_(first + r, c0), m, scales_(first + r, b), buffer);
+                    for (Index c = 0; c < m; ++c)
+                        row[c0 + c] = static_cast<T>(buffer[c]);
+                }
+            }
+        }
+    }
+
+    /// Asks for a row towards the cache ahead of its use.
+    void prefetch_row(Index row) const {
+        prefetch_rows(&q_(row, 0), 1, 0, cols());
+        prefetch_rows(&scales_(row, 0), 1, 0, scales_.cols());
+    }
+
+    /// q·row in float: per block of 32, Σ q_i·q8_i in registers, times the block's scale.
+    [[nodiscard]] float dot(Index row, const float* q) const {
+        using namespace Eigen::internal;
+        const std::int8_t* x = &q_(row, 0);
+        const float* s = &scales_(row, 0);
+        const Index d = cols(), whole = d / Q8::block;
+        Packet<float> acc = pset1<Packet<float>>(0.0f);
+        for (Index b = 0; b < whole; ++b) {
+            const Index c0 = b * Q8::block;
+            acc = pmadd(pset1<Packet<float>>(s[b]), dot_span(q + c0, x + c0, Q8::block, pset1<Packet<float>>(0.0f)),
+                        acc);
+        }
+        float sum = predux(acc);
+        if (whole < scales_.cols()) {  // the last, shorter block
+            float tail = 0;
+            for (Index c = whole * Q8::block; c < d; ++c)
+                tail += q[c] * static_cast<float>(x[c]);
+            sum += s[whole] * tail;
+        }
+        return sum;
+    }
+    /// acc += w · row in float, converted in registers.
+    void add_scaled(Index row, float w, float* acc) const {
+        const std::int8_t* x = &q_(row, 0);
+        for (Index b = 0; b < scales_.cols(); ++b) {
+            const Index c0 = b * Q8::block, m = std::min(Q8::block, cols() - c0);
+            const float ws = w * scales_(row, b);
+            for (Index c = add_span(ws, x + c0, m, acc + c0); c < m; ++c)
+                acc[c0 + c] += ws * static_cast<float>(x[c0 + c]);
+        }
+    }
+
+    [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
+    [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept {
+        return static_cast<std::size_t>(cols) + sizeof(float) * static_cast<std::size_t>(q8_blocks(cols));
+    }
+
+    /// Each row as its scales, then its values.
+    void write_rows(snapshot::Writer& w, Index first, Index n) const {
+        for (Index r = first; r < first + n; ++r) {
+            w.matrix(scales_.row(r));
+            w.matrix(q_.row(r));
+        }
+    }
+    void read_rows(snapshot::Reader& rd, Index first, Index n) {
+        for (Index r = first; r < first + n; ++r) {
+            rd.matrix(scales_.row(r), "rows");
+            rd.matrix(q_.row(r), "rows");
+        }
+    }
+
+private:
+    Eigen::Matrix<std::int8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> q_;
+    Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> scales_;
+};
+
+/// The rows as storage S would give them back: encoded into a scratch of their size, then
+/// decoded into `out` (rows × cols, row stride ld). What a prompt's pairs become once
+/// stored, for kernels that read the prompt before it is stored.
+template <class T, class S, class D>
+void round_trip(const D& rows, T* out, Index ld) {
+    if constexpr (std::is_same_v<S, T>) {
+        Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>(out, rows.rows(), rows.cols(), Eigen::OuterStride<>(ld)) = rows;
+    } else {
+        StoredRows<T, S> stored(rows.rows(), rows.cols());
+        stored.put_rows(0, rows);
+        stored.decode_rows(0, rows.rows(), out, ld);
+    }
+}
+
+/// Values T a single-query attend converts per step on its stack: 32 KiB.
+template <class T>
+inline constexpr Index stored_buffer = Index(32768 / sizeof(T));
+
+/// One query against the stored pairs [first, first + n) of K and V, as the streaming path
+/// of attend_contiguous: per block of attend_block keys, the logits s_j = scale · q·k_j,
+/// the online softmax, then acc = α·acc + Σ_j p_j v_j. In float with fused_storage each
+/// row is converted in registers inside the dot product and the update; otherwise rows
+/// are converted a few at a time into a buffer in L1 (dot_in_order, add_values_in_order),
+/// on the stack (stored_buffer values), or from the heap for a row wider than that.
+template <class T, class S, class Q, class Acc>
+void attend_stored(const Q& q, const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n, T scale,
+                   SoftmaxState<T>& state, Acc&& acc) {
+    MEMATTN_DASSERT(q.innerStride() == 1 && acc.innerStride() == 1);
+    if constexpr (fused_storage && std::is_same_v<T, float>) {
+        // Conversion in registers: each key row's dot product and each value row's update
+        // read the stored bytes once, in address order.
+        using namespace Eigen::internal;
+        alignas(64) T logits[attend_block];
+        const Index dv = V.cols(), packed = dv / packet_lanes<T> * packet_lanes<T>;
+        // From DRAM (a run of at least streaming_bytes), rows are asked for 4 KiB ahead on
+        // each stream, as on the float path; in cache the prefetches only cost.
+        const Index end = first + n;
+        const bool streaming = static_cast<std::size_t>(n) * (StoredRows<T, S>::row_bytes(K.cols()) +
+                                                              StoredRows<T, S>::row_bytes(dv)) >= streaming_bytes;
+        const Index k_ahead = streaming ? std::max<Index>(1, Index(4096 / StoredRows<T, S>::row_bytes(K.cols()))) : n;
+        const Index v_ahead = streaming ? std::max<Index>(1, Index(4096 / StoredRows<T, S>::row_bytes(dv))) : n;
+        T* out = acc.data();
+        for (Index j0 = first; j0 < end; j0 += attend_block) {
+            const Index m = std::min(attend_block, end - j0);
+            for (Index j = 0; j < m; ++j) {
+                if (j0 + j + k_ahead < end)
+                    K.prefetch_row(j0 + j + k_ahead);
+                logits[j] = scale * K.dot(j0 + j, q.data());
+            }
+            const T alpha = state.absorb(logits, m);
+            if (alpha != T(1)) {
+                for (Index c = 0; c < packed; c += packet_lanes<T>)
+                    pstoreu(out + c, pmul(pset1<Packet<T>>(alpha), ploadu<Packet<T>>(out + c)));
+                for (Index c = packed; c < dv; ++c)
+                    out[c] *= alpha;
+            }
+            for (Index j = 0; j < m; ++j) {
+                if (j0 + j + v_ahead < end)
+                    V.prefetch_row(j0 + j + v_ahead);
+                V.add_scaled(j0 + j, logits[j], out);
+            }
+        }
+        return;
+    }
+    const Index d = K.cols(), dv = V.cols(), widest = std::max(d, dv);
+    alignas(64) T stack[stored_buffer<T>];
+    std::vector<T> heap;
+    T* buffer = stack;
+    if (widest > stored_buffer<T>) {
+        heap.resize(static_cast<std::size_t>(widest));
+        buffer = heap.data();
+    }
+    const Index step = std::max<Index>(1, std::min<Index>(16, stored_buffer<T> / widest));
+    alignas(64) T logits[attend_block];
+    for (Index j0 = first; j0 < first + n; j0 += attend_block) {
+        const Index m = std::min(attend_block, first + n - j0);
+        for (Index j = 0; j < m; j += step) {
+            const Index rows = std::min(step, m - j);
+            K.decode_rows(j0 + j, rows, buffer, d);
+            for (Index r = 0; r < rows; ++r)
+                logits[j + r] = scale * dot_in_order(q.data(), buffer + r * d, d);
+        }
+        T alpha = state.absorb(logits, m);
+        for (Index j = 0; j < m; j += step) {
+            const Index rows = std::min(step, m - j);
+            V.decode_rows(j0 + j, rows, buffer, dv);
+            add_values_in_order(logits + j, buffer, dv, rows, dv, alpha, acc.data());
+            alpha = T(1);
+        }
+    }
+}
+
+}  // namespace detail
+}  // namespace memattn

@@ -1,0 +1,265 @@
+#include "support.hpp"
+
+#include <memattn/memattn.hpp>
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <utility>
+
+using namespace memattn;
+using memattn::test::check_close;
+using memattn::test::random_matrix;
+using memattn::test::tolerance;
+using reference::MatrixD;
+using reference::to_double;
+
+namespace {
+
+/// The documented output error on unit-scale inputs (storage/compact.hpp).
+template <class S>
+constexpr double storage_tolerance() {
+    if constexpr (std::is_same_v<S, Eigen::bfloat16>)
+        return 1e-2;
+    else if constexpr (std::is_same_v<S, Eigen::half>)
+        return 2e-3;
+    else
+        return 2e-2;
+}
+
+/// What storage S gives back for the rows of X.
+template <class T, class S>
+Matrix<T> stored(const Matrix<T>& X) {
+    Matrix<T> out(X.rows(), X.cols());
+    detail::round_trip<T, S>(X, out.data(), X.cols());
+    return out;
+}
+
+template <class M>
+std::string saved(const M& memory) {
+    std::ostringstream out(std::ios::binary);
+    save(memory, out);
+    return out.str();
+}
+
+}  // namespace
+
+#define MEMATTN_STORAGE_PAIRS                                                                                  \
+    (std::pair<float, Eigen::bfloat16>), (std::pair<float, Eigen::half>), (std::pair<float, Q8>),             \
+        (std::pair<double, Eigen::bfloat16>), (std::pair<double, Eigen::half>), (std::pair<double, Q8>)
+
+TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of the input", "[storage]",
+                   MEMATTN_STORAGE_PAIRS) {
+    using T = typename TestType::first_type;
+    using S = typename TestType::second_type;
+    for (const Index cols : {1, 5, 31, 32, 33, 100}) {
+        const Matrix<T> X = random_matrix<T>(7, cols, 3, 4.0);
+        const Matrix<T> Y = stored<T, S>(X);
+        for (Index r = 0; r < X.rows(); ++r)
+            for (Index c = 0; c < cols; ++c) {
+                const double x = double(X(r, c)), y = double(Y(r, c));
+                INFO(detail::storage_name<S> << ", cols " << cols << ", x = " << x << ", stored " << y);
+                // A double is rounded to float first: one more rounding of 2^-24 relative.
+                const double via_float = std::is_same_v<T, double> ? 0x1p-24 * std::abs(x) : 0.0;
+                if constexpr (std::is_same_v<S, Q8>) {  // ≤ half a step of the block's scale max|x| / 127
+                    const Index b0 = c / Q8::block * Q8::block;
+                    const double amax =
+                        double(X.row(r).segment(b0, std::min(Q8::block, cols - b0)).cwiseAbs().maxCoeff());
+                    REQUIRE(std::abs(x - y) <= amax / 254.0 * (1 + 1e-5) + via_float);
+                } else {  // round to nearest: half an ulp of 8 (bfloat16) or 11 (half) significant bits
+                    const double half_ulp = std::is_same_v<S, Eigen::half> ? 0x1p-11 : 0x1p-8;
+                    REQUIRE(std::abs(x - y) <= half_ulp * std::abs(x) + via_float + 0x1p-25);
+                }
+            }
+    }
+    // Values every storage holds exactly come back exactly (Q8: a block with max|x| = 127 has scale 1).
+    Matrix<T> exact(1, 4);
+    exact << T(0), T(-127), T(127), T(5);
+    CHECK(stored<T, S>(exact) == exact);
+}
+
+TEMPLATE_TEST_CASE("Compact storage: every cache equals the plain one fed the stored values, and prefill equals decode",
+                   "[storage]", MEMATTN_STORAGE_PAIRS) {
+    using T = typename TestType::first_type;
+    using S = typename TestType::second_type;
+    const double tol = tolerance<T>();
+    for (const auto& [n, d, dv] : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {37, 5, 7}, {300, 40, 33}}) {
+        INFO(detail::storage_name<S> << ": n = " << n << ", d = " << d << ", dv = " << dv);
+        const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
+        const Matrix<T> Ks = stored<T, S>(K), Vs = stored<T, S>(V);
+        const Index cut = n / 3;  // prefill after a cached prefix of `cut` tokens
+        // decode through the compact cache = decode through the plain one fed the stored
+        // values; an extend of a prefix then prefill of the rest, and a prefill of all, the same.
+        const auto check_cache = [&](auto compact, auto plain) {
+            Matrix<T> expected(n, dv), decoded(n, dv), rest(n - cut, dv), whole(n, dv);
+            auto split = compact, whole_prefill = compact;
+            decode(plain, Q, Ks, Vs, expected);
+            decode(compact, Q, K, V, decoded);
+            check_close(decoded, to_double(expected), tol);
+            memattn::extend(split, K.topRows(cut), V.topRows(cut));
+            prefill(split, Q.bottomRows(n - cut), K.bottomRows(n - cut), V.bottomRows(n - cut), rest);
+            check_close(rest, to_double(expected.bottomRows(n - cut)), tol);
+            prefill(whole_prefill, Q, K, V, whole);
+            check_close(whole, to_double(expected), tol);
+            CHECK(compact.length() == n);
+            CHECK(split.length() == n);
+        };
+        check_cache(KVCache<T, S>(d, dv), KVCache<T>(d, dv));
+        check_cache(SlidingWindowCache<T, S>(d, dv, 50, 2), SlidingWindowCache<T>(d, dv, 50, 2));
+        check_cache(SlidingWindowCache<T, S>(d, dv, 400), SlidingWindowCache<T>(d, dv, 400));  // window ≥ n
+        check_cache(HybridCache<T, MeanPool, S>(d, dv, 20, 3, 5), HybridCache<T>(d, dv, 20, 3, 5));
+        check_cache(HybridCache<T, MaxPool, S>(d, dv, 7, 2, 40), HybridCache<T, MaxPool>(d, dv, 7, 2, 40));
+    }
+}
+
+TEMPLATE_TEST_CASE("Compact storage: outputs within the documented error of the double reference", "[storage]",
+                   MEMATTN_STORAGE_PAIRS) {
+    using T = typename TestType::first_type;
+    using S = typename TestType::second_type;
+    const Index n = 400, d = 64, dv = 64;
+    const Matrix<T> Q = random_matrix<T>(n, d, 4), K = random_matrix<T>(n, d, 5), V = random_matrix<T>(n, dv, 6);
+    const MatrixD Qd = to_double(Q), Kd = to_double(K), Vd = to_double(V);
+    Matrix<T> O(n, dv);
+    KVCache<T, S> cache(d, dv);
+    prefill(cache, Q, K, V, O);
+    check_close(O, reference::softmax_attention(Qd, Kd, Vd).out, storage_tolerance<S>());
+    SlidingWindowCache<T, S> window(d, dv, 64, 4);
+    decode(window, Q, K, V, O);
+    check_close(O, reference::softmax_attention(Qd, Kd, Vd, 0, 64, 4).out, storage_tolerance<S>());
+    HybridCache<T, MeanPool, S> hybrid(d, dv, 32, 4, 16);
+    decode(hybrid, Q, K, V, O);
+    check_close(O, reference::hybrid(Qd, Kd, Vd, 32, 4, 16, 0, reference::mean_pool), storage_tolerance<S>());
+}
+
+TEMPLATE_TEST_CASE("Compact storage: footprint counts the stored bytes", "[storage]", float, double) {
+    using T = TestType;
+    const Index d = 128, n = 1000;
+    const Matrix<T> K = random_matrix<T>(n, d, 1);
+    KVCache<T> plain(d, d);
+    KVCache<T, Eigen::bfloat16> bf16(d, d);
+    KVCache<T, Eigen::half> f16(d, d);
+    KVCache<T, Q8> q8(d, d);
+    memattn::extend(plain, K, K);
+    memattn::extend(bf16, K, K);
+    memattn::extend(f16, K, K);
+    memattn::extend(q8, K, K);
+    const auto pairs = static_cast<std::size_t>(n);
+    CHECK(plain.footprint() == pairs * 2 * d * sizeof(T));
+    CHECK(bf16.footprint() == pairs * 2 * d * 2);
+    CHECK(f16.footprint() == pairs * 2 * d * 2);
+    CHECK(q8.footprint() == pairs * 2 * (d + 4 * d / 32));  // 0.28 of float's
+    SlidingWindowCache<T, Q8> window(33, 33, 10, 1);
+    memattn::extend(window, random_matrix<T>(20, 33, 2), random_matrix<T>(20, 33, 3));
+    CHECK(window.footprint() == 11u * 2 * (33 + 2 * 4));  // 33 values in two blocks
+}
+
+TEMPLATE_TEST_CASE("Compact storage: float16 refuses finite values past its range; non-finite values poison",
+                   "[storage]", float, double) {
+    using T = TestType;
+    KVCache<T, Eigen::half> cache(4, 3);
+    memattn::extend(cache, random_matrix<T>(5, 4, 1), random_matrix<T>(5, 3, 2));
+    const std::string before = saved(cache);
+    Matrix<T> K = random_matrix<T>(3, 4, 3), V = random_matrix<T>(3, 3, 4);
+    K(1, 2) = T(70000);
+    CHECK_THROWS_WITH(memattn::extend(cache, K, V), Catch::Matchers::Contains("beyond float16's range"));
+    CHECK_THROWS_AS(cache.update(K.row(1), V.row(1)), std::invalid_argument);
+    Matrix<T> O(3, 3);
+    CHECK_THROWS_AS(prefill(cache, K, K, V, O), std::invalid_argument);
+    SlidingWindowCache<T, Eigen::half> window(4, 3, 2);
+    CHECK_THROWS_AS(window.update(K.row(1), V.row(1)), std::invalid_argument);
+    HybridCache<T, MeanPool, Eigen::half> hybrid(4, 3, 2, 2, 2);
+    CHECK_THROWS_AS(hybrid.update(K.row(1), V.row(1)), std::invalid_argument);
+    CHECK(saved(cache) == before);
+    CHECK(window.length() == 0);
+    K(1, 2) = T(65504);  // the largest float16 is accepted, exactly
+    memattn::extend(cache, K.topRows(2), V.topRows(2));
+    // ±∞ is stored as it is, and the output of a query that sees it is not finite.
+    K(0, 0) = std::numeric_limits<T>::infinity();
+    cache.update(K.row(0), V.row(0));
+    Vector<T> out(3);
+    cache.attend(Vector<T>::Ones(4), out);
+    CHECK_FALSE(out.allFinite());
+}
+
+TEMPLATE_TEST_CASE("Compact storage: a Q8 block holding NaN or infinity reads as NaN", "[storage]", float, double) {
+    using T = TestType;
+    KVCache<T, Q8> cache(40, 3);
+    Matrix<T> K = random_matrix<T>(2, 40, 1), V = random_matrix<T>(2, 3, 2);
+    K(1, 35) = std::numeric_limits<T>::quiet_NaN();  // in the second block of the row
+    memattn::extend(cache, K.topRows(1), V.topRows(1));
+    Vector<T> out(3);
+    cache.attend(Vector<T>::Ones(40), out);
+    CHECK(out.allFinite());
+    cache.update(K.row(1), V.row(1));
+    cache.attend(Vector<T>::Ones(40), out);
+    CHECK(out.array().isNaN().all());
+}
+
+TEMPLATE_TEST_CASE("Compact storage: snapshots resume bitwise and name the storage", "[storage][snapshot]", float,
+                   double) {
+    using T = TestType;
+    const Matrix<T> K = random_matrix<T>(30, 6, 1), V = random_matrix<T>(30, 5, 2), Q = random_matrix<T>(10, 6, 3);
+    const auto resume = [&](auto make) {
+        auto a = make(), b = make();
+        memattn::extend(a, K.topRows(20), V.topRows(20));
+        std::istringstream in(saved(a), std::ios::binary);
+        load(b, in);
+        Matrix<T> oa(10, 5), ob(10, 5);
+        decode(a, Q, K.bottomRows(10), V.bottomRows(10), oa);
+        decode(b, Q, K.bottomRows(10), V.bottomRows(10), ob);
+        CHECK(oa.cwiseEqual(ob).all());
+        CHECK(saved(a) == saved(b));
+    };
+    resume([] { return KVCache<T, Eigen::bfloat16>(6, 5); });
+    resume([] { return KVCache<T, Q8>(6, 5); });
+    resume([] { return SlidingWindowCache<T, Eigen::half>(6, 5, 7, 2); });
+    resume([] { return SlidingWindowCache<T, Q8>(6, 5, 7, 2); });
+    resume([] { return HybridCache<T, MeanPool, Eigen::bfloat16>(6, 5, 7, 3, 2); });
+    resume([] { return HybridCache<T, WeightedPool, Q8>(6, 5, 7, 2, 2, T(0), WeightedPool({0.5, 0.5})); });
+
+    KVCache<T, Eigen::bfloat16> bf16(6, 5);
+    KVCache<T> plain(6, 5);
+    std::istringstream in(saved(bf16), std::ios::binary);
+    const std::string scalar = std::is_same_v<T, float> ? "float32" : "float64";
+    CHECK_THROWS_WITH(load(plain, in), Catch::Matchers::Contains("the storage is bfloat16 in the stream, " + scalar +
+                                                                 " in the memory"));
+}
+
+TEMPLATE_TEST_CASE("Compact storage: truncate rolls a compact cache back", "[storage][truncate]", float, double) {
+    using T = TestType;
+    const Matrix<T> K = random_matrix<T>(12, 6, 1), V = random_matrix<T>(12, 5, 2);
+    KVCache<T, Q8> cache(6, 5), shorter(6, 5);
+    memattn::extend(cache, K, V);
+    memattn::extend(shorter, K.topRows(7), V.topRows(7));
+    cache.truncate(7);
+    CHECK(saved(cache) == saved(shorter));
+    SlidingWindowCache<T, Eigen::bfloat16> window(6, 5, 9, 1), window_shorter(6, 5, 9, 1);
+    memattn::extend(window, K.topRows(10), V.topRows(10));
+    memattn::extend(window_shorter, K.topRows(4), V.topRows(4));
+    window.truncate(4);
+    CHECK(saved(window) == saved(window_shorter));
+}
+
+TEST_CASE("Compact storage: MultiHead over compact caches equals its heads", "[storage][multihead]") {
+    const HeadLayout layout{.q_heads = 4, .kv_heads = 2, .head_dim = 8, .value_dim = 6};
+    MultiHead<KVCache<float, Q8>> layer(layout, [](Index) { return KVCache<float, Q8>(8, 6); });
+    MultiHead<SlidingWindowCache<float, Eigen::half>> windows(
+        layout, [](Index) { return SlidingWindowCache<float, Eigen::half>(8, 6, 5, 1); });
+    const Matrix<float> Q = random_matrix<float>(20, 32, 1), K = random_matrix<float>(20, 16, 2),
+                        V = random_matrix<float>(20, 12, 3);
+    Matrix<float> O(20, 24), W(20, 24);
+    decode(layer, Q, K, V, O);
+    prefill(windows, Q, K, V, W);
+    for (Index h = 0; h < 4; ++h) {
+        const Index kv = h / 2;
+        KVCache<float, Q8> head(8, 6);
+        SlidingWindowCache<float, Eigen::half> window(8, 6, 5, 1);
+        Matrix<float> expected(20, 6);
+        decode(head, Q.middleCols(h * 8, 8), K.middleCols(kv * 8, 8), V.middleCols(kv * 6, 6), expected);
+        check_close(O.middleCols(h * 6, 6), to_double(expected), tolerance<float>());
+        decode(window, Q.middleCols(h * 8, 8), K.middleCols(kv * 8, 8), V.middleCols(kv * 6, 6), expected);
+        check_close(W.middleCols(h * 6, 6), to_double(expected), tolerance<float>());
+    }
+}
