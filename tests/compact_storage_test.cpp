@@ -85,7 +85,8 @@ TEMPLATE_TEST_CASE("Compact storage: every cache equals the plain one fed the st
     using T = typename TestType::first_type;
     using S = typename TestType::second_type;
     const double tol = tolerance<T>();
-    for (const auto& [n, d, dv] : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {37, 5, 7}, {300, 40, 33}}) {
+    for (const auto& shape : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {37, 5, 7}, {300, 40, 33}}) {
+        const Index n = std::get<0>(shape), d = std::get<1>(shape), dv = std::get<2>(shape);  // lambdas capture these
         INFO(detail::storage_name<S> << ": n = " << n << ", d = " << d << ", dv = " << dv);
         const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
         const Matrix<T> Ks = stored<T, S>(K), Vs = stored<T, S>(V);
