@@ -11,6 +11,8 @@
 #include "bench_common.hpp"
 
 #include <memattn/kernels/causal_softmax.hpp>
+#include <memattn/kernels/delta_rule.hpp>
+#include <memattn/kernels/gated_linear_attention.hpp>
 #include <memattn/kernels/linear_attention.hpp>
 
 namespace {
@@ -127,6 +129,75 @@ BENCHMARK(BM_Linear<Form::chunked>)
     ->Name("BM_CrossoverChunked")
     ->ArgNames({"n", "d", "chunk"})
     ->ArgsProduct({{128, 192, 256, 384, 512, 1024, 2048}, {64, 128}, {0}})
+    ->Unit(benchmark::kMillisecond);
+
+// The data-dependent recurrences (kernels/gated_linear_attention.hpp, kernels/delta_rule.hpp)
+// beside BM_LinearChunked/BM_LinearRecurrent of the same run: tokens/s of the recurrent
+// and chunked forms. Keys are L2-normalised (the delta rule's usual input); gates are
+// log g ∈ [−0.1, 0], β ∈ [0, 1]. chunk 0: the default of the options.
+enum class Gate { scalar, channel, delta, gated_delta };
+
+template <Gate gate, bool chunked>
+void BM_Gated(benchmark::State& state) {
+    const Index n = state.range(0), d = state.range(1);
+    Inputs in(n, d);
+    in.K.rowwise().normalize();
+    const Matrix<float> log_gates = -0.1f * random_matrix<float>(n, gate == Gate::channel ? d : 1, 4).cwiseAbs();
+    const Matrix<float> beta = random_matrix<float>(n, 1, 5).cwiseAbs();
+    memattn::LinearOptions linear{.normalize = false};
+    memattn::DeltaOptions delta{};
+    if (state.range(2) > 0)
+        linear.chunk_size = delta.chunk_size = state.range(2);
+    for (auto _ : state) {
+        if constexpr (gate == Gate::scalar || gate == Gate::channel) {
+            if constexpr (chunked)
+                memattn::chunked_gated_linear_attention(in.Q, in.K, in.V, log_gates, in.O, linear);
+            else
+                memattn::recurrent_gated_linear_attention(in.Q, in.K, in.V, log_gates, in.O, linear);
+        } else if constexpr (gate == Gate::delta) {
+            if constexpr (chunked)
+                memattn::chunked_delta_rule_attention(in.Q, in.K, in.V, beta, in.O, delta);
+            else
+                memattn::recurrent_delta_rule_attention(in.Q, in.K, in.V, beta, in.O, delta);
+        } else {
+            if constexpr (chunked)
+                memattn::chunked_delta_rule_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
+            else
+                memattn::recurrent_delta_rule_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
+        }
+        benchmark::DoNotOptimize(in.O.data());
+        benchmark::ClobberMemory();
+    }
+    set_tokens(state, n);
+}
+
+#define MEMATTN_GATED_BENCH(gate, name)                                                                    \
+    BENCHMARK(BM_Gated<gate, true>)                                                                       \
+        ->Name("BM_" name "Chunked")                                                                      \
+        ->ArgNames({"n", "d", "chunk"})                                                                   \
+        ->ArgsProduct({{65536}, {64, 128}, {0}})                                                          \
+        ->Unit(benchmark::kMillisecond);                                                                  \
+    BENCHMARK(BM_Gated<gate, false>)                                                                      \
+        ->Name("BM_" name "Recurrent")                                                                    \
+        ->ArgNames({"n", "d", "chunk"})                                                                   \
+        ->ArgsProduct({{65536}, {64, 128}, {0}})                                                          \
+        ->Unit(benchmark::kMillisecond)
+
+MEMATTN_GATED_BENCH(Gate::scalar, "GatedScalar");
+MEMATTN_GATED_BENCH(Gate::channel, "GatedChannel");
+MEMATTN_GATED_BENCH(Gate::delta, "Delta");
+MEMATTN_GATED_BENCH(Gate::gated_delta, "GatedDelta");
+
+// How the chunk sizes of the gated kernels were chosen.
+BENCHMARK(BM_Gated<Gate::scalar, true>)
+    ->Name("BM_GatedChunkSize")
+    ->ArgNames({"n", "d", "chunk"})
+    ->ArgsProduct({{65536}, {128}, {16, 32, 64, 128}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Gated<Gate::delta, true>)
+    ->Name("BM_DeltaChunkSize")
+    ->ArgNames({"n", "d", "chunk"})
+    ->ArgsProduct({{65536}, {128}, {16, 32, 64, 128}})
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -38,7 +38,7 @@ Matrix<T> stored(const Matrix<T>& X) {
 }
 
 template <class M>
-std::string saved(const M& memory) {
+std::string snapshot_of(const M& memory) {
     std::ostringstream out(std::ios::binary);
     save(memory, out);
     return out.str();
@@ -161,7 +161,7 @@ TEMPLATE_TEST_CASE("Compact storage: float16 refuses finite values past its rang
     using T = TestType;
     KVCache<T, Eigen::half> cache(4, 3);
     memattn::extend(cache, random_matrix<T>(5, 4, 1), random_matrix<T>(5, 3, 2));
-    const std::string before = saved(cache);
+    const std::string before = snapshot_of(cache);
     Matrix<T> K = random_matrix<T>(3, 4, 3), V = random_matrix<T>(3, 3, 4);
     K(1, 2) = T(70000);
     CHECK_THROWS_WITH(memattn::extend(cache, K, V), Catch::Matchers::Contains("beyond float16's range"));
@@ -172,7 +172,7 @@ TEMPLATE_TEST_CASE("Compact storage: float16 refuses finite values past its rang
     CHECK_THROWS_AS(window.update(K.row(1), V.row(1)), std::invalid_argument);
     HybridCache<T, MeanPool, Eigen::half> hybrid(4, 3, 2, 2, 2);
     CHECK_THROWS_AS(hybrid.update(K.row(1), V.row(1)), std::invalid_argument);
-    CHECK(saved(cache) == before);
+    CHECK(snapshot_of(cache) == before);
     CHECK(window.length() == 0);
     K(1, 2) = T(65504);  // the largest float16 is accepted, exactly
     memattn::extend(cache, K.topRows(2), V.topRows(2));
@@ -205,13 +205,13 @@ TEMPLATE_TEST_CASE("Compact storage: snapshots resume bitwise and name the stora
     const auto resume = [&](auto make) {
         auto a = make(), b = make();
         memattn::extend(a, K.topRows(20), V.topRows(20));
-        std::istringstream in(saved(a), std::ios::binary);
+        std::istringstream in(snapshot_of(a), std::ios::binary);
         load(b, in);
         Matrix<T> oa(10, 5), ob(10, 5);
         decode(a, Q, K.bottomRows(10), V.bottomRows(10), oa);
         decode(b, Q, K.bottomRows(10), V.bottomRows(10), ob);
         CHECK(oa.cwiseEqual(ob).all());
-        CHECK(saved(a) == saved(b));
+        CHECK(snapshot_of(a) == snapshot_of(b));
     };
     resume([] { return KVCache<T, Eigen::bfloat16>(6, 5); });
     resume([] { return KVCache<T, Q8>(6, 5); });
@@ -222,7 +222,7 @@ TEMPLATE_TEST_CASE("Compact storage: snapshots resume bitwise and name the stora
 
     KVCache<T, Eigen::bfloat16> bf16(6, 5);
     KVCache<T> plain(6, 5);
-    std::istringstream in(saved(bf16), std::ios::binary);
+    std::istringstream in(snapshot_of(bf16), std::ios::binary);
     const std::string scalar = std::is_same_v<T, float> ? "float32" : "float64";
     CHECK_THROWS_WITH(load(plain, in), Catch::Matchers::Contains("the storage is bfloat16 in the stream, " + scalar +
                                                                  " in the memory"));
@@ -235,12 +235,12 @@ TEMPLATE_TEST_CASE("Compact storage: truncate rolls a compact cache back", "[sto
     memattn::extend(cache, K, V);
     memattn::extend(shorter, K.topRows(7), V.topRows(7));
     cache.truncate(7);
-    CHECK(saved(cache) == saved(shorter));
+    CHECK(snapshot_of(cache) == snapshot_of(shorter));
     SlidingWindowCache<T, Eigen::bfloat16> window(6, 5, 9, 1), window_shorter(6, 5, 9, 1);
     memattn::extend(window, K.topRows(10), V.topRows(10));
     memattn::extend(window_shorter, K.topRows(4), V.topRows(4));
     window.truncate(4);
-    CHECK(saved(window) == saved(window_shorter));
+    CHECK(snapshot_of(window) == snapshot_of(window_shorter));
 }
 
 TEST_CASE("Compact storage: MultiHead over compact caches equals its heads", "[storage][multihead]") {

@@ -35,6 +35,16 @@ void use_memory(M memory, const memattn::Matrix<T>& x, memattn::Matrix<T>& out) 
     memory.reset();
 }
 
+/// A memory whose key rows are wider than its queries (gate columns).
+template <class M, class T, class K>
+void use_memory(M memory, const memattn::Matrix<T>& x, const K& keys, memattn::Matrix<T>& out) {
+    memattn::decode(memory, x, keys, x, out);
+    memattn::prefill(memory, x, keys, x, out);
+    std::stringstream snapshot;
+    memattn::save(memory, snapshot);
+    memattn::load(memory, snapshot);
+}
+
 /// A layer's memory: queries (and outputs) twice as wide as the keys (and values).
 template <class M, class Q, class K, class T>
 void use_memory(M memory, const Q& q_half, const K& k, memattn::Matrix<T>& out) {
@@ -106,6 +116,12 @@ void everything(memattn::Index n, memattn::Index d) {
         use_memory(memattn::KVCache<T, memattn::Q8>(d, d), x, out);
         use_memory(memattn::SlidingWindowCache<T, Eigen::half>(d, d, 4, 1), x, out);
         use_memory(memattn::HybridCache<T, memattn::MeanPool, memattn::Q8>(d, d, 4, 2, 3), x, out);
+        // The gated and delta-rule recurrences: both forms through their memories' decode
+        // (recurrent) and prefill (chunked), keys widened by their gate columns.
+        const memattn::Matrix<T> gated_keys = memattn::Matrix<T>::Zero(x.rows(), d + 2);
+        use_memory(memattn::DeltaRuleMemory<T>(d, d, {}, true), x, gated_keys, out);
+        use_memory(memattn::GatedLinearAttentionMemory<T>(d, d, memattn::GateKind::scalar), x, gated_keys.leftCols(d + 1),
+                   out);
     }
 }
 

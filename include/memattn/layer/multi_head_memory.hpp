@@ -81,26 +81,37 @@ public:
     /// One memory per KV head: make(kv) for kv = 0 .. kv_heads − 1.
     template <class Factory>
         requires std::invocable<Factory&, Index> && std::convertible_to<std::invoke_result_t<Factory&, Index>, M>
-    MultiHead(const HeadLayout& layout, Factory&& make) : layout_(checked(layout)) {
+    MultiHead(const HeadLayout& layout, Factory&& make) : layout_(checked(layout)), key_width_(layout_.head_dim) {
         heads_.reserve(static_cast<std::size_t>(layout_.kv_heads));
         for (Index h = 0; h < layout_.kv_heads; ++h) {
             heads_.push_back(make(h));
-            if constexpr (detail::KnowsDims<M>) {
-                const std::string name = "make(" + std::to_string(h) + ")";
-                detail::require(heads_.back().key_dim() == layout_.head_dim, "MultiHead", name.c_str(),
-                                "has key_dim ", heads_.back().key_dim(), ", expected layout.head_dim ",
-                                layout_.head_dim);
-                detail::require(heads_.back().value_dim() == layout_.values(), "MultiHead", name.c_str(),
-                                "has value_dim ", heads_.back().value_dim(), ", expected the layout's value_dim ",
-                                layout_.values());
+            const M& head = heads_.back();
+            const std::string name = "make(" + std::to_string(h) + ")";
+            if constexpr (detail::KnowsQueryDims<M> && detail::KnowsDims<M>) {
+                // Keys wider than queries (a gated memory's extra key columns): the layout
+                // gives the query and output widths, the heads the key width.
+                detail::require(head.query_dim() == layout_.head_dim, "MultiHead", name.c_str(), "has query_dim ",
+                                head.query_dim(), ", expected layout.head_dim ", layout_.head_dim);
+                detail::require(head.output_dim() == layout_.values(), "MultiHead", name.c_str(), "has output_dim ",
+                                head.output_dim(), ", expected the layout's value_dim ", layout_.values());
+                if (h == 0)
+                    key_width_ = head.key_dim();
+                detail::require(head.key_dim() == key_width_, "MultiHead", name.c_str(), "has key_dim ",
+                                head.key_dim(), ", expected ", key_width_, " as make(0)");
+            } else if constexpr (detail::KnowsDims<M>) {
+                detail::require(head.key_dim() == layout_.head_dim, "MultiHead", name.c_str(), "has key_dim ",
+                                head.key_dim(), ", expected layout.head_dim ", layout_.head_dim);
             }
+            if constexpr (detail::KnowsDims<M>)
+                detail::require(head.value_dim() == layout_.values(), "MultiHead", name.c_str(), "has value_dim ",
+                                head.value_dim(), ", expected the layout's value_dim ", layout_.values());
         }
     }
 
     /// Feeds one token: `key` is kv_heads·head_dim wide, `value` kv_heads·value_dim.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         detail::check_pairs("MultiHead::update", detail::shape(key), detail::shape(value), key_dim(), value_dim());
-        const Index d = layout_.head_dim, dv = layout_.values();
+        const Index d = key_width_, dv = layout_.values();
         all_or_nothing([&] {
             for (Index h = 0; h < layout_.kv_heads; ++h)
                 heads_[static_cast<std::size_t>(h)].update(key.segment(h * d, d), value.segment(h * dv, dv));
@@ -112,7 +123,7 @@ public:
         detail::check_pairs("MultiHead::extend", detail::shape(keys), detail::shape(values), key_dim(), value_dim());
         if (keys.rows() == 0)  // no column block of an empty (possibly null) view
             return;
-        const Index d = layout_.head_dim, dv = layout_.values();
+        const Index d = key_width_, dv = layout_.values();
         all_or_nothing([&] {
             for (Index h = 0; h < layout_.kv_heads; ++h)
                 memattn::extend(heads_[static_cast<std::size_t>(h)], keys.middleCols(h * d, d),
@@ -143,7 +154,7 @@ public:
                     for (Index h = first; h < last; ++h) {
                         M& head = heads_[static_cast<std::size_t>(h)];
                         const auto q = queries.middleCols(h * g * d, g * d);
-                        const auto k = keys.middleCols(h * d, d);
+                        const auto k = keys.middleCols(h * key_width_, key_width_);
                         const auto v = values.middleCols(h * dv, dv);
                         auto o = out.middleCols(h * g * dv, g * dv);
                         if constexpr (detail::HasGroupPrefill<M>)
@@ -182,7 +193,8 @@ public:
     }
 
     /// Widths of the packed rows: keys, values, queries, outputs.
-    [[nodiscard]] Index key_dim() const noexcept { return layout_.kv_heads * layout_.head_dim; }
+    /// kv_heads × the heads' key width (head_dim, or a gated memory's wider key rows).
+    [[nodiscard]] Index key_dim() const noexcept { return layout_.kv_heads * key_width_; }
     [[nodiscard]] Index value_dim() const noexcept { return layout_.kv_heads * layout_.values(); }
     [[nodiscard]] Index query_dim() const noexcept { return layout_.q_heads * layout_.head_dim; }
     [[nodiscard]] Index output_dim() const noexcept { return layout_.q_heads * layout_.values(); }
@@ -396,6 +408,7 @@ private:
     }
 
     HeadLayout layout_;
+    Index key_width_;  ///< each head's columns of a key row
     std::vector<M> heads_;
 };
 

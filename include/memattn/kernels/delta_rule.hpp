@@ -1,0 +1,236 @@
+#pragma once
+// The delta rule (DeltaNet) and the gated delta rule (Gated DeltaNet): a key overwrites
+// what the state already stores for it instead of only adding to it. State S (d×dv),
+// row vectors, β_i ∈ [0, 1], optional log-gates log g_i ≤ 0:
+//
+//   S_i = g_i (I − β_i k_iᵀ k_i) S_{i−1} + β_i k_iᵀ v_i
+//       = g_i S_{i−1} + k_iᵀ u_i,   u_i = β_i (v_i − g_i k_i S_{i−1})
+//   o_i = q_i S_i
+//
+// (g_i = 1 without gates.) With unit keys and β_i = 1, k_i S_i = v_i exactly: the key
+// reads back its value. DeltaOptions::normalize_keys divides each key by its L2 norm
+// first (a zero key stays zero); q is used as given. LinearState carries S in mu; nu is
+// not used (left empty).
+//
+// Chunked form (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta
+// Rule over Sequence Length": the WY / UT representation), a chunk of C tokens from
+// state S_0, b_t = Σ_{s≤t} log g_s inside the chunk, γ_t = e^{b_t}:
+//   u_t = β_t (v_t − γ_t k_t S_0 − Σ_{s<t} e^{b_t − b_s} (k_t·k_s) u_s)
+//       i.e. (I + L) U = diag(β)(V − diag(γ) K S_0),  L_ts = β_t e^{b_t − b_s} k_t·k_s (s < t),
+//       one unit-lower-triangular solve;
+//   o_t = γ_t q_t S_0 + Σ_{s≤t} e^{b_t − b_s} (q_t·k_s) u_s
+//   S_C = γ_C S_0 + Σ_s e^{b_C − b_s} k_sᵀ u_s
+// Every exponent is ≤ 0. The per-token rank-1 updates and GEMVs of the recurrence become
+// products of C rows.
+
+#include "memattn/kernels/linear_attention.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace memattn {
+
+struct DeltaOptions {
+    Index chunk_size = 32;        ///< tokens per chunk (chunked form; bench/linear_attention_bench.cpp)
+    bool normalize_keys = false;  ///< divide each key by its L2 norm first
+};
+
+namespace detail {
+
+template <class T>
+void check_delta_arguments(const char* function, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                           const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& beta, const ConstMatrixRef<T>* gates,
+                           Shape o, const DeltaOptions& options, const LinearState<T>* state) {
+    require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
+    require(k.rows() == q.rows() && k.cols() == q.cols(), function, "K", "has shape ", shape(k),
+            ", expected the shape of Q (", shape(q), ")");
+    require(v.rows() == q.rows(), function, "V", "has shape ", shape(v), ", expected ", q.rows(), " rows as Q (",
+            shape(q), ")");
+    require(o.rows == q.rows() && o.cols == v.cols(), function, "O", "has shape ", o, ", expected ", q.rows(), 'x',
+            v.cols(), " (Q is ", shape(q), ", V is ", shape(v), ")");
+    require(beta.rows() == q.rows() && beta.cols() == 1, function, "beta", "has shape ", shape(beta), ", expected ",
+            q.rows(), "x1");
+    for (Index i = 0; i < beta.rows(); ++i)
+        require(beta(i, 0) >= 0 && beta(i, 0) <= 1, function, "beta", "has ", beta(i, 0), " at row ", i,
+                ", expected a value in [0, 1]");
+    if (gates != nullptr) {
+        require(gates->rows() == q.rows() && gates->cols() == 1, function, "log_gates", "has shape ",
+                shape(*gates), ", expected ", q.rows(), "x1");
+        for (Index i = 0; i < gates->rows(); ++i)
+            require(std::isfinite((*gates)(i, 0)) && (*gates)(i, 0) <= 0, function, "log_gates", "has ",
+                    (*gates)(i, 0), " at row ", i, ", expected a finite log-gate <= 0 (a gate in (0, 1])");
+    }
+    if (state != nullptr && state->mu.size() != 0)
+        require(state->mu.rows() == q.cols() && state->mu.cols() == v.cols(), function, "state->mu", "has shape ",
+                shape(state->mu), ", expected ", q.cols(), 'x', v.cols(), " (key dim x value dim)");
+}
+
+/// Keys [t0, t0 + c), L2-normalised when asked, into `out`.
+template <class T, class Out>
+void delta_keys(const ConstMatrixRef<T>& K, Index t0, Index c, bool normalize, Out& out) {
+    out = K.middleRows(t0, c);
+    if (normalize)
+        for (Index t = 0; t < c; ++t) {
+            const T norm = out.row(t).norm();
+            if (norm > T(0))
+                out.row(t) /= norm;
+        }
+}
+
+template <class T>
+void delta_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                     const ConstMatrixRef<T>& beta, const ConstMatrixRef<T>* gates, MatrixRef<T> O,
+                     const DeltaOptions& options, Matrix<T>& S) {
+    Matrix<T> k(1, K.cols());
+    Vector<T> u(V.cols());
+    for (Index i = 0; i < Q.rows(); ++i) {
+        delta_keys(K, i, 1, options.normalize_keys, k);
+        if (gates != nullptr) {
+            const T g = std::exp((*gates)(i, 0));
+            if (g != T(1))
+                S *= g;
+        }
+        u.noalias() = k * S;  // what the state now returns for k
+        u = beta(i, 0) * (V.row(i) - u);
+        S.noalias() += k.transpose() * u;
+        O.row(i).noalias() = Q.row(i) * S;
+    }
+}
+
+template <class T>
+void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                   const ConstMatrixRef<T>& beta, const ConstMatrixRef<T>* gates, MatrixRef<T> O,
+                   const DeltaOptions& options, Matrix<T>& S) {
+    const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
+    const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
+    // Rows [0, c) hold the chunk's keys, rows [c, 2c) its queries: K S_0 and Q S_0 are one product.
+    Matrix<T> kq(2 * c_max, d), kqs(2 * c_max, dv), kk(c_max, c_max), qk(c_max, c_max);
+    ColumnVector<T> b(c_max);
+    for (Index t0 = 0; t0 < n; t0 += c_max) {
+        const Index c = std::min(c_max, n - t0);
+        auto kc = kq.topRows(c);
+        delta_keys(K, t0, c, options.normalize_keys, kc);
+        auto q = kq.middleRows(c, c);
+        q = Q.middleRows(t0, c);
+        auto bc = b.head(c);
+        if (gates != nullptr) {
+            bc(0) = (*gates)(t0, 0);
+            for (Index t = 1; t < c; ++t)
+                bc(t) = bc(t - 1) + (*gates)(t0 + t, 0);
+        } else {
+            bc.setZero();
+        }
+        // [K; Q] S_0 in one product; RHS = diag(β)(V − diag(γ) K S_0), then (I + L) U = RHS.
+        kqs.topRows(2 * c).noalias() = kq.topRows(2 * c) * S;
+        auto uc = kqs.topRows(c);
+        if (gates != nullptr)
+            uc = uc.array().colwise() * bc.array().exp();
+        uc = (V.middleRows(t0, c) - uc).array().colwise() * beta.middleRows(t0, c).col(0).array();
+        auto l = kk.topLeftCorner(c, c);
+        l.noalias() = kc * kc.transpose();
+        auto a = qk.topLeftCorner(c, c);
+        a.noalias() = q * kc.transpose();
+        for (Index t = 0; t < c; ++t) {
+            for (Index s2 = 0; s2 <= t; ++s2) {
+                const T decay = gates != nullptr ? std::exp(bc(t) - bc(s2)) : T(1);
+                if (s2 < t)
+                    l(t, s2) *= beta(t0 + t, 0) * decay;
+                a(t, s2) *= decay;
+            }
+            a.row(t).tail(c - 1 - t).setZero();
+        }
+        l.template triangularView<Eigen::UnitLower>().solveInPlace(uc);
+        // O = diag(γ) Q S_0 + A U;  S = γ_C S_0 + (K ⊙ e^{b_C − b})ᵀ U.
+        auto o = O.middleRows(t0, c);
+        o = kqs.middleRows(c, c);
+        if (gates != nullptr) {
+            o = o.array().colwise() * bc.array().exp();
+            S *= std::exp(bc(c - 1));
+            kc = kc.array().colwise() * (bc(c - 1) - bc.array()).exp();
+        }
+        o.noalias() += a * uc;
+        S.noalias() += kc.transpose() * uc;
+    }
+}
+
+enum class DeltaForm { recurrent, chunked };
+
+template <DeltaForm form, class DQ, class DK, class DV, class DB, class DO>
+void delta_rule_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                          const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                          const ConstMatrixRef<typename DQ::Scalar>* gates, DO&& O, const DeltaOptions& options,
+                          LinearState<typename DQ::Scalar>* state) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn delta rule attention works on float or double matrices.");
+    static_assert(same_scalar<DQ, DK, DV, DB, std::remove_cvref_t<DO>>,
+                  "memattn delta rule attention: Q, K, V, beta (and log_gates) and O must share one scalar type.");
+    const ConstMatrixRef<T> q = sequence(Q), k = sequence(K), v = sequence(V), b = sequence(beta);
+    MatrixRef<T> o = output(std::forward<DO>(O));
+    check_delta_arguments<T>(function, q, k, v, b, gates, shape(o), options, state);
+    require_disjoint(function, "O", o, "Q", q);
+    require_disjoint(function, "O", o, "K", k);
+    require_disjoint(function, "O", o, "V", v);
+    require_disjoint(function, "O", o, "beta", b);
+    if (gates != nullptr)
+        require_disjoint(function, "O", o, "log_gates", *gates);
+    LinearState<T> local;
+    LinearState<T>& s = state != nullptr ? *state : local;
+    if (s.mu.size() == 0)
+        s.mu.setZero(q.cols(), v.cols());
+    if constexpr (form == DeltaForm::chunked)
+        delta_chunked(q, k, v, b, gates, o, options, s.mu);
+    else
+        delta_recurrent(q, k, v, b, gates, o, options, s.mu);
+}
+
+}  // namespace detail
+
+/// The delta rule token by token (see the top of the file). `beta`: N×1 in [0, 1].
+/// `state`: initial S in state->mu (empty = zero), final S out.
+template <class DQ, class DK, class DV, class DB, detail::EigenMatrix DO>
+void recurrent_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta, DO&& O,
+                                    const DeltaOptions& options = {},
+                                    LinearState<typename DQ::Scalar>* state = nullptr) {
+    detail::delta_rule_attention<detail::DeltaForm::recurrent>("recurrent_delta_rule_attention", Q, K, V, beta,
+                                                               nullptr, std::forward<DO>(O), options, state);
+}
+
+/// The gated delta rule token by token: `log_gates` N×1, finite, ≤ 0.
+template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix DO>
+void recurrent_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                                    const Eigen::MatrixBase<DG>& log_gates, DO&& O, const DeltaOptions& options = {},
+                                    LinearState<typename DQ::Scalar>* state = nullptr) {
+    using T = typename DQ::Scalar;
+    static_assert(std::is_same_v<typename DG::Scalar, T>, "memattn: log_gates must have the scalar type of Q.");
+    const ConstMatrixRef<T> g = detail::sequence(log_gates);
+    detail::delta_rule_attention<detail::DeltaForm::recurrent>("recurrent_delta_rule_attention", Q, K, V, beta, &g,
+                                                               std::forward<DO>(O), options, state);
+}
+
+/// The same outputs and final state by chunks of options.chunk_size tokens (WY form).
+template <class DQ, class DK, class DV, class DB, detail::EigenMatrix DO>
+void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                  const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta, DO&& O,
+                                  const DeltaOptions& options = {},
+                                  LinearState<typename DQ::Scalar>* state = nullptr) {
+    detail::delta_rule_attention<detail::DeltaForm::chunked>("chunked_delta_rule_attention", Q, K, V, beta, nullptr,
+                                                             std::forward<DO>(O), options, state);
+}
+
+/// The gated delta rule by chunks: `log_gates` N×1, finite, ≤ 0.
+template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix DO>
+void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                  const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                                  const Eigen::MatrixBase<DG>& log_gates, DO&& O, const DeltaOptions& options = {},
+                                  LinearState<typename DQ::Scalar>* state = nullptr) {
+    using T = typename DQ::Scalar;
+    static_assert(std::is_same_v<typename DG::Scalar, T>, "memattn: log_gates must have the scalar type of Q.");
+    const ConstMatrixRef<T> g = detail::sequence(log_gates);
+    detail::delta_rule_attention<detail::DeltaForm::chunked>("chunked_delta_rule_attention", Q, K, V, beta, &g,
+                                                             std::forward<DO>(O), options, state);
+}
+
+}  // namespace memattn

@@ -1,0 +1,199 @@
+#pragma once
+// Gated linear attention: the state decays by a gate that depends on the token, a
+// scalar per token (Mamba-2, input-dependent RetNet-style decay) or one per key channel
+// (GLA, Yang et al. 2024). State S (d×dv) and normaliser z (1×d), row vectors:
+//
+//   scalar gate:   S_i = g_i S_{i−1} + k_iᵀ v_i,          z_i = g_i z_{i−1} + k_i
+//   channel gate:  S_i = diag(a_i) S_{i−1} + k_iᵀ v_i,    z_i = a_i ⊙ z_{i−1} + k_i
+//   o_i = q_i S_i / (q_i·z_i + eps), or q_i S_i when options.normalize is false.
+//
+// q and k are used as given (a model applies its own feature map or normalisation
+// first). The gates arrive as log-gates, N×1 (scalar) or N×d (channel), each finite
+// and ≤ 0, so that long products never underflow to a wrong value. LinearState{mu = S,
+// nu = z} carries the state in and out as for linear attention; options.decay must be
+// 1 (the gates are the decay).
+//
+// Chunked form, chunk of C tokens from state (S_0, z_0), b_t = Σ_{s≤t} log a_s inside
+// the chunk (per channel; a scalar gate is the same in every channel):
+//   o_t   = (q_t ⊙ e^{b_t}) S_0 + Σ_{s≤t} A_ts v_s,  A_ts = Σ_r q_tr k_sr e^{b_tr − b_sr}
+//   S_C   = diag(e^{b_C}) S_0 + Σ_s diag(e^{b_C − b_s}) k_sᵀ v_s
+// Every exponent is ≤ 0 (b only falls), so nothing overflows however small the gates:
+// the pairs term never splits e^{b_t − b_s} into e^{b_t}·e^{−b_s}. With a scalar gate A
+// is (Q Kᵀ) ⊙ e^{b_t − b_s}, one product; with channel gates A is computed pair by pair
+// (C²·d exponentials per chunk).
+
+#include "memattn/kernels/linear_attention.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace memattn {
+namespace detail {
+
+/// Every check of the gated kernels, before anything is written; returns the gate width.
+template <class T>
+Index check_gated_arguments(const char* function, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                            const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& g, Shape o,
+                            const LinearOptions& options, const LinearState<T>* state) {
+    require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
+    require(options.eps >= 0 && finite_in<T>(options.eps), function, "options.eps", "is ", options.eps,
+            ", expected a number >= 0 finite as ", scalar_name<T>);
+    require(options.decay == 1, function, "options.decay", "is ", options.decay,
+            ", expected 1: the log-gates are the decay of the gated kernels");
+    require(k.rows() == q.rows() && k.cols() == q.cols(), function, "K", "has shape ", shape(k),
+            ", expected the shape of Q (", shape(q), ")");
+    require(v.rows() == q.rows(), function, "V", "has shape ", shape(v), ", expected ", q.rows(), " rows as Q (",
+            shape(q), ")");
+    require(o.rows == q.rows() && o.cols == v.cols(), function, "O", "has shape ", o, ", expected ", q.rows(), 'x',
+            v.cols(), " (Q is ", shape(q), ", V is ", shape(v), ")");
+    require(g.rows() == q.rows() && (g.cols() == 1 || g.cols() == q.cols()), function, "log_gates", "has shape ",
+            shape(g), ", expected ", q.rows(), "x1 (a gate per token) or ", q.rows(), 'x', q.cols(),
+            " (a gate per key channel)");
+    for (Index i = 0; i < g.rows(); ++i)
+        for (Index c = 0; c < g.cols(); ++c)
+            require(std::isfinite(g(i, c)) && g(i, c) <= 0, function, "log_gates", "has ", g(i, c), " at (", i, ", ",
+                    c, "), expected a finite log-gate <= 0 (a gate in (0, 1])");
+    if (state != nullptr && (state->mu.size() != 0 || state->nu.size() != 0)) {
+        require(state->mu.rows() == q.cols() && state->mu.cols() == v.cols(), function, "state->mu", "has shape ",
+                shape(state->mu), ", expected ", q.cols(), 'x', v.cols(), " (key dim x value dim)");
+        require(state->nu.cols() == q.cols(), function, "state->nu", "has shape ", shape(state->nu), ", expected 1x",
+                q.cols());
+    }
+    return g.cols();
+}
+
+template <class T>
+void gated_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                     const ConstMatrixRef<T>& G, MatrixRef<T> O, const LinearOptions& options, LinearState<T>& s) {
+    const Index d = Q.cols();
+    Vector<T> a(d);
+    for (Index i = 0; i < Q.rows(); ++i) {
+        if (G.cols() == 1) {
+            const T g = std::exp(G(i, 0));
+            if (g != T(1)) {
+                s.mu *= g;
+                s.nu *= g;
+            }
+        } else {
+            a = G.row(i).array().exp();
+            s.mu.array().colwise() *= a.transpose().array();
+            s.nu.array() *= a.array();
+        }
+        s.mu.noalias() += K.row(i).transpose() * V.row(i);
+        s.nu += K.row(i);
+        O.row(i).noalias() = Q.row(i) * s.mu;
+        if (options.normalize)
+            O.row(i) *= T(1) / (Q.row(i).dot(s.nu) + static_cast<T>(options.eps));
+    }
+}
+
+template <class T>
+void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                   const ConstMatrixRef<T>& G, MatrixRef<T> O, const LinearOptions& options, LinearState<T>& s) {
+    const Index n = Q.rows(), d = Q.cols(), c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
+    const bool channel = G.cols() > 1;
+    Matrix<T> b(c_max, G.cols()), A(c_max, c_max), qg(c_max, d), kg(c_max, d);
+    ColumnVector<T> den(c_max);
+    Vector<T> last(d);
+    for (Index t0 = 0; t0 < n; t0 += c_max) {
+        const Index c = std::min(c_max, n - t0);
+        const auto q = Q.middleRows(t0, c), k = K.middleRows(t0, c), v = V.middleRows(t0, c);
+        auto o = O.middleRows(t0, c);
+        auto bc = b.topRows(c);
+        bc.row(0) = G.row(t0);
+        for (Index t = 1; t < c; ++t)
+            bc.row(t) = bc.row(t - 1) + G.row(t0 + t);
+        auto a = A.topLeftCorner(c, c);
+        auto qc = qg.topRows(c);
+        auto kc = kg.topRows(c);
+        if (!channel) {
+            // A = (Q Kᵀ) ⊙ e^{b_t − b_s} on and below the diagonal.
+            a.noalias() = q * k.transpose();
+            for (Index t = 0; t < c; ++t) {
+                for (Index s2 = 0; s2 <= t; ++s2)
+                    a(t, s2) *= std::exp(bc(t, 0) - bc(s2, 0));
+                a.row(t).tail(c - 1 - t).setZero();
+            }
+            qc = q.array().colwise() * bc.col(0).array().exp();
+            kc = k.array().colwise() * (bc(c - 1, 0) - bc.col(0).array()).exp();
+            last.setConstant(std::exp(bc(c - 1, 0)));
+        } else {
+            for (Index t = 0; t < c; ++t) {
+                for (Index s2 = 0; s2 <= t; ++s2)
+                    a(t, s2) = (q.row(t).array() * k.row(s2).array() * (bc.row(t) - bc.row(s2)).array().exp()).sum();
+                a.row(t).tail(c - 1 - t).setZero();
+            }
+            qc = q.array() * bc.array().exp();
+            kc = k.array() * (bc.row(c - 1).replicate(c, 1) - bc).array().exp();
+            last = bc.row(c - 1).array().exp();
+        }
+        o.noalias() = a * v;
+        o.noalias() += qc * s.mu;
+        if (options.normalize) {
+            den.head(c) = a.rowwise().sum();
+            den.head(c).noalias() += qc * s.nu.transpose();
+            for (Index t = 0; t < c; ++t)
+                o.row(t) *= T(1) / (den(t) + static_cast<T>(options.eps));
+        }
+        // S ← diag(e^{b_C}) S + (K ⊙ e^{b_C − b})ᵀ V; z likewise with V = 1.
+        s.mu.array().colwise() *= last.transpose().array();
+        s.mu.noalias() += kc.transpose() * v;
+        s.nu = s.nu.cwiseProduct(last) + kc.colwise().sum();
+    }
+}
+
+enum class GatedForm { recurrent, chunked };
+
+template <GatedForm form, class DQ, class DK, class DV, class DG, class DO>
+void gated_linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                            const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, DO&& O,
+                            const LinearOptions& options, LinearState<typename DQ::Scalar>* state) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn gated linear attention works on float or double matrices.");
+    static_assert(same_scalar<DQ, DK, DV, DG, std::remove_cvref_t<DO>>,
+                  "memattn gated linear attention: Q, K, V, log_gates and O must share one scalar type.");
+    const ConstMatrixRef<T> q = sequence(Q), k = sequence(K), v = sequence(V), g = sequence(log_gates);
+    MatrixRef<T> o = output(std::forward<DO>(O));
+    check_gated_arguments<T>(function, q, k, v, g, shape(o), options, state);
+    require_disjoint(function, "O", o, "Q", q);
+    require_disjoint(function, "O", o, "K", k);
+    require_disjoint(function, "O", o, "V", v);
+    require_disjoint(function, "O", o, "log_gates", g);
+    LinearState<T> local;
+    LinearState<T>& s = state != nullptr ? *state : local;
+    if (s.mu.size() == 0 && s.nu.size() == 0) {
+        s.mu.setZero(q.cols(), v.cols());
+        s.nu.setZero(q.cols());
+    }
+    if constexpr (form == GatedForm::chunked)
+        gated_chunked(q, k, v, g, o, options, s);
+    else
+        gated_recurrent(q, k, v, g, o, options, s);
+}
+
+}  // namespace detail
+
+/// The gated recurrence token by token (see the top of the file). `log_gates`: N×1 or
+/// N×d, finite, ≤ 0. `state`: initial state in (empty = zero), final state out.
+template <class DQ, class DK, class DV, class DG, detail::EigenMatrix DO>
+void recurrent_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                      const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, DO&& O,
+                                      const LinearOptions& options = {},
+                                      LinearState<typename DQ::Scalar>* state = nullptr) {
+    detail::gated_linear_attention<detail::GatedForm::recurrent>("recurrent_gated_linear_attention", Q, K, V,
+                                                                 log_gates, std::forward<DO>(O), options, state);
+}
+
+/// The same outputs and final state by chunks of options.chunk_size tokens: the pairs
+/// of a chunk, the carried state, one product to fold the chunk (see the top of the file).
+template <class DQ, class DK, class DV, class DG, detail::EigenMatrix DO>
+void chunked_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                    const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, DO&& O,
+                                    const LinearOptions& options = {},
+                                    LinearState<typename DQ::Scalar>* state = nullptr) {
+    detail::gated_linear_attention<detail::GatedForm::chunked>("chunked_gated_linear_attention", Q, K, V, log_gates,
+                                                               std::forward<DO>(O), options, state);
+}
+
+}  // namespace memattn

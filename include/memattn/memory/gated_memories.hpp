@@ -1,0 +1,289 @@
+#pragma once
+// Memories for the data-dependent recurrences (kernels/gated_linear_attention.hpp,
+// kernels/delta_rule.hpp): GatedLinearAttentionMemory and DeltaRuleMemory.
+//
+// Their update needs the token's gate or β besides (k, v). They take it as extra
+// trailing columns of the key row, so they model memattn::Memory unchanged and
+// decode/extend/prefill apply as to any memory:
+//
+//   GatedLinearAttentionMemory(d, dv, GateKind::scalar)   key row: [k (d) | log g (1)]
+//   GatedLinearAttentionMemory(d, dv, GateKind::channel)  key row: [k (d) | log a (d)]
+//   DeltaRuleMemory(d, dv)                                key row: [k (d) | β (1)]
+//   DeltaRuleMemory(d, dv, {}, /*gated=*/true)            key row: [k (d) | β (1) | log g (1)]
+//
+// key_dim() is the key row's width; a query is d wide and an output dv wide, which the
+// memories declare with query_dim()/output_dim() (as MultiHead does for its wider
+// rows), so the generic algorithms check Q and O against those. A gate that is not a
+// finite log-gate ≤ 0, or a β outside [0, 1], throws std::invalid_argument and changes
+// nothing. prefill runs the chunked kernel on the memory's own state.
+//
+//   DeltaRuleMemory<float> memory(64, 64, {.normalize_keys = true});
+//   Matrix<float> keys(n, 65);  keys << K, beta;
+//   memattn::prefill(memory, Q, keys, V, O);    // = chunked_delta_rule_attention(Q, K, V, beta, O, ...)
+
+#include "memattn/detail/memory_checks.hpp"
+#include "memattn/kernels/delta_rule.hpp"
+#include "memattn/kernels/gated_linear_attention.hpp"
+#include "memattn/memory/concept.hpp"
+#include "memattn/persistence/stream.hpp"
+#include "memattn/types.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <string>
+
+namespace memattn {
+
+/// One log-gate per token, or one per key channel.
+enum class GateKind { scalar, channel };
+
+namespace detail {
+
+/// The extra columns of a key row hold valid gates (and β), or the call throws.
+template <class K>
+void check_extras(const char* function, const K& keys, Index d, Index beta_column, Index first_gate) {
+    for (Index i = 0; i < keys.rows(); ++i) {
+        if (beta_column >= 0) {
+            const auto beta = keys(i, beta_column);
+            require(beta >= 0 && beta <= 1, function, "key", "row ", i, " has beta ", beta, " in column ",
+                    beta_column, ", expected a value in [0, 1]");
+        }
+        for (Index c = first_gate; c < keys.cols(); ++c)
+            require(std::isfinite(keys(i, c)) && keys(i, c) <= 0, function, "key", "row ", i, " has log-gate ",
+                    keys(i, c), " in column ", c, ", expected a finite value <= 0 (the first ", d,
+                    " columns are the key)");
+    }
+}
+
+}  // namespace detail
+
+/// The gated linear-attention state (S, z) as a Memory; see the top of the file.
+template <Scalar T>
+class GatedLinearAttentionMemory {
+public:
+    using Scalar = T;
+
+    GatedLinearAttentionMemory(Index key_dim, Index value_dim, GateKind gates = GateKind::scalar,
+                               LinearOptions options = {})
+        : d_(detail::at_least(key_dim, 1, "GatedLinearAttentionMemory", "key_dim")),
+          dv_(detail::at_least(value_dim, 1, "GatedLinearAttentionMemory", "value_dim")),
+          gates_(gates),
+          options_(options),
+          a_(gates == GateKind::channel ? d_ : 0) {
+        const Matrix<T> none(0, d_), values(0, dv_), gate(0, gate_cols());
+        detail::check_gated_arguments<T>("GatedLinearAttentionMemory", none, none, values, gate, {0, dv_}, options_,
+                                         nullptr);
+        reset();
+    }
+
+    /// key = [k | log-gate(s)]: S ← diag(a) S + kᵀ v, z ← a ⊙ z + k.
+    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
+        constexpr const char* function = "GatedLinearAttentionMemory::update";
+        detail::check_pairs(function, detail::shape(key), detail::shape(value), key_dim(), dv_);
+        detail::check_extras(function, key, d_, -1, d_);
+        if (gates_ == GateKind::scalar) {
+            const T g = std::exp(key(d_));
+            state_.mu *= g;
+            state_.nu *= g;
+        } else {
+            a_ = key.tail(d_).array().exp();
+            state_.mu.array().colwise() *= a_.transpose().array();
+            state_.nu.array() *= a_.array();
+        }
+        state_.mu.noalias() += key.head(d_).transpose() * value;
+        state_.nu += key.head(d_);
+        ++length_;
+    }
+
+    /// out = q S / (q·z + eps), or q S; zero before any update.
+    void attend(ConstRowRef<T> query, RowRef<T> out) const {
+        detail::check_query("GatedLinearAttentionMemory::attend", query, out, d_, dv_);
+        out.noalias() = query * state_.mu;
+        if (options_.normalize && length_ > 0)
+            out *= T(1) / (query.dot(state_.nu) + static_cast<T>(options_.eps));
+    }
+
+    /// chunked_gated_linear_attention over the keys' first d columns and their gates, from
+    /// and into the memory's state.
+    void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
+        constexpr const char* function = "GatedLinearAttentionMemory::prefill";
+        detail::check_pairs(function, detail::shape(keys), detail::shape(values), key_dim(), dv_);
+        detail::check_prefill(function, queries, keys, values, out, d_, dv_);
+        detail::check_extras(function, keys, d_, -1, d_);
+        if (keys.rows() == 0)
+            return;
+        LinearState<T> state = state_;  // a throw (no memory) leaves the memory as it was
+        chunked_gated_linear_attention(queries, keys.leftCols(d_), values, keys.rightCols(gate_cols()), out, options_,
+                                       &state);
+        state_.mu.swap(state.mu);
+        state_.nu.swap(state.nu);
+        length_ += keys.rows();
+    }
+
+    [[nodiscard]] Index length() const noexcept { return length_; }
+    [[nodiscard]] std::size_t footprint() const noexcept {
+        return sizeof(T) * static_cast<std::size_t>(state_.mu.size() + state_.nu.size());
+    }
+    void reset() {
+        state_.mu.setZero(d_, dv_);
+        state_.nu.setZero(d_);
+        length_ = 0;
+    }
+
+    /// The key row's width: d plus the gate columns.
+    [[nodiscard]] Index key_dim() const noexcept { return d_ + gate_cols(); }
+    [[nodiscard]] Index value_dim() const noexcept { return dv_; }
+    [[nodiscard]] Index query_dim() const noexcept { return d_; }
+    [[nodiscard]] Index output_dim() const noexcept { return dv_; }
+    [[nodiscard]] GateKind gates() const noexcept { return gates_; }
+    [[nodiscard]] const LinearOptions& options() const noexcept { return options_; }
+    [[nodiscard]] const LinearState<T>& state() const noexcept { return state_; }
+
+    /// Snapshots: d, dv, the gate kind, the options, length, S, z.
+    [[nodiscard]] static std::string snapshot_kind() { return "GatedLinearAttentionMemory"; }
+    void write_snapshot(snapshot::Writer& w) const {
+        w.index(d_);
+        w.index(dv_);
+        w.index(static_cast<Index>(gates_));
+        w.index(options_.chunk_size);
+        w.number(options_.eps);
+        w.flag(options_.normalize);
+        w.index(length_);
+        w.matrix(state_.mu);
+        w.matrix(state_.nu);
+    }
+    void read_snapshot(snapshot::Reader& r) {
+        r.expect("key_dim", d_);
+        r.expect("value_dim", dv_);
+        r.expect("gate kind", static_cast<Index>(gates_));
+        r.expect("chunk_size", options_.chunk_size);
+        r.expect("eps", options_.eps);
+        r.expect("normalize", options_.normalize);
+        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        r.expect_remaining(sizeof(T) * static_cast<std::size_t>(state_.mu.size() + state_.nu.size()), "S and z");
+        r.matrix(state_.mu, "S");
+        r.matrix(state_.nu, "z");
+        length_ = length;
+    }
+
+private:
+    [[nodiscard]] Index gate_cols() const noexcept { return gates_ == GateKind::scalar ? 1 : d_; }
+
+    Index d_, dv_;
+    GateKind gates_;
+    LinearOptions options_;
+    Vector<T> a_;  ///< update's channel gates (allocated once)
+    LinearState<T> state_;
+    Index length_ = 0;
+};
+
+/// The (gated) delta-rule state S as a Memory; see the top of the file.
+template <Scalar T>
+class DeltaRuleMemory {
+public:
+    using Scalar = T;
+
+    DeltaRuleMemory(Index key_dim, Index value_dim, DeltaOptions options = {}, bool gated = false)
+        : d_(detail::at_least(key_dim, 1, "DeltaRuleMemory", "key_dim")),
+          dv_(detail::at_least(value_dim, 1, "DeltaRuleMemory", "value_dim")),
+          options_(options),
+          gated_(gated),
+          k_(1, d_),
+          u_(dv_) {
+        detail::require(options_.chunk_size > 0, "DeltaRuleMemory", "options.chunk_size", "is ", options_.chunk_size,
+                        ", expected > 0");
+        reset();
+    }
+
+    /// key = [k | β (| log g)]: S ← g S, then S ← S + β kᵀ (v − k S).
+    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
+        constexpr const char* function = "DeltaRuleMemory::update";
+        detail::check_pairs(function, detail::shape(key), detail::shape(value), key_dim(), dv_);
+        detail::check_extras(function, key, d_, d_, d_ + 1);
+        k_ = key.head(d_);
+        if (options_.normalize_keys && k_.norm() > T(0))
+            k_ /= k_.norm();
+        if (gated_)
+            S_ *= std::exp(key(d_ + 1));
+        u_.noalias() = k_ * S_;
+        u_ = key(d_) * (value - u_);
+        S_.noalias() += k_.transpose() * u_;
+        ++length_;
+    }
+
+    /// out = q S; zero before any update.
+    void attend(ConstRowRef<T> query, RowRef<T> out) const {
+        detail::check_query("DeltaRuleMemory::attend", query, out, d_, dv_);
+        out.noalias() = query * S_;
+    }
+
+    /// chunked_delta_rule_attention over the keys' columns, from and into the memory's state.
+    void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
+        constexpr const char* function = "DeltaRuleMemory::prefill";
+        detail::check_pairs(function, detail::shape(keys), detail::shape(values), key_dim(), dv_);
+        detail::check_prefill(function, queries, keys, values, out, d_, dv_);
+        detail::check_extras(function, keys, d_, d_, d_ + 1);
+        if (keys.rows() == 0)
+            return;
+        LinearState<T> state{S_, {}};  // a throw (no memory) leaves the memory as it was
+        if (gated_)
+            chunked_delta_rule_attention(queries, keys.leftCols(d_), values, keys.col(d_), keys.col(d_ + 1), out,
+                                         options_, &state);
+        else
+            chunked_delta_rule_attention(queries, keys.leftCols(d_), values, keys.col(d_), out, options_, &state);
+        S_.swap(state.mu);
+        length_ += keys.rows();
+    }
+
+    [[nodiscard]] Index length() const noexcept { return length_; }
+    [[nodiscard]] std::size_t footprint() const noexcept { return sizeof(T) * static_cast<std::size_t>(S_.size()); }
+    void reset() {
+        S_.setZero(d_, dv_);
+        length_ = 0;
+    }
+
+    /// The key row's width: d, β, and the log-gate when gated.
+    [[nodiscard]] Index key_dim() const noexcept { return d_ + (gated_ ? 2 : 1); }
+    [[nodiscard]] Index value_dim() const noexcept { return dv_; }
+    [[nodiscard]] Index query_dim() const noexcept { return d_; }
+    [[nodiscard]] Index output_dim() const noexcept { return dv_; }
+    [[nodiscard]] bool gated() const noexcept { return gated_; }
+    [[nodiscard]] const DeltaOptions& options() const noexcept { return options_; }
+    /// The state S (d × dv).
+    [[nodiscard]] const Matrix<T>& state() const noexcept { return S_; }
+
+    /// Snapshots: d, dv, gated, the options, length, S.
+    [[nodiscard]] static std::string snapshot_kind() { return "DeltaRuleMemory"; }
+    void write_snapshot(snapshot::Writer& w) const {
+        w.index(d_);
+        w.index(dv_);
+        w.flag(gated_);
+        w.index(options_.chunk_size);
+        w.flag(options_.normalize_keys);
+        w.index(length_);
+        w.matrix(S_);
+    }
+    void read_snapshot(snapshot::Reader& r) {
+        r.expect("key_dim", d_);
+        r.expect("value_dim", dv_);
+        r.expect("gated", gated_);
+        r.expect("chunk_size", options_.chunk_size);
+        r.expect("normalize_keys", options_.normalize_keys);
+        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        r.expect_remaining(sizeof(T) * static_cast<std::size_t>(S_.size()), "S");
+        r.matrix(S_, "S");
+        length_ = length;
+    }
+
+private:
+    Index d_, dv_;
+    DeltaOptions options_;
+    bool gated_;
+    Matrix<T> S_;
+    Matrix<T> k_;   ///< update's key, normalised (allocated once)
+    Vector<T> u_;   ///< update's correction
+    Index length_ = 0;
+};
+
+}  // namespace memattn

@@ -1,0 +1,361 @@
+#include "support.hpp"
+
+#include <memattn/kernels/delta_rule.hpp>
+#include <memattn/kernels/gated_linear_attention.hpp>
+#include <memattn/memattn.hpp>
+#include <memattn/memory/gated_memories.hpp>
+
+#include <cmath>
+#include <sstream>
+#include <string>
+
+using namespace memattn;
+using memattn::test::check_close;
+using memattn::test::random_matrix;
+using memattn::test::tolerance;
+using reference::MatrixD;
+using reference::to_double;
+
+namespace {
+
+/// The gated recurrence in double, token by token, straight from the formulas.
+MatrixD gated_reference(const MatrixD& Q, const MatrixD& K, const MatrixD& V, const MatrixD& G, bool normalize,
+                        double eps, MatrixD& S, MatrixD& z) {
+    const Index n = Q.rows(), d = Q.cols();
+    MatrixD O(n, V.cols());
+    for (Index i = 0; i < n; ++i) {
+        for (Index r = 0; r < d; ++r) {
+            const double a = std::exp(G(i, G.cols() == 1 ? 0 : r));
+            S.row(r) = a * S.row(r) + K(i, r) * V.row(i);
+            z(0, r) = a * z(0, r) + K(i, r);
+        }
+        O.row(i) = Q.row(i) * S;
+        if (normalize)
+            O.row(i) /= (Q.row(i).dot(z.row(0)) + eps);
+    }
+    return O;
+}
+
+/// The (gated) delta rule in double: S = g (I − β kᵀk) S + β kᵀ v, o = q S.
+MatrixD delta_reference(const MatrixD& Q, const MatrixD& K, const MatrixD& V, const MatrixD& B, const MatrixD* G,
+                        bool normalize_keys, MatrixD& S) {
+    const Index n = Q.rows(), d = Q.cols();
+    MatrixD O(n, V.cols());
+    for (Index i = 0; i < n; ++i) {
+        MatrixD k = K.row(i);
+        if (normalize_keys && k.norm() > 0)
+            k /= k.norm();
+        const double g = G != nullptr ? std::exp((*G)(i, 0)) : 1.0;
+        const MatrixD I = MatrixD::Identity(d, d);
+        S = g * (I - B(i, 0) * k.transpose() * k) * S + B(i, 0) * k.transpose() * V.row(i);
+        O.row(i) = Q.row(i) * S;
+    }
+    return O;
+}
+
+template <class T>
+Matrix<T> log_gates(Index n, Index cols, std::uint64_t seed, double scale = 0.5) {
+    return -random_matrix<T>(n, cols, seed, scale).cwiseAbs();
+}
+
+template <class T>
+Matrix<T> betas(Index n, std::uint64_t seed) {
+    return random_matrix<T>(n, 1, seed).cwiseAbs();
+}
+
+template <class T>
+Matrix<T> unit_rows(Matrix<T> X) {
+    X.rowwise().normalize();
+    return X;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Gated linear attention: recurrent equals the double reference, chunked equals recurrent",
+                   "[gated]", float, double) {
+    using T = TestType;
+    const double tol = tolerance<T>() * 10;
+    for (const Index n : {0, 1, 7, 70, 200}) {
+        for (const Index gate_cols : {1, 5}) {
+            for (const bool normalize : {false, true}) {
+                INFO("n = " << n << ", gate columns " << gate_cols << ", normalize " << normalize);
+                const Index d = 5, dv = 3;
+                // Positive features keep the normaliser away from 0, as a model's would.
+                const Matrix<T> Q = random_matrix<T>(n, d, 1).cwiseAbs(), K = random_matrix<T>(n, d, 2).cwiseAbs();
+                const Matrix<T> V = random_matrix<T>(n, dv, 3), G = log_gates<T>(n, gate_cols, 4);
+                MatrixD S = MatrixD::Zero(d, dv), z = MatrixD::Zero(1, d);
+                const MatrixD expected =
+                    gated_reference(to_double(Q), to_double(K), to_double(V), to_double(G), normalize, 1e-6, S, z);
+                const LinearOptions base{.normalize = normalize};
+                Matrix<T> O(n, dv);
+                LinearState<T> state;
+                recurrent_gated_linear_attention(Q, K, V, G, O, base, &state);
+                check_close(O, expected, tol);
+                check_close(state.mu, S, tol);
+                for (const Index chunk : {1, 7, 16, 64}) {
+                    INFO("chunk " << chunk);
+                    LinearOptions options = base;
+                    options.chunk_size = chunk;
+                    // Any split with the carried state: [0, cut) then [cut, n).
+                    const Index cut = n / 3;
+                    LinearState<T> carried;
+                    Matrix<T> chunked(n, dv);
+                    chunked_gated_linear_attention(Q.topRows(cut), K.topRows(cut), V.topRows(cut), G.topRows(cut),
+                                                   chunked.topRows(cut), options, &carried);
+                    chunked_gated_linear_attention(Q.bottomRows(n - cut), K.bottomRows(n - cut), V.bottomRows(n - cut),
+                                                   G.bottomRows(n - cut), chunked.bottomRows(n - cut), options,
+                                                   &carried);
+                    check_close(chunked, to_double(O), tol);
+                    check_close(carried.mu, to_double(state.mu), tol);
+                    check_close(carried.nu, to_double(state.nu), tol);
+                }
+            }
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("Gated linear attention: gates near 0 forget, gates of exactly 1 are plain linear attention",
+                   "[gated]", float, double) {
+    using T = TestType;
+    const Index n = 40, d = 4, dv = 3;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1).cwiseAbs(), K = random_matrix<T>(n, d, 2).cwiseAbs(),
+                    V = random_matrix<T>(n, dv, 3);
+    Matrix<T> O(n, dv), chunked(n, dv), plain(n, dv);
+    // log g = −50: each token sees itself alone, o_i = q_i k_iᵀ v_i (to e^-50).
+    const Matrix<T> forget = Matrix<T>::Constant(n, 1, T(-50));
+    recurrent_gated_linear_attention(Q, K, V, forget, O, {.normalize = false});
+    chunked_gated_linear_attention(Q, K, V, forget, chunked, {.chunk_size = 16, .normalize = false});
+    MatrixD alone(n, dv);
+    for (Index i = 0; i < n; ++i)
+        alone.row(i) = double(Q.row(i).dot(K.row(i))) * to_double(V.row(i));
+    check_close(O, alone, tolerance<T>());
+    check_close(chunked, alone, tolerance<T>());
+    REQUIRE(chunked.allFinite());
+    // log g = 0: the recurrence of linear attention with φ = identity and no decay.
+    const Matrix<T> keep = Matrix<T>::Zero(n, d);
+    chunked_gated_linear_attention(Q, K, V, keep, O, {.chunk_size = 7});
+    recurrent_linear_attention(Q, K, V, plain, Identity{});
+    check_close(O, to_double(plain), tolerance<T>() * 10);
+}
+
+TEMPLATE_TEST_CASE("Delta rule: recurrent equals the double reference, chunked equals recurrent", "[delta]", float,
+                   double) {
+    using T = TestType;
+    const double tol = tolerance<T>() * 20;
+    for (const Index n : {0, 1, 7, 70, 200}) {
+        for (const bool gated : {false, true}) {
+            for (const bool normalize_keys : {false, true}) {
+                INFO("n = " << n << ", gated " << gated << ", normalize_keys " << normalize_keys);
+                const Index d = 6, dv = 4;
+                const Matrix<T> Q = random_matrix<T>(n, d, 1), V = random_matrix<T>(n, dv, 3);
+                // Unnormalised keys scaled so that β‖k‖² ≤ 2: the recurrence stays bounded.
+                const Matrix<T> K = random_matrix<T>(n, d, 2, normalize_keys ? 1.0 : 0.5);
+                const Matrix<T> B = betas<T>(n, 4), G = log_gates<T>(n, 1, 5, 0.2);
+                MatrixD S = MatrixD::Zero(d, dv);
+                const MatrixD Gd = to_double(G);
+                const MatrixD expected = delta_reference(to_double(Q), to_double(K), to_double(V), to_double(B),
+                                                         gated ? &Gd : nullptr, normalize_keys, S);
+                Matrix<T> O(n, dv);
+                LinearState<T> state;
+                const DeltaOptions base{.normalize_keys = normalize_keys};
+                if (gated)
+                    recurrent_delta_rule_attention(Q, K, V, B, G, O, base, &state);
+                else
+                    recurrent_delta_rule_attention(Q, K, V, B, O, base, &state);
+                check_close(O, expected, tol);
+                check_close(state.mu, S, tol);
+                for (const Index chunk : {1, 7, 16, 64}) {
+                    INFO("chunk " << chunk);
+                    DeltaOptions options = base;
+                    options.chunk_size = chunk;
+                    const Index cut = (2 * n) / 5;
+                    LinearState<T> carried;
+                    Matrix<T> chunked(n, dv);
+                    const auto run = [&](Index first, Index count) {
+                        if (gated)
+                            chunked_delta_rule_attention(Q.middleRows(first, count), K.middleRows(first, count),
+                                                         V.middleRows(first, count), B.middleRows(first, count),
+                                                         G.middleRows(first, count), chunked.middleRows(first, count),
+                                                         options, &carried);
+                        else
+                            chunked_delta_rule_attention(Q.middleRows(first, count), K.middleRows(first, count),
+                                                         V.middleRows(first, count), B.middleRows(first, count),
+                                                         chunked.middleRows(first, count), options, &carried);
+                    };
+                    run(0, cut);
+                    run(cut, n - cut);
+                    check_close(chunked, to_double(O), tol);
+                    check_close(carried.mu, to_double(state.mu), tol);
+                }
+            }
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("Delta rule: beta 0 leaves the state, beta 1 with unit keys overwrites exactly", "[delta]", float,
+                   double) {
+    using T = TestType;
+    const Index n = 30, d = 8, dv = 5;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
+    for (const bool chunked : {false, true}) {
+        INFO("chunked " << chunked);
+        LinearState<T> state;
+        Matrix<T> O(n, dv);
+        const auto run = [&](const auto& q, const auto& k, const auto& v, const auto& b, auto&& o) {
+            if (chunked)
+                chunked_delta_rule_attention(q, k, v, b, o, {.chunk_size = 7, .normalize_keys = true}, &state);
+            else
+                recurrent_delta_rule_attention(q, k, v, b, o, {.normalize_keys = true}, &state);
+        };
+        run(Q, K, V, betas<T>(n, 4), O);
+        const Matrix<T> before = state.mu;
+        run(Q, K, V, Matrix<T>::Zero(n, 1), O);  // β = 0: nothing is written
+        CHECK(state.mu.isApprox(before, T(10) * std::numeric_limits<T>::epsilon()));
+        check_close(O, to_double(Q * before), tolerance<T>());
+        // β = 1: the key now reads back exactly its value, whatever the state held.
+        const Matrix<T> k = unit_rows<T>(random_matrix<T>(1, d, 9)), v = random_matrix<T>(1, dv, 10);
+        Matrix<T> o(1, dv);
+        run(k, k, v, Matrix<T>::Ones(1, 1), o);
+        check_close(o, to_double(v), tolerance<T>() * 10);
+        check_close(k * state.mu, to_double(v), tolerance<T>() * 10);
+    }
+}
+
+TEST_CASE("Gated and delta kernels: 10^6 tokens in float stay within 1e-3 of double", "[gated][delta][long]") {
+    const Index n = 1000000, d = 4, dv = 4;
+    const Matrix<float> Q = random_matrix<float>(n, d, 1).cwiseAbs(), K = random_matrix<float>(n, d, 2).cwiseAbs();
+    const Matrix<float> V = random_matrix<float>(n, dv, 3), G = log_gates<float>(n, 1, 4, 0.02);
+    const Matrix<double> Qd = Q.cast<double>(), Kd = K.cast<double>(), Vd = V.cast<double>(), Gd = G.cast<double>();
+    Matrix<float> O(n, dv);
+    Matrix<double> Od(n, dv);
+    chunked_gated_linear_attention(Q, K, V, G, O, {.chunk_size = 64});
+    recurrent_gated_linear_attention(Qd, Kd, Vd, Gd, Od);
+    CHECK((O.cast<double>() - Od).cwiseAbs().maxCoeff() <= 1e-3 * std::max(1.0, Od.cwiseAbs().maxCoeff()));
+    recurrent_gated_linear_attention(Q, K, V, G, O);
+    CHECK((O.cast<double>() - Od).cwiseAbs().maxCoeff() <= 1e-3 * std::max(1.0, Od.cwiseAbs().maxCoeff()));
+    const Matrix<float> B = betas<float>(n, 5);
+    const Matrix<double> Bd = B.cast<double>();
+    recurrent_delta_rule_attention(Qd, Kd, Vd, Bd, Od, {.normalize_keys = true});
+    chunked_delta_rule_attention(Q, K, V, B, O, {.normalize_keys = true});
+    CHECK((O.cast<double>() - Od).cwiseAbs().maxCoeff() <= 1e-3 * std::max(1.0, Od.cwiseAbs().maxCoeff()));
+    recurrent_delta_rule_attention(Q, K, V, B, O, {.normalize_keys = true});
+    CHECK((O.cast<double>() - Od).cwiseAbs().maxCoeff() <= 1e-3 * std::max(1.0, Od.cwiseAbs().maxCoeff()));
+}
+
+TEMPLATE_TEST_CASE("Gated and delta memories: decode and prefill equal the kernels; bad gates change nothing",
+                   "[gated][delta][memory]", float, double) {
+    using T = TestType;
+    const Index n = 50, d = 6, dv = 4;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1).cwiseAbs(), K = random_matrix<T>(n, d, 2).cwiseAbs() * T(0.5);
+    const Matrix<T> V = random_matrix<T>(n, dv, 3), B = betas<T>(n, 4), G1 = log_gates<T>(n, 1, 5),
+                    Gd = log_gates<T>(n, d, 6);
+    const auto check_memory = [&](auto make, const Matrix<T>& keys, const Matrix<T>& expected) {
+        auto decoded = make(), prefilled = make(), split = make();
+        Matrix<T> O(n, dv);
+        decode(decoded, Q, keys, V, O);
+        check_close(O, to_double(expected), tolerance<T>() * 10);
+        prefill(prefilled, Q, keys, V, O);
+        check_close(O, to_double(expected), tolerance<T>() * 10);
+        const Index cut = 17;
+        memattn::extend(split, keys.topRows(cut), V.topRows(cut));
+        prefill(split, Q.bottomRows(n - cut), keys.bottomRows(n - cut), V.bottomRows(n - cut), O.bottomRows(n - cut));
+        check_close(O.bottomRows(n - cut), to_double(expected.bottomRows(n - cut)), tolerance<T>() * 10);
+        CHECK(split.length() == n);
+        // A bad gate (positive log-gate, β outside [0, 1]) throws and changes nothing.
+        Matrix<T> bad = keys.topRows(1);
+        bad(0, bad.cols() - 1) = T(0.5);
+        if (bad.cols() == d + 1 && std::is_same_v<decltype(make()), DeltaRuleMemory<T>>)
+            bad(0, d) = T(1.5);
+        std::ostringstream before;
+        save(decoded, before);
+        CHECK_THROWS_AS(decoded.update(bad.row(0), V.row(0)), std::invalid_argument);
+        Matrix<T> o1(1, dv);
+        CHECK_THROWS_AS(prefill(decoded, Q.topRows(1), bad, V.topRows(1), o1), std::invalid_argument);
+        std::ostringstream after;
+        save(decoded, after);
+        CHECK(before.str() == after.str());
+        // and a snapshot resumes it exactly
+        auto resumed = make();
+        std::istringstream in(before.str());
+        load(resumed, in);
+        Vector<T> a(dv), b(dv);
+        decoded.attend(Q.row(0), a);
+        resumed.attend(Q.row(0), b);
+        CHECK(a == b);
+    };
+    Matrix<T> expected(n, dv);
+    recurrent_gated_linear_attention(Q, K, V, G1, expected);
+    Matrix<T> keys(n, d + 1);
+    keys << K, G1;
+    check_memory([&] { return GatedLinearAttentionMemory<T>(d, dv); }, keys, expected);
+    recurrent_gated_linear_attention(Q, K, V, Gd, expected, {.normalize = false});
+    Matrix<T> channel_keys(n, 2 * d);
+    channel_keys << K, Gd;
+    check_memory([&] { return GatedLinearAttentionMemory<T>(d, dv, GateKind::channel, {.normalize = false}); },
+                 channel_keys, expected);
+    recurrent_delta_rule_attention(Q, K, V, B, expected, {.chunk_size = 16, .normalize_keys = true});
+    keys << K, B;
+    check_memory([&] { return DeltaRuleMemory<T>(d, dv, {.chunk_size = 16, .normalize_keys = true}); }, keys,
+                 expected);
+    recurrent_delta_rule_attention(Q, K, V, B, G1, expected);
+    Matrix<T> gated_keys(n, d + 2);
+    gated_keys << K, B, G1;
+    check_memory([&] { return DeltaRuleMemory<T>(d, dv, {.chunk_size = 5}, true); }, gated_keys, expected);
+    static_assert(Memory<DeltaRuleMemory<T>> && Snapshottable<GatedLinearAttentionMemory<T>>);
+}
+
+TEST_CASE("Gated and delta kernels: bad input names the function, the argument and the shapes", "[gated][delta]") {
+    const Matrix<float> Q = Matrix<float>::Zero(5, 3), V = Matrix<float>::Zero(5, 2);
+    Matrix<float> O(5, 2), G = Matrix<float>::Zero(5, 1);
+    G(2, 0) = 0.5f;
+    CHECK_THROWS_WITH(chunked_gated_linear_attention(Q, Q, V, G, O),
+                      Catch::Matchers::Contains("chunked_gated_linear_attention") &&
+                          Catch::Matchers::Contains("log_gates") && Catch::Matchers::Contains("0.5"));
+    CHECK_THROWS_WITH(recurrent_gated_linear_attention(Q, Q, V, Matrix<float>::Zero(5, 2), O),
+                      Catch::Matchers::Contains("expected 5x1 (a gate per token) or 5x3"));
+    CHECK_THROWS_WITH(chunked_gated_linear_attention(Q, Q, V, Matrix<float>::Zero(5, 1), O, {.decay = 0.9}),
+                      Catch::Matchers::Contains("options.decay"));
+    CHECK_THROWS_WITH(chunked_delta_rule_attention(Q, Q, V, Matrix<float>::Constant(5, 1, 2.f), O),
+                      Catch::Matchers::Contains("beta") && Catch::Matchers::Contains("expected a value in [0, 1]"));
+    CHECK_THROWS_WITH(recurrent_delta_rule_attention(Q, Q, V, Matrix<float>::Zero(4, 1), O),
+                      Catch::Matchers::Contains("expected 5x1"));
+    CHECK_THROWS_AS(chunked_delta_rule_attention(Q, Q, V, Matrix<float>::Zero(5, 1), O, {.chunk_size = 0}),
+                    std::invalid_argument);
+}
+
+TEST_CASE("Gated and delta memories in a MultiHead layer: gates per head", "[gated][delta][multihead]") {
+    const Index d = 4, dv = 3, n = 20;
+    const HeadLayout layout{.q_heads = 4, .kv_heads = 2, .head_dim = d, .value_dim = dv};
+    // Packed key rows: per KV head [k | β | log g].
+    const Matrix<float> Q = random_matrix<float>(n, 4 * d, 1);
+    Matrix<float> keys(n, 2 * (d + 2));
+    for (Index h = 0; h < 2; ++h)
+        keys.middleCols(h * (d + 2), d + 2) << random_matrix<float>(n, d, 2 + h), betas<float>(n, 4 + h),
+            log_gates<float>(n, 1, 6 + h);
+    const Matrix<float> V = random_matrix<float>(n, 2 * dv, 8);
+    MultiHead<DeltaRuleMemory<float>> layer(layout, [](Index) {
+        return DeltaRuleMemory<float>(d, dv, {.normalize_keys = true}, true);
+    });
+    CHECK(layer.key_dim() == 2 * (d + 2));
+    Matrix<float> O(n, 4 * dv), by_prefill(n, 4 * dv);
+    decode(layer, Q, keys, V, O);
+    auto other = MultiHead<DeltaRuleMemory<float>>(layout, [](Index) {
+        return DeltaRuleMemory<float>(d, dv, {.normalize_keys = true}, true);
+    });
+    prefill(other, Q, keys, V, by_prefill);
+    check_close(by_prefill, to_double(O), 1e-5);
+    for (Index h = 0; h < 4; ++h) {
+        const Index kv = h / 2;
+        DeltaRuleMemory<float> head(d, dv, {.normalize_keys = true}, true);
+        Matrix<float> expected(n, dv);
+        decode(head, Q.middleCols(h * d, d), keys.middleCols(kv * (d + 2), d + 2), V.middleCols(kv * dv, dv),
+               expected);
+        check_close(O.middleCols(h * dv, dv), to_double(expected), 1e-5);
+    }
+    MultiHead<GatedLinearAttentionMemory<float>> gated(
+        {.q_heads = 2, .kv_heads = 2, .head_dim = d, .value_dim = dv},
+        [](Index) { return GatedLinearAttentionMemory<float>(d, dv, GateKind::channel); });
+    CHECK(gated.key_dim() == 2 * 2 * d);
+    CHECK_THROWS_WITH((MultiHead<DeltaRuleMemory<float>>(layout, [](Index h) { return DeltaRuleMemory<float>(d, dv, {}, h == 1); })),
+                      Catch::Matchers::Contains("has key_dim 6, expected 5 as make(0)"));
+}
