@@ -1,5 +1,6 @@
-// A user's translation unit that instantiates every kernel and every memory of memattn
-// for float and double. The build compiles it with -Wall -Wextra -Wpedantic -Werror for
+// A user's translation unit that instantiates every kernel and every memory of memattn:
+// the kernels and the plain caches for float and double, the rest (the same template code
+// in either scalar) for float. The build compiles it with -Wall -Wextra -Wpedantic -Werror for
 // the default target, x86-64-v3 (AVX2) and x86-64-v4 (AVX-512), so a warning that
 // memattn's headers cause in a user's optimised build on any of them fails the build.
 // It is compiled, not run: it needs only to instantiate, so it works on any CPU.
@@ -97,31 +98,33 @@ void everything(memattn::Index n, memattn::Index d) {
         linear_forms<T>(x, out, memattn::Relu{});
         linear_forms<T>(x, out, memattn::Taylor2{});
     }
-    layer<T>(x, out, d);
-
     use_memory(memattn::KVCache<T>(d, d), x, out);
     use_memory(memattn::SlidingWindowCache<T>(d, d, 4, 1), x, out);
-    use_memory(memattn::MovingAverageCache<T>(d, d, 4), x, out);
-    use_memory(memattn::MovingAverageCache<T>(d, d, 0), x, out);
-    use_memory(memattn::MovingAverageCache<T>::exponential(d, d, T(0.5)), x, out);
-    use_memory(memattn::HybridCache<T>(d, d, 4, 2, 3), x, out);
-    use_memory(memattn::HybridCache<T, memattn::MaxPool>(d, d, 4, 2, 3), x, out);
-    use_memory(memattn::HybridCache<T, memattn::WeightedPool>(d, d, 4, 2, 3, T(0), memattn::WeightedPool({0.5, 0.5})),
-               x, out);
-    // Compact K/V storage: every conversion path of the instruction set (float only: the
-    // double paths are the portable ones, and compile time is the cost here).
+    // The rest is the same template code in double as in float (no double-only packet
+    // path): float alone, since compile time is the cost of this unit.
     if constexpr (std::is_same_v<T, float>) {
-        use_memory(memattn::KVCache<T, Eigen::bfloat16>(d, d), x, out);
-        use_memory(memattn::KVCache<T, Eigen::half>(d, d), x, out);
-        use_memory(memattn::KVCache<T, memattn::Q8>(d, d), x, out);
-        use_memory(memattn::SlidingWindowCache<T, Eigen::half>(d, d, 4, 1), x, out);
-        use_memory(memattn::HybridCache<T, memattn::MeanPool, memattn::Q8>(d, d, 4, 2, 3), x, out);
-        // The gated and delta-rule recurrences: both forms through their memories' decode
-        // (recurrent) and prefill (chunked), keys widened by their gate columns.
-        const memattn::Matrix<T> gated_keys = memattn::Matrix<T>::Zero(x.rows(), d + 2);
-        use_memory(memattn::DeltaRuleMemory<T>(d, d, {}, true), x, gated_keys, out);
-        use_memory(memattn::GatedLinearAttentionMemory<T>(d, d, memattn::GateKind::scalar), x, gated_keys.leftCols(d + 1),
-                   out);
+        layer<T>(x, out, d);
+        use_memory(memattn::MovingAverageCache<T>(d, d, 4), x, out);
+        use_memory(memattn::MovingAverageCache<T>(d, d, 0), x, out);
+        use_memory(memattn::MovingAverageCache<T>::exponential(d, d, T(0.5)), x, out);
+        use_memory(memattn::HybridCache<T>(d, d, 4, 2, 3), x, out);
+        use_memory(memattn::HybridCache<T, memattn::MaxPool>(d, d, 4, 2, 3), x, out);
+        use_memory(memattn::HybridCache<T, memattn::WeightedPool>(d, d, 4, 2, 3, T(0), memattn::WeightedPool({0.5, 0.5})),
+                   x, out);
+        // Compact K/V storage: every conversion path of the instruction set.
+        {
+            use_memory(memattn::KVCache<T, Eigen::bfloat16>(d, d), x, out);
+            use_memory(memattn::KVCache<T, Eigen::half>(d, d), x, out);
+            use_memory(memattn::KVCache<T, memattn::Q8>(d, d), x, out);
+            use_memory(memattn::SlidingWindowCache<T, Eigen::half>(d, d, 4, 1), x, out);
+            use_memory(memattn::HybridCache<T, memattn::MeanPool, memattn::Q8>(d, d, 4, 2, 3), x, out);
+            // The gated and delta-rule recurrences: both forms through their memories' decode
+            // (recurrent) and prefill (chunked), keys widened by their gate columns.
+            const memattn::Matrix<T> gated_keys = memattn::Matrix<T>::Zero(x.rows(), d + 2);
+            use_memory(memattn::DeltaRuleMemory<T>(d, d, {}, true), x, gated_keys, out);
+            use_memory(memattn::GatedLinearAttentionMemory<T>(d, d, memattn::GateKind::scalar), x, gated_keys.leftCols(d + 1),
+                       out);
+        }
     }
 }
 
