@@ -213,6 +213,56 @@ TEMPLATE_TEST_CASE("tile_product: every blocking gives the plain product, bit fo
     CHECK(C == (blocked_product<T, detail::Blocking<1, 1>>(A, transposed_a, Bm, C0, scale)));
 }
 
+/// Rows r of a band: terms [r − 9, r + 3) of the depth and columns [r, r + 2·lanes),
+/// clipped, the shape of the masked tiles' diagonals.
+struct TestBand {
+    Index depth, cols, lanes;
+    [[nodiscard]] detail::Range terms_of(Index r) const {
+        return {std::clamp<Index>(r - 9, 0, depth), std::clamp<Index>(r + 3, 0, depth)};
+    }
+    [[nodiscard]] detail::Range columns_of(Index r) const { return {std::min(r, cols), std::min(r + 2 * lanes, cols)}; }
+    [[nodiscard]] detail::Range terms(Index row, Index rows, Index) const {
+        return {terms_of(row).first, terms_of(row + rows - 1).end};
+    }
+    [[nodiscard]] detail::Range columns(Index row, Index rows, Index) const {
+        return {columns_of(row).first, columns_of(row + rows - 1).end};
+    }
+};
+
+TEMPLATE_TEST_CASE("tile_product: a banded product skips only zero terms and the columns outside its band",
+                   "[softmax][tile]", float, double) {
+    using T = TestType;
+    constexpr Index lanes = detail::packet_lanes<T>;
+    const Index rows = GENERATE(Index(1), Index(7), Index(40)), depth = GENERATE(Index(0), Index(5), Index(33));
+    const Index cols = GENERATE_COPY(Index(1), 3 * lanes + 1, 6 * lanes);
+    const TestBand band{depth, cols, lanes};
+    Matrix<T> A = random_matrix<T>(rows, depth, 7);
+    for (Index r = 0; r < rows; ++r)  // A is zero outside each row's terms
+        for (Index k = 0; k < depth; ++k)
+            if (k < band.terms_of(r).first || k >= band.terms_of(r).end)
+                A(r, k) = T(0);
+    const Matrix<T> Bm = random_matrix<T>(depth, cols, 8), C0 = random_matrix<T>(rows, cols, 9);
+    std::vector<T> alpha(static_cast<std::size_t>(rows), T(0.75));
+    Matrix<T> dense = C0, banded = C0;
+    detail::tile_product<T>(rows, cols, depth, A.data(), depth, 1, Bm.data(), cols, dense.data(), cols, alpha.data());
+    detail::tile_product<T>(rows, cols, depth, A.data(), depth, 1, Bm.data(), cols, banded.data(), cols, alpha.data(),
+                            band);
+    constexpr Index strip = detail::DefaultBlocking::rows;
+    for (Index r = 0; r < rows; ++r) {
+        // Row r's band holds the product; a strip writes the hull of its rows' bands
+        // rounded out to whole packets, and no other column.
+        const auto [first, end] = band.columns_of(r);
+        const Index s0 = r / strip * strip, s1 = std::min(s0 + strip, rows);
+        const detail::Range written = band.columns(s0, s1 - s0, cols);
+        for (Index j = 0; j < cols; ++j) {
+            if (j >= first && j < end)
+                CHECK(banded(r, j) == dense(r, j));
+            else if (j < written.first / lanes * lanes || j >= detail::round_up(written.end, lanes))
+                CHECK(banded(r, j) == C0(r, j));
+        }
+    }
+}
+
 /// The kernel with blocking B on views and the default tiles.
 template <class T, class B>
 Matrix<T> kernel_with_blocking(const Matrix<T>& Q, const Matrix<T>& K, const Matrix<T>& V, SoftmaxOptions options,

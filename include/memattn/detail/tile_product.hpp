@@ -24,6 +24,11 @@
 //   4 × 3, 3 × 4 (spill past 16)        37–44          2 × 4   46
 // A core with one 256-bit FMA port (Zen 1, latency 5) needs only 5 chains; there 4 × 2
 // matched Eigen's GEMM, and 6 × 2 keeps more than enough.
+// A banded product (Band) computes, for each strip of rows, only a range of columns and
+// a range of depth terms: the masked tiles of the softmax kernel skip the pairs that
+// cross the diagonal or the window's edge. Columns outside a strip's range (rounded out
+// to whole packets) are not written; terms outside its depth range are not added, which
+// changes no bit when their A coefficients are zero (x + 0·b is x for every finite b).
 // Rows left over below a micro-tile take a micro-tile of exactly that many rows, whole
 // packets of columns left over a block of exactly that many packets, and lanes left
 // over the same code instantiated with the scalar as its "packet". Every element of
@@ -33,6 +38,7 @@
 #include "memattn/detail/packet.hpp"
 #include "memattn/types.hpp"
 
+#include <algorithm>
 #include <utility>
 
 namespace memattn::detail {
@@ -55,6 +61,20 @@ inline constexpr int vector_registers = 16;
 
 /// The blocking for this instruction set (measurements at the top of the file).
 using DefaultBlocking = std::conditional_t<(vector_registers >= 32), Blocking<6, 4>, Blocking<6, 2>>;
+
+/// n rounded up to a multiple of m.
+constexpr Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
+
+/// A half-open range [first, end) of columns or depth terms.
+struct Range {
+    Index first, end;
+};
+
+/// The band of a dense product: every strip takes every column and the whole depth.
+struct WholeStrip {
+    static constexpr Range columns(Index /*row*/, Index /*rows*/, Index cols) { return {0, cols}; }
+    static constexpr Range terms(Index /*row*/, Index /*rows*/, Index depth) { return {0, depth}; }
+};
 
 /// f.template operator()<n>() for a run-time n in [1, Max]: the leftover rows and packets
 /// of a product get a micro-tile of exactly their size.
@@ -119,29 +139,37 @@ inline void row_strip(Index cols, Index depth, const T* a, Index a_row, Index a_
 }
 
 /// C = diag(row_scale)·C + A·B, or C = A·B when row_scale is null, or C += A·B when it
-/// is null and Accumulate is set (see the top of the file).
-template <class T, class B = DefaultBlocking, bool Accumulate = false>
+/// is null and Accumulate is set (see the top of the file). The strip of rows [r, r + R)
+/// computes only columns band.columns(r, R, cols) and terms band.terms(r, R, depth).
+template <class T, class B = DefaultBlocking, bool Accumulate = false, class Band = WholeStrip>
 void tile_product(Index rows, Index cols, Index depth, const T* a, Index a_row, Index a_k, const T* b, Index ldb,
-                  T* c, Index ldc, const T* row_scale) {
+                  T* c, Index ldc, const T* row_scale, const Band& band = {}) {
     if (rows == 0 || cols == 0)
         return;
     if (depth == 0) {  // C = α ⊙ C or 0 or unchanged: A and B are not read, and may be empty (null)
         a = b = c;
         a_row = a_k = ldb = 0;
     }
+    constexpr Index lanes = packet_lanes<T>;
+    const auto strip = [&]<int R>(Index r) {
+        const Range columns = band.columns(r, R, cols), terms = band.terms(r, R, depth);
+        const Index c0 = columns.first / lanes * lanes, c1 = std::min(cols, round_up(columns.end, lanes));
+        if (c0 >= c1)
+            return;
+        const Index k0 = std::min(terms.first, terms.end);
+        row_strip<R, B::packets, Accumulate>(c1 - c0, terms.end - k0, a + r * a_row + k0 * a_k, a_row, a_k,
+                                             b + k0 * ldb + c0, ldb, c + r * ldc + c0, ldc,
+                                             row_scale ? row_scale + r : nullptr);
+    };
     // Row strips outermost: a strip of A (Rows × depth) stays in registers and L1 while
     // it meets every column of B; the callers' B (Qᵀ of a query tile, a V tile) is the
     // operand that fits in L1 and is reused by every strip.
     Index r = 0;
     for (; r + B::rows <= rows; r += B::rows)
-        row_strip<B::rows, B::packets, Accumulate>(cols, depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc, ldc,
-                                                   row_scale ? row_scale + r : nullptr);
+        strip.template operator()<B::rows>(r);
     if constexpr (B::rows > 1) {
         if (r < rows)
-            dispatch<B::rows - 1>(rows - r, [&]<int L>() {
-                row_strip<L, B::packets, Accumulate>(cols, depth, a + r * a_row, a_row, a_k, b, ldb, c + r * ldc, ldc,
-                                                     row_scale ? row_scale + r : nullptr);
-            });
+            dispatch<B::rows - 1>(rows - r, [&]<int L>() { strip.template operator()<L>(r); });
     }
 }
 

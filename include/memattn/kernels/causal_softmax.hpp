@@ -116,9 +116,6 @@ constexpr SoftmaxTiles default_tiles(Index window) {
 /// window near the largest Index.
 constexpr Index effective_window(Index window, Index keys) { return window >= keys ? 0 : window; }
 
-/// Round n up to a multiple of m.
-constexpr Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
-
 /// The scratch of the tiled kernel (see the top of the file), allocated once and reused
 /// by every call on the same d, dv and tiles: a multi-head call keeps one per thread.
 template <class T>
@@ -246,22 +243,94 @@ private:
     void attend_key_tile(Index j0, Index n) {
         const Index d = k_.cols(), dv = v_.cols();
         // Sᵀ = K_tile · (log2(e)·scale·Q_tile)ᵀ, keys × queries.
+        // A tile that crosses the diagonal or the window's edge computes, per strip of
+        // keys, only the query lanes that see one of them (the rest is masked below).
         const auto [keys, ldk] = k_.tile(j0, n);
-        tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr);
         const bool masked = !fully_visible(j0, n);
-        if (masked)
+        if (masked) {
+            tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr,
+                               LanesSeeingKeys{*this, j0});
             mask(j0, n);
+        } else {
+            tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr);
+        }
         state_.absorb(s_.data(), n, lanes_, cols_);  // m, sum, α; Sᵀ becomes Pᵀ
         // acc = α ⊙ acc + P · V_tile: A(r, k) = Pᵀ(k, r) is read with strides (1, lanes).
         // A masked weight is 0, and 0 · ∞ = NaN: where V_tile is not all finite, a masked
         // tile goes query by query over the keys each one sees (O(n·dv) to check, against
         // O(lanes·n·dv) for the product), so a bad value poisons only the queries that see it.
         const auto [values, ldv] = v_.tile(j0, n);
-        if (masked && !finite_values(values, ldv, n))
-            accumulate_visible_keys(j0, n, values, ldv);
-        else
+        // A masked tile's strips of queries skip the keys none of them sees: their weights
+        // are 0, and x + 0·v is x.
+        if (!masked)
             tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, values, ldv, acc_.data(), dv, state_.alpha());
+        else if (finite_values(values, ldv, n))
+            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, values, ldv, acc_.data(), dv, state_.alpha(),
+                               KeysSeenByLanes{*this, j0, n});
+        else
+            accumulate_visible_keys(j0, n, values, ldv);
     }
+
+    /// Query lanes [first, end) that see key j: j ≤ p0 + i and, unless j is a sink,
+    /// p0 + i < j + window.
+    [[nodiscard]] Range lanes_seeing(Index j) const {
+        const Index first = std::clamp<Index>(j - p0_, 0, cols_);
+        const Index end = window_ == 0 || j < sinks_ ? cols_ : std::clamp<Index>(j + window_ - p0_, first, cols_);
+        return {first, end};
+    }
+
+    /// The keys of [j0, j0 + n) that lane i sees lie in [first, end), relative to j0
+    /// (empty when it sees none): the sinks below its window, then (p − window, p].
+    [[nodiscard]] Range keys_seen(Index i, Index j0, Index n) const {
+        const Index p = p0_ + i;
+        const Index window_begin = window_ == 0 ? 0 : std::max<Index>(0, p - window_ + 1);
+        Index first = n, end = 0;
+        const Index sink_end = std::min({sinks_, window_begin, j0 + n});
+        if (sink_end > j0) {
+            first = 0;
+            end = sink_end - j0;
+        }
+        const Index w0 = std::max(window_begin, j0), w1 = std::min(p + 1, j0 + n);
+        if (w0 < w1) {
+            first = std::min(first, w0 - j0);
+            end = std::max(end, w1 - j0);
+        }
+        return {first, end};
+    }
+
+    /// The band of Sᵀ = K_tile · Qᵀ on a masked tile: a strip of keys takes the lanes
+    /// that see one of its keys.
+    struct LanesSeeingKeys {
+        const TiledCausalSoftmax& kernel;
+        Index j0;
+        [[nodiscard]] Range columns(Index row, Index rows, Index) const {
+            Range hull{kernel.cols_, 0};
+            for (Index j = j0 + row; j < j0 + row + rows; ++j) {
+                const Range r = kernel.lanes_seeing(j);
+                if (r.first < r.end)
+                    hull = {std::min(hull.first, r.first), std::max(hull.end, r.end)};
+            }
+            return hull;
+        }
+        static constexpr Range terms(Index, Index, Index depth) { return {0, depth}; }
+    };
+
+    /// The band of acc = α ⊙ acc + P·V_tile on a masked tile: a strip of query lanes
+    /// takes the keys one of them sees.
+    struct KeysSeenByLanes {
+        const TiledCausalSoftmax& kernel;
+        Index j0, n;
+        static constexpr Range columns(Index, Index, Index cols) { return {0, cols}; }
+        [[nodiscard]] Range terms(Index row, Index rows, Index) const {
+            Range hull{n, 0};
+            for (Index i = row; i < row + rows; ++i) {
+                const Range r = kernel.keys_seen(i, j0, n);
+                if (r.first < r.end)
+                    hull = {std::min(hull.first, r.first), std::max(hull.end, r.end)};
+            }
+            return hull.first < hull.end ? hull : Range{0, 0};
+        }
+    };
 
     /// Every value of the n rows at `values` is finite: 0·x is 0, or NaN for ±∞ and NaN,
     /// and a sum keeps NaN. A vectorised reduction (Eigen's allFinite is a scalar loop here).
@@ -302,12 +371,10 @@ private:
     void mask(Index j0, Index n) {
         constexpr T minus_inf = -std::numeric_limits<T>::infinity();
         for (Index jj = 0; jj < n; ++jj) {
-            const Index j = j0 + jj;
-            const Index first = std::clamp<Index>(j - p0_, 0, cols_);
-            const Index end = window_ == 0 || j < sinks_ ? cols_ : std::clamp<Index>(j + window_ - p0_, first, cols_);
+            const Range seen = lanes_seeing(j0 + jj);
             T* row = s_.data() + jj * lanes_;
-            std::fill(row, row + first, minus_inf);
-            std::fill(row + end, row + cols_, minus_inf);
+            std::fill(row, row + seen.first, minus_inf);
+            std::fill(row + seen.end, row + cols_, minus_inf);
         }
     }
 
