@@ -213,6 +213,20 @@ TEMPLATE_TEST_CASE("tile_product: every blocking gives the plain product, bit fo
     CHECK(C == (blocked_product<T, detail::Blocking<1, 1>>(A, transposed_a, Bm, C0, scale)));
 }
 
+TEMPLATE_TEST_CASE("transpose: register blocks and edges equal Eigen's transpose", "[tile]", float, double) {
+    using T = TestType;
+    constexpr Index lanes = detail::packet_lanes<T>;
+    const Index rows = GENERATE_COPY(Index(0), Index(1), lanes - 1, lanes, 2 * lanes + 3);
+    const Index cols = GENERATE_COPY(Index(1), lanes, 3 * lanes + 1);
+    if (rows < 0)
+        return;
+    const Matrix<T> src = random_matrix<T>(rows, cols + 2, 11);  // row stride cols + 2
+    Matrix<T> dst = Matrix<T>::Constant(cols, rows + 1, T(7));   // row stride rows + 1
+    detail::transpose(src.data(), rows, cols, src.cols(), dst.data(), dst.cols());
+    CHECK(dst.leftCols(rows) == src.leftCols(cols).transpose());
+    CHECK((dst.col(rows).array() == T(7)).all());
+}
+
 /// Rows r of a band: terms [r − 9, r + 3) of the depth and columns [r, r + 2·lanes),
 /// clipped, the shape of the masked tiles' diagonals.
 struct TestBand {

@@ -142,6 +142,56 @@ struct ExpNonpositiveOp {
     }
 };
 
+// A SIMD type as the argument of a class template or concept drops its alignment
+// attributes, which g++ and clang warn about (Eigen silences the same warning in its own
+// headers); here only the packet's size and operations matter.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+
+/// Eigen transposes a block of `lanes` packets of P in registers (SSE, AVX and AVX-512
+/// have it for float and double).
+template <class P>
+concept HasBlockTranspose = requires(Eigen::internal::PacketBlock<P, Eigen::internal::unpacket_traits<P>::size> b) {
+    Eigen::internal::ptranspose(b);
+};
+
+/// dst(c, r) = src(r, c) for a rows × cols block (row strides src_stride, dst_stride):
+/// squares of lanes × lanes transposed in registers, the edges one scalar at a time.
+/// A copy, so every value keeps its bits. Eigen's assignment of a row-major transpose
+/// moves one scalar at a time.
+template <class T>
+void transpose(const T* src, Index rows, Index cols, Index src_stride, T* dst, Index dst_stride) {
+    using P = Packet<T>;
+    constexpr Index lanes = packet_lanes<T>;
+    Index r0 = 0;
+    if constexpr (lanes > 1 && HasBlockTranspose<P>) {
+        using namespace Eigen::internal;
+        for (; r0 + lanes <= rows; r0 += lanes) {
+            Index c0 = 0;
+            for (; c0 + lanes <= cols; c0 += lanes) {
+                PacketBlock<P, static_cast<int>(lanes)> block;
+                for (Index i = 0; i < lanes; ++i)
+                    block.packet[i] = ploadu<P>(src + (r0 + i) * src_stride + c0);
+                ptranspose(block);
+                for (Index i = 0; i < lanes; ++i)
+                    pstoreu(dst + (c0 + i) * dst_stride + r0, block.packet[i]);
+            }
+            for (Index r = r0; r < r0 + lanes; ++r)
+                for (Index c = c0; c < cols; ++c)
+                    dst[c * dst_stride + r] = src[r * src_stride + c];
+        }
+    }
+    for (Index r = r0; r < rows; ++r)
+        for (Index c = 0; c < cols; ++c)
+            dst[c * dst_stride + r] = src[r * src_stride + c];
+}
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
 }  // namespace memattn::detail
 
 template <class T>

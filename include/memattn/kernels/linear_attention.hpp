@@ -228,8 +228,14 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
         auto mu = right.topRows(f);
         auto v = right.middleRows(f, n);
         auto nu = total.head(f);
+        if (start + c < tokens) {  // the next chunk's rows towards L2 while this one computes
+            const Index next = std::min(c, tokens - start - c);
+            prefetch_rows(Q.data() + (start + c) * Q.outerStride(), next, Q.outerStride(), Q.cols());
+            prefetch_rows(K.data() + (start + c) * K.outerStride(), next, K.outerStride(), K.cols());
+            prefetch_rows(V.data() + (start + c) * V.outerStride(), next, V.outerStride(), V.cols());
+        }
         apply_features<T>(phi, K.middleRows(start, n), k);
-        keys_t.leftCols(n) = k.transpose();  // k'ᵀ, the row-major right operand of GEMM 1
+        transpose(k.data(), n, f, k.outerStride(), keys_t.data(), c);  // k'ᵀ, the right operand of GEMM 1
         v = V.middleRows(start, n);
         for (Index m = 0; m < members; ++m) {
             auto o = O.block(start, m * dv, n, dv);
