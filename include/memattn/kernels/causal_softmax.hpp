@@ -62,6 +62,28 @@
 // of the time (they run at 81 GFLOP/s on L1-resident tiles, 60 here: the K/V tiles and
 // Pᵀ come from L2), the softmax bookkeeping (max pass, 2^x, masks) 14%.
 
+// Measured again with AVX-512 (bench/causal_softmax_bench.cpp; Intel Xeon, family 6 model
+// 207, two 512-bit FMA ports, BM_FmaPeak 175–182 GFLOP/s on one core; 6 × 4 blocking,
+// medians of 3 interleaved repetitions):
+//   query tiles of 192–512 rows × key tiles of 64–256 form one plateau at 0.68–0.75 of
+//   the peak (d = 64) and 0.74–0.81 (d = 128); 80 rows 0.59–0.64, 120 rows 0.65–0.72.
+//   The full-call default, 192 × 128, sits on it.
+//   Window 512: 64 × 96 is the best of query tiles {32, 64, 96, 128, 192} × key tiles
+//   {64, 96, 128}; with banded masked tiles (below) windowed calls run at 0.83–0.93 of
+//   full ones: a query tile of 64 shares each K/V tile with fewer queries than one of
+//   192, and 11% of its pairs still cross the diagonal or the window's edge.
+//   Full calls, N ∈ {4096, 16384}: 0.69–0.70 of the peak at d = 64, 0.75–0.78 at d = 128;
+//   1.06–1.30× Eigen's GEMM on 64 × 64 tiles; 3.8–5.1× the naive version at N = 4096
+//   (15–20× under a window); double 0.45–0.49 of float. Products 78% of the time, the
+//   softmax bookkeeping 17% (d = 64).
+//
+// Banded masked tiles: a tile that crosses the diagonal or the window's edge computes,
+// per strip of 6 keys, only the query lanes that see one of them (rounded out to whole
+// packets; mask() writes −∞ into the rest), and in P·V, per strip of queries, only the
+// keys one of them sees (the weights outside are exactly 0, so no bit changes). On the
+// Xeon this made windowed calls 4–7% faster at the default tiles and 12–26% at query
+// tiles of 128–192, full ones unchanged within the noise.
+
 // Non-finite input: a NaN logit poisons the queries that see its key (the final
 // division is SoftmaxState::finish's, so its policy for a NaN sum applies); a logit of
 // −∞ is a masked key. A non-finite value in V poisons exactly the queries that see it:
@@ -95,7 +117,7 @@ namespace detail {
 /// product runs a leftover micro-tile. With 32 registers (AVX-512, 6 × 4) 64, one column
 /// block of Sᵀ. Full causal calls take three times as many (144 or 192), so that each
 /// K/V tile, read from L3 or DRAM once per query tile, serves three times the work. The
-/// AVX-512 sizes are derived from the blocking, not measured (no such core was at hand).
+/// AVX-512 sizes were measured on an Intel Xeon (see the top of the file).
 inline constexpr Index window_query_tile = vector_registers >= 32 ? 64 : 48;
 
 /// Rows of a query tile and of a key tile (measured: see the top of the file).

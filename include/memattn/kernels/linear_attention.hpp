@@ -35,6 +35,20 @@
 // Eigen GEMM doing the same FLOPs (1.7–2.0M against 1.9M tokens/s at d = 64, 0.60–0.70M
 // against 0.51M at d = 128); 0.1's Eigen products ran 1.16M and 0.42M on the same core.
 // Below 16 the per-chunk overhead wins.
+//
+// With AVX-512 (Intel Xeon, family 6 model 207, FMA peak 175 GFLOP/s on one core,
+// BM_ChunkSize, medians of 3, before the register transpose of k'ᵀ and the prefetch):
+//
+//   chunk          8     16     24     32     48     64    128
+//   d = dv = 64  1730   2884   1801   2573   2452   2340   1843   thousand tokens/s
+//   d = dv = 128  608    915    723    922    907    879    725
+//
+// 16 stays the default. Counting 4·d'·dv + 2·C·(d'+dv) FLOPs per token, the form then
+// runs at 0.36 (d = 64) and 0.40 (d = 128) of the peak (after the transpose and the
+// prefetch, which gained 2–8%), 0.63× (d = 64) and 0.82× (d = 128) one Eigen GEMM doing
+// the same FLOPs
+// (BM_GemmCeiling). What is left at d = 64: φ (elu+1, an exp per feature) and
+// the copies of V_c and k' take about a quarter of the time, the products the rest.
 
 #include "memattn/detail/assert.hpp"
 #include "memattn/detail/tile_product.hpp"
