@@ -183,6 +183,14 @@ TEMPLATE_TEST_CASE("Fixed-size memories never allocate in update, attend or exte
         check_no_allocation(HybridCache<T, WeightedPool>(16, 8, 32, 2, 8, T(0), WeightedPool({0.5, 0.5})));
     }
     SECTION("HybridCache, no slots") { check_no_allocation(HybridCache<T>(16, 8, 32, 2, 0)); }
+    SECTION("HybridCache, bfloat16 and Q8 window") {
+        check_no_allocation(HybridCache<T, MeanPool, Eigen::bfloat16>(16, 8, 32, 4, 8));
+        check_no_allocation(HybridCache<T, MeanPool, Q8>(16, 8, 32, 4, 8));
+    }
+    SECTION("SlidingWindowCache, float16 and Q8") {
+        check_no_allocation(SlidingWindowCache<T, Eigen::half>(16, 8, 64, 4));
+        check_no_allocation(SlidingWindowCache<T, Q8>(16, 8, 64, 4));
+    }
     SECTION("LinearAttentionMemory") { check_no_allocation(LinearAttentionMemory<T>(16, 8)); }
     SECTION("LinearAttentionMemory, decay, Taylor2") {
         check_no_allocation(LinearAttentionMemory<T, Taylor2>(16, 8, {}, {.decay = 0.9}));

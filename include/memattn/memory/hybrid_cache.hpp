@@ -67,7 +67,9 @@ public:
           local_(window, key_dim, value_dim),
           compressed_(slots, key_dim, value_dim),
           key_row_(compact ? key_dim : 0),
-          value_row_(compact ? value_dim : 0) {
+          value_row_(compact ? value_dim : 0),
+          key_stored_(compact ? 1 : 0, key_dim),
+          value_stored_(compact ? 1 : 0, value_dim) {
         if constexpr (detail::LimitsRate<C>)
             detail::require(rate <= compressor_.max_rate(), "HybridCache", "rate", "is ", rate,
                             ", expected <= ", compressor_.max_rate(), " (the compressor's max_rate)");
@@ -251,8 +253,8 @@ private:
     template <class K, class V>
     void compress_input(Index e, const K& key, const V& value) {
         if constexpr (compact) {
-            detail::round_trip<T, S>(key, key_row_.data(), key_dim_);
-            detail::round_trip<T, S>(value, value_row_.data(), value_dim_);
+            detail::round_trip(key, key_stored_, key_row_.data(), key_dim_);
+            detail::round_trip(value, value_stored_, value_row_.data(), value_dim_);
             compress(e, key_row_, value_row_);
         } else {
             compress(e, key, value);
@@ -280,6 +282,8 @@ private:
     detail::PairRing<T> compressed_;  ///< item g: compressed slot g, the last `slots` of them
     Vector<T> key_row_;    ///< a window pair as T on its way to a slot (compact storage only)
     Vector<T> value_row_;
+    detail::StoredRows<T, S> key_stored_;    ///< one input row as S on that way (compact storage only)
+    detail::StoredRows<T, S> value_stored_;
     Index length_ = 0;
 };
 

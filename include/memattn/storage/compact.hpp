@@ -431,9 +431,17 @@ void round_trip(const D& rows, T* out, Index ld) {
         Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>(out, rows.rows(), rows.cols(), Eigen::OuterStride<>(ld)) = rows;
     } else {
         StoredRows<T, S> stored(rows.rows(), rows.cols());
-        stored.put_rows(0, rows);
-        stored.decode_rows(0, rows.rows(), out, ld);
+        round_trip(rows, stored, out, ld);
     }
+}
+
+/// The same through a caller's scratch of at least as many rows and exactly as many
+/// columns (a memory's per-token path keeps one, so it allocates nothing).
+template <class T, class S, class D>
+void round_trip(const D& rows, StoredRows<T, S>& scratch, T* out, Index ld) {
+    MEMATTN_DASSERT(scratch.rows() >= rows.rows() && scratch.cols() == rows.cols());
+    scratch.put_rows(0, rows);
+    scratch.decode_rows(0, rows.rows(), out, ld);
 }
 
 /// Values T a single-query attend converts per step on its stack: 32 KiB.
