@@ -212,8 +212,17 @@ public:
                        SoftmaxScratch<T>& scratch)
         : q_(Q), k_(std::move(K)), v_(std::move(V)), scale_(scale), window_(window), sinks_(sinks),
           tiles_(scratch.tiles), lanes_(scratch.lanes), qt_(scratch.qt), s_(scratch.s), acc_(scratch.acc),
-          state_(scratch.state) {
+          state_(scratch.state), query_offset_(k_.rows() - q_.rows()) {
         MEMATTN_DASSERT(qt_.rows() == k_.cols() && acc_.cols() == v_.cols());
+    }
+
+    /// Query row i sits at position query_offset + i of the keys (by default Nk − Nq, the
+    /// queries continuing the keys). Any offset ≥ 0 works: keys past a query's position
+    /// are its future, and an offset past the keys' end makes every key its past (a
+    /// block of keys wholly before the queries, as in ring attention).
+    void set_query_offset(Index offset) {
+        MEMATTN_DASSERT(offset >= 0);
+        query_offset_ = offset;
     }
 
     /// Bytes of scratch one call allocates: all the extra memory it needs, whatever Nq and Nk.
@@ -226,14 +235,14 @@ public:
     void run(MatrixRef<T> O, LseSink&& lse) {
         for (Index i0 = 0; i0 < q_.rows(); i0 += tiles_.queries) {
             start_query_tile(i0, std::min(tiles_.queries, q_.rows() - i0));
-            const Index hi = p1_ + 1;                                      // keys [0, hi) are causal
+            const Index hi = std::min(p1_ + 1, k_.rows());                 // keys [0, hi) are causal
             const Index lo = window_ > 0 ? std::max<Index>(0, p0_ - window_ + 1) : 0;
             for (Index j1 = hi; j1 > lo; j1 -= tiles_.keys) {             // diagonal tile first
                 const Index j0 = std::max(lo, j1 - tiles_.keys);
                 prefetch_key_tile(std::max(lo, j0 - tiles_.keys), j0);     // the next one
                 attend_key_tile(j0, j1 - j0);
             }
-            const Index sink_end = std::min(sinks_, lo);                   // sinks below the window
+            const Index sink_end = std::min({sinks_, lo, hi});             // sinks below the window
             for (Index j0 = 0; j0 < sink_end; j0 += tiles_.keys)
                 attend_key_tile(j0, std::min(tiles_.keys, sink_end - j0));
             finish_query_tile(O, lse);
@@ -247,7 +256,7 @@ private:
         i0_ = i0;
         rows_ = rows;
         cols_ = std::min(lanes_, round_up(rows, 2 * packet_lanes<T>));
-        p0_ = k_.rows() - q_.rows() + i0;
+        p0_ = query_offset_ + i0;
         p1_ = p0_ + rows - 1;
         qt_.leftCols(rows) = (scale_ * T(1.44269504088896340735992468100)) * q_.middleRows(i0, rows).transpose();
         qt_.middleCols(rows, cols_ - rows).setZero();
@@ -422,6 +431,7 @@ private:
     Matrix<T>& s_;
     Matrix<T>& acc_;
     SoftmaxBlockState<T>& state_;
+    Index query_offset_;
     Index i0_ = 0, rows_ = 0, cols_ = 0, p0_ = 0, p1_ = 0;  // the current query tile
 };
 
@@ -477,6 +487,26 @@ template <class T, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                           MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options) {
     causal_softmax_views<T>(Q, K, V, O, lse, options, default_tiles(effective_window(options.window, K.rows())));
+}
+
+/// Queries Q at positions query_offset + i against keys K/V at positions 0, 1, ..., with
+/// the causal rule, the window and the sinks counted in those positions: one block of a
+/// longer sequence (ring attention: Q a shard, K/V another shard's pairs). Writes the
+/// block's softmax-weighted outputs into O and each row's log-sum-exp into lse[i]
+/// (−∞ and a zero row where a query sees no key of the block), which merge with other
+/// blocks' exactly (SoftmaxState). After the checks; query_offset ≥ 0.
+template <class T>
+void causal_softmax_block(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                          Index query_offset, T scale, Index window, Index sinks, MatrixRef<T> O, T* lse,
+                          SoftmaxScratch<T>& scratch) {
+    if (Q.rows() == 0)
+        return;
+    // A window longer than the farthest distance in the block limits nothing.
+    const Index span = query_offset + Q.rows();
+    TiledCausalSoftmax<T> kernel(Q, PlainRows<T>(K), PlainRows<T>(V), scale, window >= span ? 0 : window,
+                                 std::min(sinks, K.rows()), scratch);
+    kernel.set_query_offset(query_offset);
+    kernel.run(O, [lse](Index i, T value) { lse[i] = value; });
 }
 
 /// The kernel over the first `keys` rows of K and V kept in storage S (the prefill of a

@@ -1,0 +1,589 @@
+#pragma once
+// Past one machine: sequence parallelism over MPI. The one memattn header that includes
+// <mpi.h>; link the CMake target memattn::mpi (built when CMake finds MPI).
+//
+// Each of P ranks of a communicator holds a shard of one sequence: its queries, keys and
+// values (rows of Q, K, V), its outputs. Two algebraic facts make the split exact:
+//   - softmax partials over disjoint key sets merge through (max, sum, acc), i.e. through
+//     each block's normalised output and log-sum-exp (SoftmaxState);
+//   - linear-attention states compose associatively: the state after shards a then b is
+//     (γ^{n_b} μ_a + μ_b, γ^{n_b} ν_a + ν_b), with γ^{n_a + n_b} for the pair.
+//
+// distributed_causal_softmax_attention — ring attention (Liu et al. 2023, "Ring Attention
+//   with Blockwise Transformers"). The K/V shards travel around the ring of ranks, each
+//   hop a non-blocking send and receive posted before the rank works on the block it
+//   holds, so the transfer overlaps the tile work. Every (query chunk, key chunk) pair
+//   wholly in the causal future, or wholly before every query's window (and holding no
+//   sink), is skipped. Layouts:
+//     contiguous  rank r holds tokens [o_r, o_r + n_r): rank P−1 does the most work (its
+//                 queries see every earlier shard), rank 0 the least;
+//     zigzag      the sequence is cut into 2P chunks and rank r holds chunks r and
+//                 2P−1−r (its first ⌈n_r/2⌉ rows, then the rest), so every rank gets one
+//                 early and one late chunk and the causal triangle splits evenly.
+//   Communication: every rank sends every K/V block except the last it receives once
+//   around the ring, (P−1)·n·(d+dv) scalars per rank for shards of n tokens; the
+//   minimum for exact attention with the causal rule, sending each block only to the
+//   ranks whose queries see it, is (P−1−r)·n·(d+dv) for rank r (on average half).
+//
+// distributed_chunked_linear_attention — sequence-parallel linear attention (the idea of
+//   LASP, Sun et al. 2024, "Linear Attention Sequence Parallelism"): every rank but the
+//   last folds its shard into a summary (μ_r, ν_r, γ^{n_r}) from a zero state (one GEMM
+//   per chunk, the third of the chunked form's three); an exclusive scan with the
+//   composition above (MPI_Exscan with a user operation, log₂P rounds) gives each rank
+//   the state before its first token; each rank then runs the chunked form on its shard
+//   from that state. The outputs equal the single-process chunked form to rounding.
+//   Communication: one summary of d'·dv + d' + 1 doubles per rank and round of the scan,
+//   and one broadcast of the final state when a rank asks for it: independent of n.
+//
+// ShardedKVCache — a KVCache whose pairs are spread over the ranks (token t on rank
+//   t mod P): every rank calls update with the same pair and only its owner stores it;
+//   attend computes each rank's partial (max, sum, acc) over its pairs and merges the P
+//   partials in rank order after one MPI_Allgather, so every rank gets the same bits, on
+//   every run, and a step reads P machines' memory at once.
+//
+// Every function is collective over its communicator: all ranks call it, in the same
+// order. Shapes and options are checked on every rank first and compared across ranks:
+// if one rank has a bad argument, or the ranks disagree (d, dv, options), every rank
+// throws the same std::invalid_argument, so none is left waiting in a collective. A rank
+// that dies is out of scope: MPI itself then aborts or hangs the job, and memattn adds
+// no fault tolerance of its own. MPI errors are MPI's (by default they abort the job).
+// Threads: the calls go to MPI from the calling thread; attend from several threads at
+// once needs MPI_THREAD_MULTIPLE and separate communicators.
+
+#include "memattn/feature_maps.hpp"
+#include "memattn/kernels/causal_softmax.hpp"
+#include "memattn/kernels/linear_attention.hpp"
+#include "memattn/memory/kv_cache.hpp"
+#include "memattn/softmax_state.hpp"
+#include "memattn/types.hpp"
+
+// memattn uses MPI's C interface only: Open MPI's and MPICH's deprecated C++ bindings
+// stay out (they also warn under -Wextra).
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace memattn {
+
+/// How the shards of distributed_causal_softmax_attention sit in the sequence.
+enum class RingLayout {
+    contiguous,  ///< rank r holds one run of tokens, after rank r − 1's
+    zigzag       ///< rank r holds chunks r and 2P−1−r of 2P (its first ⌈n_r/2⌉ rows, then the rest)
+};
+
+namespace detail::mpi {
+
+/// The MPI type of a memattn scalar.
+template <class T>
+MPI_Datatype datatype() {
+    return std::is_same_v<T, float> ? MPI_FLOAT : MPI_DOUBLE;
+}
+
+/// The rank and the number of ranks of `comm`.
+inline std::pair<int, int> rank_size(MPI_Comm comm) {
+    int rank = 0, size = 1;
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    return {rank, size};
+}
+
+/// One named value every rank must agree on (a dimension, an option).
+struct Agreed {
+    const char* name;
+    double value;
+};
+
+/// The collective check every distributed call makes first. Each rank passes the error
+/// its own checks found (empty if none) and the values all ranks must share. If any
+/// rank has an error, every rank throws std::invalid_argument with the lowest such
+/// rank's message; else if a value differs from rank 0's, every rank throws naming the
+/// value and both ranks. One MPI_Allgather of a fixed-size record, so no rank waits.
+inline void check_collectively(MPI_Comm comm, const char* function, const std::string& error,
+                               const std::vector<Agreed>& agreed) {
+    constexpr std::size_t text = 480;
+    const auto [rank, size] = rank_size(comm);
+    const std::size_t values = agreed.size();
+    const std::size_t record = text + sizeof(double) * values;
+    std::vector<char> mine(record, 0), all(record * static_cast<std::size_t>(size));
+    std::memcpy(mine.data(), error.data(), std::min(error.size(), text - 1));
+    for (std::size_t i = 0; i < values; ++i)
+        std::memcpy(mine.data() + text + sizeof(double) * i, &agreed[i].value, sizeof(double));
+    MPI_Allgather(mine.data(), static_cast<int>(record), MPI_BYTE, all.data(), static_cast<int>(record), MPI_BYTE,
+                  comm);
+    for (int r = 0; r < size; ++r) {
+        const char* message = all.data() + record * static_cast<std::size_t>(r);
+        if (message[0] != '\0')
+            throw std::invalid_argument(std::string(message) + " (on rank " + std::to_string(r) + " of " +
+                                        std::to_string(size) + "; every rank of the call throws this)");
+    }
+    for (int r = 1; r < size; ++r)
+        for (std::size_t i = 0; i < values; ++i) {
+            double first = 0, other = 0;
+            std::memcpy(&first, all.data() + text + sizeof(double) * i, sizeof(double));
+            std::memcpy(&other, all.data() + record * static_cast<std::size_t>(r) + text + sizeof(double) * i,
+                        sizeof(double));
+            if (std::memcmp(&first, &other, sizeof(double)) != 0) {
+                std::ostringstream os;
+                os << "memattn::" << function << ": the ranks disagree: " << agreed[i].name << " is ";
+                put(os, first);
+                os << " on rank 0 and ";
+                put(os, other);
+                os << " on rank " << r << " (every rank of the call throws this)";
+                throw std::invalid_argument(os.str());
+            }
+        }
+    (void)rank;
+}
+
+/// Runs the local checks, turning the std::invalid_argument they throw into the error
+/// for check_collectively.
+template <class Checks>
+std::string local_error(Checks&& checks) {
+    try {
+        checks();
+    } catch (const std::invalid_argument& e) {
+        return e.what();
+    }
+    return {};
+}
+
+/// Every rank's value of `mine`, in rank order.
+inline std::vector<std::int64_t> all_gather(MPI_Comm comm, std::int64_t mine) {
+    const int size = rank_size(comm).second;
+    std::vector<std::int64_t> all(static_cast<std::size_t>(size));
+    MPI_Allgather(&mine, 1, MPI_INT64_T, all.data(), 1, MPI_INT64_T, comm);
+    return all;
+}
+
+/// One run of a rank's rows in the sequence: rows [row, row + rows) of the shard are
+/// tokens [start, start + rows).
+struct Chunk {
+    Index row, rows, start;
+};
+
+/// The chunks of every rank's shard for a layout, from every rank's shard length.
+inline std::vector<std::vector<Chunk>> chunks_of(const std::vector<std::int64_t>& lengths, RingLayout layout) {
+    const auto size = static_cast<Index>(lengths.size());
+    std::vector<std::vector<Chunk>> chunks(lengths.size());
+    if (layout == RingLayout::contiguous) {
+        Index start = 0;
+        for (Index r = 0; r < size; ++r) {
+            const auto n = static_cast<Index>(lengths[static_cast<std::size_t>(r)]);
+            chunks[static_cast<std::size_t>(r)].push_back({0, n, start});
+            start += n;
+        }
+        return chunks;
+    }
+    // Zigzag: chunk c < P is rank c's first part, chunk c ≥ P rank 2P−1−c's second part.
+    Index start = 0;
+    for (Index c = 0; c < 2 * size; ++c) {
+        const Index r = c < size ? c : 2 * size - 1 - c;
+        const auto n = static_cast<Index>(lengths[static_cast<std::size_t>(r)]);
+        const Index first = (n + 1) / 2;
+        const Chunk chunk = c < size ? Chunk{0, first, start} : Chunk{first, n - first, start};
+        chunks[static_cast<std::size_t>(r)].push_back(chunk);
+        start += chunk.rows;
+    }
+    return chunks;
+}
+
+/// Merges a block's normalised outputs and log-sum-exps into the running ones, row by
+/// row: o = (e^{l−m} o + e^{l_b−m} o_b) / (e^{l−m} + e^{l_b−m}), l = m + log(…), m = max.
+template <class T, class O, class OB>
+void merge_rows(O& out, T* lse, const OB& block, const T* block_lse) {
+    for (Index i = 0; i < out.rows(); ++i) {
+        const T lb = block_lse[i];
+        if (lb == -std::numeric_limits<T>::infinity())
+            continue;  // the block held no key this query sees
+        if (lse[i] == -std::numeric_limits<T>::infinity()) {
+            out.row(i) = block.row(i);
+            lse[i] = lb;
+            continue;
+        }
+        const T m = std::max(lse[i], lb);
+        const T a = std::exp(lse[i] - m), b = std::exp(lb - m);
+        const T sum = a + b;
+        out.row(i) = (a / sum) * out.row(i) + (b / sum) * block.row(i);
+        lse[i] = m + std::log(sum);
+    }
+}
+
+/// (μ, ν, γ^n) of a run of tokens in double, laid out for MPI as one record:
+/// [γ^n, d', dv, ν (d'), μ (d'×dv, row-major)].
+struct Summary {
+    static std::size_t doubles(Index features, Index dv) {
+        return static_cast<std::size_t>(3 + features + features * dv);
+    }
+};
+
+/// a ∘ b in place of b (a the earlier run): γ = γ_a γ_b, ν = γ_b ν_a + ν_b, μ = γ_b μ_a + μ_b.
+/// The user operation of MPI_Exscan (invec from the lower ranks, so earlier).
+inline void compose_summaries(void* in, void* inout, int* count, MPI_Datatype* type) {
+    int bytes = 0;
+    MPI_Type_size(*type, &bytes);
+    const std::size_t doubles = static_cast<std::size_t>(bytes) / sizeof(double);
+    for (int e = 0; e < *count; ++e) {
+        const double* a = static_cast<const double*>(in) + doubles * static_cast<std::size_t>(e);
+        double* b = static_cast<double*>(inout) + doubles * static_cast<std::size_t>(e);
+        const double gamma_b = b[0];
+        b[0] = a[0] * gamma_b;
+        for (std::size_t i = 3; i < doubles; ++i)
+            b[i] = gamma_b * a[i] + b[i];
+    }
+}
+
+}  // namespace detail::mpi
+
+/// Ring attention: O = causal softmax attention of this rank's queries over the keys and
+/// values of every rank, the shards laid out in the sequence by `layout` (see the top of
+/// the file). Q, K, V, O are this rank's shard (n_r rows each, n_r may differ between
+/// ranks and may be 0); window and sinks count positions in the whole sequence. Equals
+/// causal_softmax_attention on the whole sequence to rounding. Collective over `comm`.
+template <class DQ, class DK, class DV, detail::EigenMatrix DO>
+void distributed_causal_softmax_attention(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q,
+                                          const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, DO&& O,
+                                          const SoftmaxOptions& options = {},
+                                          RingLayout layout = RingLayout::contiguous) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn::distributed_causal_softmax_attention: the scalar type must be float or double.");
+    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
+                  "memattn::distributed_causal_softmax_attention: Q, K, V and O must have the same scalar type.");
+    constexpr const char* function = "distributed_causal_softmax_attention";
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    const std::string error = detail::mpi::local_error([&] {
+        detail::check_softmax_arguments<T>(function, detail::shape(q), detail::shape(k), detail::shape(v),
+                                           detail::shape(o), options);
+        detail::require(q.rows() == k.rows(), function, "Q", "has shape ", detail::shape(q), ", expected ", k.rows(),
+                        " rows as K (", detail::shape(k), "): each rank holds the queries of its own tokens");
+        detail::check_disjoint(function, "O", o, q, k, v);
+    });
+    const Index d = k.cols(), dv = v.cols();
+    detail::mpi::check_collectively(comm, function, error,
+                                    {{"the key dim d", static_cast<double>(d)},
+                                     {"the value dim dv", static_cast<double>(dv)},
+                                     {"options.scale", options.scale},
+                                     {"options.window", static_cast<double>(options.window)},
+                                     {"options.sinks", static_cast<double>(options.sinks)},
+                                     {"layout", static_cast<double>(layout)},
+                                     {"the scalar size", static_cast<double>(sizeof(T))}});
+    const auto [rank, size] = detail::mpi::rank_size(comm);
+    const std::vector<std::int64_t> lengths = detail::mpi::all_gather(comm, q.rows());
+    const auto chunks = detail::mpi::chunks_of(lengths, layout);
+    const auto& mine = chunks[static_cast<std::size_t>(rank)];
+    const Index longest = *std::max_element(lengths.begin(), lengths.end());
+    const Index width = d + dv;
+
+    // The block this rank holds and the one arriving: [K | V] rows, packed once.
+    Matrix<T> held(std::max<Index>(longest, 1), width), arriving(std::max<Index>(longest, 1), width);
+    held.topLeftCorner(q.rows(), d) = k;
+    held.block(0, d, q.rows(), dv) = v;
+    o.setZero();
+    Vector<T> lse = Vector<T>::Constant(q.rows(), -std::numeric_limits<T>::infinity());
+    Index block_rows = 0;
+    for (const auto& chunk : mine)
+        block_rows = std::max(block_rows, chunk.rows);
+    Matrix<T> block_out(std::max<Index>(block_rows, 1), dv);
+    Vector<T> block_lse(std::max<Index>(block_rows, 1));
+    detail::SoftmaxScratch<T> scratch(d, dv, detail::default_tiles(options.window));
+    const T scale = detail::resolve_scale(static_cast<T>(options.scale), d);
+    const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
+
+    for (int step = 0; step < size; ++step) {
+        const int origin = (rank + size - step) % size;  // whose pairs this rank holds now
+        const auto origin_rows = static_cast<Index>(lengths[static_cast<std::size_t>(origin)]);
+        std::array<MPI_Request, 2> requests{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+        if (step + 1 < size) {  // pass the block on while working on it
+            const int incoming = (rank + size - step - 1) % size;
+            const auto incoming_rows = static_cast<Index>(lengths[static_cast<std::size_t>(incoming)]);
+            MPI_Irecv(arriving.data(), static_cast<int>(incoming_rows * width), detail::mpi::datatype<T>(), previous,
+                      step, comm, &requests[0]);
+            MPI_Isend(held.data(), static_cast<int>(origin_rows * width), detail::mpi::datatype<T>(), next, step,
+                      comm, &requests[1]);
+        }
+        for (const auto& qc : mine) {
+            for (const auto& kc : chunks[static_cast<std::size_t>(origin)]) {
+                const Index offset = qc.start - kc.start;  // query 0's position among the chunk's keys
+                if (qc.rows == 0 || kc.rows == 0 || offset + qc.rows - 1 < 0)
+                    continue;  // wholly in the causal future
+                const Index sinks = std::max<Index>(0, options.sinks - kc.start);
+                if (options.window > 0 && sinks == 0 && kc.rows - 1 <= offset - options.window)
+                    continue;  // wholly before every query's window
+                // A chunk of keys after the first query (offset < 0) starts at the query
+                // that sits on its first key; the queries before it see none of it.
+                const Index skip = std::max<Index>(0, -offset);
+                const Index rows = qc.rows - skip;
+                auto out = block_out.topRows(rows);
+                detail::causal_softmax_block<T>(
+                    q.middleRows(qc.row + skip, rows), held.block(kc.row, 0, kc.rows, d),
+                    held.block(kc.row, d, kc.rows, dv), offset + skip, scale, options.window, sinks, out,
+                    block_lse.data(), scratch);
+                auto target = o.middleRows(qc.row + skip, rows);
+                detail::mpi::merge_rows(target, lse.data() + qc.row + skip, out, block_lse.data());
+            }
+        }
+        MPI_Waitall(2, requests.data(), MPI_STATUSES_IGNORE);
+        held.swap(arriving);
+    }
+}
+
+/// Sequence-parallel linear attention: the chunked form over the whole sequence, each
+/// rank computing its own shard (contiguous: rank r's tokens follow rank r − 1's; shards
+/// may differ in length and be empty). `state`, if given: on rank 0 the state before the
+/// sequence (empty = zero; the other ranks' inputs are not read), and on return, on every
+/// rank that passes one, the state after the whole sequence. Collective over `comm`.
+template <class DQ, class DK, class DV, detail::EigenMatrix DO, class Phi = EluPlusOne>
+void distributed_chunked_linear_attention(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q,
+                                          const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, DO&& O,
+                                          const Phi& phi = {}, const LinearOptions& options = {},
+                                          LinearState<typename DQ::Scalar>* state = nullptr) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn::distributed_chunked_linear_attention: the scalar type must be float or double.");
+    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
+                  "memattn::distributed_chunked_linear_attention: Q, K, V and O must share one scalar type.");
+    static_assert(FeatureMap<Phi, T>, "memattn::distributed_chunked_linear_attention: phi must be a feature map "
+                                      "for this scalar (see memattn/feature_maps.hpp).");
+    constexpr const char* function = "distributed_chunked_linear_attention";
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    const auto [rank, size] = detail::mpi::rank_size(comm);
+    Index features = 0;
+    const std::string error = detail::mpi::local_error([&] {
+        // Only rank 0's state is read: the others' shapes do not matter on the way in.
+        features = detail::check_linear_arguments<T>(function, phi, detail::shape(q), detail::shape(k),
+                                                     detail::shape(v), detail::shape(o), options,
+                                                     rank == 0 ? state : nullptr);
+        detail::require_disjoint(function, "O", o, "Q", q);
+        detail::require_disjoint(function, "O", o, "K", k);
+        detail::require_disjoint(function, "O", o, "V", v);
+    });
+    const Index dv = v.cols();
+    detail::mpi::check_collectively(comm, function, error,
+                                    {{"the key dim d", static_cast<double>(k.cols())},
+                                     {"the value dim dv", static_cast<double>(dv)},
+                                     {"the feature dim phi.output_dim(d)", static_cast<double>(features)},
+                                     {"options.chunk_size", static_cast<double>(options.chunk_size)},
+                                     {"options.eps", options.eps},
+                                     {"options.decay", options.decay},
+                                     {"options.normalize", options.normalize ? 1.0 : 0.0},
+                                     {"the scalar size", static_cast<double>(sizeof(T))}});
+    const Index tokens = q.rows();
+
+    // 1. This shard's summary from a zero state: the chunked form's fold, chunk by chunk.
+    //    The last rank's is no one's input, and it skips it.
+    const std::size_t doubles = detail::mpi::Summary::doubles(features, dv);
+    std::vector<double> summary(doubles, 0.0), carried(doubles, 0.0);
+    LinearState<T> local;
+    local.mu.setZero(features, dv);
+    local.nu.setZero(features);
+    if (rank + 1 < size) {
+        const Index c = std::min(options.chunk_size, std::max<Index>(tokens, 1));
+        const detail::ColumnVector<T> powers = detail::decay_powers<T>(options.decay, c);
+        Matrix<T> kf(c, features);
+        for (Index j0 = 0; j0 < tokens; j0 += c) {
+            const Index m = std::min(c, tokens - j0);
+            auto kc = kf.topRows(m);
+            detail::apply_features<T>(phi, k.middleRows(j0, m), kc);
+            detail::fold_chunk(kc, v.middleRows(j0, m), powers, options.decay != 1, local);
+        }
+    }
+    summary[0] = std::pow(options.decay, static_cast<double>(tokens));
+    summary[1] = static_cast<double>(features);
+    summary[2] = static_cast<double>(dv);
+    for (Index f = 0; f < features; ++f)
+        summary[static_cast<std::size_t>(3 + f)] = static_cast<double>(local.nu(f));
+    for (Index f = 0; f < features; ++f)
+        for (Index c = 0; c < dv; ++c)
+            summary[static_cast<std::size_t>(3 + features + f * dv + c)] = static_cast<double>(local.mu(f, c));
+    // Rank 0's run starts from the caller's state: fold it in front of its summary.
+    const bool has_initial = rank == 0 && state != nullptr && (state->mu.size() != 0 || state->nu.size() != 0);
+    if (has_initial) {
+        std::vector<double> initial(doubles, 0.0);
+        initial[0] = 1.0;
+        for (Index f = 0; f < features; ++f)
+            initial[static_cast<std::size_t>(3 + f)] = static_cast<double>(state->nu(f));
+        for (Index f = 0; f < features; ++f)
+            for (Index c = 0; c < dv; ++c)
+                initial[static_cast<std::size_t>(3 + features + f * dv + c)] = static_cast<double>(state->mu(f, c));
+        int count = 1;
+        MPI_Datatype type;
+        MPI_Type_contiguous(static_cast<int>(doubles), MPI_DOUBLE, &type);
+        MPI_Type_commit(&type);
+        detail::mpi::compose_summaries(initial.data(), summary.data(), &count, &type);
+        MPI_Type_free(&type);
+    }
+
+    // 2. The state before each rank's first token: an exclusive scan of the summaries.
+    MPI_Datatype type;
+    MPI_Type_contiguous(static_cast<int>(doubles), MPI_DOUBLE, &type);
+    MPI_Type_commit(&type);
+    MPI_Op compose;
+    MPI_Op_create(&detail::mpi::compose_summaries, /*commute=*/0, &compose);
+    MPI_Exscan(summary.data(), carried.data(), 1, type, compose, comm);
+    MPI_Op_free(&compose);
+    MPI_Type_free(&type);
+
+    // 3. The chunked form on this shard from that state.
+    LinearState<T> s;
+    s.mu.setZero(features, dv);
+    s.nu.setZero(features);
+    if (rank == 0) {
+        if (has_initial) {
+            s.mu = state->mu;
+            s.nu = state->nu;
+        }
+    } else {
+        for (Index f = 0; f < features; ++f)
+            s.nu(f) = static_cast<T>(carried[static_cast<std::size_t>(3 + f)]);
+        for (Index f = 0; f < features; ++f)
+            for (Index c = 0; c < dv; ++c)
+                s.mu(f, c) = static_cast<T>(carried[static_cast<std::size_t>(3 + features + f * dv + c)]);
+    }
+    detail::chunked_form(q, k, v, o, phi, options, features, s);
+
+    // 4. The final state, the last rank's, to every rank that asks (all take part).
+    Vector<T> final_state(features * dv + features);
+    if (rank == size - 1) {
+        Eigen::Map<Matrix<T>>(final_state.data(), features, dv) = s.mu;
+        final_state.tail(features) = s.nu;
+    }
+    MPI_Bcast(final_state.data(), static_cast<int>(final_state.size()), detail::mpi::datatype<T>(), size - 1, comm);
+    if (state != nullptr) {
+        state->mu = Eigen::Map<const Matrix<T>>(final_state.data(), features, dv);
+        state->nu = final_state.tail(features);
+    }
+}
+
+/// A KVCache whose pairs are spread over the ranks of a communicator: token t lives on
+/// rank t mod P. Every rank calls update (or extend) with the same pairs and only the
+/// owner stores them; attend merges every rank's partial softmax in rank order, so every
+/// rank gets the same output, bit for bit, on every run. A Memory. The constructor and
+/// attend are collective over the communicator; update and extend need no communication
+/// (a bad shape there throws on the rank that has it, and the next attend, which
+/// compares the ranks' lengths, throws on all of them).
+template <Scalar T>
+class ShardedKVCache {
+public:
+    using Scalar = T;
+
+    /// Collective: every rank passes the same dims and scale (0: 1/sqrt(key_dim)).
+    ShardedKVCache(MPI_Comm comm, Index key_dim, Index value_dim, T scale = T(0))
+        : comm_(comm), rank_size_(checked(comm, key_dim, value_dim, scale)), local_(key_dim, value_dim, scale),
+          partial_(value_dim + 3), all_(static_cast<Index>(rank_size_.second) * (value_dim + 3)) {}
+
+    [[nodiscard]] Index key_dim() const noexcept { return local_.key_dim(); }
+    [[nodiscard]] Index value_dim() const noexcept { return local_.value_dim(); }
+    /// Tokens seen since reset, on every rank.
+    [[nodiscard]] Index length() const noexcept { return length_; }
+    /// Pairs this rank holds.
+    [[nodiscard]] Index local_length() const noexcept { return local_.length(); }
+    /// Bytes this rank holds.
+    [[nodiscard]] std::size_t footprint() const noexcept { return local_.footprint(); }
+
+    /// Appends token length() to the memory: its owner stores it.
+    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
+        detail::require(key.cols() == key_dim(), "ShardedKVCache::update", "key", "has shape ", detail::shape(key),
+                        ", expected 1x", key_dim());
+        detail::require(value.cols() == value_dim(), "ShardedKVCache::update", "value", "has shape ",
+                        detail::shape(value), ", expected 1x", value_dim());
+        if (owner(length_) == rank())
+            local_.update(key, value);
+        ++length_;
+    }
+
+    /// update for each row of K/V in order.
+    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        detail::check_keys_values("ShardedKVCache::extend", *this, detail::shape(keys), detail::shape(values));
+        const int p = rank_size_.second;
+        const Index first = (rank() - owner(length_) + p) % p;  // the first row this rank owns
+        const Index mine = keys.rows() > first ? (keys.rows() - first + p - 1) / p : 0;
+        if (mine > 0) {
+            using Rows = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
+            local_.extend(Rows(keys.data() + first * keys.outerStride(), mine, key_dim(),
+                               Eigen::OuterStride<>(keys.outerStride() * p)),
+                          Rows(values.data() + first * values.outerStride(), mine, value_dim(),
+                               Eigen::OuterStride<>(values.outerStride() * p)));
+        }
+        length_ += keys.rows();
+    }
+
+    /// out = Σ_j softmax_j(scale · q·k_j) v_j over every rank's pairs; zero when empty.
+    /// Collective: one MPI_Allgather of (max, sum, length, acc) per rank.
+    void attend(ConstRowRef<T> query, RowRef<T> out) const {
+        const bool good = query.cols() == key_dim() && out.cols() == value_dim() &&
+                          !detail::overlap<T>(detail::extent(out), detail::extent(query));
+        const Index dv = value_dim();
+        SoftmaxState<T> state;
+        auto acc = partial_.tail(dv);
+        acc.setZero();
+        if (good && local_.length() > 0)
+            detail::attend_contiguous(query, local_.keys(), local_.values(), local_.scale(), state, acc);
+        // The length travels with the partial (−1 for a bad argument), so one bad rank
+        // stops them all with the same message.
+        partial_(0) = state.max;
+        partial_(1) = state.sum;
+        partial_(2) = good ? static_cast<T>(length_) : T(-1);
+        MPI_Allgather(partial_.data(), static_cast<int>(dv + 3), detail::mpi::datatype<T>(), all_.data(),
+                      static_cast<int>(dv + 3), detail::mpi::datatype<T>(), comm_);
+        for (int r = 0; r < rank_size_.second; ++r) {
+            const T length = all_(r * (dv + 3) + 2), first = all_(2);
+            detail::require(length >= 0, "ShardedKVCache::attend", "query", "or 'out' has a bad shape on rank ", r,
+                            " (expected 1x", key_dim(), " and 1x", dv, ", not overlapping)");
+            detail::require(length == first, "ShardedKVCache::attend", "length", "differs between ranks: ",
+                            static_cast<double>(first), " on rank 0, ", static_cast<double>(length), " on rank ", r);
+        }
+        SoftmaxState<T> merged;
+        out.setZero();
+        for (int r = 0; r < rank_size_.second; ++r) {
+            const T* p = all_.data() + r * (dv + 3);
+            merged.merge(SoftmaxState<T>{p[0], p[1]}, out, Eigen::Map<const Vector<T>>(p + 3, dv));
+        }
+        merged.finish(out);
+    }
+
+    /// Forgets every pair (no communication).
+    void reset() {
+        local_.reset();
+        length_ = 0;
+    }
+
+private:
+    /// The collective check of the constructor's arguments; the rank and size.
+    static std::pair<int, int> checked(MPI_Comm comm, Index key_dim, Index value_dim, T scale) {
+        const std::string error = detail::mpi::local_error([&] { KVCache<T> probe(key_dim, value_dim, scale); });
+        detail::mpi::check_collectively(comm, "ShardedKVCache", error,
+                                        {{"key_dim", static_cast<double>(key_dim)},
+                                         {"value_dim", static_cast<double>(value_dim)},
+                                         {"scale", static_cast<double>(scale)},
+                                         {"the scalar size", static_cast<double>(sizeof(T))}});
+        return detail::mpi::rank_size(comm);
+    }
+
+    [[nodiscard]] int rank() const noexcept { return rank_size_.first; }
+    [[nodiscard]] int owner(Index token) const noexcept { return static_cast<int>(token % rank_size_.second); }
+
+    MPI_Comm comm_;
+    std::pair<int, int> rank_size_;
+    KVCache<T> local_;
+    Index length_ = 0;
+    mutable Vector<T> partial_;  // [max, sum, length, acc]: this rank's partial, sent by attend
+    mutable Vector<T> all_;      // every rank's
+};
+
+}  // namespace memattn

@@ -1,0 +1,277 @@
+// memattn::mpi (memattn/distributed/mpi.hpp) against the single-process kernels and the
+// double reference. ctest runs this binary under mpirun with 1, 2, 3 and 4 ranks; every
+// rank builds the same whole sequence from the same seeds, takes its own shard, and
+// checks its own rows. A failure on any rank fails the run (the exit codes are reduced).
+#define CATCH_CONFIG_RUNNER
+#include <memattn/distributed/mpi.hpp>
+
+#include "support.hpp"
+
+#include <memattn/kernels/causal_softmax.hpp>
+#include <memattn/kernels/linear_attention.hpp>
+#include <memattn/memory/kv_cache.hpp>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace memattn;
+using namespace memattn::test;
+
+int rank_of() {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    return rank;
+}
+
+int size_of() {
+    int size = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    return size;
+}
+
+/// Uneven shard lengths: rank r gets base + (5r mod 7); with `empty`, rank 1 gets none.
+std::vector<Index> shard_lengths(Index base, bool empty) {
+    std::vector<Index> lengths;
+    for (int r = 0; r < size_of(); ++r)
+        lengths.push_back(empty && r == 1 ? 0 : base + (5 * r) % 7);
+    return lengths;
+}
+
+/// The tokens (rows of the whole sequence) rank r holds, in its row order: contiguous,
+/// or zigzag (chunk r then chunk 2P−1−r of 2P, rank r's first ⌈n_r/2⌉ rows then the rest).
+std::vector<Index> tokens_of(const std::vector<Index>& lengths, int rank, RingLayout layout) {
+    const auto p = static_cast<Index>(lengths.size());
+    std::vector<std::pair<Index, Index>> runs;  // (first token, count) of each chunk, in sequence order
+    std::vector<int> owner;
+    if (layout == RingLayout::contiguous) {
+        for (Index r = 0; r < p; ++r) {
+            owner.push_back(static_cast<int>(r));
+            runs.push_back({0, lengths[static_cast<std::size_t>(r)]});
+        }
+    } else {
+        for (Index c = 0; c < 2 * p; ++c) {
+            const Index r = c < p ? c : 2 * p - 1 - c, n = lengths[static_cast<std::size_t>(r)];
+            owner.push_back(static_cast<int>(r));
+            runs.push_back({0, c < p ? (n + 1) / 2 : n - (n + 1) / 2});
+        }
+    }
+    Index start = 0;
+    std::vector<Index> tokens;
+    for (std::size_t c = 0; c < runs.size(); ++c) {
+        if (owner[c] == rank)
+            for (Index t = 0; t < runs[c].second; ++t)
+                tokens.push_back(start + t);
+        start += runs[c].second;
+    }
+    return tokens;
+}
+
+template <class T>
+Matrix<T> rows_of(const Matrix<T>& m, const std::vector<Index>& tokens) {
+    Matrix<T> out(static_cast<Index>(tokens.size()), m.cols());
+    for (std::size_t i = 0; i < tokens.size(); ++i)
+        out.row(static_cast<Index>(i)) = m.row(tokens[i]);
+    return out;
+}
+
+MatrixD rows_of(const MatrixD& m, const std::vector<Index>& tokens) {
+    MatrixD out(static_cast<Index>(tokens.size()), m.cols());
+    for (std::size_t i = 0; i < tokens.size(); ++i)
+        out.row(static_cast<Index>(i)) = m.row(tokens[i]);
+    return out;
+}
+
+/// Rank 0's string on every rank.
+std::string from_rank_0(std::string text) {
+    int length = static_cast<int>(text.size());
+    MPI_Bcast(&length, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    text.resize(static_cast<std::size_t>(length));
+    MPI_Bcast(text.data(), length, MPI_CHAR, 0, MPI_COMM_WORLD);
+    return text;
+}
+
+/// Calls f on every rank; every rank must throw std::invalid_argument with rank 0's
+/// message, which names `function`.
+template <class F>
+void expect_all_throw(const std::string& function, F&& f) {
+    std::string message;
+    try {
+        f();
+    } catch (const std::invalid_argument& e) {
+        message = e.what();
+    }
+    CAPTURE(message);
+    CHECK(message.find(function) != std::string::npos);
+    CHECK(message == from_rank_0(message));
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("ring attention equals the single-process kernel", "[mpi][softmax]", float, double) {
+    using T = TestType;
+    const RingLayout layout = GENERATE(RingLayout::contiguous, RingLayout::zigzag);
+    const bool empty = GENERATE(false, true);
+    const Index base = GENERATE(Index(1), Index(45), Index(200));
+    struct Case {
+        Index window, sinks;
+    };
+    const Case option = GENERATE(Case{0, 0}, Case{37, 0}, Case{37, 3}, Case{1, 2}, Case{100000, 0});
+    if (empty && size_of() < 2)
+        return;
+    const std::vector<Index> lengths = shard_lengths(base, empty);
+    Index n = 0;
+    for (const Index length : lengths)
+        n += length;
+    const Index d = 24, dv = 17;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
+    const std::vector<Index> mine = tokens_of(lengths, rank_of(), layout);
+    const SoftmaxOptions options{.scale = 0, .window = option.window, .sinks = option.sinks};
+    Matrix<T> O(static_cast<Index>(mine.size()), dv);
+    distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
+                                         options, layout);
+    const auto expected = reference::softmax_attention(reference::to_double(Q), reference::to_double(K),
+                                                       reference::to_double(V), 0, option.window, option.sinks);
+    CAPTURE(n, base, empty, option.window, option.sinks, static_cast<int>(layout), rank_of());
+    check_close(O, rows_of(expected.out, mine), tolerance<T>());
+    // The same rows as one process's kernel, to float rounding.
+    Matrix<T> whole(n, dv);
+    causal_softmax_attention(Q, K, V, whole, options);
+    check_close(O, rows_of(Matrix<T>(whole), mine).template cast<double>(), tolerance<T>());
+}
+
+TEMPLATE_TEST_CASE("sequence-parallel linear attention equals the chunked form", "[mpi][linear]", float, double) {
+    using T = TestType;
+    const double decay = GENERATE(1.0, 0.97);
+    const bool normalize = GENERATE(true, false), with_state = GENERATE(false, true), empty = GENERATE(false, true);
+    const Index base = GENERATE(Index(1), Index(70));
+    if (empty && size_of() < 2)
+        return;
+    const std::vector<Index> lengths = shard_lengths(base, empty);
+    Index n = 0;
+    for (const Index length : lengths)
+        n += length;
+    const Index d = 12, dv = 9;
+    const Matrix<T> Q = random_matrix<T>(n, d, 4), K = random_matrix<T>(n, d, 5), V = random_matrix<T>(n, dv, 6);
+    const LinearOptions options{.chunk_size = 16, .eps = 1e-6, .decay = decay, .normalize = normalize};
+    const std::vector<Index> mine = tokens_of(lengths, rank_of(), RingLayout::contiguous);
+    const auto run = [&](auto phi) {
+        LinearState<T> initial;
+        if (with_state) {
+            initial.mu = random_matrix<T>(phi.output_dim(d), dv, 7, 0.5).cwiseAbs();
+            initial.nu = random_matrix<T>(1, phi.output_dim(d), 8, 0.5).cwiseAbs();
+        }
+        LinearState<T> state = initial;
+        if (rank_of() != 0 && with_state) {  // only rank 0's state is read on the way in
+            state.mu.setConstant(T(1e30));
+            state.nu.resize(3);
+        }
+        Matrix<T> O(static_cast<Index>(mine.size()), dv);
+        distributed_chunked_linear_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
+                                             phi, options, &state);
+        // The whole sequence in double through the chunked form, from the same state.
+        const Matrix<double> Qd = Q.template cast<double>(), Kd = K.template cast<double>(),
+                             Vd = V.template cast<double>();
+        LinearState<double> expected_state{initial.mu.template cast<double>(), initial.nu.template cast<double>()};
+        Matrix<double> expected(n, dv);
+        chunked_linear_attention(Qd, Kd, Vd, expected, phi, options, &expected_state);
+        CAPTURE(n, decay, normalize, with_state, empty, rank_of());
+        check_close(O, rows_of(MatrixD(expected), mine), tolerance<T>());
+        check_close(state.mu, expected_state.mu, tolerance<T>());
+        check_close(state.nu, expected_state.nu, tolerance<T>());
+    };
+    run(EluPlusOne{});
+    run(SquarePlusOne{});
+}
+
+TEMPLATE_TEST_CASE("ShardedKVCache decodes as KVCache, the same bits on every rank and run", "[mpi][memory]", float,
+                   double) {
+    using T = TestType;
+    const Index n = GENERATE(Index(1), Index(13), Index(300)), d = 16, dv = 11;
+    const Matrix<T> Q = random_matrix<T>(n, d, 9), K = random_matrix<T>(n, d, 10), V = random_matrix<T>(n, dv, 11);
+    const auto sharded_decode = [&](bool bulk) {
+        ShardedKVCache<T> sharded(MPI_COMM_WORLD, d, dv);
+        Matrix<T> O(n, dv);
+        if (bulk) {  // extend up to the middle, then token by token
+            sharded.extend(K.topRows(n / 2), V.topRows(n / 2));
+            for (Index i = n / 2; i < n; ++i) {
+                sharded.update(K.row(i), V.row(i));
+                sharded.attend(Q.row(i), O.row(i));
+            }
+            return O.bottomRows(n - n / 2).eval();
+        }
+        for (Index i = 0; i < n; ++i) {
+            sharded.update(K.row(i), V.row(i));
+            sharded.attend(Q.row(i), O.row(i));
+        }
+        CHECK(sharded.length() == n);
+        CHECK(sharded.local_length() == (n - rank_of() + size_of() - 1) / size_of());
+        return O;
+    };
+    const Matrix<T> O = sharded_decode(false);
+    KVCache<T> cache(d, dv);
+    Matrix<T> expected(n, dv);
+    decode(cache, Q, K, V, expected);
+    check_close(O, expected.template cast<double>(), tolerance<T>());
+    CHECK(O == sharded_decode(false));                   // every run
+    CHECK(sharded_decode(true) == O.bottomRows(n - n / 2));  // extend equals updates
+    Matrix<T> first = O;                                     // every rank: rank 0's bits
+    MPI_Bcast(first.data(), static_cast<int>(first.size()), detail::mpi::datatype<T>(), 0, MPI_COMM_WORLD);
+    CHECK(O == first);
+}
+
+TEST_CASE("a bad argument on one rank, or ranks that disagree, make every rank throw", "[mpi][bad]") {
+    const int last = size_of() - 1;
+    const Index n = 20, d = 8;
+    const Matrix<float> Q = random_matrix<float>(n, d, 1), K = random_matrix<float>(n, d, 2),
+                        V = random_matrix<float>(n, d, 3);
+    Matrix<float> O(n, d);
+    SECTION("ring attention: Q of the wrong width on the last rank") {
+        const Matrix<float> bad = random_matrix<float>(n, rank_of() == last ? d + 1 : d, 4);
+        expect_all_throw("distributed_causal_softmax_attention",
+                         [&] { distributed_causal_softmax_attention(MPI_COMM_WORLD, bad, K, V, O); });
+    }
+    SECTION("ring attention: the window differs on the last rank") {
+        if (size_of() < 2)
+            return;
+        const SoftmaxOptions options{.scale = 0, .window = rank_of() == last ? 5 : 4, .sinks = 0};
+        expect_all_throw("distributed_causal_softmax_attention",
+                         [&] { distributed_causal_softmax_attention(MPI_COMM_WORLD, Q, K, V, O, options); });
+    }
+    SECTION("linear attention: a chunk size of 0 on the last rank, then decays that differ") {
+        const LinearOptions bad{.chunk_size = rank_of() == last ? 0 : 16};
+        expect_all_throw("distributed_chunked_linear_attention",
+                         [&] { distributed_chunked_linear_attention(MPI_COMM_WORLD, Q, K, V, O, EluPlusOne{}, bad); });
+        if (size_of() < 2)
+            return;
+        const LinearOptions other{.decay = rank_of() == last ? 0.5 : 1.0};
+        expect_all_throw("distributed_chunked_linear_attention",
+                         [&] { distributed_chunked_linear_attention(MPI_COMM_WORLD, Q, K, V, O, EluPlusOne{}, other); });
+    }
+    SECTION("ShardedKVCache: dims that differ, then a bad query on the last rank") {
+        if (size_of() >= 2)
+            expect_all_throw("ShardedKVCache",
+                             [&] { ShardedKVCache<float> cache(MPI_COMM_WORLD, rank_of() == last ? 9 : 8, 8); });
+        ShardedKVCache<float> cache(MPI_COMM_WORLD, d, d);
+        cache.update(K.row(0), V.row(0));
+        Vector<float> out(d);
+        const Vector<float> query = random_matrix<float>(1, rank_of() == last ? d - 1 : d, 5);
+        expect_all_throw("ShardedKVCache::attend", [&] { cache.attend(query, out); });
+        // The cache is still usable afterwards, on every rank.
+        cache.attend(K.row(1), out);
+        CHECK(out.allFinite());
+    }
+}
+
+int main(int argc, char** argv) {
+    MPI_Init(&argc, &argv);
+    Catch::Session session;
+    int result = session.run(argc, argv);
+    // A failure on any rank fails every rank's exit code, so mpirun reports it.
+    int worst = 0;
+    MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Finalize();
+    return worst;
+}
