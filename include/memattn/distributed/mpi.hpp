@@ -224,6 +224,9 @@ void merge_rows(O& out, T* lse, const OB& block, const T* block_lse) {
     }
 }
 
+/// Tokens per GEMM when a shard is folded into its summary.
+inline constexpr Index fold_chunk = 256;
+
 /// (μ, ν, γ^n) of a run of tokens in double, laid out for MPI as one record:
 /// [γ^n, d', dv, ν (d'), μ (d'×dv, row-major)].
 struct Summary {
@@ -393,7 +396,9 @@ void distributed_chunked_linear_attention(MPI_Comm comm, const Eigen::MatrixBase
     local.mu.setZero(features, dv);
     local.nu.setZero(features);
     if (rank + 1 < size) {
-        const Index c = std::min(options.chunk_size, std::max<Index>(tokens, 1));
+        // Long chunks: the fold is one GEMM per chunk, and a depth of 256 keeps μ in
+        // registers for longer than the chunked form's 16 (the chunk changes rounding only).
+        const Index c = std::min(std::max<Index>(options.chunk_size, detail::mpi::fold_chunk), std::max<Index>(tokens, 1));
         const detail::ColumnVector<T> powers = detail::decay_powers<T>(options.decay, c);
         Matrix<T> kf(c, features);
         for (Index j0 = 0; j0 < tokens; j0 += c) {
