@@ -117,12 +117,13 @@ int main(int argc, char** argv) {
                     memattn::causal_softmax_attention(Q, K, V, whole);
             }));
             contiguous.push_back(timed([&] {
-                memattn::distributed_causal_softmax_attention(MPI_COMM_WORLD, q[0], k[0], v[0], o[0], {},
+                memattn::distributed_causal_softmax_attention(MPI_COMM_WORLD, q[0], k[0], v[0], o[0],
+                                                              memattn::SoftmaxOptions{},
                                                               memattn::RingLayout::contiguous);
             }));
             zigzag.push_back(timed([&] {
-                memattn::distributed_causal_softmax_attention(MPI_COMM_WORLD, q[1], k[1], v[1], o[1], {},
-                                                              memattn::RingLayout::zigzag);
+                memattn::distributed_causal_softmax_attention(MPI_COMM_WORLD, q[1], k[1], v[1], o[1],
+                                                              memattn::SoftmaxOptions{}, memattn::RingLayout::zigzag);
             }));
         }
         if (rank == 0) {
@@ -165,7 +166,8 @@ int main(int argc, char** argv) {
                         a.min / b.min, a.median / b.median);
             std::printf("  bytes sent per rank: one summary of %ld doubles per scan round (%d rounds at most), "
                         "the minimum being one summary\n",
-                        static_cast<long>(3 + d + d * d), size > 1 ? 32 - __builtin_clz(static_cast<unsigned>(size - 1)) : 0);
+                        static_cast<long>(3 + d + d * d),
+                        size > 1 ? 32 - __builtin_clz(static_cast<unsigned>(size - 1)) : 0);
         }
     }
     MPI_Finalize();

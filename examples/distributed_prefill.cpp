@@ -81,7 +81,8 @@ int main(int argc, char** argv) {
 
     MPI_Barrier(MPI_COMM_WORLD);
     auto start = std::chrono::steady_clock::now();
-    memattn::distributed_causal_softmax_attention(MPI_COMM_WORLD, q, k, v, o, {}, memattn::RingLayout::zigzag);
+    memattn::distributed_causal_softmax_attention(MPI_COMM_WORLD, q, k, v, o, memattn::SoftmaxOptions{},
+                                                  memattn::RingLayout::zigzag);
     MPI_Barrier(MPI_COMM_WORLD);
     const double ring_seconds = seconds_since(start);
     Mat whole(tokens, d);
@@ -111,7 +112,8 @@ int main(int argc, char** argv) {
     start = std::chrono::steady_clock::now();
     memattn::chunked_linear_attention(Q, K, V, whole);
     const double linear_seconds = seconds_since(start);
-    const double linear_error = worst_over_ranks(static_cast<double>((ol - whole.middleRows(first, last - first)).cwiseAbs().maxCoeff()));
+    const double linear_error =
+        worst_over_ranks(static_cast<double>((ol - whole.middleRows(first, last - first)).cwiseAbs().maxCoeff()));
     if (rank == 0)
         std::printf("linear attention: %.3f s on %d ranks, %.3f s in one process, largest difference %.2g\n",
                     lasp_seconds, size, linear_seconds, linear_error);

@@ -142,6 +142,33 @@ TEMPLATE_TEST_CASE("ring attention equals the single-process kernel", "[mpi][sof
     check_close(O, rows_of(Matrix<T>(whole), mine).template cast<double>(), tolerance<T>());
 }
 
+TEMPLATE_TEST_CASE("ring attention over a layer of heads equals each head's reference", "[mpi][softmax][layer]",
+                   float, double) {
+    using T = TestType;
+    const RingLayout layout = GENERATE(RingLayout::contiguous, RingLayout::zigzag);
+    const Index window = GENERATE(Index(0), Index(29));
+    const std::vector<Index> lengths = shard_lengths(40, false);
+    Index n = 0;
+    for (const Index length : lengths)
+        n += length;
+    const HeadLayout heads{4, 2, 8, 6};  // grouped-query: heads 0, 1 read KV head 0
+    const Matrix<T> Q = random_matrix<T>(n, 4 * 8, 21), K = random_matrix<T>(n, 2 * 8, 22),
+                    V = random_matrix<T>(n, 2 * 6, 23);
+    const std::vector<Index> mine = tokens_of(lengths, rank_of(), layout);
+    const SoftmaxOptions options{.scale = 0, .window = window, .sinks = 1};
+    Matrix<T> O(static_cast<Index>(mine.size()), 4 * 6);
+    distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
+                                         heads, options, layout);
+    for (Index h = 0; h < 4; ++h) {
+        const Index g = h / 2;
+        const auto expected = reference::softmax_attention(
+            reference::to_double(Q.middleCols(h * 8, 8)), reference::to_double(K.middleCols(g * 8, 8)),
+            reference::to_double(V.middleCols(g * 6, 6)), 0, window, 1);
+        CAPTURE(h, window, static_cast<int>(layout), rank_of());
+        check_close(O.middleCols(h * 6, 6), rows_of(expected.out, mine), tolerance<T>());
+    }
+}
+
 TEMPLATE_TEST_CASE("sequence-parallel linear attention equals the chunked form", "[mpi][linear]", float, double) {
     using T = TestType;
     const double decay = GENERATE(1.0, 0.97);
@@ -233,6 +260,13 @@ TEST_CASE("a bad argument on one rank, or ranks that disagree, make every rank t
         expect_all_throw("distributed_causal_softmax_attention",
                          [&] { distributed_causal_softmax_attention(MPI_COMM_WORLD, bad, K, V, O); });
     }
+    SECTION("ring attention over heads: a layout whose kv_heads does not divide q_heads on the last rank") {
+        const HeadLayout heads{2, rank_of() == last ? 3 : 1, 4, 4};
+        const Matrix<float> q = random_matrix<float>(n, 8, 6), kv = random_matrix<float>(n, 4, 7);
+        Matrix<float> o(n, 8);
+        expect_all_throw("distributed_causal_softmax_attention",
+                         [&] { distributed_causal_softmax_attention(MPI_COMM_WORLD, q, kv, kv, o, heads); });
+    }
     SECTION("ring attention: the window differs on the last rank") {
         if (size_of() < 2)
             return;
@@ -247,8 +281,9 @@ TEST_CASE("a bad argument on one rank, or ranks that disagree, make every rank t
         if (size_of() < 2)
             return;
         const LinearOptions other{.decay = rank_of() == last ? 0.5 : 1.0};
-        expect_all_throw("distributed_chunked_linear_attention",
-                         [&] { distributed_chunked_linear_attention(MPI_COMM_WORLD, Q, K, V, O, EluPlusOne{}, other); });
+        expect_all_throw("distributed_chunked_linear_attention", [&] {
+            distributed_chunked_linear_attention(MPI_COMM_WORLD, Q, K, V, O, EluPlusOne{}, other);
+        });
     }
     SECTION("ShardedKVCache: dims that differ, then a bad query on the last rank") {
         if (size_of() >= 2)

@@ -53,6 +53,7 @@
 #include "memattn/feature_maps.hpp"
 #include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/kernels/linear_attention.hpp"
+#include "memattn/layer/head_layout.hpp"
 #include "memattn/memory/kv_cache.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
@@ -253,11 +254,98 @@ inline void compose_summaries(void* in, void* inout, int* count, MPI_Datatype* t
 
 }  // namespace detail::mpi
 
+namespace detail::mpi {
+
+/// Ring attention after the local checks: every head of `heads` over the ring (see the
+/// top of the file). One pass round the ring carries every KV head's block, [K | V] of
+/// kv_heads·(d + dv) scalars per token; each query head h merges the blocks of KV head
+/// h / group_size into its columns of O.
+template <class T>
+void ring_attention(MPI_Comm comm, const char* function, const std::string& error, const ConstMatrixRef<T>& q,
+                    const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, MatrixRef<T> o, const HeadLayout& heads,
+                    const SoftmaxOptions& options, RingLayout layout) {
+    const Index d = heads.head_dim, dv = heads.values(), kv = heads.kv_heads, group = heads.group_size();
+    check_collectively(comm, function, error,
+                       {{"layout.q_heads", static_cast<double>(heads.q_heads)},
+                        {"layout.kv_heads", static_cast<double>(kv)},
+                        {"the key dim d", static_cast<double>(d)},
+                        {"the value dim dv", static_cast<double>(dv)},
+                        {"options.scale", options.scale},
+                        {"options.window", static_cast<double>(options.window)},
+                        {"options.sinks", static_cast<double>(options.sinks)},
+                        {"the ring layout", static_cast<double>(layout)},
+                        {"the scalar size", static_cast<double>(sizeof(T))}});
+    const auto [rank, size] = rank_size(comm);
+    const std::vector<std::int64_t> lengths = all_gather(comm, q.rows());
+    const auto chunks = chunks_of(lengths, layout);
+    const auto& mine = chunks[static_cast<std::size_t>(rank)];
+    const Index longest = *std::max_element(lengths.begin(), lengths.end());
+    const Index width = kv * (d + dv);
+
+    // The block this rank holds and the one arriving: [K | V] rows, packed once.
+    Matrix<T> held(std::max<Index>(longest, 1), width), arriving(std::max<Index>(longest, 1), width);
+    held.topLeftCorner(q.rows(), kv * d) = k;
+    held.block(0, kv * d, q.rows(), kv * dv) = v;
+    o.setZero();
+    Matrix<T> lse = Matrix<T>::Constant(heads.q_heads, q.rows(), -std::numeric_limits<T>::infinity());  // head-major
+    Index block_rows = 1;
+    for (const auto& chunk : mine)
+        block_rows = std::max(block_rows, chunk.rows);
+    Matrix<T> block_out(block_rows, dv);
+    Vector<T> block_lse(block_rows);
+    SoftmaxScratch<T> scratch(d, dv, default_tiles(options.window));
+    const T scale = resolve_scale(static_cast<T>(options.scale), d);
+    const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
+
+    for (int step = 0; step < size; ++step) {
+        const int origin = (rank + size - step) % size;  // whose pairs this rank holds now
+        const auto origin_rows = static_cast<Index>(lengths[static_cast<std::size_t>(origin)]);
+        std::array<MPI_Request, 2> requests{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+        if (step + 1 < size) {  // pass the block on while working on it
+            const int incoming = (rank + size - step - 1) % size;
+            const auto incoming_rows = static_cast<Index>(lengths[static_cast<std::size_t>(incoming)]);
+            MPI_Irecv(arriving.data(), static_cast<int>(incoming_rows * width), datatype<T>(), previous, step, comm,
+                      &requests[0]);
+            MPI_Isend(held.data(), static_cast<int>(origin_rows * width), datatype<T>(), next, step, comm,
+                      &requests[1]);
+        }
+        for (const auto& qc : mine) {
+            for (const auto& kc : chunks[static_cast<std::size_t>(origin)]) {
+                const Index offset = qc.start - kc.start;  // query 0's position among the chunk's keys
+                if (qc.rows == 0 || kc.rows == 0 || offset + qc.rows - 1 < 0)
+                    continue;  // wholly in the causal future
+                const Index sinks = std::max<Index>(0, options.sinks - kc.start);
+                if (options.window > 0 && sinks == 0 && kc.rows - 1 <= offset - options.window)
+                    continue;  // wholly before every query's window
+                // A chunk of keys after the first query (offset < 0) starts at the query
+                // that sits on its first key; the queries before it see none of it.
+                const Index skip = std::max<Index>(0, -offset);
+                const Index rows = qc.rows - skip;
+                auto out = block_out.topRows(rows);
+                for (Index h = 0; h < heads.q_heads; ++h) {
+                    const Index g = h / group;
+                    causal_softmax_block<T>(q.block(qc.row + skip, h * d, rows, d),
+                                            held.block(kc.row, g * d, kc.rows, d),
+                                            held.block(kc.row, kv * d + g * dv, kc.rows, dv), offset + skip, scale,
+                                            options.window, sinks, out, block_lse.data(), scratch);
+                    auto target = o.block(qc.row + skip, h * dv, rows, dv);
+                    merge_rows(target, &lse(h, qc.row + skip), out, block_lse.data());
+                }
+            }
+        }
+        MPI_Waitall(2, requests.data(), MPI_STATUSES_IGNORE);
+        held.swap(arriving);
+    }
+}
+
+}  // namespace detail::mpi
+
 /// Ring attention: O = causal softmax attention of this rank's queries over the keys and
 /// values of every rank, the shards laid out in the sequence by `layout` (see the top of
 /// the file). Q, K, V, O are this rank's shard (n_r rows each, n_r may differ between
 /// ranks and may be 0); window and sinks count positions in the whole sequence. Equals
 /// causal_softmax_attention on the whole sequence to rounding. Collective over `comm`.
+/// (With options given as `{}`, write `SoftmaxOptions{}`: `{}` could also be a HeadLayout.)
 template <class DQ, class DK, class DV, detail::EigenMatrix DO>
 void distributed_causal_softmax_attention(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q,
                                           const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, DO&& O,
@@ -277,73 +365,38 @@ void distributed_causal_softmax_attention(MPI_Comm comm, const Eigen::MatrixBase
                         " rows as K (", detail::shape(k), "): each rank holds the queries of its own tokens");
         detail::check_disjoint(function, "O", o, q, k, v);
     });
-    const Index d = k.cols(), dv = v.cols();
-    detail::mpi::check_collectively(comm, function, error,
-                                    {{"the key dim d", static_cast<double>(d)},
-                                     {"the value dim dv", static_cast<double>(dv)},
-                                     {"options.scale", options.scale},
-                                     {"options.window", static_cast<double>(options.window)},
-                                     {"options.sinks", static_cast<double>(options.sinks)},
-                                     {"layout", static_cast<double>(layout)},
-                                     {"the scalar size", static_cast<double>(sizeof(T))}});
-    const auto [rank, size] = detail::mpi::rank_size(comm);
-    const std::vector<std::int64_t> lengths = detail::mpi::all_gather(comm, q.rows());
-    const auto chunks = detail::mpi::chunks_of(lengths, layout);
-    const auto& mine = chunks[static_cast<std::size_t>(rank)];
-    const Index longest = *std::max_element(lengths.begin(), lengths.end());
-    const Index width = d + dv;
+    detail::mpi::ring_attention<T>(comm, function, error, q, k, v, o, HeadLayout{1, 1, k.cols(), v.cols()}, options,
+                                   layout);
+}
 
-    // The block this rank holds and the one arriving: [K | V] rows, packed once.
-    Matrix<T> held(std::max<Index>(longest, 1), width), arriving(std::max<Index>(longest, 1), width);
-    held.topLeftCorner(q.rows(), d) = k;
-    held.block(0, d, q.rows(), dv) = v;
-    o.setZero();
-    Vector<T> lse = Vector<T>::Constant(q.rows(), -std::numeric_limits<T>::infinity());
-    Index block_rows = 0;
-    for (const auto& chunk : mine)
-        block_rows = std::max(block_rows, chunk.rows);
-    Matrix<T> block_out(std::max<Index>(block_rows, 1), dv);
-    Vector<T> block_lse(std::max<Index>(block_rows, 1));
-    detail::SoftmaxScratch<T> scratch(d, dv, detail::default_tiles(options.window));
-    const T scale = detail::resolve_scale(static_cast<T>(options.scale), d);
-    const int next = (rank + 1) % size, previous = (rank + size - 1) % size;
-
-    for (int step = 0; step < size; ++step) {
-        const int origin = (rank + size - step) % size;  // whose pairs this rank holds now
-        const auto origin_rows = static_cast<Index>(lengths[static_cast<std::size_t>(origin)]);
-        std::array<MPI_Request, 2> requests{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-        if (step + 1 < size) {  // pass the block on while working on it
-            const int incoming = (rank + size - step - 1) % size;
-            const auto incoming_rows = static_cast<Index>(lengths[static_cast<std::size_t>(incoming)]);
-            MPI_Irecv(arriving.data(), static_cast<int>(incoming_rows * width), detail::mpi::datatype<T>(), previous,
-                      step, comm, &requests[0]);
-            MPI_Isend(held.data(), static_cast<int>(origin_rows * width), detail::mpi::datatype<T>(), next, step,
-                      comm, &requests[1]);
-        }
-        for (const auto& qc : mine) {
-            for (const auto& kc : chunks[static_cast<std::size_t>(origin)]) {
-                const Index offset = qc.start - kc.start;  // query 0's position among the chunk's keys
-                if (qc.rows == 0 || kc.rows == 0 || offset + qc.rows - 1 < 0)
-                    continue;  // wholly in the causal future
-                const Index sinks = std::max<Index>(0, options.sinks - kc.start);
-                if (options.window > 0 && sinks == 0 && kc.rows - 1 <= offset - options.window)
-                    continue;  // wholly before every query's window
-                // A chunk of keys after the first query (offset < 0) starts at the query
-                // that sits on its first key; the queries before it see none of it.
-                const Index skip = std::max<Index>(0, -offset);
-                const Index rows = qc.rows - skip;
-                auto out = block_out.topRows(rows);
-                detail::causal_softmax_block<T>(
-                    q.middleRows(qc.row + skip, rows), held.block(kc.row, 0, kc.rows, d),
-                    held.block(kc.row, d, kc.rows, dv), offset + skip, scale, options.window, sinks, out,
-                    block_lse.data(), scratch);
-                auto target = o.middleRows(qc.row + skip, rows);
-                detail::mpi::merge_rows(target, lse.data() + qc.row + skip, out, block_lse.data());
-            }
-        }
-        MPI_Waitall(2, requests.data(), MPI_STATUSES_IGNORE);
-        held.swap(arriving);
-    }
+/// The same for a layer of heads in packed buffers (layer/head_layout.hpp: Q n × q_heads·d,
+/// K n × kv_heads·d, V n × kv_heads·dv, O n × q_heads·dv; grouped-query heads share their
+/// KV head's block): one pass round the ring carries every KV head. Equals
+/// multi_head_causal_softmax_attention on the whole sequence to rounding.
+template <class DQ, class DK, class DV, detail::EigenMatrix DO>
+void distributed_causal_softmax_attention(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q,
+                                          const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, DO&& O,
+                                          const HeadLayout& heads, const SoftmaxOptions& options = {},
+                                          RingLayout layout = RingLayout::contiguous) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn::distributed_causal_softmax_attention: the scalar type must be float or double.");
+    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
+                  "memattn::distributed_causal_softmax_attention: Q, K, V and O must have the same scalar type.");
+    constexpr const char* function = "distributed_causal_softmax_attention";
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    const std::string error = detail::mpi::local_error([&] {
+        detail::check_layout(function, heads);
+        detail::check_packed(function, heads, detail::shape(q), detail::shape(k), detail::shape(v), detail::shape(o));
+        detail::check_softmax_arguments<T>(function, {q.rows(), heads.head_dim}, {k.rows(), heads.head_dim},
+                                           {v.rows(), heads.values()}, {o.rows(), heads.values()}, options);
+        detail::require(q.rows() == k.rows(), function, "Q", "has shape ", detail::shape(q), ", expected ", k.rows(),
+                        " rows as K (", detail::shape(k), "): each rank holds the queries of its own tokens");
+        detail::check_disjoint(function, "O", o, q, k, v);
+    });
+    // A bad layout on one rank must not size anything before the collective check.
+    const HeadLayout checked = error.empty() ? heads : HeadLayout{1, 1, 1, 1};
+    detail::mpi::ring_attention<T>(comm, function, error, q, k, v, o, checked, options, layout);
 }
 
 /// Sequence-parallel linear attention: the chunked form over the whole sequence, each
@@ -398,7 +451,8 @@ void distributed_chunked_linear_attention(MPI_Comm comm, const Eigen::MatrixBase
     if (rank + 1 < size) {
         // Long chunks: the fold is one GEMM per chunk, and a depth of 256 keeps μ in
         // registers for longer than the chunked form's 16 (the chunk changes rounding only).
-        const Index c = std::min(std::max<Index>(options.chunk_size, detail::mpi::fold_chunk), std::max<Index>(tokens, 1));
+        const Index c =
+            std::min(std::max<Index>(options.chunk_size, detail::mpi::fold_chunk), std::max<Index>(tokens, 1));
         const detail::ColumnVector<T> powers = detail::decay_powers<T>(options.decay, c);
         Matrix<T> kf(c, features);
         for (Index j0 = 0; j0 < tokens; j0 += c) {
