@@ -7,9 +7,35 @@
 #include <memattn/detail/packet.hpp>
 #include <memattn/types.hpp>
 
+#include <fstream>
 #include <random>
+#include <string>
 
 namespace memattn::bench {
+
+/// The CPU's model name (/proc/cpuinfo), for the output's context: every figure names
+/// the CPU it was measured on.
+inline std::string cpu_model() {
+    std::ifstream in("/proc/cpuinfo");
+    for (std::string line; std::getline(in, line);)
+        if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos)
+            return line.substr(line.find(':') + 2);
+    return "unknown";
+}
+
+/// Adds "cpu_model" and the vector ISA memattn was compiled for to the benchmark
+/// context (the JSON output's "context" and the console header), before main runs.
+inline const bool context_added = [] {
+    benchmark::AddCustomContext("cpu_model", cpu_model());
+#if defined(EIGEN_VECTORIZE_AVX512)
+    benchmark::AddCustomContext("simd", "AVX-512");
+#elif defined(EIGEN_VECTORIZE_AVX2)
+    benchmark::AddCustomContext("simd", "AVX2");
+#else
+    benchmark::AddCustomContext("simd", "SSE2 or other");
+#endif
+    return true;
+}();
 
 template <class T>
 Matrix<T> random_matrix(Index rows, Index cols, unsigned seed) {

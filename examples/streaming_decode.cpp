@@ -3,7 +3,11 @@
 // memory holds. A full KV cache's step grows with the position; a fixed-size
 // memory's stays flat.
 //
-//   streaming_decode [--tokens N] [--dim D] [--value-dim DV] [--steps S] [--memories a,b,...]
+//   streaming_decode [--tokens N] [--dim D] [--value-dim DV] [--steps S] [--memories a,b,...] [--csv FILE]
+//
+// Each cell is printed as soon as it is measured. With --csv, every measurement is also
+// written to FILE (memory, position, microseconds per token, bytes held) for
+// `scripts/demo --plot`.
 #include <memattn/memattn.hpp>
 
 #include <algorithm>
@@ -56,14 +60,17 @@ struct Options {
     Index dv = 64;
     Index steps = 256;
     std::vector<std::string> memories;
+    std::string csv;
 };
 
 [[noreturn]] void usage(int code) {
     std::printf(
-        "usage: streaming_decode [--tokens N] [--dim D] [--value-dim DV] [--steps S] [--memories a,b,...]\n"
+        "usage: streaming_decode [--tokens N] [--dim D] [--value-dim DV] [--steps S] [--memories a,b,...] "
+        "[--csv FILE]\n"
         "  --tokens     length of the stream (default 100000)\n"
         "  --dim        key dim d (default 64); --value-dim: value dim dv (default: d)\n"
         "  --steps      decoding steps timed at each checkpoint (default 256)\n"
+        "  --csv        also write every measurement to FILE (memory,position,us_per_token,bytes)\n"
         "  --memories   comma-separated names (default: all):");
     for (const auto& e : all_memories(1, 1))
         std::printf(" %s", e.name.c_str());
@@ -93,7 +100,9 @@ Options parse(int argc, char** argv) {
             std::stringstream ss(value);
             for (std::string name; std::getline(ss, name, ',');)
                 o.memories.push_back(name);
-        } else
+        } else if (arg == "--csv")
+            o.csv = value;
+        else
             usage(2);
     }
     if (!value_dim_given)
@@ -155,10 +164,20 @@ int main(int argc, char** argv) {
         std::printf(" | %9s %12s", "us/token", "bytes held");
     std::printf("\n");
 
+    std::FILE* csv = nullptr;
+    if (!opt.csv.empty()) {
+        csv = std::fopen(opt.csv.c_str(), "w");
+        if (csv == nullptr) {
+            std::fprintf(stderr, "streaming_decode: cannot write %s\n", opt.csv.c_str());
+            return 1;
+        }
+        std::fprintf(csv, "memory,position,us_per_token,bytes\n");
+    }
     Mat O(opt.steps, opt.dv), Qs(opt.steps, opt.d), Ks(opt.steps, opt.d), Vs(opt.steps, opt.dv);
     std::vector<Index> fed(memories.size(), 0);
     for (const Index checkpoint : checkpoints) {
         std::printf("%10ld", static_cast<long>(checkpoint));
+        std::fflush(stdout);
         for (std::size_t m = 0; m < memories.size(); ++m) {
             auto& e = memories[m];
             while (fed[m] < checkpoint) {  // feed the stream up to the checkpoint
@@ -176,11 +195,17 @@ int main(int argc, char** argv) {
             e.decode(Qs, Ks, Vs, O);
             const std::chrono::duration<double, std::micro> elapsed = std::chrono::steady_clock::now() - start;
             fed[m] += opt.steps;
-            std::printf(" | %9.2f %12s", elapsed.count() / static_cast<double>(opt.steps),
-                        human_bytes(e.footprint()).c_str());
+            const double per_token = elapsed.count() / static_cast<double>(opt.steps);
+            std::printf(" | %9.2f %12s", per_token, human_bytes(e.footprint()).c_str());
+            std::fflush(stdout);  // each cell as it is measured: a KV cache's late cells take a while
+            if (csv != nullptr)
+                std::fprintf(csv, "%s,%ld,%.4f,%zu\n", e.name.c_str(), static_cast<long>(checkpoint), per_token,
+                             e.footprint());
         }
         std::printf("\n");
         std::fflush(stdout);
     }
+    if (csv != nullptr)
+        std::fclose(csv);
     return 0;
 }

@@ -1,0 +1,315 @@
+#!/usr/bin/env python3
+"""Figures from memattn's benchmark output (Debian: python3-matplotlib).
+
+  plot.py bench RESULTS_DIR OUT_DIR   Google Benchmark JSON (scripts/bench --plot) -> PNGs
+  plot.py demo CSV OUT_PNG            streaming_decode --csv output (scripts/demo --plot) -> one PNG
+
+Every figure names the CPU, the SIMD level and the date of the run it shows. Repeated
+runs are reduced to their median (Google Benchmark's aggregates when present).
+"""
+import csv
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(path):
+    """Median real time (ns) and counters of each run, by run name, and the context."""
+    with open(path) as f:
+        data = json.load(f)
+    scale = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}
+    runs = {}
+    for b in data.get("benchmarks", []):
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        name = b.get("run_name", b["name"])
+        entry = dict(b)
+        entry["ns"] = b["real_time"] * scale[b.get("time_unit", "ns")]
+        runs.setdefault(name, []).append(entry)
+    merged = {}
+    for name, entries in runs.items():
+        medians = [e for e in entries if e.get("aggregate_name") == "median"]
+        if medians:
+            merged[name] = medians[0]
+            continue
+        keys = [k for k, v in entries[0].items() if isinstance(v, (int, float))]
+        merged[name] = {k: statistics.median(e[k] for e in entries if k in e) for k in keys}
+    return merged, data.get("context", {})
+
+
+def args_of(run_name):
+    """('BM_X', {'N': 4096, ...}, [positional args]) from 'BM_X/N:4096/...'."""
+    parts = run_name.split("/")
+    named, positional = {}, []
+    for p in parts[1:]:
+        m = re.fullmatch(r"(\w+):(-?\d+)", p)
+        if m:
+            named[m.group(1)] = int(m.group(2))
+        elif re.fullmatch(r"-?\d+", p):
+            positional.append(int(p))
+    return parts[0], named, positional
+
+
+def series(runs, prefix, key, x_arg, filters, value):
+    """Sorted (x, value) pairs of the runs named `prefix` whose args match `filters`."""
+    points = []
+    for name, run in runs.items():
+        base, named, _ = args_of(name)
+        if base != prefix or any(named.get(k) != v for k, v in filters.items()):
+            continue
+        if key is not None and key not in run:
+            continue
+        points.append((named[x_arg], value(run)))
+    return sorted(points)
+
+
+def caption(context):
+    cpu = context.get("cpu_model") or platform.processor() or "unknown CPU"
+    simd = context.get("simd", "")
+    date = context.get("date", "")[:10] or datetime.date.today().isoformat()
+    cores = context.get("num_cpus")
+    parts = [cpu]
+    if simd:
+        parts.append(simd)
+    if cores:
+        parts.append(f"{cores} cores")
+    parts.append(f"measured {date}")
+    return ", ".join(parts)
+
+
+def save(fig, context, path, title):
+    fig.suptitle(f"{title}\n{caption(context)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def causal_softmax(results, out):
+    path = os.path.join(results, "causal_softmax_bench.json")
+    if not os.path.exists(path):
+        return
+    runs, context = load(path)
+    peak = next((r["GFLOPS"] for n, r in runs.items() if n.startswith("BM_FmaPeak")), None)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, d in zip(axes, (64, 128)):
+        for prefix, window, label, style in [
+            ("BM_CausalSoftmax", 0, "causal softmax, full", "o-"),
+            ("BM_CausalSoftmax", 512, "causal softmax, window 512", "s-"),
+            ("BM_CausalSoftmaxDouble", 0, "full, double", "^:"),
+            ("BM_EigenTileGemm", 0, "Eigen GEMM on 64x64 tiles (no softmax)", "x--"),
+        ]:
+            pts = series(runs, prefix, "GFLOPS", "N", {"d": d, "window": window}, lambda r: r["GFLOPS"])
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        if peak:
+            ax.axhline(peak, color="k", lw=1, ls="-.", label=f"FMA peak, one core ({peak:.0f})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens N")
+        ax.set_title(f"d = dv = {d}")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GFLOP/s (2(d+dv) per visible pair), one thread")
+    axes[0].set_ylim(bottom=0)
+    axes[1].legend(fontsize=8, loc="lower right")
+    save(fig, context, os.path.join(out, "causal_softmax.png"), "Causal softmax attention: speed against length")
+
+
+MEMORIES = [
+    ("BM_KVCacheStep", {}, "KV cache"),
+    ("BM_SlidingWindowStep", {"window": 512}, "sliding window 512 + 4 sinks"),
+    ("BM_SlidingWindowStep", {"window": 4096}, "sliding window 4096 + 4 sinks"),
+    ("BM_HybridStep", {}, "hybrid 512 + 256 slots (rate 4)"),
+    ("BM_MovingAverageStep", {"window": 512}, "moving average, window 512"),
+    ("BM_MovingAverageStep", {"window": 0}, "moving average, cumulative"),
+    ("BM_ExponentialAverageStep", {}, "exponential average"),
+    ("BM_LinearAttentionStep", {}, "linear attention (elu+1)"),
+]
+
+
+def memories(results, out):
+    path = os.path.join(results, "memory_bench.json")
+    if not os.path.exists(path):
+        return
+    runs, context = load(path)
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    for prefix, extra, label in MEMORIES:
+        pts = series(runs, prefix, None, "position", {"d": 64, **extra}, lambda r: r["ns"] / 1e3)
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("position (tokens already in the memory)")
+    ax.set_ylabel("one decoding step (update + attend), µs")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    save(fig, context, os.path.join(out, "decode_step.png"), "Decoding step against position, d = dv = 64, float")
+
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    for prefix, extra, label in MEMORIES:
+        pts = series(runs, prefix, "bytes", "position", {"d": 64, **extra}, lambda r: r["bytes"])
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("position (tokens already in the memory)")
+    ax.set_ylabel("bytes held (footprint)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    save(fig, context, os.path.join(out, "bytes_held.png"), "Memory held against position, d = dv = 64, float")
+
+    # Compact storage at 65536 pairs, d = 128: time, footprint and error against float.
+    storages = [("float", "BM_KVCacheAttend"), ("bfloat16", "BM_KVCacheAttend<Eigen::bfloat16>"),
+                ("float16", "BM_KVCacheAttend<Eigen::half>"), ("Q8", "BM_KVCacheAttend<memattn::Q8>")]
+    base = runs.get("BM_KVCacheAttend/position:65536/d:128")
+    if base:
+        names, times, bytes_, errors = [], [], [], []
+        for label, prefix in storages:
+            run = runs.get(f"{prefix}/position:65536/d:128")
+            if not run:
+                continue
+            names.append(label)
+            times.append(run["ns"] / base["ns"])
+            bytes_.append(run.get("footprint_vs_float", 1.0))
+            errors.append(run.get("error_vs_float", 0.0))
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
+        x = range(len(names))
+        a1.bar([i - 0.2 for i in x], times, 0.4, label="attend time / float's")
+        a1.bar([i + 0.2 for i in x], bytes_, 0.4, label="bytes held / float's")
+        a1.set_xticks(list(x), names)
+        a1.set_ylim(0, 1.15)
+        a1.legend(fontsize=8)
+        a1.set_title("KV cache, 65536 pairs, d = 128", fontsize=9)
+        compact = [i for i, name in enumerate(names) if name != "float"]
+        a2.bar(range(len(compact)), [max(errors[i], 1e-9) for i in compact], 0.5, color="tab:red")
+        a2.set_xticks(range(len(compact)), [names[i] for i in compact])
+        a2.set_yscale("log")
+        a2.set_ylabel("max |out − out_float| / max |out_float|")
+        a2.set_title("output error of one attend", fontsize=9)
+        save(fig, context, os.path.join(out, "compact_storage.png"), "Compact K/V storage: speed, size and error")
+
+
+def linear_forms(results, out):
+    path = os.path.join(results, "linear_attention_bench.json")
+    if not os.path.exists(path):
+        return
+    runs, context = load(path)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, d in zip(axes, (64, 128)):
+        curves = {}
+        for prefix, label, style in [
+            ("BM_LinearChunked", "chunked linear", "o-"),
+            ("BM_CrossoverChunked", None, "o-"),
+            ("BM_LinearRecurrent", "recurrent linear", "s-"),
+            ("BM_LinearQuadratic", "quadratic linear (pairs)", "^-"),
+            ("BM_CausalSoftmax", "causal softmax", "x--"),
+        ]:
+            pts = series(runs, prefix, "tokens/s", "n", {"d": d}, lambda r: r["tokens/s"])
+            key = "chunked linear" if prefix == "BM_CrossoverChunked" else label
+            curves.setdefault(key, {}).update(dict(pts))
+        for label, pts in curves.items():
+            if pts:
+                xs = sorted(pts)
+                ax.plot(xs, [pts[x] for x in xs], "o-" if "softmax" not in label else "x--", label=label)
+        chunked, softmax = curves.get("chunked linear", {}), curves.get("causal softmax", {})
+        common = sorted(set(chunked) & set(softmax))
+        crossover = next((n for n in common if chunked[n] >= softmax[n]), None)
+        if crossover:
+            ax.axvline(crossover, color="gray", ls=":", lw=1)
+            ax.annotate(f"chunked linear faster\nfrom N = {crossover}", (crossover, ax.get_ylim()[0]),
+                        xytext=(5, 10), textcoords="offset points", fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens N")
+        ax.set_title(f"d = dv = {d}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("tokens per second, one thread")
+    axes[1].legend(fontsize=8)
+    save(fig, context, os.path.join(out, "linear_forms.png"),
+         "Linear attention's three forms against causal softmax")
+
+
+def threads(results, out):
+    path = os.path.join(results, "multi_head_bench.json")
+    if not os.path.exists(path):
+        return
+    runs, context = load(path)
+    labels, speedups = [], []
+    for prefix, kind in (("BM_SoftmaxLayer", "softmax"), ("BM_LinearLayer", "linear")):
+        by_config = {}
+        for name, run in runs.items():
+            base, _, pos = args_of(name)
+            if base != prefix or len(pos) < 4:
+                continue
+            threads_, q, kv, d = pos[:4]
+            by_config.setdefault((q, kv, d), {})[threads_] = run["ns"]
+        for (q, kv, d), t in sorted(by_config.items()):
+            if 1 in t and 2 in t:
+                labels.append(f"{kind}\n{q}/{kv} heads\nd={d}")
+                speedups.append(t[1] / t[2])
+    if not labels:
+        return
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    ax.bar(range(len(labels)), speedups)
+    ax.axhline(2, color="k", ls=":", lw=1, label="2 threads, perfect")
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("time on 1 thread / time on 2")
+    ax.set_ylim(0, 2.2)
+    ax.legend(fontsize=8)
+    save(fig, context, os.path.join(out, "threads.png"), "Multi-head layer, N = 4096: two threads against one")
+
+
+def demo(csv_path, out_png):
+    data = {}
+    with open(csv_path) as f:
+        for row in csv.DictReader(f):
+            data.setdefault(row["memory"], []).append((int(row["position"]), float(row["us_per_token"])))
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    for name, pts in data.items():
+        pts.sort()
+        ax.plot(*zip(*pts), "o-", label=name)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("position (tokens already in the memory)")
+    ax.set_ylabel("µs per decoding step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    context = {"cpu_model": cpu_model(), "date": datetime.date.today().isoformat(),
+               "num_cpus": os.cpu_count()}
+    save(fig, context, out_png, "scripts/demo: decoding step against position")
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv):
+    if len(argv) == 4 and argv[1] == "bench":
+        os.makedirs(argv[3], exist_ok=True)
+        for figure in (causal_softmax, memories, linear_forms, threads):
+            figure(argv[2], argv[3])
+        return 0
+    if len(argv) == 4 and argv[1] == "demo":
+        demo(argv[2], argv[3])
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
