@@ -62,8 +62,10 @@ MatrixRef<typename DX::Scalar> feature_output(const char* function, const Eigen:
 /// φ(x) = x. With it linear attention is the plain (unnormalised or sign-indefinite)
 /// kernel q·k; normalising is only meaningful for inputs with positive q·k.
 struct Identity {
-    static constexpr const char* snapshot_name = "Identity";
+    static constexpr const char* snapshot_name = "Identity";  ///< its name in snapshots
+    /// d′ = d.
     [[nodiscard]] Index output_dim(Index d) const noexcept { return d; }
+    /// Y (n×d′) = φ(X) (n×d), row by row; Y must not overlap X.
     template <class DX, class DY>
     void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
         detail::feature_output("Identity", X, std::forward<DY>(Y), X.cols()) = X;
@@ -116,8 +118,10 @@ struct EluPlusOneOp {
 /// φ(x) = elu(x) + 1 = (x + 1 if x > 0, else e^x), positive everywhere; the default.
 /// Katharopoulos et al. 2020.
 struct EluPlusOne {
-    static constexpr const char* snapshot_name = "EluPlusOne";
+    static constexpr const char* snapshot_name = "EluPlusOne";  ///< its name in snapshots
+    /// d′ = d.
     [[nodiscard]] Index output_dim(Index d) const noexcept { return d; }
+    /// Y (n×d′) = φ(X) (n×d), row by row; Y must not overlap X.
     template <class DX, class DY>
     void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
         using T = typename DX::Scalar;
@@ -127,8 +131,10 @@ struct EluPlusOne {
 
 /// φ(x) = max(x, 0). Non-negative; rows of zeros give zero weight.
 struct Relu {
-    static constexpr const char* snapshot_name = "Relu";
+    static constexpr const char* snapshot_name = "Relu";  ///< its name in snapshots
+    /// d′ = d.
     [[nodiscard]] Index output_dim(Index d) const noexcept { return d; }
+    /// Y (n×d′) = φ(X) (n×d), row by row; Y must not overlap X.
     template <class DX, class DY>
     void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
         using T = typename DX::Scalar;
@@ -141,8 +147,10 @@ struct Relu {
 ///   φ(q)·φ(k) = 1 + q·k + Σ_i q_i²k_i²/2 + Σ_{i<j} q_iq_jk_ik_j = 1 + q·k + (q·k)²/2,
 /// which is > 0 for every q·k (the quadratic has no real root). d' = 1 + d + d(d+1)/2.
 struct Taylor2 {
-    static constexpr const char* snapshot_name = "Taylor2";
+    static constexpr const char* snapshot_name = "Taylor2";  ///< its name in snapshots
+    /// d′ = 1 + d + d(d+1)/2.
     [[nodiscard]] Index output_dim(Index d) const noexcept { return 1 + d + d * (d + 1) / 2; }
+    /// Y (n×d′) = φ(X) (n×d), row by row; Y must not overlap X.
     template <class DX, class DY>
     void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
         using T = typename DX::Scalar;
@@ -186,7 +194,7 @@ struct Taylor2 {
 /// every platform (up to the last ulp of the C library's log/cos/sin).
 class FavorPlus {
 public:
-    static constexpr const char* snapshot_name = "FavorPlus";
+    static constexpr const char* snapshot_name = "FavorPlus";  ///< its name in snapshots
     /// m features for inputs of dim d, drawn from `seed`.
     FavorPlus(Index d, Index m, std::uint64_t seed) : d_(d), m_(m) {
         detail::require(d > 0, "FavorPlus", "d", "is ", d, ", expected > 0");
@@ -203,11 +211,14 @@ public:
                         " (the input dim the random features were drawn for)");
         return m_;
     }
+    /// d, the input dim the features were drawn for.
     [[nodiscard]] Index input_dim() const noexcept { return d_; }
+    /// m, the number of random features (the output dim).
     [[nodiscard]] Index features() const noexcept { return m_; }
     /// The random directions ω (m×d, before the 1/d^{1/4} input scaling), in double.
     [[nodiscard]] const Matrix<double>& projection() const noexcept { return omega_; }
 
+    /// Y (n×m) = φ(X) (n×d), row by row, each row max-shifted if it must be; Y must not overlap X.
     template <class DX, class DY>
     void operator()(const Eigen::MatrixBase<DX>& X, DY&& Y) const {
         using T = typename DX::Scalar;
@@ -298,6 +309,8 @@ private:
 
 }  // namespace memattn
 
+// An Eigen specialisation for a detail type: not in the API reference.
+/// \cond
 /// The packet path of EluPlusOne wherever Eigen vectorises exp for T.
 template <class T>
 struct Eigen::internal::functor_traits<memattn::detail::EluPlusOneOp<T>> {
@@ -306,3 +319,4 @@ struct Eigen::internal::functor_traits<memattn::detail::EluPlusOneOp<T>> {
         PacketAccess = packet_traits<T>::HasExp && packet_traits<T>::HasMin && packet_traits<T>::HasMax
     };
 };
+/// \endcond

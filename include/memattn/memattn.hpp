@@ -2,6 +2,15 @@
 // memattn: attention kernels and attention memories for long sequences.
 // Umbrella header; every header it includes also compiles on its own.
 
+/// \namespace memattn
+/// Attention kernels and attention memories for long sequences: the whole-sequence
+/// kernels, the memories that model memattn::Memory and the algorithms over them, the
+/// multi-head layer and snapshots (docs/design.md). memattn::detail is not part of the API.
+///
+/// \namespace memattn::snapshot
+/// The byte level of snapshots (docs/snapshot-format.md): the type codes, the header's
+/// constants, and the Writer and Reader a memory's write_snapshot/read_snapshot use.
+
 #include "memattn/version.hpp"
 #include "memattn/types.hpp"
 #include "memattn/softmax_state.hpp"

@@ -22,9 +22,11 @@
 
 namespace memattn {
 
+/// The online softmax state (max, sum) of one query over the keys seen so far; the
+/// accumulator `acc` is the caller's.
 template <class T>
 struct SoftmaxState {
-    static constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+    static constexpr T minus_inf = -std::numeric_limits<T>::infinity();  ///< −∞: a masked logit, the empty max
 
     T max = minus_inf;  ///< running maximum logit m
     T sum = T(0);       ///< running Σ exp(s_j − m)
@@ -100,8 +102,10 @@ struct SoftmaxState {
 template <class T, int MaxLanes = Eigen::Dynamic>
 class SoftmaxBlockState {
 public:
+    /// `lanes` queries, every lane empty (at most MaxLanes when it is fixed).
     explicit SoftmaxBlockState(Index lanes) : lanes_(3, lanes) { reset(); }
 
+    /// The number of queries (lanes).
     [[nodiscard]] Index lanes() const noexcept { return lanes_.cols(); }
 
     /// Every lane empty: max = −∞, sum = 0.

@@ -17,6 +17,7 @@
 
 namespace memattn {
 
+/// Sizes, dimensions and positions: Eigen's signed index type.
 using Index = Eigen::Index;
 
 /// A sequence: one token per row, row-major.
@@ -30,10 +31,13 @@ using Vector = Eigen::Matrix<T, 1, Eigen::Dynamic, Eigen::RowMajor>;
 /// a `Matrix<T>`, a `Map`, or one head's columns of a `[tokens, heads*dim]` buffer.
 template <class T>
 using MatrixRef = Eigen::Ref<Matrix<T>, 0, Eigen::OuterStride<>>;
+/// The read-only MatrixRef.
 template <class T>
 using ConstMatrixRef = Eigen::Ref<const Matrix<T>, 0, Eigen::OuterStride<>>;
+/// A view of one writable row (a token).
 template <class T>
 using RowRef = Eigen::Ref<Vector<T>>;
+/// A view of one read-only row (a token).
 template <class T>
 using ConstRowRef = Eigen::Ref<const Vector<T>>;
 

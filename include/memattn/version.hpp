@@ -5,7 +5,7 @@
 #define MEMATTN_VERSION_PATCH 0
 
 namespace memattn {
-inline constexpr int version_major = MEMATTN_VERSION_MAJOR;
-inline constexpr int version_minor = MEMATTN_VERSION_MINOR;
-inline constexpr int version_patch = MEMATTN_VERSION_PATCH;
+inline constexpr int version_major = MEMATTN_VERSION_MAJOR;  ///< major version
+inline constexpr int version_minor = MEMATTN_VERSION_MINOR;  ///< minor version
+inline constexpr int version_patch = MEMATTN_VERSION_PATCH;  ///< patch version
 }  // namespace memattn

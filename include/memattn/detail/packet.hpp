@@ -194,7 +194,10 @@ void transpose(const T* src, Index rows, Index cols, Index src_stride, T* dst, I
 
 }  // namespace memattn::detail
 
+// An Eigen specialisation for a detail type: not in the API reference.
+/// \cond
 template <class T>
 struct Eigen::internal::functor_traits<memattn::detail::ExpNonpositiveOp<T>> {
     enum { Cost = 12 * NumTraits<T>::MulCost, PacketAccess = packet_traits<T>::Vectorizable };
 };
+/// \endcond

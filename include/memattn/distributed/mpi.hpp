@@ -539,14 +539,16 @@ void distributed_chunked_linear_attention(MPI_Comm comm, const Eigen::MatrixBase
 template <Scalar T>
 class ShardedKVCache {
 public:
-    using Scalar = T;
+    using Scalar = T;  ///< float or double: the rows' scalar and the arithmetic's
 
     /// Collective: every rank passes the same dims and scale (0: 1/sqrt(key_dim)).
     ShardedKVCache(MPI_Comm comm, Index key_dim, Index value_dim, T scale = T(0))
         : comm_(comm), rank_size_(checked(comm, key_dim, value_dim, scale)), local_(key_dim, value_dim, scale),
           partial_(value_dim + 3), all_(static_cast<Index>(rank_size_.second) * (value_dim + 3)) {}
 
+    /// The key width d.
     [[nodiscard]] Index key_dim() const noexcept { return local_.key_dim(); }
+    /// The value width dv.
     [[nodiscard]] Index value_dim() const noexcept { return local_.value_dim(); }
     /// Tokens seen since reset, on every rank.
     [[nodiscard]] Index length() const noexcept { return length_; }

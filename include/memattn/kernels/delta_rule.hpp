@@ -31,6 +31,7 @@
 
 namespace memattn {
 
+/// Options of the (gated) delta rule kernels and DeltaRuleMemory.
 struct DeltaOptions {
     Index chunk_size = 32;        ///< tokens per chunk (chunked form; bench/linear_attention_bench.cpp)
     bool normalize_keys = false;  ///< divide each key by its L2 norm first

@@ -22,10 +22,11 @@
 
 namespace memattn {
 
+/// The heads of a layer and their widths, for its packed buffers Q, K, V and O.
 struct HeadLayout {
-    Index q_heads = 1;
-    Index kv_heads = 1;
-    Index head_dim = 0;
+    Index q_heads = 1;    ///< query heads, a multiple of kv_heads
+    Index kv_heads = 1;   ///< key/value heads: q_heads (MHA), 1 (MQA) or a divisor between (GQA)
+    Index head_dim = 0;   ///< the key/query width d of each head
     Index value_dim = 0;  ///< 0 means head_dim
 
     /// Query heads per KV head.
@@ -36,9 +37,11 @@ struct HeadLayout {
     [[nodiscard]] constexpr Index kv_head_of(Index h) const noexcept { return h / group_size(); }
 };
 
+/// A batch of variable-length sequences packed in the rows (FlashAttention's
+/// `cu_seqlens`); both spans empty: one sequence of all rows.
 struct VarLen {
-    std::span<const Index> q_offsets;
-    std::span<const Index> k_offsets;
+    std::span<const Index> q_offsets;  ///< B + 1 offsets of the sequences' Q (and O) rows, 0 first
+    std::span<const Index> k_offsets;  ///< B + 1 offsets of the sequences' K/V rows, 0 first
 };
 
 namespace detail {

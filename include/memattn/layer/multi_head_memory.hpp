@@ -66,12 +66,14 @@ inline constexpr bool is_kv_cache<KVCache<T>> = true;
 
 }  // namespace detail
 
+/// A Memory over a layer of heads: one memory M per KV head, fed and read through packed
+/// rows of every head (see the top of the file).
 template <Memory M>
 class MultiHead {
     using T = typename M::Scalar;
 
 public:
-    using Scalar = T;
+    using Scalar = T;  ///< the heads' scalar
 
     /// Pairs per piece of a split attend (see the top of the file).
     static constexpr Index split_keys = 4096;
@@ -187,6 +189,7 @@ public:
             bytes += head.footprint();
         return bytes;
     }
+    /// Resets every head.
     void reset() {
         for (M& head : heads_)
             head.reset();
@@ -195,13 +198,18 @@ public:
     /// Widths of the packed rows: keys, values, queries, outputs.
     /// kv_heads × the heads' key width (head_dim, or a gated memory's wider key rows).
     [[nodiscard]] Index key_dim() const noexcept { return layout_.kv_heads * key_width_; }
+    /// kv_heads × value_dim.
     [[nodiscard]] Index value_dim() const noexcept { return layout_.kv_heads * layout_.values(); }
+    /// q_heads × head_dim.
     [[nodiscard]] Index query_dim() const noexcept { return layout_.q_heads * layout_.head_dim; }
+    /// q_heads × value_dim.
     [[nodiscard]] Index output_dim() const noexcept { return layout_.q_heads * layout_.values(); }
 
+    /// The layout it was built with.
     [[nodiscard]] const HeadLayout& layout() const noexcept { return layout_; }
     /// KV head kv's memory.
     [[nodiscard]] const M& head(Index kv) const { return heads_.at(static_cast<std::size_t>(kv)); }
+    /// KV head kv's memory, writable. Both overloads throw std::out_of_range unless 0 ≤ kv < kv_heads.
     [[nodiscard]] M& head(Index kv) { return heads_.at(static_cast<std::size_t>(kv)); }
 
     /// Snapshots (memattn/persistence/snapshot.hpp), when M has them: the layout (q_heads,
@@ -213,6 +221,7 @@ public:
     {
         return "MultiHead/" + std::string(M::snapshot_kind());
     }
+    /// Snapshots: writes the payload, the layout and the heads' parts listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const
         requires Snapshottable<M>
     {
@@ -220,6 +229,8 @@ public:
         for (const M& head : heads_)
             w.part([&](snapshot::Writer& part) { head.write_snapshot(part); });
     }
+    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, every
+    /// head unchanged, unless the layout is its own and every head's part loads.
     void read_snapshot(snapshot::Reader& r)
         requires Snapshottable<M>
     {

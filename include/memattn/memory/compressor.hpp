@@ -33,7 +33,8 @@ concept Compressor = std::copy_constructible<C> &&
 
 /// The mean of the rows: m_0 = x_0, m_p = m_{p−1} + (x_p − m_{p−1}) / (p + 1).
 struct MeanPool {
-    static constexpr const char* snapshot_name = "MeanPool";
+    static constexpr const char* snapshot_name = "MeanPool";  ///< its name in snapshots
+    /// Folds `row`, the slot's row number `position`, into the running mean `slot`.
     template <class T>
     void absorb(RowRef<T> slot, ConstRowRef<T> row, Index position) const {
         if (position == 0)
@@ -45,7 +46,8 @@ struct MeanPool {
 
 /// The element-wise maximum of the rows; a NaN in any of them stays in the slot.
 struct MaxPool {
-    static constexpr const char* snapshot_name = "MaxPool";
+    static constexpr const char* snapshot_name = "MaxPool";  ///< its name in snapshots
+    /// Folds `row`, the slot's row number `position`, into the running maximum `slot`.
     template <class T>
     void absorb(RowRef<T> slot, ConstRowRef<T> row, Index position) const {
         if (position == 0)
@@ -60,9 +62,11 @@ struct MaxPool {
 /// "Compressive Transformers") gives. A slot still open holds the partial sum.
 class WeightedPool {
 public:
-    static constexpr const char* snapshot_name = "WeightedPool";
+    static constexpr const char* snapshot_name = "WeightedPool";  ///< its name in snapshots
+    /// w_p for the positions p = 0 .. weights.size() − 1 of a slot.
     explicit WeightedPool(std::vector<double> weights) : weights_(std::move(weights)) {}
 
+    /// Adds w_position · `row` to the partial sum `slot` (sets it at position 0).
     template <class T>
     void absorb(RowRef<T> slot, ConstRowRef<T> row, Index position) const {
         MEMATTN_DASSERT(position >= 0 && position < max_rate());
@@ -76,6 +80,7 @@ public:
     /// The longest slot it can pool: one weight per position. HybridCache checks its
     /// `rate` against this when a compressor provides it.
     [[nodiscard]] Index max_rate() const noexcept { return static_cast<Index>(weights_.size()); }
+    /// The weights, w_0 first; snapshots hold them.
     [[nodiscard]] const std::vector<double>& weights() const noexcept { return weights_; }
 
 private:

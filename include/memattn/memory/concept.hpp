@@ -24,6 +24,9 @@
 
 namespace memattn {
 
+/// An attention memory (see the top of the file): update(k, v) folds one token into the
+/// state, attend(q, out) reads it for one query, length() and footprint() report it and
+/// reset() empties it.
 template <class M>
 concept Memory = requires { typename M::Scalar; } &&
     requires(M& m, const M& cm, ConstRowRef<typename M::Scalar> k, ConstRowRef<typename M::Scalar> v,

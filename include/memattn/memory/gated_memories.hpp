@@ -62,8 +62,11 @@ void check_extras(const char* function, const K& keys, Index d, Index beta_colum
 template <Scalar T>
 class GatedLinearAttentionMemory {
 public:
-    using Scalar = T;
+    using Scalar = T;  ///< float or double: the rows' scalar and the state's
 
+    /// k of width `key_dim` (d; the key row adds the gate columns), values of width
+    /// `value_dim` (dv); `options` as for the gated kernels, so decay must be 1 (the gates
+    /// are the decay).
     GatedLinearAttentionMemory(Index key_dim, Index value_dim, GateKind gates = GateKind::scalar,
                                LinearOptions options = {})
         : d_(detail::at_least(key_dim, 1, "GatedLinearAttentionMemory", "key_dim")),
@@ -121,10 +124,13 @@ public:
         length_ += keys.rows();
     }
 
+    /// Tokens seen since reset.
     [[nodiscard]] Index length() const noexcept { return length_; }
+    /// Bytes of state held now: S and z, whatever the length.
     [[nodiscard]] std::size_t footprint() const noexcept {
         return sizeof(T) * static_cast<std::size_t>(state_.mu.size() + state_.nu.size());
     }
+    /// Forgets every token: S = 0, z = 0.
     void reset() {
         state_.mu.setZero(d_, dv_);
         state_.nu.setZero(d_);
@@ -133,15 +139,22 @@ public:
 
     /// The key row's width: d plus the gate columns.
     [[nodiscard]] Index key_dim() const noexcept { return d_ + gate_cols(); }
+    /// The value width dv.
     [[nodiscard]] Index value_dim() const noexcept { return dv_; }
+    /// The query width d: the key row without its gates.
     [[nodiscard]] Index query_dim() const noexcept { return d_; }
+    /// The output width dv.
     [[nodiscard]] Index output_dim() const noexcept { return dv_; }
+    /// One log-gate per token (scalar) or one per key channel.
     [[nodiscard]] GateKind gates() const noexcept { return gates_; }
+    /// The options it was built with.
     [[nodiscard]] const LinearOptions& options() const noexcept { return options_; }
+    /// The state: mu = S (d × dv), nu = z (1 × d).
     [[nodiscard]] const LinearState<T>& state() const noexcept { return state_; }
 
     /// Snapshots: d, dv, the gate kind, the options, length, S, z.
     [[nodiscard]] static std::string snapshot_kind() { return "GatedLinearAttentionMemory"; }
+    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
         w.index(d_);
         w.index(dv_);
@@ -153,6 +166,8 @@ public:
         w.matrix(state_.mu);
         w.matrix(state_.nu);
     }
+    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
+    /// memory unchanged, unless d, dv, the gate kind and the options are its own.
     void read_snapshot(snapshot::Reader& r) {
         r.expect("key_dim", d_);
         r.expect("value_dim", dv_);
@@ -182,8 +197,10 @@ private:
 template <Scalar T>
 class DeltaRuleMemory {
 public:
-    using Scalar = T;
+    using Scalar = T;  ///< float or double: the rows' scalar and the state's
 
+    /// k of width `key_dim` (d; the key row adds β and, when `gated`, a log-gate), values
+    /// of width `value_dim` (dv).
     DeltaRuleMemory(Index key_dim, Index value_dim, DeltaOptions options = {}, bool gated = false)
         : d_(detail::at_least(key_dim, 1, "DeltaRuleMemory", "key_dim")),
           dv_(detail::at_least(value_dim, 1, "DeltaRuleMemory", "value_dim")),
@@ -236,8 +253,11 @@ public:
         length_ += keys.rows();
     }
 
+    /// Tokens seen since reset.
     [[nodiscard]] Index length() const noexcept { return length_; }
+    /// Bytes of state held now: S, whatever the length.
     [[nodiscard]] std::size_t footprint() const noexcept { return sizeof(T) * static_cast<std::size_t>(S_.size()); }
+    /// Forgets every token: S = 0.
     void reset() {
         S_.setZero(d_, dv_);
         length_ = 0;
@@ -245,16 +265,22 @@ public:
 
     /// The key row's width: d, β, and the log-gate when gated.
     [[nodiscard]] Index key_dim() const noexcept { return d_ + (gated_ ? 2 : 1); }
+    /// The value width dv.
     [[nodiscard]] Index value_dim() const noexcept { return dv_; }
+    /// The query width d: the key row without β and the gate.
     [[nodiscard]] Index query_dim() const noexcept { return d_; }
+    /// The output width dv.
     [[nodiscard]] Index output_dim() const noexcept { return dv_; }
+    /// Whether the key row carries a log-gate (the gated delta rule).
     [[nodiscard]] bool gated() const noexcept { return gated_; }
+    /// The options it was built with.
     [[nodiscard]] const DeltaOptions& options() const noexcept { return options_; }
     /// The state S (d × dv).
     [[nodiscard]] const Matrix<T>& state() const noexcept { return S_; }
 
     /// Snapshots: d, dv, gated, the options, length, S.
     [[nodiscard]] static std::string snapshot_kind() { return "DeltaRuleMemory"; }
+    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
         w.index(d_);
         w.index(dv_);
@@ -264,6 +290,8 @@ public:
         w.index(length_);
         w.matrix(S_);
     }
+    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
+    /// memory unchanged, unless d, dv, gated and the options are its own.
     void read_snapshot(snapshot::Reader& r) {
         r.expect("key_dim", d_);
         r.expect("value_dim", dv_);

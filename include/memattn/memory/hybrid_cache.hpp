@@ -48,9 +48,10 @@ class HybridCache {
                   "see memattn/memory/compressor.hpp.");
 
 public:
-    using Scalar = T;
-    using CompressorType = C;
-    using StorageType = S;
+    using Scalar = T;          ///< float or double: the rows' scalar and the arithmetic's
+    using CompressorType = C;  ///< how evicted pairs are pooled into a slot
+    using StorageType = S;     ///< how the window's pairs are stored
+    /// The storage type code snapshots record for S (docs/snapshot-format.md).
     static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
 
     /// `window` >= 1 raw pairs, `rate` >= 1 pairs per compressed slot, `slots` >= 0
@@ -147,6 +148,7 @@ public:
         local_.for_each_block(e, length_, f);
     }
 
+    /// Tokens seen since reset.
     [[nodiscard]] Index length() const noexcept { return length_; }
     /// Bytes of the pairs held now (raw and compressed); constant once both are full.
     [[nodiscard]] std::size_t footprint() const noexcept {
@@ -155,14 +157,22 @@ public:
     }
     /// Bytes allocated at construction: window + slots pairs.
     [[nodiscard]] std::size_t capacity() const noexcept { return local_.bytes(window_) + compressed_.bytes(slots_); }
+    /// Forgets every pair and slot and keeps the allocation.
     void reset() noexcept { length_ = 0; }
 
+    /// The key width d.
     [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
+    /// The value width dv.
     [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
+    /// Raw pairs kept in the local window.
     [[nodiscard]] Index window() const noexcept { return window_; }
+    /// Evicted pairs pooled into one compressed slot.
     [[nodiscard]] Index rate() const noexcept { return rate_; }
+    /// Compressed slots kept at most (the oldest is dropped first).
     [[nodiscard]] Index slots() const noexcept { return slots_; }
+    /// The factor of q·k before the softmax (1/sqrt(key_dim) when built with 0).
     [[nodiscard]] T scale() const noexcept { return scale_; }
+    /// The compressor that pools the evicted pairs.
     [[nodiscard]] const C& compressor() const noexcept { return compressor_; }
 
     /// Snapshots (memattn/persistence/snapshot.hpp), for a compressor that names itself
@@ -174,6 +184,7 @@ public:
     {
         return "HybridCache/" + std::string(std::string_view(C::snapshot_name));
     }
+    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const
         requires detail::NamedForSnapshots<C>
     {
@@ -193,6 +204,9 @@ public:
         local_.write_items(w, e, length_);
         compressed_.write_items(w, first_slot(s), s);
     }
+    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
+    /// cache unchanged, unless key_dim, value_dim, window, rate, slots, scale and the
+    /// compressor's weights are its own.
     void read_snapshot(snapshot::Reader& r)
         requires detail::NamedForSnapshots<C>
     {

@@ -24,8 +24,9 @@ template <Scalar T, class S = T>
     requires StorageFor<S, T>
 class KVCache {
 public:
-    using Scalar = T;
-    using StorageType = S;
+    using Scalar = T;       ///< float or double: the rows' scalar and the arithmetic's
+    using StorageType = S;  ///< how the pairs are stored
+    /// The storage type code snapshots record for S (docs/snapshot-format.md).
     static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
 
     /// `scale` multiplies q·k before the softmax; 0 means 1/sqrt(key_dim).
@@ -133,6 +134,7 @@ public:
             f(keys(), values());
     }
 
+    /// Tokens seen since reset: the pairs held.
     [[nodiscard]] Index length() const noexcept { return length_; }
     /// Bytes of the pairs held now, as stored (S).
     [[nodiscard]] std::size_t footprint() const noexcept { return bytes(length_); }
@@ -150,14 +152,18 @@ public:
     /// Allocates room for `tokens` pairs in all, so later updates up to that length do not allocate.
     void reserve(Index tokens) { reserve_exact(std::max(tokens, length_)); }
 
+    /// The key width d.
     [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
+    /// The value width dv.
     [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
+    /// The factor of q·k before the softmax (1/sqrt(key_dim) when built with 0).
     [[nodiscard]] T scale() const noexcept { return scale_; }
 
     /// Snapshots (memattn/persistence/snapshot.hpp): key_dim, value_dim, scale, length,
     /// then the keys and the values, oldest first, as stored (S). Loading keeps the
     /// allocation when the pairs fit in it.
     [[nodiscard]] static std::string snapshot_kind() { return "KVCache"; }
+    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
         w.index(key_dim_);
         w.index(value_dim_);
@@ -166,6 +172,8 @@ public:
         keys_.write_rows(w, 0, length_);
         values_.write_rows(w, 0, length_);
     }
+    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
+    /// cache unchanged, unless key_dim, value_dim and scale are its own.
     void read_snapshot(snapshot::Reader& r) {
         r.expect("key_dim", key_dim_);
         r.expect("value_dim", value_dim_);
@@ -186,12 +194,13 @@ public:
         length_ = length;
     }
 
-    /// The stored keys and values, oldest first (when stored as T).
+    /// The stored keys, oldest first, a length() × key_dim() block (when stored as T).
     [[nodiscard]] auto keys() const
         requires std::same_as<S, T>
     {
         return keys_.block(0, length_);
     }
+    /// The stored values, oldest first, a length() × value_dim() block (when stored as T).
     [[nodiscard]] auto values() const
         requires std::same_as<S, T>
     {

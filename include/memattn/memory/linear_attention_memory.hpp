@@ -37,15 +37,19 @@
 
 namespace memattn {
 
+/// The linear-attention state μ, ν under a feature map Phi, as a Memory; see the top of the file.
 template <Scalar T, FeatureMap<T> Phi = EluPlusOne>
 class LinearAttentionMemory {
 public:
-    using Scalar = T;
-    using FeatureMapType = Phi;
+    using Scalar = T;            ///< float or double: the rows' scalar and the state's
+    using FeatureMapType = Phi;  ///< the feature map φ
 
     /// Features φ(q) attend computes in its stack buffer; beyond, see the header comment.
     static constexpr Index stack_features = Index(32768 / sizeof(T));
 
+    /// Keys of width `key_dim` (d), which `phi` maps to d′ = phi.output_dim(d) features,
+    /// values of width `value_dim` (dv); `options` as for the kernels. Allocates the state
+    /// and every scratch buffer.
     LinearAttentionMemory(Index key_dim, Index value_dim, Phi phi = {}, LinearOptions options = {})
         : key_dim_(checked_dim(key_dim, "key_dim")),
           value_dim_(checked_dim(value_dim, "value_dim")),
@@ -65,6 +69,8 @@ public:
             wide_ = std::make_unique<WideScratch>(feature_dim_);
     }
 
+    /// A copy of the state, map and options with scratch of its own, so copies attend and
+    /// update independently.
     LinearAttentionMemory(const LinearAttentionMemory& other)
         : key_dim_(other.key_dim_),
           value_dim_(other.value_dim_),
@@ -78,7 +84,9 @@ public:
           powers_(other.powers_),
           value_copy_(other.value_copy_),
           wide_(other.wide_ ? std::make_unique<WideScratch>(feature_dim_) : nullptr) {}
+    /// Takes over the state and the scratch.
     LinearAttentionMemory(LinearAttentionMemory&&) noexcept = default;
+    /// As the copy constructor: the state, map and options, with scratch of its own.
     LinearAttentionMemory& operator=(const LinearAttentionMemory& other) {
         if (this != &other) {
             LinearAttentionMemory copy(other);
@@ -86,6 +94,7 @@ public:
         }
         return *this;
     }
+    /// Takes over the state and the scratch.
     LinearAttentionMemory& operator=(LinearAttentionMemory&&) noexcept = default;
     ~LinearAttentionMemory() = default;
 
@@ -122,7 +131,7 @@ public:
     /// constructor with min(256, max(1, 16384 / d')) rows (≤ 64 KiB in float, at least
     /// one row), so extend allocates nothing either.
     static constexpr Index extend_block = 256;
-    static constexpr Index extend_scratch_elements = 16384;
+    static constexpr Index extend_scratch_elements = 16384;  ///< features the φ(K) scratch holds, when d′ allows
 
     /// Feeds many tokens: per block of extend_rows() tokens, φ(K) into the scratch and one
     /// GEMM μ ← γⁿ μ + φ(K)ᵀ diag(γ^{n−1−j}) V. Keys and values that are views of the
@@ -178,6 +187,7 @@ public:
         length_ += keys.rows();
     }
 
+    /// Tokens seen since reset (or the length given to set_state).
     [[nodiscard]] Index length() const noexcept { return length_; }
     /// Bytes of the state μ and ν: (d'·dv + d')·sizeof(T), whatever the length.
     [[nodiscard]] std::size_t footprint() const noexcept {
@@ -191,6 +201,7 @@ public:
     }
     /// Tokens per GEMM in extend.
     [[nodiscard]] Index extend_rows() const noexcept { return extend_rows_; }
+    /// Forgets every token: μ = 0, ν = 0.
     void reset() noexcept {
         state_.mu.setZero();
         state_.nu.setZero();
@@ -200,6 +211,8 @@ public:
     /// The state, to save; set_state(saved, length) resumes from it (copied into the
     /// memory's own storage, no allocation). Throws, changing nothing, on wrong shapes.
     [[nodiscard]] const LinearState<T>& state() const noexcept { return state_; }
+    /// Resumes from a saved state(), as after `length` tokens; throws std::invalid_argument,
+    /// changing nothing, unless μ is d′ × dv and ν 1 × d′.
     void set_state(const LinearState<T>& state, Index length = 0) {
         detail::require(state.mu.rows() == feature_dim_ && state.mu.cols() == value_dim_,
                         "LinearAttentionMemory::set_state", "state.mu", "has shape ", detail::shape(state.mu),
@@ -212,10 +225,15 @@ public:
         length_ = length;
     }
 
+    /// The key width d.
     [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
+    /// The value width dv.
     [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
+    /// The feature width d′ = φ's output_dim(d).
     [[nodiscard]] Index feature_dim() const noexcept { return feature_dim_; }
+    /// The feature map φ.
     [[nodiscard]] const Phi& feature_map() const noexcept { return phi_; }
+    /// The options it was built with.
     [[nodiscard]] const LinearOptions& options() const noexcept { return options_; }
 
     /// Snapshots (memattn/persistence/snapshot.hpp), for a feature map that names itself
@@ -227,6 +245,7 @@ public:
     {
         return "LinearAttentionMemory/" + std::string(std::string_view(Phi::snapshot_name));
     }
+    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const
         requires detail::NamedForSnapshots<Phi>
     {
@@ -243,6 +262,9 @@ public:
         w.matrix(state_.mu);
         w.matrix(state_.nu);
     }
+    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
+    /// memory unchanged, unless key_dim, value_dim, feature_dim, the map's parameters and
+    /// the options are its own.
     void read_snapshot(snapshot::Reader& r)
         requires detail::NamedForSnapshots<Phi>
     {

@@ -28,10 +28,13 @@
 
 namespace memattn {
 
+/// One summary (key, value) pair, the mean of the last `window` pairs, of every pair, or
+/// their exponential moving average; `attend` returns the summary value. See the top of
+/// the file.
 template <Scalar T>
 class MovingAverageCache {
 public:
-    using Scalar = T;
+    using Scalar = T;  ///< float or double: the rows' scalar and the summary's
 
     /// The mean of the last `window` pairs; `window` 0: of every pair since reset.
     MovingAverageCache(Index key_dim, Index value_dim, Index window)
@@ -77,8 +80,10 @@ public:
 
     /// The summary pair now (allocates the returned rows; attend does not).
     [[nodiscard]] Vector<T> summary_key() const { return summary(key_); }
+    /// The summary value now, what attend returns (allocates the returned row).
     [[nodiscard]] Vector<T> summary_value() const { return summary(value_); }
 
+    /// Tokens seen since reset.
     [[nodiscard]] Index length() const noexcept { return length_; }
     /// Bytes of state held now: the summary pair, its compensation (cumulative mean)
     /// or the pairs of the window held (windowed mean). Constant once the window is full.
@@ -96,6 +101,7 @@ public:
                sizeof(T) * static_cast<std::size_t>(key_.size() + value_.size() + key_carry_.size() +
                                                     value_carry_.size());
     }
+    /// Forgets every pair (the summary is zero again) and keeps the allocation.
     void reset() noexcept {
         length_ = 0;
         since_resum_ = 0;
@@ -105,7 +111,9 @@ public:
         value_carry_.setZero();
     }
 
+    /// The key width d.
     [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
+    /// The value width dv.
     [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
     /// The window (0: cumulative, or exponential).
     [[nodiscard]] Index window() const noexcept { return window_; }
@@ -117,6 +125,7 @@ public:
     /// averages), their Kahan carries (cumulative mean only), then the ring's pairs
     /// (windowed mean only), oldest first.
     [[nodiscard]] static std::string snapshot_kind() { return "MovingAverageCache"; }
+    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
         w.index(key_dim_);
         w.index(value_dim_);
@@ -131,6 +140,8 @@ public:
         if (window_ > 0)
             ring_.write_items(w, length_ - averaged(), length_);
     }
+    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
+    /// cache unchanged, unless key_dim, value_dim, window and alpha are its own.
     void read_snapshot(snapshot::Reader& r) {
         r.expect("key_dim", key_dim_);
         r.expect("value_dim", value_dim_);

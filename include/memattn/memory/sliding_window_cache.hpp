@@ -33,8 +33,9 @@ template <Scalar T, class S = T>
     requires StorageFor<S, T>
 class SlidingWindowCache {
 public:
-    using Scalar = T;
-    using StorageType = S;
+    using Scalar = T;       ///< float or double: the rows' scalar and the arithmetic's
+    using StorageType = S;  ///< how the pairs are stored
+    /// The storage type code snapshots record for S (docs/snapshot-format.md).
     static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
 
     /// `window` >= 1 counts the current token; `scale` 0 means 1/sqrt(key_dim).
@@ -128,6 +129,7 @@ public:
         window_pairs_.for_each_block(first_window_item(), window_items(), f);
     }
 
+    /// Tokens seen since reset.
     [[nodiscard]] Index length() const noexcept { return length_; }
     /// Bytes of the pairs held now: grows with the first window + sinks tokens, then constant.
     [[nodiscard]] std::size_t footprint() const noexcept {
@@ -155,16 +157,22 @@ public:
         length_ = tokens;
     }
 
+    /// The key width d.
     [[nodiscard]] Index key_dim() const noexcept { return key_dim_; }
+    /// The value width dv.
     [[nodiscard]] Index value_dim() const noexcept { return value_dim_; }
+    /// The latest pairs a query sees, the current token included.
     [[nodiscard]] Index window() const noexcept { return window_; }
+    /// The first pairs every query sees (attention sinks).
     [[nodiscard]] Index sinks() const noexcept { return sinks_; }
+    /// The factor of q·k before the softmax (1/sqrt(key_dim) when built with 0).
     [[nodiscard]] T scale() const noexcept { return scale_; }
 
     /// Snapshots (memattn/persistence/snapshot.hpp): key_dim, value_dim, window, sinks,
     /// scale, length, then the held sinks and the held window pairs, oldest first (keys,
     /// then values, of each). Loading writes into the rings allocated at construction.
     [[nodiscard]] static std::string snapshot_kind() { return "SlidingWindowCache"; }
+    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
         w.index(key_dim_);
         w.index(value_dim_);
@@ -175,6 +183,8 @@ public:
         sink_pairs_.write_items(w, 0, held_sinks());
         window_pairs_.write_items(w, first_window_item(), window_items());
     }
+    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
+    /// cache unchanged, unless key_dim, value_dim, window, sinks and scale are its own.
     void read_snapshot(snapshot::Reader& r) {
         r.expect("key_dim", key_dim_);
         r.expect("value_dim", value_dim_);

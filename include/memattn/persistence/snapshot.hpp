@@ -70,6 +70,7 @@ inline constexpr std::uint32_t format_version = 1;
 /// The longest kind name a snapshot may hold.
 inline constexpr std::uint32_t max_kind_bytes = 255;
 
+/// A type code's name in messages: float32, float64, bfloat16, float16 or q8.
 inline std::string type_name(std::uint8_t code) {
     switch (code) {
         case 1: return "float32";

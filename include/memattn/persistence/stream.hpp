@@ -160,6 +160,7 @@ enum class TypeCode : std::uint8_t {
     q8 = 5,
 };
 
+/// The type code of the scalar T: float32 or float64.
 template <class T>
 constexpr TypeCode type_code() {
     static_assert(Scalar<T>, "memattn::snapshot::type_code: float or double");
@@ -173,8 +174,10 @@ class Writer {
 public:
     /// Counts bytes and writes nothing.
     Writer() = default;
+    /// Writes to `out` (a stream opened in binary mode).
     explicit Writer(std::ostream& out) : out_(&out) {}
 
+    /// `size` bytes as they are; throws SnapshotError when the stream fails.
     void bytes(const void* data, std::size_t size) {
         size_ += size;
         if (out_ == nullptr || size == 0)
@@ -259,8 +262,10 @@ public:
 
     /// Bytes not read yet.
     [[nodiscard]] std::size_t remaining() const noexcept { return bytes_.size() - at_; }
+    /// The memory's name in messages.
     [[nodiscard]] const std::string& kind() const noexcept { return kind_; }
 
+    /// `size` bytes as they are, into `data`; `what` names them in messages.
     void bytes(void* data, std::size_t size, std::string_view what) {
         need(size, what);
         if (size > 0)
@@ -268,6 +273,7 @@ public:
         at_ += size;
     }
 
+    /// One number of type N, little-endian (Writer::number); `what` names it in messages.
     template <class N>
         requires std::is_arithmetic_v<N>
     N number(std::string_view what) {
@@ -277,8 +283,10 @@ public:
         return value;
     }
 
+    /// A count, size or dimension: a signed 64-bit integer (Writer::index).
     Index index(std::string_view what) { return static_cast<Index>(number<std::int64_t>(what)); }
 
+    /// A bool (Writer::flag); throws unless the byte is 0 or 1.
     bool flag(std::string_view what) {
         const auto b = number<std::uint8_t>(what);
         if (b > 1)
@@ -286,6 +294,7 @@ public:
         return b == 1;
     }
 
+    /// A string: its byte count (u32), then its bytes (Writer::text).
     std::string text(std::string_view what) {
         const auto n = number<std::uint32_t>(what);
         need(n, what);
@@ -312,6 +321,7 @@ public:
             mismatch(what, describe(stored), describe(static_cast<Stored>(mine)));
     }
 
+    /// Reads a string and throws unless it equals the target's `mine`: expect for text.
     void expect_text(std::string_view what, std::string_view mine) {
         const std::string stored = text(what);
         if (stored != mine)
@@ -373,6 +383,7 @@ public:
         return inner;
     }
 
+    /// Throws SnapshotError, its message naming the memory (kind()) and then `what`.
     [[noreturn]] void fail(const std::string& what) const {
         throw SnapshotError("memattn::load: " + kind_ + ": " + what);
     }

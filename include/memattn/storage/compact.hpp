@@ -45,7 +45,7 @@ namespace memattn {
 
 /// 8-bit K/V storage: int8 values with one float scale per block of 32 (see above).
 struct Q8 {
-    static constexpr Index block = 32;
+    static constexpr Index block = 32;  ///< values of a row that share one float scale
 };
 
 /// The element types a cache can store keys and values in besides its scalar.
