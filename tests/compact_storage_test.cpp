@@ -264,3 +264,24 @@ TEST_CASE("Compact storage: MultiHead over compact caches equals its heads", "[s
         check_close(W.middleCols(h * 6, 6), to_double(expected), tolerance<float>());
     }
 }
+
+TEMPLATE_TEST_CASE("Compact storage: rows added in registers equal row-by-row adds, bit for bit", "[storage]",
+                   Eigen::bfloat16, Eigen::half, Q8) {
+    if constexpr (detail::fused_storage) {
+        using S = TestType;
+        for (const Index cols : {1, 15, 16, 33, 100, 130, 200}) {
+            const Index n = 37;
+            const Matrix<float> X = random_matrix<float>(n, cols, 5, 3.0);
+            detail::StoredRows<float, S> rows(n, cols);
+            rows.put_rows(0, X);
+            const Matrix<float> w = random_matrix<float>(1, n, 6);
+            const Matrix<float> start = random_matrix<float>(1, cols, 7);
+            Matrix<float> one_by_one = start, in_registers = start;
+            for (Index j = 3; j < n; ++j)
+                rows.add_scaled(j, w(0, j), one_by_one.data());
+            rows.add_rows(3, n - 3, w.data() + 3, in_registers.data(), 4, n);  // with prefetches
+            CAPTURE(cols);
+            CHECK(in_registers == one_by_one);
+        }
+    }
+}

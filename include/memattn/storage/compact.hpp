@@ -161,6 +161,23 @@ inline Packet<float> dot_span(const float* q, const E* x, Index n, Packet<float>
     return padd(padd(acc, a1), padd(a2, a3));
 }
 
+/// Σ_i q_i·x_i over one whole Q8 block as a packet of partial sums (fused_storage only):
+/// two independent chains, so a block's products overlap instead of queueing behind one
+/// accumulator (with 16 lanes a block is just two packets).
+template <class E>
+inline Packet<float> block_dot(const float* q, const E* x) {
+    using namespace Eigen::internal;
+    using P = Packet<float>;
+    constexpr Index lanes = packet_lanes<float>;
+    static_assert(Q8::block % (2 * lanes) == 0, "a Q8 block is a whole number of packet pairs");
+    P a = pmul(ploadu<P>(q), load_floats(x)), b = pmul(ploadu<P>(q + lanes), load_floats(x + lanes));
+    for (Index c = 2 * lanes; c < Q8::block; c += 2 * lanes) {
+        a = pmadd(ploadu<P>(q + c), load_floats(x + c), a);
+        b = pmadd(ploadu<P>(q + c + lanes), load_floats(x + c + lanes), b);
+    }
+    return padd(a, b);
+}
+
 /// acc[0, n) += w · x[0, n) (fused_storage only; the packet part, the tail is the caller's).
 template <class E>
 inline Index add_span(float w, const E* x, Index n, float* acc) {
@@ -172,6 +189,44 @@ inline Index add_span(float w, const E* x, Index n, float* acc) {
     for (; c + lanes <= n; c += lanes)
         pstoreu(acc + c, pmadd(weight, load_floats(x + c), ploadu<P>(acc + c)));
     return c;
+}
+
+/// acc[0, cols) += Σ_j w[j] · rows(first + j) over j ∈ [0, n), one row after the other
+/// (fused_storage only): every acc[c] gets the same FMAs, in the same order, as n calls of
+/// add_scaled, but up to 8 packets of acc stay in registers across the rows instead of
+/// going through memory after every row (a store-to-load chain per row). Rows asked for
+/// `ahead` rows in advance while i + ahead < prefetch_end (ahead 0: none). `rows` gives
+/// packet(r, c) (lanes stored values from column c, a multiple of the packet width, as
+/// float), scalar(r, c) and weight(r, c, w) (w times the scale of the block holding c).
+template <class Rows>
+void add_rows_in_registers(const Rows& rows, Index first, Index n, const float* w, float* acc, Index ahead,
+                           Index prefetch_end) {
+    using namespace Eigen::internal;
+    using P = Packet<float>;
+    constexpr Index lanes = packet_lanes<float>;
+    constexpr int tile = 8;
+    const Index cols = rows.cols(), packed = cols / lanes * lanes;
+    for (Index c0 = 0; c0 < packed; c0 += tile * lanes) {
+        const bool prefetch = ahead > 0 && c0 == 0;  // the first pass over the rows asks for them
+        dispatch<tile>(std::min<Index>(tile, (packed - c0) / lanes), [&]<int Packets>() {
+            P r[Packets];
+            for (int p = 0; p < Packets; ++p)
+                r[p] = ploadu<P>(acc + c0 + p * lanes);
+            for (Index j = 0; j < n; ++j) {
+                if (prefetch && first + j + ahead < prefetch_end)
+                    rows.prefetch_row(first + j + ahead);
+                for (int p = 0; p < Packets; ++p) {
+                    const Index c = c0 + p * lanes;
+                    r[p] = pmadd(pset1<P>(rows.weight(first + j, c, w[j])), rows.packet(first + j, c), r[p]);
+                }
+            }
+            for (int p = 0; p < Packets; ++p)
+                pstoreu(acc + c0 + p * lanes, r[p]);
+        });
+    }
+    for (Index c = packed; c < cols; ++c)
+        for (Index j = 0; j < n; ++j)
+            acc[c] += rows.weight(first + j, c, w[j]) * rows.scalar(first + j, c);
 }
 
 /// Rows × cols values of T stored as S: a plain row-major matrix when S is T, else the
@@ -282,6 +337,14 @@ public:
         for (Index c = add_span(w, x, cols(), acc); c < cols(); ++c)
             acc[c] += w * to_float(x[c]);
     }
+    /// add_scaled for rows [first, first + n) with weights w, acc in registers
+    /// (add_rows_in_registers; fused_storage).
+    void add_rows(Index first, Index n, const float* w, float* acc, Index ahead, Index prefetch_end) const {
+        add_rows_in_registers(*this, first, n, w, acc, ahead, prefetch_end);
+    }
+    [[nodiscard]] Packet<float> packet(Index r, Index c) const { return load_floats(&m_(r, c)); }
+    [[nodiscard]] float scalar(Index r, Index c) const { return to_float(m_(r, c)); }
+    [[nodiscard]] static float weight(Index, Index, float w) { return w; }
 
     [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
     [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept { return 2 * static_cast<std::size_t>(cols); }
@@ -372,13 +435,18 @@ public:
         const std::int8_t* x = &q_(row, 0);
         const float* s = &scales_(row, 0);
         const Index d = cols(), whole = d / Q8::block;
-        Packet<float> acc = pset1<Packet<float>>(0.0f);
-        for (Index b = 0; b < whole; ++b) {
-            const Index c0 = b * Q8::block;
-            acc = pmadd(pset1<Packet<float>>(s[b]), dot_span(q + c0, x + c0, Q8::block, pset1<Packet<float>>(0.0f)),
-                        acc);
+        // Even and odd blocks on two accumulators: the scale FMAs of consecutive blocks
+        // do not wait on each other.
+        Packet<float> even = pset1<Packet<float>>(0.0f), odd = even;
+        Index b = 0;
+        for (; b + 1 < whole; b += 2) {
+            even = pmadd(pset1<Packet<float>>(s[b]), block_dot(q + b * Q8::block, x + b * Q8::block), even);
+            odd = pmadd(pset1<Packet<float>>(s[b + 1]), block_dot(q + (b + 1) * Q8::block, x + (b + 1) * Q8::block),
+                        odd);
         }
-        float sum = predux(acc);
+        if (b < whole)
+            even = pmadd(pset1<Packet<float>>(s[b]), block_dot(q + b * Q8::block, x + b * Q8::block), even);
+        float sum = predux(padd(even, odd));
         if (whole < scales_.cols()) {  // the last, shorter block
             float tail = 0;
             for (Index c = whole * Q8::block; c < d; ++c)
@@ -397,6 +465,15 @@ public:
                 acc[c0 + c] += ws * static_cast<float>(x[c0 + c]);
         }
     }
+    /// add_scaled for rows [first, first + n) with weights w, acc in registers
+    /// (add_rows_in_registers; fused_storage). A packet never straddles two blocks: block
+    /// edges are multiples of 32, packets start at multiples of their width.
+    void add_rows(Index first, Index n, const float* w, float* acc, Index ahead, Index prefetch_end) const {
+        add_rows_in_registers(*this, first, n, w, acc, ahead, prefetch_end);
+    }
+    [[nodiscard]] Packet<float> packet(Index r, Index c) const { return load_floats(&q_(r, c)); }
+    [[nodiscard]] float scalar(Index r, Index c) const { return static_cast<float>(q_(r, c)); }
+    [[nodiscard]] float weight(Index r, Index c, float w) const { return w * scales_(r, c / Q8::block); }
 
     [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
     [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept {
@@ -486,11 +563,7 @@ void attend_stored(const Q& q, const StoredRows<T, S>& K, const StoredRows<T, S>
                 for (Index c = packed; c < dv; ++c)
                     out[c] *= alpha;
             }
-            for (Index j = 0; j < m; ++j) {
-                if (j0 + j + v_ahead < end)
-                    V.prefetch_row(j0 + j + v_ahead);
-                V.add_scaled(j0 + j, logits[j], out);
-            }
+            V.add_rows(j0, m, logits, out, streaming ? v_ahead : 0, end);
         }
         return;
     }
