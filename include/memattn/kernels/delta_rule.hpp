@@ -21,7 +21,13 @@
 //   o_t = γ_t q_t S_0 + Σ_{s≤t} e^{b_t − b_s} (q_t·k_s) u_s
 //   S_C = γ_C S_0 + Σ_s e^{b_C − b_s} k_sᵀ u_s
 // Every exponent is ≤ 0. The per-token rank-1 updates and GEMVs of the recurrence become
-// products of C rows.
+// products of C rows: [K; Q] S_0, K Kᵀ, Q Kᵀ, A U and Kᵀ U go through the register-blocked
+// tile product (detail/tile_product.hpp), the solve through Eigen's triangular solver.
+//
+// Measured (bench/linear_attention_bench.cpp, N = 65536, d = dv = 128, float, one thread of
+// an Intel Xeon with AVX-512, medians of 5): chunked 709k tokens/s against 318k for the
+// recurrence (2.2×; 2.3× at C = 16), gated 654k against 211k (3.1×). With Eigen's GEMM
+// for the products they were 1.97× and 2.64×.
 
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/types.hpp"
@@ -106,7 +112,7 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
     const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
     const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
     // Rows [0, c) hold the chunk's keys, rows [c, 2c) its queries: K S_0 and Q S_0 are one product.
-    Matrix<T> kq(2 * c_max, d), kqs(2 * c_max, dv), kk(c_max, c_max), qk(c_max, c_max);
+    Matrix<T> kq(2 * c_max, d), kqs(2 * c_max, dv), kk(c_max, c_max), qk(c_max, c_max), kt(d, c_max);
     ColumnVector<T> b(c_max);
     for (Index t0 = 0; t0 < n; t0 += c_max) {
         const Index c = std::min(c_max, n - t0);
@@ -123,15 +129,20 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
             bc.setZero();
         }
         // [K; Q] S_0 in one product; RHS = diag(β)(V − diag(γ) K S_0), then (I + L) U = RHS.
-        kqs.topRows(2 * c).noalias() = kq.topRows(2 * c) * S;
+        // The three d·dv-sized products go through the register-blocked tile product
+        // (Eigen's GEMM packs its operands first, which costs more than it saves here).
+        tile_product<T>(2 * c, dv, d, kq.data(), kq.outerStride(), 1, S.data(), S.outerStride(), kqs.data(),
+                        kqs.outerStride(), nullptr);
         auto uc = kqs.topRows(c);
         if (gates != nullptr)
             uc = uc.array().colwise() * bc.array().exp();
         uc = (V.middleRows(t0, c) - uc).array().colwise() * beta.middleRows(t0, c).col(0).array();
+        // K Kᵀ and Q Kᵀ against Kᵀ transposed once (the right operand, row-major).
+        transpose(kc.data(), c, d, kc.outerStride(), kt.data(), c_max);
         auto l = kk.topLeftCorner(c, c);
-        l.noalias() = kc * kc.transpose();
+        tile_product<T>(c, c, d, kc.data(), kc.outerStride(), 1, kt.data(), c_max, l.data(), l.outerStride(), nullptr);
         auto a = qk.topLeftCorner(c, c);
-        a.noalias() = q * kc.transpose();
+        tile_product<T>(c, c, d, q.data(), q.outerStride(), 1, kt.data(), c_max, a.data(), a.outerStride(), nullptr);
         for (Index t = 0; t < c; ++t) {
             for (Index s2 = 0; s2 <= t; ++s2) {
                 const T decay = gates != nullptr ? std::exp(bc(t) - bc(s2)) : T(1);
@@ -150,8 +161,11 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
             S *= std::exp(bc(c - 1));
             kc = kc.array().colwise() * (bc(c - 1) - bc.array()).exp();
         }
-        o.noalias() += a * uc;
-        S.noalias() += kc.transpose() * uc;
+        tile_product_add<T>(c, dv, c, a.data(), a.outerStride(), 1, uc.data(), uc.outerStride(), o.data(),
+                            o.outerStride());
+        // S += Kᵀ U: A(r, s) = kc(s, r) is read with strides (1, row stride of kc).
+        tile_product_add<T>(d, dv, c, kc.data(), 1, kc.outerStride(), uc.data(), uc.outerStride(), S.data(),
+                            S.outerStride());
     }
 }
 

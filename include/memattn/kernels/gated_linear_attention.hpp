@@ -20,7 +20,14 @@
 // Every exponent is ≤ 0 (b only falls), so nothing overflows however small the gates:
 // the pairs term never splits e^{b_t − b_s} into e^{b_t}·e^{−b_s}. With a scalar gate A
 // is (Q Kᵀ) ⊙ e^{b_t − b_s}, one product; with channel gates A is computed pair by pair
-// (C²·d exponentials per chunk).
+// (C²·d exponentials per chunk, packets across the channels). The exponentials are
+// detail::ExpNonpositiveOp's (every argument ≤ 0), row by row so that Eigen vectorises
+// them.
+//
+// Measured (bench/linear_attention_bench.cpp, N = 65536, d = dv = 128, float, one thread
+// of an Intel Xeon with AVX-512, medians of 5): chunked against recurrent 3.0× with a
+// scalar gate and 2.65× with channel gates (1.81× while the channel exponentials went one
+// scalar exp at a time).
 
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/types.hpp"
@@ -30,6 +37,25 @@
 
 namespace memattn {
 namespace detail {
+
+/// A_ts = Σ_r q_tr k_sr e^{b_tr − b_sr} for one pair s ≤ t of a chunk with channel gates
+/// (every exponent ≤ 0): packets across the channels, the exponential of detail/packet.hpp.
+template <class T>
+T channel_pair(const T* q, const T* k, const T* bt, const T* bs, Index d) {
+    using namespace Eigen::internal;
+    using P = Packet<T>;
+    constexpr Index lanes = packet_lanes<T>;
+    const ExpNonpositiveOp<T> exp;
+    P acc = pset1<P>(T(0));
+    Index r = 0;
+    for (; r + lanes <= d; r += lanes)
+        acc = pmadd(pmul(ploadu<P>(q + r), ploadu<P>(k + r)), exp.packetOp(psub(ploadu<P>(bt + r), ploadu<P>(bs + r))),
+                    acc);
+    T sum = predux(acc);
+    for (; r < d; ++r)
+        sum += q[r] * k[r] * exp(bt[r] - bs[r]);
+    return sum;
+}
 
 /// Every check of the gated kernels, before anything is written; returns the gate width.
 template <class T>
@@ -50,7 +76,10 @@ Index check_gated_arguments(const char* function, const ConstMatrixRef<T>& q, co
     require(g.rows() == q.rows() && (g.cols() == 1 || g.cols() == q.cols()), function, "log_gates", "has shape ",
             shape(g), ", expected ", q.rows(), "x1 (a gate per token) or ", q.rows(), 'x', q.cols(),
             " (a gate per key channel)");
-    for (Index i = 0; i < g.rows(); ++i)
+    // Two vectorised reductions (x·0 is 0 exactly for a finite x), then, only if one
+    // fails, the element by element search for the message.
+    const bool all_good = g.size() == 0 || ((g.array() * T(0)).sum() == T(0) && g.maxCoeff() <= T(0));
+    for (Index i = 0; !all_good && i < g.rows(); ++i)
         for (Index c = 0; c < g.cols(); ++c)
             require(std::isfinite(g(i, c)) && g(i, c) <= 0, function, "log_gates", "has ", g(i, c), " at (", i, ", ",
                     c, "), expected a finite log-gate <= 0 (a gate in (0, 1])");
@@ -110,23 +139,29 @@ void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
         if (!channel) {
             // A = (Q Kᵀ) ⊙ e^{b_t − b_s} on and below the diagonal.
             a.noalias() = q * k.transpose();
+            const ExpNonpositiveOp<T> exp;
             for (Index t = 0; t < c; ++t) {
                 for (Index s2 = 0; s2 <= t; ++s2)
-                    a(t, s2) *= std::exp(bc(t, 0) - bc(s2, 0));
+                    a(t, s2) *= exp(bc(t, 0) - bc(s2, 0));
                 a.row(t).tail(c - 1 - t).setZero();
             }
-            qc = q.array().colwise() * bc.col(0).array().exp();
-            kc = k.array().colwise() * (bc(c - 1, 0) - bc.col(0).array()).exp();
-            last.setConstant(std::exp(bc(c - 1, 0)));
+            qc = q.array().colwise() * bc.col(0).array().unaryExpr(exp);
+            kc = k.array().colwise() * (bc(c - 1, 0) - bc.col(0).array()).unaryExpr(exp);
+            last.setConstant(exp(bc(c - 1, 0)));
         } else {
             for (Index t = 0; t < c; ++t) {
                 for (Index s2 = 0; s2 <= t; ++s2)
-                    a(t, s2) = (q.row(t).array() * k.row(s2).array() * (bc.row(t) - bc.row(s2)).array().exp()).sum();
+                    a(t, s2) = channel_pair(q.row(t).data(), k.row(s2).data(), &bc(t, 0), &bc(s2, 0), d);
                 a.row(t).tail(c - 1 - t).setZero();
             }
-            qc = q.array() * bc.array().exp();
-            kc = k.array() * (bc.row(c - 1).replicate(c, 1) - bc).array().exp();
-            last = bc.row(c - 1).array().exp();
+            // Row by row, so that Eigen vectorises the exponentials (a replicated row
+            // would make it fall back to one scalar exp2 at a time).
+            const ExpNonpositiveOp<T> exp;
+            for (Index t = 0; t < c; ++t) {
+                qc.row(t) = q.row(t).array() * bc.row(t).array().unaryExpr(exp);
+                kc.row(t) = k.row(t).array() * (bc.row(c - 1) - bc.row(t)).array().unaryExpr(exp);
+            }
+            last = bc.row(c - 1).array().unaryExpr(exp);
         }
         o.noalias() = a * v;
         o.noalias() += qc * s.mu;
