@@ -117,6 +117,13 @@ inline Packet<float> load_floats(const std::int8_t* p) {
 inline constexpr bool fused_storage = false;
 #endif
 
+/// load_floats through a template: code that names it still compiles where
+/// fused_storage is false (and load_floats does not exist), since it is never called there.
+template <class E>
+Packet<float> load_packet(const E* p) {
+    return load_floats(p);
+}
+
 /// One stored value as float.
 inline float to_float(Eigen::bfloat16 x) { return static_cast<float>(x); }
 inline float to_float(Eigen::half x) { return static_cast<float>(x); }
@@ -342,7 +349,7 @@ public:
     void add_rows(Index first, Index n, const float* w, float* acc, Index ahead, Index prefetch_end) const {
         add_rows_in_registers(*this, first, n, w, acc, ahead, prefetch_end);
     }
-    [[nodiscard]] Packet<float> packet(Index r, Index c) const { return load_floats(&m_(r, c)); }
+    [[nodiscard]] Packet<float> packet(Index r, Index c) const { return load_packet(&m_(r, c)); }
     [[nodiscard]] float scalar(Index r, Index c) const { return to_float(m_(r, c)); }
     [[nodiscard]] static float weight(Index, Index, float w) { return w; }
 
@@ -471,7 +478,7 @@ public:
     void add_rows(Index first, Index n, const float* w, float* acc, Index ahead, Index prefetch_end) const {
         add_rows_in_registers(*this, first, n, w, acc, ahead, prefetch_end);
     }
-    [[nodiscard]] Packet<float> packet(Index r, Index c) const { return load_floats(&q_(r, c)); }
+    [[nodiscard]] Packet<float> packet(Index r, Index c) const { return load_packet(&q_(r, c)); }
     [[nodiscard]] float scalar(Index r, Index c) const { return static_cast<float>(q_(r, c)); }
     [[nodiscard]] float weight(Index r, Index c, float w) const { return w * scales_(r, c / Q8::block); }
 
