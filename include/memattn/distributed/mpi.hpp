@@ -164,6 +164,13 @@ std::string local_error(Checks&& checks) {
     return {};
 }
 
+/// A shard's K/V block travels as one message, whose count MPI takes as an int.
+inline void check_message_size(const char* function, Index rows, Index width) {
+    require(rows <= Index(std::numeric_limits<int>::max()) / std::max<Index>(width, 1), function, "K", "has ", rows,
+            " rows of ", width, " K and V values: the shard's block exceeds the ", std::numeric_limits<int>::max(),
+            " values of one MPI message; spread the sequence over more ranks");
+}
+
 /// Every rank's value of `mine`, in rank order.
 inline std::vector<std::int64_t> all_gather(MPI_Comm comm, std::int64_t mine) {
     const int size = rank_size(comm).second;
@@ -363,6 +370,7 @@ void distributed_causal_softmax_attention(MPI_Comm comm, const Eigen::MatrixBase
                                            detail::shape(o), options);
         detail::require(q.rows() == k.rows(), function, "Q", "has shape ", detail::shape(q), ", expected ", k.rows(),
                         " rows as K (", detail::shape(k), "): each rank holds the queries of its own tokens");
+        detail::mpi::check_message_size(function, k.rows(), k.cols() + v.cols());
         detail::check_disjoint(function, "O", o, q, k, v);
     });
     detail::mpi::ring_attention<T>(comm, function, error, q, k, v, o, HeadLayout{1, 1, k.cols(), v.cols()}, options,
@@ -392,6 +400,7 @@ void distributed_causal_softmax_attention(MPI_Comm comm, const Eigen::MatrixBase
                                            {v.rows(), heads.values()}, {o.rows(), heads.values()}, options);
         detail::require(q.rows() == k.rows(), function, "Q", "has shape ", detail::shape(q), ", expected ", k.rows(),
                         " rows as K (", detail::shape(k), "): each rank holds the queries of its own tokens");
+        detail::mpi::check_message_size(function, k.rows(), k.cols() + v.cols());
         detail::check_disjoint(function, "O", o, q, k, v);
     });
     // A bad layout on one rank must not size anything before the collective check.
