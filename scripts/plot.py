@@ -135,36 +135,31 @@ MEMORIES = [
 ]
 
 
+def against_position(runs, context, key, value, ylabel, path, title):
+    """One line per memory of MEMORIES (d = 64): value(run) against the position, log-log."""
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    for prefix, extra, label in MEMORIES:
+        pts = series(runs, prefix, key, "position", {"d": 64, **extra}, value)
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("position (tokens already in the memory)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    save(fig, context, path, title)
+
+
 def memories(results, out):
     path = os.path.join(results, "memory_bench.json")
     if not os.path.exists(path):
         return
     runs, context = load(path)
-    fig, ax = plt.subplots(figsize=(9.5, 4.5))
-    for prefix, extra, label in MEMORIES:
-        pts = series(runs, prefix, None, "position", {"d": 64, **extra}, lambda r: r["ns"] / 1e3)
-        if pts:
-            ax.plot(*zip(*pts), "o-", label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("position (tokens already in the memory)")
-    ax.set_ylabel("one decoding step (update + attend), µs")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    save(fig, context, os.path.join(out, "decode_step.png"), "Decoding step against position, d = dv = 64, float")
-
-    fig, ax = plt.subplots(figsize=(9.5, 4.5))
-    for prefix, extra, label in MEMORIES:
-        pts = series(runs, prefix, "bytes", "position", {"d": 64, **extra}, lambda r: r["bytes"])
-        if pts:
-            ax.plot(*zip(*pts), "o-", label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("position (tokens already in the memory)")
-    ax.set_ylabel("bytes held (footprint)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    save(fig, context, os.path.join(out, "bytes_held.png"), "Memory held against position, d = dv = 64, float")
+    against_position(runs, context, None, lambda r: r["ns"] / 1e3, "one decoding step (update + attend), µs",
+                     os.path.join(out, "decode_step.png"), "Decoding step against position, d = dv = 64, float")
+    against_position(runs, context, "bytes", lambda r: r["bytes"], "bytes held (footprint)",
+                     os.path.join(out, "bytes_held.png"), "Memory held against position, d = dv = 64, float")
 
     # Compact storage at 65536 pairs, d = 128: time, footprint and error against float.
     storages = [("float", "BM_KVCacheAttend"), ("bfloat16", "BM_KVCacheAttend<Eigen::bfloat16>"),
