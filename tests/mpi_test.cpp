@@ -40,6 +40,14 @@ std::vector<Index> shard_lengths(Index base, bool empty) {
     return lengths;
 }
 
+/// The length of the whole sequence.
+Index total(const std::vector<Index>& lengths) {
+    Index n = 0;
+    for (const Index length : lengths)
+        n += length;
+    return n;
+}
+
 /// The tokens (rows of the whole sequence) rank r holds, in its row order: contiguous,
 /// or zigzag (chunk r then chunk 2P−1−r of 2P, rank r's first ⌈n_r/2⌉ rows then the rest).
 std::vector<Index> tokens_of(const std::vector<Index>& lengths, int rank, RingLayout layout) {
@@ -122,9 +130,7 @@ TEMPLATE_TEST_CASE("ring attention equals the single-process kernel", "[mpi][sof
     if (empty && size_of() < 2)
         return;
     const std::vector<Index> lengths = shard_lengths(base, empty);
-    Index n = 0;
-    for (const Index length : lengths)
-        n += length;
+    const Index n = total(lengths);
     const Index d = 24, dv = 17;
     const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
     const std::vector<Index> mine = tokens_of(lengths, rank_of(), layout);
@@ -148,9 +154,7 @@ TEMPLATE_TEST_CASE("ring attention over a layer of heads equals each head's refe
     const RingLayout layout = GENERATE(RingLayout::contiguous, RingLayout::zigzag);
     const Index window = GENERATE(Index(0), Index(29));
     const std::vector<Index> lengths = shard_lengths(40, false);
-    Index n = 0;
-    for (const Index length : lengths)
-        n += length;
+    const Index n = total(lengths);
     const HeadLayout heads{4, 2, 8, 6};  // grouped-query: heads 0, 1 read KV head 0
     const Matrix<T> Q = random_matrix<T>(n, 4 * 8, 21), K = random_matrix<T>(n, 2 * 8, 22),
                     V = random_matrix<T>(n, 2 * 6, 23);
@@ -177,9 +181,7 @@ TEMPLATE_TEST_CASE("sequence-parallel linear attention equals the chunked form",
     if (empty && size_of() < 2)
         return;
     const std::vector<Index> lengths = shard_lengths(base, empty);
-    Index n = 0;
-    for (const Index length : lengths)
-        n += length;
+    const Index n = total(lengths);
     const Index d = 12, dv = 9;
     const Matrix<T> Q = random_matrix<T>(n, d, 4), K = random_matrix<T>(n, d, 5), V = random_matrix<T>(n, dv, 6);
     const LinearOptions options{.chunk_size = 16, .eps = 1e-6, .decay = decay, .normalize = normalize};

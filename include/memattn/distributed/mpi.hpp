@@ -347,6 +347,44 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
 
 }  // namespace detail::mpi
 
+namespace detail::mpi {
+
+/// Both public overloads of ring attention: the views, every local check (of a layer's
+/// packed buffers when `heads` is given, else of one head), then ring_attention.
+template <class DQ, class DK, class DV, class DO>
+void ring_attention_call(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                         const Eigen::MatrixBase<DV>& V, DO&& O, const HeadLayout* heads,
+                         const SoftmaxOptions& options, RingLayout layout) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn::distributed_causal_softmax_attention: the scalar type must be float or double.");
+    static_assert(same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
+                  "memattn::distributed_causal_softmax_attention: Q, K, V and O must have the same scalar type.");
+    constexpr const char* function = "distributed_causal_softmax_attention";
+    const ConstMatrixRef<T> q = sequence(Q), k = sequence(K), v = sequence(V);
+    MatrixRef<T> o = output(std::forward<DO>(O));
+    const std::string error = local_error([&] {
+        if (heads != nullptr) {
+            check_layout(function, *heads);
+            check_packed(function, *heads, shape(q), shape(k), shape(v), shape(o));
+            check_softmax_arguments<T>(function, {q.rows(), heads->head_dim}, {k.rows(), heads->head_dim},
+                                       {v.rows(), heads->values()}, {o.rows(), heads->values()}, options);
+        } else {
+            check_softmax_arguments<T>(function, shape(q), shape(k), shape(v), shape(o), options);
+        }
+        require(q.rows() == k.rows(), function, "Q", "has shape ", shape(q), ", expected ", k.rows(), " rows as K (",
+                shape(k), "): each rank holds the queries of its own tokens");
+        check_message_size(function, k.rows(), k.cols() + v.cols());
+        check_disjoint(function, "O", o, q, k, v);
+    });
+    // A bad layout on one rank must not size anything before the collective check.
+    const HeadLayout used = heads == nullptr ? HeadLayout{1, 1, k.cols(), v.cols()}
+                            : error.empty()  ? *heads
+                                             : HeadLayout{1, 1, 1, 1};
+    ring_attention<T>(comm, function, error, q, k, v, o, used, options, layout);
+}
+
+}  // namespace detail::mpi
+
 /// Ring attention: O = causal softmax attention of this rank's queries over the keys and
 /// values of every rank, the shards laid out in the sequence by `layout` (see the top of
 /// the file). Q, K, V, O are this rank's shard (n_r rows each, n_r may differ between
@@ -358,23 +396,7 @@ void distributed_causal_softmax_attention(MPI_Comm comm, const Eigen::MatrixBase
                                           const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, DO&& O,
                                           const SoftmaxOptions& options = {},
                                           RingLayout layout = RingLayout::contiguous) {
-    using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn::distributed_causal_softmax_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
-                  "memattn::distributed_causal_softmax_attention: Q, K, V and O must have the same scalar type.");
-    constexpr const char* function = "distributed_causal_softmax_attention";
-    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
-    MatrixRef<T> o = detail::output(std::forward<DO>(O));
-    const std::string error = detail::mpi::local_error([&] {
-        detail::check_softmax_arguments<T>(function, detail::shape(q), detail::shape(k), detail::shape(v),
-                                           detail::shape(o), options);
-        detail::require(q.rows() == k.rows(), function, "Q", "has shape ", detail::shape(q), ", expected ", k.rows(),
-                        " rows as K (", detail::shape(k), "): each rank holds the queries of its own tokens");
-        detail::mpi::check_message_size(function, k.rows(), k.cols() + v.cols());
-        detail::check_disjoint(function, "O", o, q, k, v);
-    });
-    detail::mpi::ring_attention<T>(comm, function, error, q, k, v, o, HeadLayout{1, 1, k.cols(), v.cols()}, options,
-                                   layout);
+    detail::mpi::ring_attention_call(comm, Q, K, V, std::forward<DO>(O), nullptr, options, layout);
 }
 
 /// The same for a layer of heads in packed buffers (layer/head_layout.hpp: Q n × q_heads·d,
@@ -386,26 +408,7 @@ void distributed_causal_softmax_attention(MPI_Comm comm, const Eigen::MatrixBase
                                           const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, DO&& O,
                                           const HeadLayout& heads, const SoftmaxOptions& options = {},
                                           RingLayout layout = RingLayout::contiguous) {
-    using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn::distributed_causal_softmax_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
-                  "memattn::distributed_causal_softmax_attention: Q, K, V and O must have the same scalar type.");
-    constexpr const char* function = "distributed_causal_softmax_attention";
-    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
-    MatrixRef<T> o = detail::output(std::forward<DO>(O));
-    const std::string error = detail::mpi::local_error([&] {
-        detail::check_layout(function, heads);
-        detail::check_packed(function, heads, detail::shape(q), detail::shape(k), detail::shape(v), detail::shape(o));
-        detail::check_softmax_arguments<T>(function, {q.rows(), heads.head_dim}, {k.rows(), heads.head_dim},
-                                           {v.rows(), heads.values()}, {o.rows(), heads.values()}, options);
-        detail::require(q.rows() == k.rows(), function, "Q", "has shape ", detail::shape(q), ", expected ", k.rows(),
-                        " rows as K (", detail::shape(k), "): each rank holds the queries of its own tokens");
-        detail::mpi::check_message_size(function, k.rows(), k.cols() + v.cols());
-        detail::check_disjoint(function, "O", o, q, k, v);
-    });
-    // A bad layout on one rank must not size anything before the collective check.
-    const HeadLayout checked = error.empty() ? heads : HeadLayout{1, 1, 1, 1};
-    detail::mpi::ring_attention<T>(comm, function, error, q, k, v, o, checked, options, layout);
+    detail::mpi::ring_attention_call(comm, Q, K, V, std::forward<DO>(O), &heads, options, layout);
 }
 
 /// Sequence-parallel linear attention: the chunked form over the whole sequence, each
