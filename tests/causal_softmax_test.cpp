@@ -188,7 +188,8 @@ TEMPLATE_TEST_CASE("tile_product: every blocking gives the plain product, bit fo
     constexpr Index lanes = detail::packet_lanes<T>;
     const Index rows = GENERATE(Index(0), Index(1), Index(5), Index(6), Index(7), Index(13), Index(64));
     const Index cols = GENERATE_COPY(Index(1), lanes - 1, lanes, 2 * lanes + 3, 4 * lanes, 5 * lanes + 1, 8 * lanes);
-    const Index depth = GENERATE(Index(0), Index(1), Index(9), Index(64));
+    // 300: B spans several column panels (detail::panel_bytes) once cols reach 4 lanes.
+    const Index depth = GENERATE(Index(0), Index(1), Index(9), Index(64), Index(300));
     const bool transposed_a = GENERATE(false, true), scaled = GENERATE(false, true);
     if (cols <= 0)
         return;
@@ -275,6 +276,99 @@ TEMPLATE_TEST_CASE("tile_product: a banded product skips only zero terms and the
                 CHECK(banded(r, j) == C0(r, j));
         }
     }
+}
+
+TEMPLATE_TEST_CASE("tile_product: lower-triangular bands compute the lower part, the same bits as dense",
+                   "[tile]", float, double) {
+    using T = TestType;
+    constexpr Index lanes = detail::packet_lanes<T>;
+    const Index n = GENERATE_COPY(Index(1), Index(5), Index(7), Index(16), 2 * lanes + 3, Index(600));
+    const Index depth = GENERATE(Index(1), Index(64));
+    const Index shift = GENERATE(Index(-1), Index(0), Index(2));
+    CAPTURE(n, depth, shift);
+    // LowerColumns: C = A Bᵀ-shaped (n × n); row t holds columns s ≤ t + shift at least,
+    // and a column a strip does not write keeps its value.
+    const Matrix<T> A = random_matrix<T>(n, depth, 21), Bm = random_matrix<T>(depth, n, 22);
+    const Matrix<T> C0 = Matrix<T>::Constant(n, n, T(-7));
+    Matrix<T> dense = C0, lower = C0;
+    detail::tile_product<T>(n, n, depth, A.data(), depth, 1, Bm.data(), n, dense.data(), n, nullptr);
+    detail::tile_product<T>(n, n, depth, A.data(), depth, 1, Bm.data(), n, lower.data(), n, nullptr,
+                            detail::LowerColumns{shift});
+    for (Index t = 0; t < n; ++t)
+        for (Index s2 = 0; s2 < n; ++s2) {
+            if (s2 <= t + shift)
+                REQUIRE(lower(t, s2) == dense(t, s2));
+            else if (lower(t, s2) != dense(t, s2))
+                REQUIRE(lower(t, s2) == T(-7));
+        }
+    // LowerTerms: A lower-triangular (zero for s > t + shift − 1): the skipped terms add nothing.
+    Matrix<T> L = random_matrix<T>(n, n, 23);
+    for (Index t = 0; t < n; ++t)
+        for (Index s2 = std::max<Index>(t + shift, 0); s2 < n; ++s2)
+            L(t, s2) = T(0);
+    const Matrix<T> U = random_matrix<T>(n, depth, 24);
+    Matrix<T> full = random_matrix<T>(n, depth, 25), banded = full;
+    detail::tile_product<T, detail::DefaultBlocking, true>(n, depth, n, L.data(), n, 1, U.data(), depth, full.data(),
+                                                           depth, nullptr);
+    detail::tile_product<T, detail::DefaultBlocking, true>(n, depth, n, L.data(), n, 1, U.data(), depth,
+                                                           banded.data(), depth, nullptr, detail::LowerTerms{shift});
+    REQUIRE(banded == full);
+}
+
+TEMPLATE_TEST_CASE("forward_substitution: (I − M)⁻¹ U, equal to the double solve, the same bits for every blocking",
+                   "[tile]", float, double) {
+    using T = TestType;
+    constexpr Index lanes = detail::packet_lanes<T>;
+    const Index n = GENERATE(Index(0), Index(1), Index(5), Index(6), Index(7), Index(13), Index(40));
+    const Index cols = GENERATE_COPY(Index(1), lanes + 1, 4 * lanes, 9 * lanes + 3);
+    CAPTURE(n, cols);
+    // M strictly lower with small entries (a well-conditioned I − M); garbage above.
+    Matrix<T> M = T(0.2) * random_matrix<T>(n, n, 31);
+    for (Index t = 0; t < n; ++t)
+        M(t, t) = T(1e30);  // the diagonal and above are not read
+    const Matrix<T> U = random_matrix<T>(n, cols, 32);
+    const auto solve = [&]<class B>() {
+        Matrix<T> X = U;
+        detail::forward_substitution<T, B>(n, cols, M.data(), n, X.data(), cols);
+        return X;
+    };
+    const Matrix<T> X = solve.template operator()<detail::DefaultBlocking>();
+    Eigen::MatrixXd lower = -reference::to_double(M).template triangularView<Eigen::StrictlyLower>().toDenseMatrix();
+    lower.diagonal().setOnes();
+    const Eigen::MatrixXd expected = lower.template triangularView<Eigen::UnitLower>().solve(reference::to_double(U));
+    check_close(X, expected, tolerance<T>());
+    CHECK(X == solve.template operator()<detail::Blocking<1, 1>>());
+    CHECK(X == solve.template operator()<detail::Blocking<4, 2>>());
+    CHECK(X == solve.template operator()<detail::Blocking<8, 3>>());
+}
+
+TEST_CASE("PrefetchQueue: issues every line of its blocks once, and a product with it keeps its bits", "[tile]") {
+    using T = float;
+    detail::PrefetchQueue queue(5);
+    CHECK(queue.pending() == 0);
+    const Matrix<T> A = random_matrix<T>(40, 70, 41), Bm = random_matrix<T>(70, 33, 42);
+    queue.add(A.data(), 3, A.cols(), 70);        // 280 bytes a row: 5 lines each
+    queue.add(Bm.data(), 2, Bm.cols(), 1);       // 1 line each
+    queue.add<T, true>(A.data(), 0, 70, 70);     // empty: ignored
+    CHECK(queue.pending() == 3 * 5 + 2);
+    Index steps = 0;
+    for (; queue.pending() > 0; ++steps)
+        queue.step();
+    CHECK(steps == 4);  // ⌈17 / 5⌉
+    queue.step();       // nothing left: a no-op
+    CHECK(queue.pending() == 0);
+    queue.clear();
+    for (int i = 0; i < 6; ++i)  // more than four blocks: the fifth on are dropped
+        queue.add(A.data(), 1, A.cols(), 16);
+    CHECK(queue.pending() == 4);
+
+    queue.clear();
+    queue.add(A.data(), 40, A.cols(), 70);
+    Matrix<T> with(40, 33), without(40, 33);
+    detail::tile_product<T>(40, 33, 70, A.data(), 70, 1, Bm.data(), 33, with.data(), 33, nullptr, {}, &queue);
+    detail::tile_product<T>(40, 33, 70, A.data(), 70, 1, Bm.data(), 33, without.data(), 33, nullptr);
+    CHECK(with == without);
+    CHECK(queue.pending() < 40 * 5);
 }
 
 /// The kernel with blocking B on views and the default tiles.

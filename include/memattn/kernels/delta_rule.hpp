@@ -21,13 +21,35 @@
 //   o_t = γ_t q_t S_0 + Σ_{s≤t} e^{b_t − b_s} (q_t·k_s) u_s
 //   S_C = γ_C S_0 + Σ_s e^{b_C − b_s} k_sᵀ u_s
 // Every exponent is ≤ 0. The per-token rank-1 updates and GEMVs of the recurrence become
-// products of C rows: [K; Q] S_0, K Kᵀ, Q Kᵀ, A U and Kᵀ U go through the register-blocked
-// tile product (detail/tile_product.hpp), the solve through Eigen's triangular solver.
+// products of C rows through the register-blocked tile product (detail/tile_product.hpp):
+// K S_0 and Q S_0 (straight into O), K Kᵀ and Q Kᵀ (only their packets on and below the
+// diagonal), A U (only the terms s ≤ t) and Kᵀ U (Kᵀ read in place, γ_C as the row scale
+// of S_0). The solve is a forward substitution whose row blocks take the finished rows
+// above them in one tile product (detail::forward_substitution; −L is stored, so it adds).
+// Keys and queries are read in place unless keys are normalised or decayed, and the next
+// chunk's rows of Q, K, V and O are prefetched a few lines per strip of these products
+// (detail::PrefetchQueue).
+//
+// Per token the chunked form does 6·d·dv FMAs for the state, as many as the recurrence
+// (K S_0, Q S_0, Kᵀ U against k S, q S, kᵀ u), plus about C·(d + dv) for the triangles:
+// it wins only because products of C rows run near the FMA peak where the recurrence's
+// GEMVs stream S (64 KiB at d = 128) from L2 three times per token.
 //
 // Measured (bench/linear_attention_bench.cpp, N = 65536, d = dv = 128, float, one thread of
-// an Intel Xeon with AVX-512, medians of 5): chunked 709k tokens/s against 318k for the
-// recurrence (2.2×; 2.3× at C = 16), gated 654k against 211k (3.1×). With Eigen's GEMM
-// for the products they were 1.97× and 2.64×.
+// an Intel Xeon with AVX-512, FMA peak 180 GFLOP/s, medians of 5, interleaved):
+//
+//                                  chunked (tokens/s)   recurrent   ratio
+//   Eigen GEMM products, C = 32      654k                318k        1.97×
+//   tile products, C = 32            709k                318k        2.2×
+//   + bands, substitution, in-place
+//     Q/K, spread prefetch, C = 16   1060k               347k        3.05× (3.12× by BM_DeltaChunkSize)
+//   gated, the same                  981k                225k        4.4×  (3.1× before)
+//
+// Chunk sizes at d = 128 (BM_DeltaChunkSize): 16: 1083k, 32: 1015k, 64: 986k, 128: 754k
+// tokens/s; at d = 64 C = 16 also beats 32 (3.47M against 3.17M), so 16 is the default.
+// The spread prefetch alone was worth 10% at N = 65536 (the inputs, 128 MiB, leave the
+// cache): one burst per operand gained 2%, about what its stalls on the line-fill
+// buffers cost.
 
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/types.hpp"
@@ -39,7 +61,7 @@ namespace memattn {
 
 /// Options of the (gated) delta rule kernels and DeltaRuleMemory.
 struct DeltaOptions {
-    Index chunk_size = 32;        ///< tokens per chunk (chunked form; bench/linear_attention_bench.cpp)
+    Index chunk_size = 16;        ///< tokens per chunk (chunked form; bench/linear_attention_bench.cpp)
     bool normalize_keys = false;  ///< divide each key by its L2 norm first
 };
 
@@ -111,61 +133,105 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
                    const DeltaOptions& options, Matrix<T>& S) {
     const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
     const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
-    // Rows [0, c) hold the chunk's keys, rows [c, 2c) its queries: K S_0 and Q S_0 are one product.
-    Matrix<T> kq(2 * c_max, d), kqs(2 * c_max, dv), kk(c_max, c_max), qk(c_max, c_max), kt(d, c_max);
-    ColumnVector<T> b(c_max);
+    // Keys are read in place unless they are normalised or decayed (a copy in `keys`);
+    // queries always are.
+    const bool copy_keys = options.normalize_keys || gates != nullptr;
+    Matrix<T> keys(copy_keys ? c_max : 0, d), ks(c_max, dv), kk(c_max, c_max), qk(c_max, c_max), kt(d, c_max);
+    // About one strip per ⌈lines / strips⌉ lines: the strips of [K; Q] S_0 (in column
+    // panels), Kᵀ U and the three C-row products.
+    const Index rows = DefaultBlocking::rows, strips_c = (c_max + rows - 1) / rows;
+    const Index panels = (d * dv * static_cast<Index>(sizeof(T)) + panel_bytes - 1) / panel_bytes;
+    const Index lines = c_max * (2 * d + 2 * dv) * static_cast<Index>(sizeof(T)) / 64;
+    PrefetchQueue ahead(lines / (2 * strips_c * std::max<Index>(panels, 1) + (d + rows - 1) / rows + 3 * strips_c) + 1);
+    ColumnVector<T> b(c_max), decays(gates != nullptr ? c_max : 0), state_decay(gates != nullptr ? d : 0);
     for (Index t0 = 0; t0 < n; t0 += c_max) {
         const Index c = std::min(c_max, n - t0);
-        auto kc = kq.topRows(c);
-        delta_keys(K, t0, c, options.normalize_keys, kc);
-        auto q = kq.middleRows(c, c);
-        q = Q.middleRows(t0, c);
-        auto bc = b.head(c);
+        // The next chunk's rows towards L2 while this one computes, spread over the strips
+        // of its products.
+        ahead.clear();
+        if (const Index t1 = t0 + c, next = std::min(c_max, n - t1); next > 0) {
+            ahead.add(K.data() + t1 * K.outerStride(), next, K.outerStride(), d);
+            ahead.add(Q.data() + t1 * Q.outerStride(), next, Q.outerStride(), d);
+            ahead.add(V.data() + t1 * V.outerStride(), next, V.outerStride(), dv);
+            ahead.add<T, true>(O.data() + t1 * O.outerStride(), next, O.outerStride(), dv);
+        }
+        const T* kc = K.data() + t0 * K.outerStride();
+        Index ldk = K.outerStride();
+        if (copy_keys) {
+            auto kn = keys.topRows(c);
+            delta_keys(K, t0, c, options.normalize_keys, kn);
+            kc = keys.data();
+            ldk = keys.outerStride();
+        }
+        const T* q = Q.data() + t0 * Q.outerStride();
+        const Index ldq = Q.outerStride();
+        auto bc = b.head(c);  // b_t, the log-decay since the chunk's start (gated only)
         if (gates != nullptr) {
             bc(0) = (*gates)(t0, 0);
             for (Index t = 1; t < c; ++t)
                 bc(t) = bc(t - 1) + (*gates)(t0 + t, 0);
-        } else {
-            bc.setZero();
         }
-        // [K; Q] S_0 in one product; RHS = diag(β)(V − diag(γ) K S_0), then (I + L) U = RHS.
-        // The three d·dv-sized products go through the register-blocked tile product
-        // (Eigen's GEMM packs its operands first, which costs more than it saves here).
-        tile_product<T>(2 * c, dv, d, kq.data(), kq.outerStride(), 1, S.data(), S.outerStride(), kqs.data(),
-                        kqs.outerStride(), nullptr);
-        auto uc = kqs.topRows(c);
-        if (gates != nullptr)
-            uc = uc.array().colwise() * bc.array().exp();
-        uc = (V.middleRows(t0, c) - uc).array().colwise() * beta.middleRows(t0, c).col(0).array();
-        // K Kᵀ and Q Kᵀ against Kᵀ transposed once (the right operand, row-major).
-        transpose(kc.data(), c, d, kc.outerStride(), kt.data(), c_max);
+        // K S_0 and Q S_0 (straight into O); RHS = diag(β)(V − diag(γ) K S_0), then
+        // (I + L) U = RHS. The three d·dv-sized products go through the register-blocked
+        // tile product (Eigen's GEMM packs its operands first, which costs more than it
+        // saves here).
+        auto uc = ks.topRows(c);
+        auto o = O.middleRows(t0, c);
+        tile_product<T>(c, dv, d, kc, ldk, 1, S.data(), S.outerStride(), uc.data(), uc.outerStride(), nullptr, {},
+                        &ahead);
+        tile_product<T>(c, dv, d, q, ldq, 1, S.data(), S.outerStride(), o.data(), o.outerStride(), nullptr, {},
+                        &ahead);
+        if (gates != nullptr) {
+            auto gamma = decays.head(c);  // γ_t
+            gamma = bc.array().exp();
+            uc = (V.middleRows(t0, c).array() - uc.array().colwise() * gamma.array()).colwise() *
+                 beta.middleRows(t0, c).col(0).array();
+        } else {
+            uc = (V.middleRows(t0, c) - uc).array().colwise() * beta.middleRows(t0, c).col(0).array();
+        }
+        // K Kᵀ (strictly below the diagonal) and Q Kᵀ (on and below it) against Kᵀ
+        // transposed once (the right operand, row-major); the strips skip the packets of
+        // columns wholly above their rows.
+        transpose(kc, c, d, ldk, kt.data(), c_max);
         auto l = kk.topLeftCorner(c, c);
-        tile_product<T>(c, c, d, kc.data(), kc.outerStride(), 1, kt.data(), c_max, l.data(), l.outerStride(), nullptr);
+        tile_product<T>(c, c, d, kc, ldk, 1, kt.data(), c_max, l.data(), l.outerStride(), nullptr,
+                        LowerColumns{-1}, &ahead);
         auto a = qk.topLeftCorner(c, c);
-        tile_product<T>(c, c, d, q.data(), q.outerStride(), 1, kt.data(), c_max, a.data(), a.outerStride(), nullptr);
+        tile_product<T>(c, c, d, q, ldq, 1, kt.data(), c_max, a.data(), a.outerStride(), nullptr,
+                        LowerColumns{0}, &ahead);
+        // −L (the substitution adds) and A, decayed; A is zero above the diagonal.
         for (Index t = 0; t < c; ++t) {
-            for (Index s2 = 0; s2 <= t; ++s2) {
-                const T decay = gates != nullptr ? std::exp(bc(t) - bc(s2)) : T(1);
-                if (s2 < t)
-                    l(t, s2) *= beta(t0 + t, 0) * decay;
-                a(t, s2) *= decay;
+            const T minus_beta = -beta(t0 + t, 0);
+            if (gates != nullptr) {
+                for (Index s2 = 0; s2 < t; ++s2) {
+                    const T decay = std::exp(bc(t) - bc(s2));
+                    l(t, s2) *= minus_beta * decay;
+                    a(t, s2) *= decay;
+                }
+            } else {
+                for (Index s2 = 0; s2 < t; ++s2)
+                    l(t, s2) *= minus_beta;
             }
             a.row(t).tail(c - 1 - t).setZero();
         }
-        l.template triangularView<Eigen::UnitLower>().solveInPlace(uc);
-        // O = diag(γ) Q S_0 + A U;  S = γ_C S_0 + (K ⊙ e^{b_C − b})ᵀ U.
-        auto o = O.middleRows(t0, c);
-        o = kqs.middleRows(c, c);
+        forward_substitution<T>(c, dv, l.data(), l.outerStride(), uc.data(), uc.outerStride());  // U = (I + L)⁻¹ RHS
+        // O = diag(γ) Q S_0 + A U;  S = γ_C S_0 + (K ⊙ e^{b_C − b})ᵀ U: the decays of Q S_0
+        // and S_0 are the products' row scales. A is lower-triangular: row t adds the terms
+        // s ≤ t only. Kᵀ is read in place: A(r, s) = kc(s, r), strides (1, ldk).
         if (gates != nullptr) {
-            o = o.array().colwise() * bc.array().exp();
-            S *= std::exp(bc(c - 1));
-            kc = kc.array().colwise() * (bc(c - 1) - bc.array()).exp();
+            tile_product<T>(c, dv, c, a.data(), a.outerStride(), 1, uc.data(), uc.outerStride(), o.data(),
+                            o.outerStride(), decays.data(), LowerTerms{0}, &ahead);
+            auto kn = keys.topRows(c);
+            kn = kn.array().colwise() * (bc(c - 1) - bc.array()).exp();
+            state_decay.setConstant(std::exp(bc(c - 1)));
+            tile_product<T>(d, dv, c, kc, 1, ldk, uc.data(), uc.outerStride(), S.data(), S.outerStride(),
+                            state_decay.data(), {}, &ahead);
+        } else {
+            tile_product<T, DefaultBlocking, true>(c, dv, c, a.data(), a.outerStride(), 1, uc.data(),
+                                                   uc.outerStride(), o.data(), o.outerStride(), nullptr,
+                                                   LowerTerms{0}, &ahead);
+            tile_product_add<T>(d, dv, c, kc, 1, ldk, uc.data(), uc.outerStride(), S.data(), S.outerStride(), &ahead);
         }
-        tile_product_add<T>(c, dv, c, a.data(), a.outerStride(), 1, uc.data(), uc.outerStride(), o.data(),
-                            o.outerStride());
-        // S += Kᵀ U: A(r, s) = kc(s, r) is read with strides (1, row stride of kc).
-        tile_product_add<T>(d, dv, c, kc.data(), 1, kc.outerStride(), uc.data(), uc.outerStride(), S.data(),
-                            S.outerStride());
     }
 }
 

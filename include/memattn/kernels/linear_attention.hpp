@@ -155,11 +155,25 @@ void apply_mask(Tile& s, const Vector<T>& mask, Index c) {
         s.row(i).array() *= mask.segment(c - 1 - i, s.cols()).array();
 }
 
+/// The pairs of one chunk (square, n ≤ c rows): A_ij γ^{i−j} on and below the diagonal
+/// (the decay skipped when there is none), 0 above it: set, not multiplied, so that the
+/// entries above, which GEMM 1's band does not compute, never hold what was there before.
+template <class T, class Tile>
+void apply_causal_mask(Tile& a, const Vector<T>& mask, Index c, bool decays) {
+    const Index n = a.rows();
+    for (Index i = 0; i < n; ++i) {
+        if (decays)
+            a.row(i).head(i + 1).array() *= mask.segment(c - 1 - i, i + 1).array();
+        a.row(i).tail(n - 1 - i).setZero();
+    }
+}
+
 /// Folds n tokens (features kf: n×d', values v: n×dv) into a state (μ, ν) with one GEMM:
 ///   μ ← γⁿ μ + Σ_j γ^{n−1−j} k'_jᵀ v_j,     ν ← γⁿ ν + Σ_j γ^{n−1−j} k'_j.
 /// `powers` holds γ^k for k = 0..≥n; kf is scaled in place when γ < 1.
 template <class T, class KF, class VB, class MU, class NU>
-void fold_views(KF& kf, const VB& v, const ColumnVector<T>& powers, bool decays, MU& mu, NU& nu) {
+void fold_views(KF& kf, const VB& v, const ColumnVector<T>& powers, bool decays, MU& mu, NU& nu,
+                PrefetchQueue* ahead = nullptr) {
     const Index n = kf.rows();
     if (decays) {
         kf.array().colwise() *= powers.head(n).reverse().array();  // row j × γ^{n−1−j}
@@ -169,7 +183,7 @@ void fold_views(KF& kf, const VB& v, const ColumnVector<T>& powers, bool decays,
     // μ += k'ᵀ V: A(r, j) = k'(j, r) is read with strides (1, row stride of k').
     MEMATTN_DASSERT(mu.rows() == kf.cols() && mu.cols() == v.cols() && v.rows() == n);
     tile_product_add<T>(mu.rows(), mu.cols(), n, kf.data(), 1, kf.outerStride(), v.data(), v.outerStride(),
-                        mu.data(), mu.outerStride());
+                        mu.data(), mu.outerStride(), ahead);
     nu += kf.colwise().sum();
 }
 
@@ -231,6 +245,9 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
     decay_mask<T>(options.decay, 0, c, mask);
     const bool decays = options.decay != 1;
     const auto eps = static_cast<T>(options.eps);
+    // About ⌈lines / strips⌉ lines a strip: GEMMs 1 and 2 per member, GEMM 3 once.
+    const Index rows = DefaultBlocking::rows, strips = members * 2 * ((c + rows - 1) / rows) + (f + rows - 1) / rows;
+    PrefetchQueue ahead(c * (Q.cols() + d + dv + O.cols()) * static_cast<Index>(sizeof(T)) / 64 / strips + 1);
 
     right.topRows(f) = s.mu;
     total.head(f) = s.nu;
@@ -244,11 +261,12 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
         auto mu = right.topRows(f);
         auto v = right.middleRows(f, n);
         auto nu = total.head(f);
-        if (start + c < tokens) {  // the next chunk's rows towards L2 while this one computes
-            const Index next = std::min(c, tokens - start - c);
-            prefetch_rows(Q.data() + (start + c) * Q.outerStride(), next, Q.outerStride(), Q.cols());
-            prefetch_rows(K.data() + (start + c) * K.outerStride(), next, K.outerStride(), K.cols());
-            prefetch_rows(V.data() + (start + c) * V.outerStride(), next, V.outerStride(), V.cols());
+        ahead.clear();  // the next chunk's rows towards L2, spread over this one's strips
+        if (const Index t1 = start + c, next = std::min(c, tokens - t1); next > 0) {
+            ahead.add(K.data() + t1 * K.outerStride(), next, K.outerStride(), d);
+            ahead.add(V.data() + t1 * V.outerStride(), next, V.outerStride(), dv);
+            ahead.add(Q.data() + t1 * Q.outerStride(), next, Q.outerStride(), Q.cols());
+            ahead.add<T, true>(O.data() + t1 * O.outerStride(), next, O.outerStride(), O.cols());
         }
         apply_features<T>(phi, K.middleRows(start, n), k);
         transpose(k.data(), n, f, k.outerStride(), keys_t.data(), c);  // k'ᵀ, the right operand of GEMM 1
@@ -257,21 +275,21 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
             auto o = O.block(start, m * dv, n, dv);
             apply_features<T>(phi, Q.block(start, m * d, n, d), q);
             tile_product<T>(n, n, f, q.data(), left.outerStride(), 1, keys_t.data(), c, a.data(), left.outerStride(),
-                            nullptr);  // GEMM 1: q' k'ᵀ
-            apply_mask(a, mask, c);
+                            nullptr, LowerColumns{0}, &ahead);  // GEMM 1: q' k'ᵀ, on and below the diagonal
+            apply_causal_mask(a, mask, c, decays);
             if (decays)
                 q.array().colwise() *= powers.segment(1, n).array();  // γ^{i+1} q'_i
             const auto operands = left.topLeftCorner(n, f + n);
             // GEMM 2: γ^{i+1} q'μ + A V_c, register-blocked (Eigen's GEMM loses on these
             // C-row products).
             tile_product<T>(n, dv, f + n, operands.data(), operands.outerStride(), 1, right.data(),
-                            right.outerStride(), o.data(), o.outerStride(), nullptr);
+                            right.outerStride(), o.data(), o.outerStride(), nullptr, LowerTerms{f}, &ahead);
             if (options.normalize) {
                 den.head(n).noalias() = operands * total.head(f + n).transpose();  // γ^{i+1} q'·ν + Σ_j A_ij
                 normalize_rows(o, den, n, eps);
             }
         }
-        fold_views(k, v, powers, decays, mu, nu);  // GEMM 3
+        fold_views(k, v, powers, decays, mu, nu, &ahead);  // GEMM 3
     }
     s.mu = right.topRows(f);
     s.nu = total.head(f);
