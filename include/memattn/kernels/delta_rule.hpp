@@ -224,13 +224,14 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
             auto kn = keys.topRows(c);
             kn = kn.array().colwise() * (bc(c - 1) - bc.array()).exp();
             state_decay.setConstant(std::exp(bc(c - 1)));
-            tile_product<T>(d, dv, c, kc, 1, ldk, uc.data(), uc.outerStride(), S.data(), S.outerStride(),
-                            state_decay.data(), {}, &ahead);
+            tile_product<T, FoldBlocking>(d, dv, c, kc, 1, ldk, uc.data(), uc.outerStride(), S.data(),
+                                          S.outerStride(), state_decay.data(), {}, &ahead);
         } else {
             tile_product<T, DefaultBlocking, true>(c, dv, c, a.data(), a.outerStride(), 1, uc.data(),
                                                    uc.outerStride(), o.data(), o.outerStride(), nullptr,
                                                    LowerTerms{0}, &ahead);
-            tile_product_add<T>(d, dv, c, kc, 1, ldk, uc.data(), uc.outerStride(), S.data(), S.outerStride(), &ahead);
+            tile_product_add<T, FoldBlocking>(d, dv, c, kc, 1, ldk, uc.data(), uc.outerStride(), S.data(), S.outerStride(),
+                                              &ahead);
         }
     }
 }

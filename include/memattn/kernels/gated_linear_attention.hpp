@@ -194,8 +194,8 @@ void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
         }
         // S ← diag(e^{b_C}) S + (K ⊙ e^{b_C − b})ᵀ V, the decay as the product's row scale
         // (Kᵀ read in place: A(r, s) = kc(s, r)); z likewise with V = 1.
-        tile_product<T>(d, dv, c, kc.data(), 1, kc.outerStride(), v.data(), V.outerStride(), s.mu.data(),
-                        s.mu.outerStride(), last.data(), {}, &ahead);
+        tile_product<T, FoldBlocking>(d, dv, c, kc.data(), 1, kc.outerStride(), v.data(), V.outerStride(),
+                                      s.mu.data(), s.mu.outerStride(), last.data(), {}, &ahead);
         s.nu = s.nu.cwiseProduct(last) + kc.colwise().sum();
     }
 }

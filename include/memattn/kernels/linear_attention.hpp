@@ -44,11 +44,24 @@
 //   d = dv = 128  608    915    723    922    907    879    725
 //
 // 16 stays the default. Counting 4·d'·dv + 2·C·(d'+dv) FLOPs per token, the form then
-// runs at 0.36 (d = 64) and 0.40 (d = 128) of the peak (after the transpose and the
-// prefetch, which gained 2–8%), 0.63× (d = 64) and 0.82× (d = 128) one Eigen GEMM doing
-// the same FLOPs
-// (BM_GemmCeiling). What is left at d = 64: φ (elu+1, an exp per feature) and
-// the copies of V_c and k' take about a quarter of the time, the products the rest.
+// ran at 0.36 (d = 64) and 0.44 (d = 128) of the peak at N = 65536, where Q, K, V and O
+// (32–128 MiB) come from beyond the cache, against 0.47 at N = 4096.
+//
+// Since then the next chunk's rows are prefetched a few lines per strip of the chunk's
+// products (PrefetchQueue: one burst per chunk stalled on the line-fill buffers about as
+// long as the misses it replaced), GEMM 1 computes only the packets on and below the
+// diagonal and GEMM 2 only the terms s ≤ t of A (LowerColumns, LowerTerms), and the fold
+// uses FoldBlocking. Same machine, N = 65536, medians of 5, interleaved (FMA peak 177):
+//
+//   d = dv = 64   3.62M tokens/s, 74 GFLOP/s: 0.42 of the peak, 0.79× one Eigen GEMM
+//   d = dv = 128  1.36M tokens/s, 101 GFLOP/s: 0.57 of the peak, 0.99× one Eigen GEMM
+//
+//   BM_ChunkSize  8      16     24     32     48     64     128
+//   d = dv = 64   2060   4004   2477   3583   3398   3141   2540   thousand tokens/s
+//   d = dv = 128  751    1263   1002   1207   1165   1132   966
+//
+// (C = 24 is not a whole number of 16-float packets.) What is left at d = 64: φ (elu+1,
+// an exp per feature) and the copies of V_c and k'.
 
 #include "memattn/detail/assert.hpp"
 #include "memattn/detail/tile_product.hpp"
@@ -182,8 +195,8 @@ void fold_views(KF& kf, const VB& v, const ColumnVector<T>& powers, bool decays,
     }
     // μ += k'ᵀ V: A(r, j) = k'(j, r) is read with strides (1, row stride of k').
     MEMATTN_DASSERT(mu.rows() == kf.cols() && mu.cols() == v.cols() && v.rows() == n);
-    tile_product_add<T>(mu.rows(), mu.cols(), n, kf.data(), 1, kf.outerStride(), v.data(), v.outerStride(),
-                        mu.data(), mu.outerStride(), ahead);
+    tile_product_add<T, FoldBlocking>(mu.rows(), mu.cols(), n, kf.data(), 1, kf.outerStride(), v.data(),
+                                      v.outerStride(), mu.data(), mu.outerStride(), ahead);
     nu += kf.colwise().sum();
 }
 
