@@ -6,6 +6,7 @@
 #include <memattn/memory/linear_attention_memory.hpp>
 
 #include <cstdint>
+#include <limits>
 #include <thread>
 #include <vector>
 
@@ -211,6 +212,24 @@ TEMPLATE_TEST_CASE("Linear attention: a sequence split anywhere, state carried, 
             check_close(state.mu, reference::to_double(whole_state.mu), tolerance<T>());
             check_close(state.nu, reference::to_double(whole_state.nu), tolerance<T>());
         }
+}
+
+TEMPLATE_TEST_CASE("Linear attention: a non-finite key reaches no earlier query of its chunk", "[linear]", float,
+                   double) {
+    using T = TestType;
+    const Index n = 40, d = 8, dv = 5, bad = 21;  // row 21 sits inside the chunk [16, 32)
+    const T value = GENERATE(std::numeric_limits<T>::infinity(), std::numeric_limits<T>::quiet_NaN());
+    const double decay = GENERATE(1.0, 0.9);
+    const Matrix<T> Q = random_matrix<T>(n, d, 31), V = random_matrix<T>(n, dv, 33);
+    Matrix<T> K = random_matrix<T>(n, d, 32);
+    Matrix<T> clean(n, dv), poisoned(n, dv);
+    const LinearOptions options{.chunk_size = 16, .decay = decay, .normalize = false};
+    chunked_linear_attention(Q, K, V, clean, Identity{}, options);
+    K(bad, 3) = value;
+    chunked_linear_attention(Q, K, V, poisoned, Identity{}, options);
+    CAPTURE(value, decay);
+    CHECK(poisoned.topRows(bad) == clean.topRows(bad));  // queries before the key: untouched
+    CHECK_FALSE(poisoned.bottomRows(n - bad).allFinite());
 }
 
 TEST_CASE("Linear attention takes blocks of wider buffers without copies", "[linear]") {

@@ -69,13 +69,17 @@
 //   the peak (d = 64) and 0.74–0.81 (d = 128); 80 rows 0.59–0.64, 120 rows 0.65–0.72.
 //   The full-call default, 192 × 128, sits on it.
 //   Window 512: 64 × 96 is the best of query tiles {32, 64, 96, 128, 192} × key tiles
-//   {64, 96, 128}; with banded masked tiles (below) windowed calls run at 0.83–0.93 of
-//   full ones: a query tile of 64 shares each K/V tile with fewer queries than one of
-//   192, and 11% of its pairs still cross the diagonal or the window's edge.
-//   Full calls, N ∈ {4096, 16384}: 0.69–0.70 of the peak at d = 64, 0.75–0.78 at d = 128;
+//   {64, 96, 128}; with banded masked tiles (below) windowed calls ran at 0.83–0.93 of
+//   full ones, 0.89–0.94 once the query tile's Q is transposed in registers and the next
+//   tile's Q and O rows are prefetched a few lines per product strip (run(): they are a
+//   large share of a windowed tile's traffic). What is left: a query tile of 64 shares
+//   each K/V tile with fewer queries than one of 192, and 11% of its pairs still cross
+//   the diagonal or the window's edge. (A second sweep at N = 16384 put 64 × 64 within
+//   2% of 64 × 96.)
+//   Full calls, N ∈ {4096, 16384}: 0.70–0.72 of the peak at d = 64, 0.74–0.79 at d = 128;
 //   1.06–1.30× Eigen's GEMM on 64 × 64 tiles; 3.8–5.1× the naive version at N = 4096
-//   (15–20× under a window); double 0.45–0.49 of float. Products 78% of the time, the
-//   softmax bookkeeping 17% (d = 64).
+//   (15–20× under a window); double 0.455–0.49 of float (the FMA count allows 0.48–0.49:
+//   docs/performance.md). Products 78% of the time, the softmax bookkeeping 17% (d = 64).
 //
 // Banded masked tiles: a tile that crosses the diagonal or the window's edge computes,
 // per strip of 6 keys, only the query lanes that see one of them (rounded out to whole
