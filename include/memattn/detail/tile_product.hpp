@@ -183,7 +183,8 @@ struct WholeStrip {
 };
 
 /// The band of a product whose row t needs only the columns s ≤ t + shift (a lower-
-/// triangular C: the intra-chunk pairs of the linear and delta-rule forms).
+/// triangular C: the intra-chunk pairs of the linear and delta-rule forms). A strip
+/// computes the columns its last row needs, rounded out to whole packets.
 struct LowerColumns {
     Index shift = 0;
     [[nodiscard]] Range columns(Index row, Index rows, Index cols) const {
@@ -192,8 +193,8 @@ struct LowerColumns {
     static constexpr Range terms(Index /*row*/, Index /*rows*/, Index depth) { return {0, depth}; }
 };
 
-/// The band of a product whose row t adds only the terms s < t + shift (a lower-triangular
-/// A, zero above: the terms skipped add nothing).
+/// The band of a product whose row t needs only the terms s ≤ t + shift (a lower-triangular
+/// A, zero above: the terms skipped add nothing). A strip takes the terms its last row needs.
 struct LowerTerms {
     Index shift = 0;
     static constexpr Range columns(Index /*row*/, Index /*rows*/, Index cols) { return {0, cols}; }
