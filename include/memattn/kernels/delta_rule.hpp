@@ -137,8 +137,8 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
     // queries always are.
     const bool copy_keys = options.normalize_keys || gates != nullptr;
     Matrix<T> keys(copy_keys ? c_max : 0, d), ks(c_max, dv), kk(c_max, c_max), qk(c_max, c_max), kt(d, c_max);
-    // About one strip per ⌈lines / strips⌉ lines: the strips of [K; Q] S_0 (in column
-    // panels), Kᵀ U and the three C-row products.
+    // The next chunk's lines spread over this chunk's strips: those of K S_0 and Q S_0 (in
+    // column panels), of Kᵀ U and of the three C-row products.
     const Index rows = DefaultBlocking::rows, strips_c = (c_max + rows - 1) / rows;
     const Index panels = (d * dv * static_cast<Index>(sizeof(T)) + panel_bytes - 1) / panel_bytes;
     const Index lines = c_max * (2 * d + 2 * dv) * static_cast<Index>(sizeof(T)) / 64;
@@ -230,8 +230,8 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
             tile_product<T, DefaultBlocking, true>(c, dv, c, a.data(), a.outerStride(), 1, uc.data(),
                                                    uc.outerStride(), o.data(), o.outerStride(), nullptr,
                                                    LowerTerms{0}, &ahead);
-            tile_product_add<T, FoldBlocking>(d, dv, c, kc, 1, ldk, uc.data(), uc.outerStride(), S.data(), S.outerStride(),
-                                              &ahead);
+            tile_product_add<T, FoldBlocking>(d, dv, c, kc, 1, ldk, uc.data(), uc.outerStride(), S.data(),
+                                              S.outerStride(), &ahead);
         }
     }
 }

@@ -125,7 +125,8 @@ void gated_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, con
 template <class T>
 void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                    const ConstMatrixRef<T>& G, MatrixRef<T> O, const LinearOptions& options, LinearState<T>& s) {
-    const Index n = Q.rows(), d = Q.cols(), dv = V.cols(), c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
+    const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
+    const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
     const bool channel = G.cols() > 1;
     Matrix<T> b(c_max, G.cols()), A(c_max, c_max), qg(c_max, d), kg(c_max, d), kt(channel ? 0 : d, c_max);
     ColumnVector<T> den(c_max);
