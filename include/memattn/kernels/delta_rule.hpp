@@ -146,15 +146,7 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
     ColumnVector<T> b(c_max), decays(gates != nullptr ? c_max : 0), state_decay(gates != nullptr ? d : 0);
     for (Index t0 = 0; t0 < n; t0 += c_max) {
         const Index c = std::min(c_max, n - t0);
-        // The next chunk's rows towards L2 while this one computes, spread over the strips
-        // of its products.
-        ahead.clear();
-        if (const Index t1 = t0 + c, next = std::min(c_max, n - t1); next > 0) {
-            ahead.add(K.data() + t1 * K.outerStride(), next, K.outerStride(), d);
-            ahead.add(Q.data() + t1 * Q.outerStride(), next, Q.outerStride(), d);
-            ahead.add(V.data() + t1 * V.outerStride(), next, V.outerStride(), dv);
-            ahead.add<T, true>(O.data() + t1 * O.outerStride(), next, O.outerStride(), dv);
-        }
+        queue_next_chunk(ahead, t0 + c, std::min(c_max, n - t0 - c), Q, K, V, O);
         const T* kc = K.data() + t0 * K.outerStride();
         Index ldk = K.outerStride();
         if (copy_keys) {

@@ -136,13 +136,7 @@ void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
     PrefetchQueue ahead(c_max * (2 * d + 2 * dv + G.cols()) * static_cast<Index>(sizeof(T)) / 64 / strips + 1);
     for (Index t0 = 0; t0 < n; t0 += c_max) {
         const Index c = std::min(c_max, n - t0);
-        ahead.clear();  // the next chunk's rows towards L2, spread over this one's strips
-        if (const Index t1 = t0 + c, next = std::min(c_max, n - t1); next > 0) {
-            ahead.add(K.data() + t1 * K.outerStride(), next, K.outerStride(), d);
-            ahead.add(Q.data() + t1 * Q.outerStride(), next, Q.outerStride(), d);
-            ahead.add(V.data() + t1 * V.outerStride(), next, V.outerStride(), dv);
-            ahead.add<T, true>(O.data() + t1 * O.outerStride(), next, O.outerStride(), dv);
-        }
+        queue_next_chunk(ahead, t0 + c, std::min(c_max, n - t0 - c), Q, K, V, O);
         const auto q = Q.middleRows(t0, c), k = K.middleRows(t0, c), v = V.middleRows(t0, c);
         auto o = O.middleRows(t0, c);
         auto bc = b.topRows(c);

@@ -181,6 +181,21 @@ void apply_causal_mask(Tile& a, const Vector<T>& mask, Index c, bool decays) {
     }
 }
 
+/// Starts `ahead` over on rows [first, first + rows) of K, Q and V (read) and O (written):
+/// a chunked form's next chunk, asked for a few lines per strip of the current one's
+/// products. Nothing when rows ≤ 0 (the last chunk).
+template <class T>
+void queue_next_chunk(PrefetchQueue& ahead, Index first, Index rows, const ConstMatrixRef<T>& Q,
+                      const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, const MatrixRef<T>& O) {
+    ahead.clear();
+    if (rows <= 0)
+        return;
+    ahead.add(K.data() + first * K.outerStride(), rows, K.outerStride(), K.cols());
+    ahead.add(Q.data() + first * Q.outerStride(), rows, Q.outerStride(), Q.cols());
+    ahead.add(V.data() + first * V.outerStride(), rows, V.outerStride(), V.cols());
+    ahead.add<T, true>(O.data() + first * O.outerStride(), rows, O.outerStride(), O.cols());
+}
+
 /// Folds n tokens (features kf: n×d', values v: n×dv) into a state (μ, ν) with one GEMM:
 ///   μ ← γⁿ μ + Σ_j γ^{n−1−j} k'_jᵀ v_j,     ν ← γⁿ ν + Σ_j γ^{n−1−j} k'_j.
 /// `powers` holds γ^k for k = 0..≥n; kf is scaled in place when γ < 1.
@@ -274,13 +289,7 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
         auto mu = right.topRows(f);
         auto v = right.middleRows(f, n);
         auto nu = total.head(f);
-        ahead.clear();  // the next chunk's rows towards L2, spread over this one's strips
-        if (const Index t1 = start + c, next = std::min(c, tokens - t1); next > 0) {
-            ahead.add(K.data() + t1 * K.outerStride(), next, K.outerStride(), d);
-            ahead.add(V.data() + t1 * V.outerStride(), next, V.outerStride(), dv);
-            ahead.add(Q.data() + t1 * Q.outerStride(), next, Q.outerStride(), Q.cols());
-            ahead.add<T, true>(O.data() + t1 * O.outerStride(), next, O.outerStride(), O.cols());
-        }
+        queue_next_chunk(ahead, start + c, std::min(c, tokens - start - c), Q, K, V, O);
         apply_features<T>(phi, K.middleRows(start, n), k);
         transpose(k.data(), n, f, k.outerStride(), keys_t.data(), c);  // k'ᵀ, the right operand of GEMM 1
         v = V.middleRows(start, n);
