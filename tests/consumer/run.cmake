@@ -1,12 +1,19 @@
 # Builds and runs tests/consumer/project against memattn as a user would get it:
-#   find_package      after `cmake --install` into a temporary prefix, and the same
-#                     program compiled with the flags of `pkg-config --cflags memattn`;
+#   find_package      after `cmake --install` into a temporary prefix: with OpenMP, with
+#                     OpenMP disabled (CMAKE_DISABLE_FIND_PACKAGE_OpenMP), and the same
+#                     program compiled with the flags of `pkg-config memattn` and of
+#                     `pkg-config memattn-openmp`;
 #   add_subdirectory  of the source tree;
-#   fetchcontent      FetchContent_Declare(URL) of an archive of the source tree;
+#   fetchcontent      the release files made as docs/release.md says (`cpack` and
+#                     `cpack --config CPackSourceConfig.cmake` in a fresh build tree),
+#                     then FetchContent_Declare(URL) of the source archive of that name;
 #   package           the .deb that `cpack -G DEB` makes, unpacked with `dpkg-deb -x`
 #                     into a scratch root (no root install), used through find_package
-#                     and through pkg-config.
-# Fails on any step that fails.
+#                     without OpenMP and through pkg-config (--define-prefix).
+# The program prints "OpenMP on (<n> threads)" or "OpenMP off"; it runs with
+# OMP_NUM_THREADS=2, and each build must say what its way in promises. OPENMP is
+# whether the tests' own CMake found OpenMP for this compiler. Fails on any step that fails.
+cmake_minimum_required(VERSION 3.21)
 set(work "${WORK_DIR}/${MODE}")
 file(REMOVE_RECURSE "${work}")
 file(MAKE_DIRECTORY "${work}")
@@ -18,47 +25,138 @@ function(run)
   endif()
 endfunction()
 
+# Runs a consumer program; `openmp` ON: it must report OpenMP with two threads, OFF: none.
+function(run_consumer program openmp)
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env OMP_NUM_THREADS=2 "${program}"
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${program}\n${out}\n${err}")
+  endif()
+  if(openmp)
+    set(expect "OpenMP on \\(2 threads\\)")
+  else()
+    set(expect "OpenMP off")
+  endif()
+  if(NOT out MATCHES "${expect}\n")
+    message(FATAL_ERROR "${program} printed\n${out}\nexpected a line '${expect}'")
+  endif()
+  message(STATUS "${program}: ${out}")
+endfunction()
+
 # The consumer project through CMake, with extra configure arguments.
-function(consume_with_cmake name)
+function(consume_with_cmake name openmp)
   run(${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/consumer/project" -B "${work}/${name}" -G "${GENERATOR}"
       -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_BUILD_TYPE=Release ${ARGN})
   run(${CMAKE_COMMAND} --build "${work}/${name}")
-  run("${work}/${name}/consumer")
+  run_consumer("${work}/${name}/consumer" ${openmp})
 endfunction()
 
-# The consumer's one source compiled by hand with pkg-config's flags for memattn, found
-# in `pc_dir` (Eigen's eigen3.pc comes from the system's pkg-config path).
-function(consume_with_pkg_config pc_dir)
-  execute_process(COMMAND ${CMAKE_COMMAND} -E env "PKG_CONFIG_PATH=${pc_dir}" pkg-config --cflags memattn
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE cflags ERROR_VARIABLE err OUTPUT_STRIP_TRAILING_WHITESPACE)
+# `pkg-config <args>` with PKG_CONFIG_PATH=pc_dir (Eigen's eigen3.pc comes from the
+# system's path), its output in `var`. Every path it prints must be normalised.
+function(pkg_config var pc_dir)
+  string(REPLACE ";" " " args "${ARGN}")
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env "PKG_CONFIG_PATH=${pc_dir}" pkg-config ${ARGN}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err OUTPUT_STRIP_TRAILING_WHITESPACE)
   if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "pkg-config --cflags memattn failed (${rc}): ${err}")
+    message(FATAL_ERROR "pkg-config ${args} failed (${rc}): ${err}")
+  endif()
+  if(out MATCHES "/\\.\\.?(/|$| )")
+    message(FATAL_ERROR "pkg-config ${args} printed a path with '.' or '..' in it: ${out}")
+  endif()
+  message(STATUS "pkg-config ${args}: ${out}")
+  set(${var} "${out}" PARENT_SCOPE)
+endfunction()
+
+# The consumer's one source compiled by hand with the flags of `pkg-config <args>`.
+function(compile_with_pkg_config name pc_dir openmp)
+  pkg_config(flags "${pc_dir}" ${ARGN})
+  separate_arguments(flags UNIX_COMMAND "${flags}")
+  run(${CXX_COMPILER} -std=c++20 -O1 -Wall -Wextra -Werror "${SOURCE_DIR}/tests/consumer/project/main.cpp" ${flags}
+      -o "${work}/${name}")
+  run_consumer("${work}/${name}" ${openmp})
+endfunction()
+
+# memattn through pkg-config, its files in `pc_dir`, expected to give `-I<include_dir>`.
+# `define_prefix`: the tree was unpacked away from its prefix (--define-prefix). memattn.pc
+# builds serially; memattn-openmp.pc, when this compiler has OpenMP, with the threads.
+function(consume_with_pkg_config pc_dir include_dir define_prefix)
+  set(relocate "")
+  if(define_prefix)
+    set(relocate --define-prefix)
+  endif()
+  pkg_config(cflags "${pc_dir}" --cflags memattn)  # as installed, not relocated
+  if(define_prefix)
+    pkg_config(cflags "${pc_dir}" ${relocate} --cflags memattn)
   endif()
   separate_arguments(cflags UNIX_COMMAND "${cflags}")
-  run(${CXX_COMPILER} -std=c++20 -O1 -Wall -Wextra -Werror ${cflags} "${SOURCE_DIR}/tests/consumer/project/main.cpp"
-      -o "${work}/pkg_config_consumer")
-  run("${work}/pkg_config_consumer")
+  if(NOT "-I${include_dir}" IN_LIST cflags)
+    message(FATAL_ERROR "pkg-config --cflags memattn gave ${cflags}, expected -I${include_dir} among them")
+  endif()
+  compile_with_pkg_config(pkg_config_consumer "${pc_dir}" OFF ${relocate} --cflags memattn)
+  if(OPENMP)
+    compile_with_pkg_config(pkg_config_openmp_consumer "${pc_dir}" ON ${relocate} --cflags --libs memattn-openmp)
+  endif()
+endfunction()
+
+# Configures the project for packaging alone: the install rules, no tests (cpack builds
+# `all` before packaging).
+function(configure_packaging)
+  run(${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${work}/packaging" -G "${GENERATOR}" -DMEMATTN_BUILD_TESTS=OFF
+      -DMEMATTN_BUILD_EXAMPLES=OFF -DMEMATTN_BUILD_BENCHMARKS=OFF)
 endfunction()
 
 if(MODE STREQUAL "find_package")
   run(${CMAKE_COMMAND} --install "${BINARY_DIR}" --prefix "${work}/prefix")
-  consume_with_cmake(build -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix)
-  consume_with_pkg_config("${work}/prefix/share/pkgconfig")
-elseif(MODE STREQUAL "add_subdirectory")
-  consume_with_cmake(build -DMODE=add_subdirectory -DMEMATTN_SOURCE_DIR=${SOURCE_DIR})
-elseif(MODE STREQUAL "fetchcontent")
-  # What a release archive holds: the build files, the headers, the license and docs.
-  execute_process(COMMAND ${CMAKE_COMMAND} -E tar czf "${work}/memattn.tar.gz" --
-                          CMakeLists.txt cmake include LICENSE README.md CHANGELOG.md
-                  WORKING_DIRECTORY "${SOURCE_DIR}" RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "could not archive ${SOURCE_DIR}")
+  consume_with_cmake(build "${OPENMP}" -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix)
+  # A machine without OpenMP finds the package and builds serially...
+  consume_with_cmake(build_serial OFF -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix
+                     -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON)
+  # ...unless it asks for the threads.
+  execute_process(COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/consumer/project" -B "${work}/build_require"
+                          -G "${GENERATOR}" -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DMODE=find_package
+                          -DCMAKE_PREFIX_PATH=${work}/prefix -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON
+                          -DMEMATTN_COMPONENTS=OpenMP
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0 OR NOT err MATCHES "component OpenMP was asked for")
+    message(FATAL_ERROR "find_package(memattn COMPONENTS OpenMP) without OpenMP did not fail (${rc}):\n${out}\n${err}")
   endif()
-  consume_with_cmake(build -DMODE=fetchcontent -DMEMATTN_ARCHIVE=${work}/memattn.tar.gz)
+  consume_with_pkg_config("${work}/prefix/share/pkgconfig" "${work}/prefix/include" OFF)
+elseif(MODE STREQUAL "add_subdirectory")
+  consume_with_cmake(build "${OPENMP}" -DMODE=add_subdirectory -DMEMATTN_SOURCE_DIR=${SOURCE_DIR})
+elseif(MODE STREQUAL "fetchcontent")
+  # The release files, and nothing else under the source archive's name.
+  configure_packaging()
+  run(${CPACK_COMMAND} --config "${work}/packaging/CPackSourceConfig.cmake" -B "${work}/release")
+  run(${CPACK_COMMAND} --config "${work}/packaging/CPackConfig.cmake" -B "${work}/release")
+  file(GLOB made RELATIVE "${work}/release" "${work}/release/*")
+  list(REMOVE_ITEM made _CPack_Packages)
+  list(SORT made)
+  set(expected "memattn-${VERSION}.tar.gz" "memattn_${VERSION}_all.deb")
+  if(NOT made STREQUAL expected)
+    message(FATAL_ERROR "the release files are '${made}', expected '${expected}'")
+  endif()
+  set(archive "${work}/release/memattn-${VERSION}.tar.gz")
+  execute_process(COMMAND ${CMAKE_COMMAND} -E tar tzf "${archive}" RESULT_VARIABLE rc OUTPUT_VARIABLE listing)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "could not list ${archive}")
+  endif()
+  foreach(file CMakeLists.txt cmake/memattnConfig.cmake.in include/memattn/memattn.hpp LICENSE CHANGELOG.md
+               tests/consumer/run.cmake)
+    if(NOT listing MATCHES "(^|\n)memattn-${VERSION}/${file}\n")
+      message(FATAL_ERROR "${archive} has no memattn-${VERSION}/${file}:\n${listing}")
+    endif()
+  endforeach()
+  if(listing MATCHES "(^|\n)(memattn-${VERSION}/(build|out|\\.git)(/|\n)[^\n]*)")
+    message(FATAL_ERROR "${archive} holds ${CMAKE_MATCH_2}")
+  endif()
+  if(listing MATCHES "(^|\n)([^\n]*/(CMakeCache\\.txt|CPackConfig\\.cmake))\n")
+    message(FATAL_ERROR "${archive} holds a build tree's ${CMAKE_MATCH_2}")
+  endif()
+  file(SHA256 "${archive}" sha256)
+  consume_with_cmake(build "${OPENMP}" -DMODE=fetchcontent "-DMEMATTN_ARCHIVE=file://${archive}"
+                     -DMEMATTN_ARCHIVE_SHA256=${sha256})
 elseif(MODE STREQUAL "package")
-  # A packager's build: the install rules alone (cpack builds `all` before packaging).
-  run(${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${work}/packaging" -G "${GENERATOR}" -DMEMATTN_BUILD_TESTS=OFF
-      -DMEMATTN_BUILD_EXAMPLES=OFF -DMEMATTN_BUILD_BENCHMARKS=OFF)
+  configure_packaging()
   run(${CPACK_COMMAND} -G DEB --config "${work}/packaging/CPackConfig.cmake" -B "${work}/packages")
   file(GLOB debs "${work}/packages/*.deb")
   list(LENGTH debs count)
@@ -66,8 +164,10 @@ elseif(MODE STREQUAL "package")
     message(FATAL_ERROR "expected one .deb in ${work}/packages, found: ${debs}")
   endif()
   run(dpkg-deb -x ${debs} "${work}/root")
-  consume_with_cmake(build -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/root/usr)
-  consume_with_pkg_config("${work}/root/usr/share/pkgconfig")
+  # The .deb only suggests an OpenMP: without one, find_package(memattn) still works.
+  consume_with_cmake(build OFF -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/root/usr
+                     -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON)
+  consume_with_pkg_config("${work}/root/usr/share/pkgconfig" "${work}/root/usr/include" ON)
 else()
   message(FATAL_ERROR "unknown MODE '${MODE}'")
 endif()
