@@ -12,8 +12,14 @@
 #                     without OpenMP and through pkg-config (--define-prefix).
 # The program prints "OpenMP on (<n> threads)" or "OpenMP off"; it runs with
 # OMP_NUM_THREADS=2, and each build must say what its way in promises. OPENMP is
-# whether the tests' own CMake found OpenMP for this compiler. Fails on any step that fails.
+# whether this compiler has an OpenMP, INSTALLED_OPENMP the MEMATTN_OPENMP of the build
+# tree installed from (BINARY_DIR; the trees configured here have the default, ON).
+# Fails on any step that fails.
 cmake_minimum_required(VERSION 3.21)
+set(installed_openmp OFF)
+if(OPENMP AND INSTALLED_OPENMP)
+  set(installed_openmp ON)
+endif()
 set(work "${WORK_DIR}/${MODE}")
 file(REMOVE_RECURSE "${work}")
 file(MAKE_DIRECTORY "${work}")
@@ -78,8 +84,9 @@ endfunction()
 
 # memattn through pkg-config, its files in `pc_dir`, expected to give `-I<include_dir>`.
 # `define_prefix`: the tree was unpacked away from its prefix (--define-prefix). memattn.pc
-# builds serially; memattn-openmp.pc, when this compiler has OpenMP, with the threads.
-function(consume_with_pkg_config pc_dir include_dir define_prefix)
+# builds serially; memattn-openmp.pc, when `openmp` (it is installed and this compiler
+# has OpenMP), with the threads.
+function(consume_with_pkg_config pc_dir include_dir define_prefix openmp)
   set(relocate "")
   if(define_prefix)
     set(relocate --define-prefix)
@@ -93,7 +100,7 @@ function(consume_with_pkg_config pc_dir include_dir define_prefix)
     message(FATAL_ERROR "pkg-config --cflags memattn gave ${cflags}, expected -I${include_dir} among them")
   endif()
   compile_with_pkg_config(pkg_config_consumer "${pc_dir}" OFF ${relocate} --cflags memattn)
-  if(OPENMP)
+  if(openmp)
     compile_with_pkg_config(pkg_config_openmp_consumer "${pc_dir}" ON ${relocate} --cflags --libs memattn-openmp)
   endif()
 endfunction()
@@ -107,7 +114,7 @@ endfunction()
 
 if(MODE STREQUAL "find_package")
   run(${CMAKE_COMMAND} --install "${BINARY_DIR}" --prefix "${work}/prefix")
-  consume_with_cmake(build "${OPENMP}" -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix)
+  consume_with_cmake(build ${installed_openmp} -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix)
   # A machine without OpenMP finds the package and builds serially...
   consume_with_cmake(build_serial OFF -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix
                      -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON)
@@ -120,7 +127,7 @@ if(MODE STREQUAL "find_package")
   if(rc EQUAL 0 OR NOT err MATCHES "component OpenMP was asked for")
     message(FATAL_ERROR "find_package(memattn COMPONENTS OpenMP) without OpenMP did not fail (${rc}):\n${out}\n${err}")
   endif()
-  consume_with_pkg_config("${work}/prefix/share/pkgconfig" "${work}/prefix/include" OFF)
+  consume_with_pkg_config("${work}/prefix/share/pkgconfig" "${work}/prefix/include" OFF ${installed_openmp})
 elseif(MODE STREQUAL "add_subdirectory")
   consume_with_cmake(build "${OPENMP}" -DMODE=add_subdirectory -DMEMATTN_SOURCE_DIR=${SOURCE_DIR})
 elseif(MODE STREQUAL "fetchcontent")
@@ -167,7 +174,7 @@ elseif(MODE STREQUAL "package")
   # The .deb only suggests an OpenMP: without one, find_package(memattn) still works.
   consume_with_cmake(build OFF -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/root/usr
                      -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON)
-  consume_with_pkg_config("${work}/root/usr/share/pkgconfig" "${work}/root/usr/include" ON)
+  consume_with_pkg_config("${work}/root/usr/share/pkgconfig" "${work}/root/usr/include" ON "${OPENMP}")
 else()
   message(FATAL_ERROR "unknown MODE '${MODE}'")
 endif()
