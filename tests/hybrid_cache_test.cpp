@@ -166,7 +166,7 @@ TEST_CASE("HybridCache: bad input throws and leaves the cache unchanged", "[memo
     cache.attend(K.row(0), before);
     const Vector<double> k1 = Vector<double>::Ones(1), v2 = Vector<double>::Ones(2);
     CHECK_THROWS_WITH(cache.update(k1, v2), HasSubstring("HybridCache::update") && HasSubstring("'key'") && HasSubstring("1x1"));
-    CHECK_THROWS_WITH(cache.extend(K, K), HasSubstring("HybridCache::extend") && HasSubstring("'value'") && HasSubstring("7x3"));
+    CHECK_THROWS_WITH(cache.extend(K, K), HasSubstring("HybridCache::extend") && HasSubstring("'values'") && HasSubstring("7x3"));
     CHECK_THROWS_WITH(cache.attend(k1, after), HasSubstring("HybridCache::attend") && HasSubstring("'query'"));
     CHECK(cache.length() == 7);
     cache.attend(K.row(0), after);

@@ -148,7 +148,7 @@ TEST_CASE("MovingAverageCache: bad input throws and leaves the memory unchanged"
     const Vector<float> k2 = Vector<float>::Ones(2), v2 = Vector<float>::Ones(2);
     CHECK_THROWS_WITH(mem.update(k2, v2), HasSubstring("MovingAverageCache::update") && HasSubstring("'key'") &&
                                               HasSubstring("1x2"));
-    CHECK_THROWS_WITH(mem.extend(K, K), HasSubstring("MovingAverageCache::extend") && HasSubstring("'value'") &&
+    CHECK_THROWS_WITH(mem.extend(K, K), HasSubstring("MovingAverageCache::extend") && HasSubstring("'values'") &&
                                             HasSubstring("6x3"));
     Vector<float> out(2);
     CHECK_THROWS_WITH(mem.attend(k2, out), HasSubstring("'query'"));

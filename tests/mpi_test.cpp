@@ -300,6 +300,25 @@ TEST_CASE("a bad argument on one rank, or ranks that disagree, make every rank t
         cache.attend(K.row(1), out);
         CHECK(out.allFinite());
     }
+    SECTION("ShardedKVCache: lengths past 2^24 that differ by one token are told apart") {
+        if (size_of() < 2)
+            return;
+        // 2^24 and 2^24 + 1 are the same float: the lengths must travel exactly.
+        constexpr Index n = Index{1} << 24;
+        ShardedKVCache<float> cache(MPI_COMM_WORLD, 1, 1);
+        {
+            const Matrix<float> ones = Matrix<float>::Ones(n, 1);
+            cache.extend(ones, ones);
+        }
+        if (rank_of() == last)
+            cache.update(Vector<float>::Ones(1), Vector<float>::Ones(1));
+        Vector<float> out(1);
+        expect_all_throw("ShardedKVCache::attend", [&] { cache.attend(Vector<float>::Ones(1), out); });
+        if (rank_of() != last)  // the same length everywhere again: attend works
+            cache.update(Vector<float>::Ones(1), Vector<float>::Ones(1));
+        cache.attend(Vector<float>::Ones(1), out);
+        CHECK(out(0) == 1.0f);
+    }
 }
 
 int main(int argc, char** argv) {

@@ -8,10 +8,15 @@
 #include <memattn/memattn.hpp>
 
 #include <bit>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <set>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -422,4 +427,315 @@ TEST_CASE("A single token may be a row or a column vector, viewed without a copy
     Eigen::VectorXf O(9);
     causal_softmax_attention(seq, seq, seq, O);
     CHECK(O.allFinite());
+}
+
+// -------------------------------------------------------------- a layer that half-updates, forged lengths,
+// -------------------------------------------------------------- values a compact type cannot hold
+
+namespace layer_defects {
+
+/// The bytes of a memory's snapshot: equal bytes, equal memories.
+template <class M>
+std::string bytes_of(const M& memory) {
+    std::ostringstream out;
+    save(memory, out);
+    return out.str();
+}
+
+/// Throws E whose message holds every needle, and `memory` keeps its bytes.
+template <class E = std::invalid_argument, class M, class F>
+void expect_unchanged_throw(const M& memory, F&& call, const std::vector<std::string>& needles) {
+    const std::string before = bytes_of(memory);
+    bool threw = false;
+    try {
+        call();
+    } catch (const E& e) {
+        threw = true;
+        const std::string message = e.what();
+        INFO(message);
+        for (const auto& needle : needles)
+            CHECK_THAT(message, HasSubstring(needle));
+    }
+    CHECK(threw);
+    CHECK(bytes_of(memory) == before);
+}
+
+const HeadLayout layout{.q_heads = 4, .kv_heads = 2, .head_dim = 4};
+
+}  // namespace layer_defects
+
+TEST_CASE("MultiHead: a value one head refuses leaves every head unchanged", "[regression][layer]") {
+    using namespace layer_defects;
+    const Matrix<float> Q = random_matrix<float>(6, 16, 1), K = random_matrix<float>(6, 8, 2),
+                        V = random_matrix<float>(6, 8, 3);
+    Matrix<float> O(6, 16);
+    SECTION("float16 caches: a value past float16's range in KV head 1") {
+        MultiHead<KVCache<float, Eigen::half>> mem(layout, [](Index) { return KVCache<float, Eigen::half>(4, 4); });
+        prefill(mem, Q.topRows(3), K.topRows(3), V.topRows(3), O.topRows(3));
+        Matrix<float> bad = K.bottomRows(3);
+        bad(2, 6) = 1e5f;  // KV head 1, its column 2
+        expect_unchanged_throw(mem, [&] { mem.update(bad.row(2), V.row(5)); },
+                               {"memattn::MultiHead::update", "'key'", "column 6 (column 2 of KV head 1)", "float16"});
+        expect_unchanged_throw(mem, [&] { mem.extend(bad, V.bottomRows(3)); },
+                               {"memattn::MultiHead::extend", "row 2, column 6 (column 2 of KV head 1)"});
+        expect_unchanged_throw(mem, [&] { prefill(mem, Q.bottomRows(3), bad, V.bottomRows(3), O.bottomRows(3)); },
+                               {"memattn::prefill", "'K'", "column 6 (column 2 of KV head 1)"});
+        expect_unchanged_throw(mem, [&] { decode(mem, Q.bottomRows(3), bad, V.bottomRows(3), O.bottomRows(3)); },
+                               {"memattn::decode", "row 2"});
+        Matrix<float> bad_value = V.bottomRows(3);
+        bad_value(1, 5) = -7e4f;  // KV head 1, value column 1
+        expect_unchanged_throw(mem, [&] { mem.extend(K.bottomRows(3), bad_value); },
+                               {"'values'", "row 1, column 5 (column 1 of KV head 1)"});
+        CHECK(mem.head(0).length() == 3);
+        CHECK(mem.head(1).length() == 3);
+    }
+    SECTION("gated memories: a log-gate > 0 in KV head 1") {
+        using G = GatedLinearAttentionMemory<float>;
+        MultiHead<G> mem(layout, [](Index) { return G(4, 4); });
+        Matrix<float> keys(3, 10);  // [k | log g] per head: 5 columns each
+        keys << random_matrix<float>(3, 10, 4).array() - 2.0f;
+        mem.extend(keys, V.topRows(3));
+        keys(1, 9) = 0.25f;  // KV head 1's gate (its column 4)
+        expect_unchanged_throw(mem, [&] { mem.extend(keys, V.topRows(3)); },
+                               {"memattn::MultiHead::extend", "log-gate 0.25", "column 9 (column 4 of KV head 1)"});
+        expect_unchanged_throw(mem, [&] { mem.update(keys.row(1), V.row(1)); }, {"memattn::MultiHead::update"});
+        expect_unchanged_throw(mem, [&] { prefill(mem, Q.topRows(3), keys, V.topRows(3), O.topRows(3)); },
+                               {"memattn::prefill"});
+        CHECK(mem.head(0).length() == 3);
+        CHECK(mem.head(1).length() == 3);
+    }
+    SECTION("delta-rule memories: beta > 1 in KV head 1, in the last row") {
+        using D = DeltaRuleMemory<float>;
+        MultiHead<D> mem(layout, [](Index) { return D(4, 4); });
+        Matrix<float> keys = random_matrix<float>(3, 10, 5);  // [k | beta] per head
+        keys.col(4).setConstant(0.5f);
+        keys.col(9).setConstant(0.5f);
+        mem.update(keys.row(0), V.row(0));
+        keys(2, 9) = 1.5f;
+        expect_unchanged_throw(mem, [&] { memattn::extend(mem, keys, V.topRows(3)); },
+                               {"memattn::extend", "beta 1.5", "column 9 (column 4 of KV head 1)"});
+        expect_unchanged_throw(mem, [&] { decode(mem, Q.topRows(3), keys, V.topRows(3), O.topRows(3)); },
+                               {"memattn::decode"});
+        CHECK(mem.head(1).length() == 1);
+    }
+    SECTION("a lone memory: decode with a bad last row takes none of the rows") {
+        KVCache<float, Eigen::half> cache(8, 8);
+        Matrix<float> bad = K;
+        bad(5, 0) = 1e6f;
+        expect_unchanged_throw(cache, [&] { decode(cache, K, bad, V, O.leftCols(8)); }, {"memattn::decode", "row 5"});
+        CHECK(cache.length() == 0);
+    }
+}
+
+TEST_CASE("MultiHead::truncate: every head or none", "[regression][layer]") {
+    using namespace layer_defects;
+    // KV head 1 keeps a shorter window: it cannot go back as far as head 0.
+    MultiHead<SlidingWindowCache<float>> mem(layout,
+                                             [](Index h) { return SlidingWindowCache<float>(4, 4, h == 0 ? 16 : 4); });
+    const Matrix<float> K = random_matrix<float>(6, 8, 1), V = random_matrix<float>(6, 8, 2);
+    mem.extend(K, V);
+    CHECK(mem.can_truncate(6));
+    CHECK_FALSE(mem.can_truncate(3));
+    expect_unchanged_throw(mem, [&] { mem.truncate(3); }, {"memattn::MultiHead::truncate: KV head 1 cannot"});
+    CHECK(mem.head(0).length() == 6);
+    MultiHead<KVCache<float>> caches(layout, [](Index) { return KVCache<float>(4, 4); });
+    caches.extend(K, V);
+    caches.truncate(2);
+    CHECK(caches.head(0).length() == 2);
+    CHECK(caches.head(1).length() == 2);
+    expect_unchanged_throw(caches, [&] { caches.truncate(3); }, {"KV head 0 cannot", "expected 0 .. length() = 2"});
+}
+
+namespace layer_defects {
+
+/// The snapshot of `memory` with its length field (the one 8-byte field equal to
+/// memory.length(), a value chosen to appear once) replaced by `length`, and the
+/// checksum recomputed: a forged but well-formed stream.
+template <class M>
+std::string forged(const M& memory, std::int64_t length) {
+    std::string bytes = bytes_of(memory);
+    const std::int64_t real = memory.length();
+    std::string needle(8, '\0'), replacement(8, '\0');
+    std::memcpy(needle.data(), &real, 8);
+    std::memcpy(replacement.data(), &length, 8);
+    const std::size_t at = bytes.find(needle, 24);
+    REQUIRE(at != std::string::npos);
+    REQUIRE(bytes.find(needle, at + 1) == std::string::npos);
+    bytes.replace(at, 8, replacement);
+    const std::uint32_t crc = detail::Crc32c::update(0, bytes.data(), bytes.size() - 4);
+    std::memcpy(bytes.data() + bytes.size() - 4, &crc, 4);
+    return bytes;
+}
+
+/// `shift` moves the keys into a gated memory's range: [-1, 0) for log-gates, [0, 1) for beta.
+template <class M>
+void check_forged_lengths(M memory, float shift = 0.0f) {
+    const Index real = 77;  // past every window below, and no other field's value
+    const Matrix<float> K = (random_matrix<float>(real, memory.key_dim(), 7, shift == 0.0f ? 1.0 : 0.5).array() + shift)
+                                .matrix();
+    const Matrix<float> V = random_matrix<float>(real, memory.value_dim(), 8);
+    memattn::extend(memory, K, V);
+    REQUIRE(memory.length() == real);
+    {  // the real stream loads
+        M copy = memory;
+        std::istringstream in(bytes_of(memory));
+        load(copy, in);
+    }
+    for (const std::int64_t length : {std::numeric_limits<std::int64_t>::max(), std::int64_t{max_length} + 1}) {
+        INFO("length " << length);
+        std::istringstream in(forged(memory, length));
+        expect_unchanged_throw<SnapshotError>(memory, [&] { load(memory, in); }, {"length is"});
+    }
+    // The longest length a memory counts loads; the next update is refused, unchanged.
+    std::istringstream in(forged(memory, max_length));
+    load(memory, in);
+    REQUIRE(memory.length() == max_length);
+    expect_unchanged_throw<std::length_error>(memory, [&] { memory.update(K.row(0), V.row(0)); },
+                                              {"max_length"});
+    expect_unchanged_throw<std::length_error>(memory, [&] { memattn::extend(memory, K, V); }, {"max_length"});
+}
+
+}  // namespace layer_defects
+
+TEST_CASE("Snapshots: a forged length no memory can reach is refused; no update overflows", "[regression][snapshot]") {
+    using namespace layer_defects;
+    check_forged_lengths(SlidingWindowCache<float>(4, 3, 8, 2));
+    check_forged_lengths(MovingAverageCache<float>(4, 3, 8));
+    check_forged_lengths(MovingAverageCache<float>(4, 3, 0));
+    check_forged_lengths(HybridCache<float>(4, 3, 8, 4, 3));
+    check_forged_lengths(LinearAttentionMemory<float>(4, 3));
+    check_forged_lengths(GatedLinearAttentionMemory<float>(4, 3), -0.5f);
+    check_forged_lengths(DeltaRuleMemory<float>(4, 3), 0.5f);
+    LinearAttentionMemory<float> linear(4, 3);
+    CHECK_THROWS_AS(linear.set_state(linear.state(), max_length + 1), std::invalid_argument);
+    linear.set_state(linear.state(), max_length);
+    CHECK_THROWS_AS(linear.update(Vector<float>::Ones(4), Vector<float>::Ones(3)), std::length_error);
+    CHECK(linear.length() == max_length);
+}
+
+TEST_CASE("HeadLayout: widths that overflow are refused, naming the field", "[regression][layer]") {
+    const Matrix<float> x(1, 8);
+    Matrix<float> o(1, 8);
+    const Index huge = Index{1} << 62;
+    // 2^62 + 2 heads of dim 4 would wrap to 8 columns and match the buffers.
+    const HeadLayout wrapped{.q_heads = huge + 2, .kv_heads = huge + 2, .head_dim = 4};
+    expect_rejected([&] { multi_head_chunked_linear_attention(x, x, x, o, wrapped); },
+                    {"memattn::multi_head_chunked_linear_attention", "'layout.q_heads'", "overflows"});
+    expect_rejected([&] { multi_head_causal_softmax_attention(x, x, x, o, wrapped); }, {"'layout.q_heads'", "overflows"});
+    const HeadLayout wide{.q_heads = huge, .kv_heads = 1, .head_dim = 8};
+    expect_rejected([&] { multi_head_causal_softmax_attention(x, x, x, o, wide); }, {"'layout.q_heads'", "overflows"});
+    const HeadLayout wide_values{.q_heads = 4, .kv_heads = 1, .head_dim = 2, .value_dim = huge};
+    expect_rejected([&] { MultiHead<KVCache<float>> mem(wide_values, [](Index) { return KVCache<float>(2, 2); }); },
+                    {"memattn::MultiHead", "'layout.q_heads'", "overflows"});
+}
+
+TEST_CASE("Linear attention: an output sharing memory with the in/out state is refused", "[regression][linear]") {
+    const Index n = 4, d = 3;
+    const Matrix<float> Q = random_matrix<float>(n, d, 1), K = random_matrix<float>(n, d, 2),
+                        V = random_matrix<float>(n, d, 3);
+    LinearState<float> shaped;
+    shaped.mu = random_matrix<float>(d, d, 6);
+    shaped.nu = random_matrix<float>(1, d, 7);
+    Eigen::Map<Matrix<float>> in_mu(shaped.mu.data(), 1, d);  // O is the first row of mu
+    const LinearState<float> before = shaped;
+    expect_rejected([&] { chunked_linear_attention(Q.topRows(1), K.topRows(1), V.topRows(1), in_mu, Identity{}, {}, &shaped); },
+                    {"memattn::chunked_linear_attention", "'O'", "'state->mu'"});
+    expect_rejected([&] { recurrent_linear_attention(Q.topRows(1), K.topRows(1), V.topRows(1), in_mu, Identity{}, {}, &shaped); },
+                    {"memattn::recurrent_linear_attention", "'state->mu'"});
+    Eigen::Map<Matrix<float>> in_nu(shaped.nu.data(), 1, d);
+    expect_rejected([&] { quadratic_linear_attention(Q.topRows(1), K.topRows(1), V.topRows(1), in_nu, Identity{}, {}, &shaped); },
+                    {"'state->nu'"});
+    const Matrix<float> gates = Matrix<float>::Constant(1, 1, -0.5f);
+    expect_rejected([&] { chunked_gated_linear_attention(Q.topRows(1), K.topRows(1), V.topRows(1), gates, in_mu, {}, &shaped); },
+                    {"memattn::chunked_gated_linear_attention", "'state->mu'"});
+    const Matrix<float> beta = Matrix<float>::Constant(1, 1, 0.5f);
+    expect_rejected([&] { chunked_delta_rule_attention(Q.topRows(1), K.topRows(1), V.topRows(1), beta, in_mu, {}, &shaped); },
+                    {"'state->mu'"});
+    CHECK(shaped.mu == before.mu);
+    CHECK(shaped.nu == before.nu);
+    // The layer: O, or an input, inside one of the states it replaces.
+    const HeadLayout heads{.q_heads = 1, .kv_heads = 1, .head_dim = d};
+    std::vector<LinearState<float>> states(1);
+    states[0].mu = random_matrix<float>(d, d, 8);  // d' = d for Identity
+    states[0].nu = random_matrix<float>(1, d, 9);
+    Eigen::Map<Matrix<float>> layer_out(states[0].mu.data(), 1, d);
+    expect_rejected([&] {
+        multi_head_chunked_linear_attention(Q.topRows(1), K.topRows(1), V.topRows(1), layer_out, heads, Identity{}, {},
+                                            std::span(states));
+    }, {"memattn::multi_head_chunked_linear_attention", "'O'", "'states[0].mu'"});
+    Matrix<float> out(1, d);
+    const Eigen::Map<const Matrix<float>> layer_in(states[0].nu.data(), 1, d);
+    expect_rejected([&] {
+        multi_head_chunked_linear_attention(layer_in, K.topRows(1), V.topRows(1), out, heads, Identity{}, {},
+                                            std::span(states));
+    }, {"'states[0].nu'", "'Q'"});
+}
+
+TEST_CASE("Q8: blocks of tiny values quantise without overflow", "[regression][storage]") {
+    // 127 / amax overflows float below amax ~ 3.7e-37: the block is scaled in double.
+    for (const float amax : {3.0e-37f, 1.0e-38f, 1.0e-40f, 1.0e-44f}) {
+        INFO("amax " << amax);
+        KVCache<float, Q8> cache(32, 32);
+        Vector<float> value(32);
+        for (Index c = 0; c < 32; ++c)
+            value(c) = amax * static_cast<float>(c - 16) / 16.0f;
+        cache.update(Vector<float>::Zero(32), value);
+        Vector<float> out(32);
+        cache.attend(Vector<float>::Ones(32), out);  // one pair: out = its stored value
+        REQUIRE(out.allFinite());
+        // Q8's error: half a step of amax / 127, plus the subnormal scale's rounding.
+        const double bound = static_cast<double>(amax) / 254.0 * 1.01 + 1.5e-45 * 127;
+        CHECK((out - value).cwiseAbs().maxCoeff() <= bound);
+    }
+}
+
+TEMPLATE_TEST_CASE("Compact storage: one policy, a finite value the type would lose is refused", "[regression][storage]",
+                   float, double) {
+    using T = TestType;
+    const auto refused = [](auto cache, T x, const std::string& type) {
+        Vector<T> key = Vector<T>::Ones(4), value = Vector<T>::Ones(4);
+        value(2) = x;
+        expect_rejected([&] { cache.update(key, value); }, {"'value'", "finite value", type, "column 2"});
+        CHECK(cache.length() == 0);
+        key(1) = -x;
+        expect_rejected([&] { memattn::extend(cache, key, Vector<T>::Ones(4)); }, {"'K'", "column 1"});
+    };
+    const auto kept = [](auto cache, T x) {
+        Vector<T> value = Vector<T>::Ones(4);
+        value(0) = x;
+        cache.update(Vector<T>::Zero(4), value);
+        Vector<T> out(4);
+        cache.attend(Vector<T>::Ones(4), out);
+        CHECK(out.allFinite());
+        return out(0);
+    };
+    // float16: what rounds to 65504 is kept; from 65520 on it would be infinity.
+    CHECK(kept(KVCache<T, Eigen::half>(4, 4), T(65519)) == T(65504));
+    refused(KVCache<T, Eigen::half>(4, 4), T(65520), "float16");
+    refused(SlidingWindowCache<T, Eigen::half>(4, 4, 3), T(1e5), "float16");
+    // bfloat16: its largest value, 0x7F7F, and the midpoint above it that rounds up.
+    const float bf16_max = std::bit_cast<float>(std::uint32_t{0x7F7F0000});
+    const float bf16_edge = std::bit_cast<float>(std::uint32_t{0x7F7F8000});
+    REQUIRE(std::isinf(static_cast<float>(Eigen::bfloat16(bf16_edge))));
+    REQUIRE(std::isfinite(static_cast<float>(Eigen::bfloat16(std::nextafter(bf16_edge, 0.0f)))));
+    CHECK(kept(KVCache<T, Eigen::bfloat16>(4, 4), T(std::nextafter(bf16_edge, 0.0f))) == T(bf16_max));
+    refused(KVCache<T, Eigen::bfloat16>(4, 4), T(bf16_edge), "bfloat16");
+    refused(KVCache<T, Eigen::bfloat16>(4, 4), T(FLT_MAX), "bfloat16");
+    refused(HybridCache<T, MeanPool, Eigen::bfloat16>(4, 4, 2, 2, 2), T(FLT_MAX), "bfloat16");
+    // Q8 keeps float's whole range (its scales are float) ...
+    CHECK(std::isfinite(kept(KVCache<T, Q8>(4, 4), T(FLT_MAX))));
+    if constexpr (std::is_same_v<T, double>) {
+        // ... and a double past it would make its block NaN; bfloat16 and float16 would round it to infinity.
+        refused(KVCache<T, Q8>(4, 4), T(1e300), "Q8");
+        refused(KVCache<T, Eigen::bfloat16>(4, 4), T(1e300), "bfloat16");
+        refused(SlidingWindowCache<T, Q8>(4, 4, 2), T(-1e39), "Q8");
+    }
+    // ±∞ and NaN are stored as they are, in every type: they poison as in T.
+    const Vector<T> infinite = Vector<T>::Constant(4, std::numeric_limits<T>::infinity());
+    KVCache<T, Eigen::bfloat16> bf16(4, 4);
+    KVCache<T, Q8> q8(4, 4);
+    SlidingWindowCache<T, Eigen::half> f16(4, 4, 2);
+    CHECK_NOTHROW(bf16.update(infinite, infinite));
+    CHECK_NOTHROW(q8.update(infinite, infinite));
+    CHECK_NOTHROW(f16.update(infinite, infinite));
 }

@@ -41,6 +41,11 @@ using RowRef = Eigen::Ref<Vector<T>>;
 template <class T>
 using ConstRowRef = Eigen::Ref<const Vector<T>>;
 
+/// The most tokens a memory counts: 2^62, far past any sequence (a century at a billion
+/// tokens a second), and small enough that no sum of positions overflows Index. An update
+/// past it throws std::length_error; a snapshot that claims more is a SnapshotError.
+inline constexpr Index max_length = Index{1} << 62;
+
 /// The scalars memattn is written for.
 template <class T>
 concept Scalar = std::same_as<T, float> || std::same_as<T, double>;
@@ -58,6 +63,33 @@ template <class D>
 Shape shape(const Eigen::EigenBase<D>& m) {
     return {m.rows(), m.cols()};
 }
+
+/// Where the value checks of a memory's update report from: the function a message
+/// names, and, for a memory inside a layer (memattn::MultiHead), its KV head and the
+/// columns of the packed rows where its key and value rows begin, so a message names the
+/// column the caller wrote. A memory called alone: head −1, columns from 0.
+struct PairSite {
+    std::string_view function;
+    std::string_view key_name = "keys";      ///< the arguments a message names
+    std::string_view value_name = "values";
+    Index head = -1;
+    Index key_column = 0;
+    Index value_column = 0;
+};
+
+/// Column `column` of a memory's key (or value) row, as a message names it: the caller's
+/// column, and in a layer the head's own.
+struct SiteColumn {
+    const PairSite& site;
+    Index column;
+    bool value = false;
+    friend std::ostream& operator<<(std::ostream& os, const SiteColumn& c) {
+        os << (c.value ? c.site.value_column : c.site.key_column) + c.column;
+        if (c.site.head >= 0)
+            os << " (column " << c.column << " of KV head " << c.site.head << ")";
+        return os;
+    }
+};
 
 /// Streams one part of a message; a floating-point value in its shortest form that reads
 /// back as the same value, so a rejected 1.0000000001 is not shown as 1.
@@ -82,6 +114,16 @@ void require(bool ok, std::string_view function, std::string_view argument, cons
     os << "memattn::" << function << ": argument '" << argument << "' ";
     (put(os, parts), ...);
     throw std::invalid_argument(os.str());
+}
+
+/// a · b for sizes a, b >= 0, or std::invalid_argument naming the function, the argument
+/// and both factors when the product does not fit Index (`what` says what it counts).
+inline Index checked_product(std::string_view function, std::string_view argument, Index a, Index b,
+                             std::string_view what) {
+    Index product = 0;
+    require(!__builtin_mul_overflow(a, b, &product), function, argument, "is ", a, ": ", what, ' ', a, " x ", b,
+            " overflows a signed 64-bit size");
+    return product;
 }
 
 /// "float" or "double", for messages.

@@ -6,6 +6,8 @@
 #include "memattn/types.hpp"
 
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
 namespace memattn::detail {
 
@@ -14,6 +16,26 @@ inline void check_pairs(const char* function, Shape key, Shape value, Index key_
     require(key.cols == key_dim, function, "key", "has shape ", key, ", expected ", key_dim, " columns (key_dim)");
     require(value.cols == value_dim && value.rows == key.rows, function, "value", "has shape ", value, ", expected ",
             key.rows, 'x', value_dim, " (key is ", key, ")");
+}
+
+/// A memory holding `length` tokens may take `added` more: no memory counts past
+/// memattn::max_length, so no position it derives can overflow. Throws std::length_error.
+inline void check_room(std::string_view function, Index length, Index added) {
+    if (added > max_length - length) [[unlikely]]
+        throw std::length_error("memattn::" + std::string(function) + ": the memory holds " + std::to_string(length) +
+                                " tokens and would pass memattn::max_length = 2^62 with " + std::to_string(added) +
+                                " more; reset() it");
+}
+
+/// What every memory's validate() checks first: keys n × key_dim and values n × value_dim
+/// under the names `site` gives, and room for n more tokens after `length`.
+inline void check_site_pairs(const PairSite& site, Shape keys, Shape values, Index key_dim, Index value_dim,
+                             Index length) {
+    require(keys.cols == key_dim, site.function, site.key_name, "has shape ", keys, ", expected ", key_dim,
+            " columns (key_dim)");
+    require(values.cols == value_dim && values.rows == keys.rows, site.function, site.value_name, "has shape ",
+            values, ", expected ", keys.rows, 'x', value_dim, " (", site.key_name, " is ", keys, ")");
+    check_room(site.function, length, keys.rows);
 }
 
 /// One query 1 × key_dim and its output 1 × value_dim, which must not overlap it.

@@ -556,7 +556,7 @@ public:
     /// Collective: every rank passes the same dims and scale (0: 1/sqrt(key_dim)).
     ShardedKVCache(MPI_Comm comm, Index key_dim, Index value_dim, T scale = T(0))
         : comm_(comm), rank_size_(checked(comm, key_dim, value_dim, scale)), local_(key_dim, value_dim, scale),
-          partial_(value_dim + 3), all_(static_cast<Index>(rank_size_.second) * (value_dim + 3)) {}
+          partial_(value_dim + header), all_(static_cast<Index>(rank_size_.second) * (value_dim + header)) {}
 
     /// The key width d.
     [[nodiscard]] Index key_dim() const noexcept { return local_.key_dim(); }
@@ -607,25 +607,35 @@ public:
         acc.setZero();
         if (good && local_.length() > 0)
             detail::attend_contiguous(query, local_.keys(), local_.values(), local_.scale(), state, acc);
-        // The length travels with the partial (−1 for a bad argument), so one bad rank
-        // stops them all with the same message.
-        partial_(0) = state.max;
-        partial_(1) = state.sum;
-        partial_(2) = good ? static_cast<T>(length_) : T(-1);
-        MPI_Allgather(partial_.data(), static_cast<int>(dv + 3), detail::mpi::datatype<T>(), all_.data(),
-                      static_cast<int>(dv + 3), detail::mpi::datatype<T>(), comm_);
+        // The length travels with the partial, bit for bit as an int64 in the first
+        // slots (−1 for a bad argument), so one bad rank stops them all with the same
+        // message, and lengths that differ in their last bit are told apart (as floats,
+        // 16777216 and 16777217 would compare equal).
+        const std::int64_t sent = good ? static_cast<std::int64_t>(length_) : std::int64_t{-1};
+        std::memcpy(partial_.data(), &sent, sizeof sent);
+        partial_(header - 2) = state.max;
+        partial_(header - 1) = state.sum;
+        const Index width = dv + header;
+        MPI_Allgather(partial_.data(), static_cast<int>(width), detail::mpi::datatype<T>(), all_.data(),
+                      static_cast<int>(width), detail::mpi::datatype<T>(), comm_);
+        const auto length_of = [&](int r) {
+            std::int64_t length = 0;
+            std::memcpy(&length, all_.data() + r * width, sizeof length);
+            return length;
+        };
+        const std::int64_t first = length_of(0);
         for (int r = 0; r < rank_size_.second; ++r) {
-            const T length = all_(r * (dv + 3) + 2), first = all_(2);
+            const std::int64_t length = length_of(r);
             detail::require(length >= 0, "ShardedKVCache::attend", "query", "or 'out' has a bad shape on rank ", r,
                             " (expected 1x", key_dim(), " and 1x", dv, ", not overlapping)");
-            detail::require(length == first, "ShardedKVCache::attend", "length", "differs between ranks: ",
-                            static_cast<double>(first), " on rank 0, ", static_cast<double>(length), " on rank ", r);
+            detail::require(length == first, "ShardedKVCache::attend", "length", "differs between ranks: ", first,
+                            " on rank 0, ", length, " on rank ", r);
         }
         SoftmaxState<T> merged;
         out.setZero();
         for (int r = 0; r < rank_size_.second; ++r) {
-            const T* p = all_.data() + r * (dv + 3);
-            merged.merge(SoftmaxState<T>{p[0], p[1]}, out, Eigen::Map<const Vector<T>>(p + 3, dv));
+            const T* p = all_.data() + r * width;
+            merged.merge(SoftmaxState<T>{p[header - 2], p[header - 1]}, out, Eigen::Map<const Vector<T>>(p + header, dv));
         }
         merged.finish(out);
     }
@@ -655,7 +665,9 @@ private:
     std::pair<int, int> rank_size_;
     KVCache<T> local_;
     Index length_ = 0;
-    mutable Vector<T> partial_;  // [max, sum, length, acc]: this rank's partial, sent by attend
+    /// Slots before a partial's accumulator: the length's int64 bits, then max and sum.
+    static constexpr Index header = static_cast<Index>((sizeof(std::int64_t) + sizeof(T) - 1) / sizeof(T)) + 2;
+    mutable Vector<T> partial_;  // [length bits, max, sum, acc]: this rank's partial, sent by attend
     mutable Vector<T> all_;      // every rank's
 };
 

@@ -248,6 +248,7 @@ void delta_rule_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, 
     require_disjoint(function, "O", o, "beta", b);
     if (gates != nullptr)
         require_disjoint(function, "O", o, "log_gates", *gates);
+    require_state_disjoint(function, o, state);
     LinearState<T> local;
     LinearState<T>& s = state != nullptr ? *state : local;
     if (s.mu.size() == 0)

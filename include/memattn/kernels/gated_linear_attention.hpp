@@ -212,6 +212,7 @@ void gated_linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q
     require_disjoint(function, "O", o, "K", k);
     require_disjoint(function, "O", o, "V", v);
     require_disjoint(function, "O", o, "log_gates", g);
+    require_state_disjoint(function, o, state);
     LinearState<T> local;
     LinearState<T>& s = state != nullptr ? *state : local;
     if (s.mu.size() == 0 && s.nu.size() == 0) {

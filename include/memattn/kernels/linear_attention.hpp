@@ -124,6 +124,16 @@ Index check_linear_arguments(const char* function, const Phi& phi, Shape q, Shap
     return features;
 }
 
+/// The in/out state is an output too: O must not share memory with it (the final state
+/// would be written over outputs, or outputs over the state being read).
+template <class T>
+void require_state_disjoint(const char* function, const MatrixRef<T>& o, const LinearState<T>* state) {
+    if (state == nullptr)
+        return;
+    require_disjoint(function, "O", o, "state->mu", state->mu);
+    require_disjoint(function, "O", o, "state->nu", state->nu);
+}
+
 /// The one feature-map application of every form: Y = φ(X) for a chunk of rows.
 template <class T, class Phi, class X, class Y>
 void apply_features(const Phi& phi, const X& x, Y& y) {
@@ -437,6 +447,7 @@ void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, cons
     require_disjoint(function, "O", o, "Q", q);
     require_disjoint(function, "O", o, "K", k);
     require_disjoint(function, "O", o, "V", v);
+    require_state_disjoint(function, o, state);
     LinearState<T> local;
     LinearState<T>& s = state != nullptr ? *state : local;
     const bool has_initial = s.mu.size() != 0 || s.nu.size() != 0;

@@ -54,6 +54,11 @@ inline void check_layout(const char* function, const HeadLayout& layout) {
     require(layout.head_dim >= 1, function, "layout.head_dim", "is ", layout.head_dim, ", expected >= 1");
     require(layout.value_dim >= 0, function, "layout.value_dim", "is ", layout.value_dim,
             ", expected >= 0 (0: head_dim)");
+    // Every width the packed buffers have: no product may wrap (2^62 + 2 heads of dim 4
+    // would otherwise be 8 columns).
+    checked_product(function, "layout.q_heads", layout.q_heads, layout.head_dim, "the width of Q, q_heads x head_dim =");
+    checked_product(function, "layout.q_heads", layout.q_heads, layout.values(),
+                    "the width of O, q_heads x value_dim =");
 }
 
 /// Packed buffers against a (checked) layout: widths from the layout, rows from each other.

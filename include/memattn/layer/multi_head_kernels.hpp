@@ -314,6 +314,19 @@ void check_linear_layer(const char* function, const HeadLayout& layout, const Ph
     require_disjoint(function, "O", o, "Q", q);
     require_disjoint(function, "O", o, "K", k);
     require_disjoint(function, "O", o, "V", v);
+    // The states are in/out: the call replaces each one's storage while other items still
+    // read the inputs and write the outputs, so none of them may lie in a state.
+    const auto disjoint = [&](const std::string& what, const auto& part) {
+        require_disjoint(function, "O", o, what, part);
+        require_disjoint(function, what, part, "Q", q);
+        require_disjoint(function, what, part, "K", k);
+        require_disjoint(function, what, part, "V", v);
+    };
+    for (std::size_t i = 0; i < states.size(); ++i) {
+        const std::string name = "states[" + std::to_string(i) + "]";
+        disjoint(name + ".mu", states[i].mu);
+        disjoint(name + ".nu", states[i].nu);
+    }
 }
 
 }  // namespace detail

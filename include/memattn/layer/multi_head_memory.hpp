@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <concepts>
 #include <cstddef>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -59,10 +60,24 @@ concept HasPairRuns = requires(const M& m) {
     { m.scale() } -> std::convertible_to<typename M::Scalar>;
 };
 
+/// Any KVCache, whatever its storage: it allocates as it grows, so a layer of them
+/// takes every head back to its length when one throws (std::bad_alloc).
 template <class M>
 inline constexpr bool is_kv_cache = false;
+template <class T, class S>
+inline constexpr bool is_kv_cache<KVCache<T, S>> = true;
+
+/// A KVCache of T stored as T: the multi-head kernel reads its pairs in place.
+template <class M>
+inline constexpr bool is_plain_kv_cache = false;
 template <class T>
-inline constexpr bool is_kv_cache<KVCache<T>> = true;
+inline constexpr bool is_plain_kv_cache<KVCache<T>> = true;
+
+template <class M>
+concept CanTruncate = requires(M& m, const M& cm, Index n) {
+    { cm.can_truncate(n) } -> std::convertible_to<bool>;
+    m.truncate(n);
+};
 
 }  // namespace detail
 
@@ -96,8 +111,11 @@ public:
                                 head.query_dim(), ", expected layout.head_dim ", layout_.head_dim);
                 detail::require(head.output_dim() == layout_.values(), "MultiHead", name.c_str(), "has output_dim ",
                                 head.output_dim(), ", expected the layout's value_dim ", layout_.values());
-                if (h == 0)
+                if (h == 0) {
                     key_width_ = head.key_dim();
+                    detail::checked_product("MultiHead", "layout.kv_heads", layout_.kv_heads, key_width_,
+                                            "the width of the packed keys, kv_heads x make(0).key_dim() =");
+                }
                 detail::require(head.key_dim() == key_width_, "MultiHead", name.c_str(), "has key_dim ",
                                 head.key_dim(), ", expected ", key_width_, " as make(0)");
             } else if constexpr (detail::KnowsDims<M>) {
@@ -112,7 +130,7 @@ public:
 
     /// Feeds one token: `key` is kv_heads·head_dim wide, `value` kv_heads·value_dim.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        detail::check_pairs("MultiHead::update", detail::shape(key), detail::shape(value), key_dim(), value_dim());
+        validate(key, value, {"MultiHead::update", "key", "value"});
         const Index d = key_width_, dv = layout_.values();
         all_or_nothing([&] {
             for (Index h = 0; h < layout_.kv_heads; ++h)
@@ -122,7 +140,7 @@ public:
 
     /// Feeds many tokens (packed rows), through each head's own extend where it has one.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
-        detail::check_pairs("MultiHead::extend", detail::shape(keys), detail::shape(values), key_dim(), value_dim());
+        validate(keys, values, {"MultiHead::extend"});
         if (keys.rows() == 0)  // no column block of an empty (possibly null) view
             return;
         const Index d = key_width_, dv = layout_.values();
@@ -139,9 +157,10 @@ public:
         constexpr const char* function = "MultiHead::prefill";
         detail::check_pairs(function, detail::shape(keys), detail::shape(values), key_dim(), value_dim());
         detail::check_prefill(function, queries, keys, values, out, query_dim(), output_dim());
+        validate(keys, values, {function});
         if (keys.rows() == 0)  // no column block of an empty (possibly null) view
             return;
-        if constexpr (detail::is_kv_cache<M>) {
+        if constexpr (detail::is_plain_kv_cache<M>) {
             prefill_caches(queries, keys, values, out);
         } else if constexpr (detail::HasGroupPrefill<M> || detail::HasBulkPrefill<M>) {
             const Index d = layout_.head_dim, dv = layout_.values(), g = layout_.group_size();
@@ -150,24 +169,73 @@ public:
                 return;
             }
             // One KV head per work item; its group's queries are g·d adjacent columns.
-            detail::parallel_ranges(
-                layout_.kv_heads, [](Index) { return 1.0; },
-                [&](Index first, Index last) {
-                    for (Index h = first; h < last; ++h) {
-                        M& head = heads_[static_cast<std::size_t>(h)];
-                        const auto q = queries.middleCols(h * g * d, g * d);
-                        const auto k = keys.middleCols(h * key_width_, key_width_);
-                        const auto v = values.middleCols(h * dv, dv);
-                        auto o = out.middleCols(h * g * dv, g * dv);
-                        if constexpr (detail::HasGroupPrefill<M>)
-                            head.prefill_group(q, k, v, o);
-                        else
-                            head.prefill(q, k, v, o);
-                    }
-                });
+            all_or_nothing([&] {
+                detail::parallel_ranges(
+                    layout_.kv_heads, [](Index) { return 1.0; },
+                    [&](Index first, Index last) {
+                        for (Index h = first; h < last; ++h) {
+                            M& head = heads_[static_cast<std::size_t>(h)];
+                            const auto q = queries.middleCols(h * g * d, g * d);
+                            const auto k = keys.middleCols(h * key_width_, key_width_);
+                            const auto v = values.middleCols(h * dv, dv);
+                            auto o = out.middleCols(h * g * dv, g * dv);
+                            if constexpr (detail::HasGroupPrefill<M>)
+                                head.prefill_group(q, k, v, o);
+                            else
+                                head.prefill(q, k, v, o);
+                        }
+                    });
+            });
         } else {
             detail::decode_rows(*this, queries, keys, values, out);
         }
+    }
+
+    /// Throws what update/extend/prefill would throw for these packed rows, changing
+    /// nothing: their shapes, then every KV head's part through the head's own validate
+    /// (memattn::detail::ValidatesPairs), so a value one head refuses is found before any
+    /// head takes the token. The message names the function, the KV head and the column
+    /// of the packed row, e.g. "memattn::MultiHead::update: argument 'key' has the finite
+    /// value 1e+05 in row 0, column 67 (column 3 of KV head 1), which float16 storage ...".
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                  const detail::PairSite& site = {"MultiHead::validate"}) const {
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), value_dim(), length());
+        if constexpr (detail::ValidatesPairs<M>) {
+            if (keys.rows() == 0)  // no column block of an empty (possibly null) view
+                return;
+            const Index d = key_width_, dv = layout_.values();
+            for (Index h = 0; h < layout_.kv_heads; ++h)
+                heads_[static_cast<std::size_t>(h)].validate(
+                    keys.middleCols(h * d, d), values.middleCols(h * dv, dv),
+                    {site.function, site.key_name, site.value_name, h, site.key_column + h * d,
+                     site.value_column + h * dv});
+        }
+    }
+
+    /// Every head's truncate(tokens) (KVCache, SlidingWindowCache), all or nothing: throws
+    /// std::invalid_argument naming the first head that cannot, every head unchanged.
+    void truncate(Index tokens)
+        requires detail::CanTruncate<M>
+    {
+        for (Index h = 0; h < layout_.kv_heads; ++h) {
+            const M& head = heads_[static_cast<std::size_t>(h)];
+            if (head.can_truncate(tokens))
+                continue;
+            try {
+                heads_[static_cast<std::size_t>(h)].truncate(tokens);  // throws, unchanged, with the reason
+            } catch (const std::invalid_argument& e) {
+                throw std::invalid_argument("memattn::MultiHead::truncate: KV head " + std::to_string(h) +
+                                            " cannot: " + e.what());
+            }
+        }
+        for (M& head : heads_)
+            head.truncate(tokens);
+    }
+    /// Whether truncate(tokens) would succeed on every head.
+    [[nodiscard]] bool can_truncate(Index tokens) const noexcept
+        requires detail::CanTruncate<M>
+    {
+        return std::all_of(heads_.begin(), heads_.end(), [tokens](const M& head) { return head.can_truncate(tokens); });
     }
 
     /// Every query head's output for the packed query row (see the top of the file).
@@ -251,9 +319,11 @@ private:
     using GroupMap = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
     using GroupOut = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
 
-    /// Runs `feed` on every head; for KV caches (which allocate as they grow) a throw takes
-    /// every head back to its length before the call. The fixed-size memories allocate
-    /// nothing once built, and their shape checks were made here before any head moved.
+    /// Runs `feed` on every head, after validate() has checked every head's part; for KV
+    /// caches (which allocate as they grow) a throw (std::bad_alloc) takes every head back
+    /// to its length before the call. The fixed-size memories allocate nothing once built.
+    /// A user's memory that can refuse a pair is all-or-nothing in a layer when it models
+    /// detail::ValidatesPairs (a const validate(K, V, site)).
     template <class Feed>
     void all_or_nothing(Feed&& feed) {
         if constexpr (detail::is_kv_cache<M>) {

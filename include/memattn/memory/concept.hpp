@@ -20,6 +20,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <string_view>
 #include <utility>
 
 namespace memattn {
@@ -80,6 +81,25 @@ concept HasGroupAttend = requires(const M& m, ConstMatrixRef<typename M::Scalar>
     m.attend_group(Q, O);
 };
 
+/// A memory that can say, before anything changes, whether it would take these pairs:
+/// `validate(K, V, site)` throws what update/extend would throw (a value its storage
+/// cannot hold, a gate out of range, no room left) and changes nothing. memattn's memories
+/// and MultiHead have it; decode, extend and prefill call it first, so a bad row late in
+/// a sequence leaves the memory as it was, and a layer checks every head before any moves.
+template <class M>
+concept ValidatesPairs = requires(const M& m, ConstMatrixRef<typename M::Scalar> K,
+                                  ConstMatrixRef<typename M::Scalar> V, const PairSite& site) {
+    m.validate(K, V, site);
+};
+
+/// The memory's own check of the values of K/V, where it has one (ValidatesPairs).
+template <class M, class T = typename M::Scalar>
+void validate_pairs([[maybe_unused]] std::string_view function, [[maybe_unused]] const M& mem,
+                    [[maybe_unused]] const ConstMatrixRef<T>& k, [[maybe_unused]] const ConstMatrixRef<T>& v) {
+    if constexpr (ValidatesPairs<M>)
+        mem.validate(k, v, PairSite{function, "K", "V"});
+}
+
 /// Checks K/V (and Q/O when given) against each other and, where the memory tells its
 /// dims, against the memory, before any token is fed: a bad call changes nothing.
 template <class M>
@@ -121,6 +141,7 @@ void check_sequences(const char* function, const M& mem, const ConstMatrixRef<T>
     require_disjoint(function, "O", o, "Q", q);
     require_disjoint(function, "O", o, "K", k);
     require_disjoint(function, "O", o, "V", v);
+    validate_pairs(function, mem, k, v);
 }
 
 /// decode's loop, after the checks.
@@ -157,6 +178,7 @@ void extend(M& mem, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>&
     static_assert(detail::same_scalar<M, DK, DV>, "memattn::extend: K and V must have the memory's Scalar type.");
     const ConstMatrixRef<T> k = detail::sequence(K), v = detail::sequence(V);
     detail::check_keys_values("extend", mem, detail::shape(k), detail::shape(v));
+    detail::validate_pairs("extend", mem, k, v);
     if constexpr (detail::HasBulkExtend<M>) {
         mem.extend(k, v);
     } else {

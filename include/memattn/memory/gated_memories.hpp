@@ -42,17 +42,17 @@ namespace detail {
 
 /// The extra columns of a key row hold valid gates (and β), or the call throws.
 template <class K>
-void check_extras(const char* function, const K& keys, Index d, Index beta_column, Index first_gate) {
+void check_extras(const PairSite& site, const K& keys, Index d, Index beta_column, Index first_gate) {
     for (Index i = 0; i < keys.rows(); ++i) {
         if (beta_column >= 0) {
             const auto beta = keys(i, beta_column);
-            require(beta >= 0 && beta <= 1, function, "key", "row ", i, " has beta ", beta, " in column ",
-                    beta_column, ", expected a value in [0, 1]");
+            require(beta >= 0 && beta <= 1, site.function, site.key_name, "row ", i, " has beta ", beta,
+                    " in column ", SiteColumn{site, beta_column}, ", expected a value in [0, 1]");
         }
         for (Index c = first_gate; c < keys.cols(); ++c)
-            require(std::isfinite(keys(i, c)) && keys(i, c) <= 0, function, "key", "row ", i, " has log-gate ",
-                    keys(i, c), " in column ", c, ", expected a finite value <= 0 (the first ", d,
-                    " columns are the key)");
+            require(std::isfinite(keys(i, c)) && keys(i, c) <= 0, site.function, site.key_name, "row ", i,
+                    " has log-gate ", keys(i, c), " in column ", SiteColumn{site, c},
+                    ", expected a finite value <= 0 (the first ", d, " columns are the key)");
     }
 }
 
@@ -82,9 +82,7 @@ public:
 
     /// key = [k | log-gate(s)]: S ← diag(a) S + kᵀ v, z ← a ⊙ z + k.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        constexpr const char* function = "GatedLinearAttentionMemory::update";
-        detail::check_pairs(function, detail::shape(key), detail::shape(value), key_dim(), dv_);
-        detail::check_extras(function, key, d_, -1, d_);
+        validate(key, value, {"GatedLinearAttentionMemory::update", "key", "value"});
         if (gates_ == GateKind::scalar) {
             const T g = std::exp(key(d_));
             state_.mu *= g;
@@ -97,6 +95,15 @@ public:
         state_.mu.noalias() += key.head(d_).transpose() * value;
         state_.nu += key.head(d_);
         ++length_;
+    }
+
+    /// Throws what update would throw for these pairs (a log-gate that is not finite and
+    /// <= 0), changing nothing; std::length_error past memattn::max_length. `site` names
+    /// the caller (a layer's check of one head's part of its packed rows).
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                  const detail::PairSite& site = {"GatedLinearAttentionMemory::validate"}) const {
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), dv_, length_);
+        detail::check_extras(site, keys, d_, -1, d_);
     }
 
     /// out = q S / (q·z + eps), or q S; zero before any update.
@@ -113,7 +120,7 @@ public:
         constexpr const char* function = "GatedLinearAttentionMemory::prefill";
         detail::check_pairs(function, detail::shape(keys), detail::shape(values), key_dim(), dv_);
         detail::check_prefill(function, queries, keys, values, out, d_, dv_);
-        detail::check_extras(function, keys, d_, -1, d_);
+        validate(keys, values, {function});
         if (keys.rows() == 0)
             return;
         LinearState<T> state = state_;  // a throw (no memory) leaves the memory as it was
@@ -175,7 +182,7 @@ public:
         r.expect("chunk_size", options_.chunk_size);
         r.expect("eps", options_.eps);
         r.expect("normalize", options_.normalize);
-        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        const Index length = r.count("length", 0, max_length);
         r.expect_remaining(sizeof(T) * static_cast<std::size_t>(state_.mu.size() + state_.nu.size()), "S and z");
         r.matrix(state_.mu, "S");
         r.matrix(state_.nu, "z");
@@ -215,9 +222,7 @@ public:
 
     /// key = [k | β (| log g)]: S ← g S, then S ← S + β kᵀ (v − k S).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        constexpr const char* function = "DeltaRuleMemory::update";
-        detail::check_pairs(function, detail::shape(key), detail::shape(value), key_dim(), dv_);
-        detail::check_extras(function, key, d_, d_, d_ + 1);
+        validate(key, value, {"DeltaRuleMemory::update", "key", "value"});
         k_ = key.head(d_);
         if (options_.normalize_keys && k_.norm() > T(0))
             k_ /= k_.norm();
@@ -227,6 +232,15 @@ public:
         u_ = key(d_) * (value - u_);
         S_.noalias() += k_.transpose() * u_;
         ++length_;
+    }
+
+    /// Throws what update would throw for these pairs (β outside [0, 1], a log-gate that
+    /// is not finite and <= 0), changing nothing; std::length_error past
+    /// memattn::max_length. `site` names the caller (a layer's check of one head's part).
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                  const detail::PairSite& site = {"DeltaRuleMemory::validate"}) const {
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), dv_, length_);
+        detail::check_extras(site, keys, d_, d_, d_ + 1);
     }
 
     /// out = q S; zero before any update.
@@ -240,7 +254,7 @@ public:
         constexpr const char* function = "DeltaRuleMemory::prefill";
         detail::check_pairs(function, detail::shape(keys), detail::shape(values), key_dim(), dv_);
         detail::check_prefill(function, queries, keys, values, out, d_, dv_);
-        detail::check_extras(function, keys, d_, d_, d_ + 1);
+        validate(keys, values, {function});
         if (keys.rows() == 0)
             return;
         LinearState<T> state{S_, {}};  // a throw (no memory) leaves the memory as it was
@@ -298,7 +312,7 @@ public:
         r.expect("gated", gated_);
         r.expect("chunk_size", options_.chunk_size);
         r.expect("normalize_keys", options_.normalize_keys);
-        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        const Index length = r.count("length", 0, max_length);
         r.expect_remaining(sizeof(T) * static_cast<std::size_t>(S_.size()), "S");
         r.matrix(S_, "S");
         length_ = length;

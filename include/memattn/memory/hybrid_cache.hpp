@@ -82,8 +82,7 @@ public:
 
     /// Stores one pair; the pair it pushes out of the window goes into a compressed slot.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        detail::check_pairs("HybridCache::update", detail::shape(key), detail::shape(value), key_dim_, value_dim_);
-        check_representable("HybridCache::update", "key", key, "value", value);
+        validate(key, value, {"HybridCache::update", "key", "value"});
         if (length_ >= window_)
             compress_held(length_ - window_);
         local_.put(length_, key, value);
@@ -93,8 +92,7 @@ public:
     /// Stores many pairs: compresses only evicted pairs whose slot survives, copies
     /// only the pairs that end in the window.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
-        detail::check_pairs("HybridCache::extend", detail::shape(keys), detail::shape(values), key_dim_, value_dim_);
-        check_representable("HybridCache::extend", "keys", keys, "values", values);
+        validate(keys, values, {"HybridCache::extend"});
         const Index end = length_ + keys.rows();
         const Index evicted_before = evicted(length_), evicted_after = evicted(end);
         if (slots_ > 0) {
@@ -111,6 +109,17 @@ public:
         local_.put_rows(first, keys.middleRows(first - length_, end - first),
                         values.middleRows(first - length_, end - first));
         length_ = end;
+    }
+
+    /// Throws what update/extend would throw for these pairs, changing nothing:
+    /// std::invalid_argument for a shape, or for a finite value S would store as ±∞ or
+    /// NaN; std::length_error past memattn::max_length. `site` names the caller (a layer's
+    /// check of one head's part of its packed rows, see KVCache::validate).
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                  const detail::PairSite& site = {"HybridCache::validate"}) const {
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim_, value_dim_, length_);
+        detail::check_storable<T, S>(site, keys, false);
+        detail::check_storable<T, S>(site, values, true);
     }
 
     /// out = Σ_j softmax_j(scale · q·k_j) v_j over the kept compressed slots and the
@@ -221,7 +230,7 @@ public:
             for (const double weight : compressor_.weights())
                 r.expect("a compressor weight", weight);
         }
-        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        const Index length = r.count("length", 0, max_length);
         const Index e = evicted(length), s = slot_count(e);
         r.expect_remaining(local_.bytes(length - e) + compressed_.bytes(s - first_slot(s)), "the held pairs");
         local_.read_items(r, e, length);
@@ -243,14 +252,6 @@ private:
     /// Evicted token e joins slot e / rate at position e % rate; position 0 opens the
     /// slot in the ring row of slot e / rate − slots, which is thereby dropped.
     static constexpr bool compact = detail::StoredRows<T, S>::compact;
-
-    /// Refuses, before anything changes, a finite value S cannot hold (float16 past ±65504).
-    template <class K, class V>
-    static void check_representable(const char* function, const char* key_name, const K& keys,
-                                    const char* value_name, const V& values) {
-        detail::StoredRows<T, S>::check_representable(function, key_name, keys);
-        detail::StoredRows<T, S>::check_representable(function, value_name, values);
-    }
 
     /// Compresses window item e (about to be overwritten), as the window holds it.
     void compress_held(Index e) {

@@ -41,18 +41,26 @@ public:
     /// O(n) amortised copies; a throwing update leaves the cache unchanged. The pair may
     /// be a view of the cache's own pairs (`update(keys().row(0), values().row(0))`).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        check_pair("KVCache::update", key.cols(), value.cols());
-        check_representable("KVCache::update", "key", key, "value", value);
+        validate(key, value, {"KVCache::update", "key", "value"});
         append(key, value);
     }
 
     /// Appends many pairs with one copy per matrix; they may be views of the cache's own.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
-        detail::require(keys.rows() == values.rows(), "KVCache::extend", "values", "has shape ",
-                        detail::shape(values), ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
-        check_pair("KVCache::extend", keys.cols(), values.cols());
-        check_representable("KVCache::extend", "keys", keys, "values", values);
+        validate(keys, values, {"KVCache::extend"});
         append(keys, values);
+    }
+
+    /// Throws what update/extend would throw for these pairs, changing nothing:
+    /// std::invalid_argument for a shape, or for a finite value S would store as ±∞ or
+    /// NaN (detail::check_storable); std::length_error past memattn::max_length. A layer
+    /// (memattn::MultiHead) checks every head's part of a packed row before any head takes
+    /// it; `site` names the caller and where the head's columns begin in its rows.
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                  const detail::PairSite& site = {"KVCache::validate"}) const {
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim_, value_dim_, length_);
+        detail::check_storable<T, S>(site, keys, false);
+        detail::check_storable<T, S>(site, values, true);
     }
 
     /// Appends the pairs K/V and attends with each row of Q as the token of the same row
@@ -63,11 +71,8 @@ public:
     /// bad shapes.
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         constexpr const char* function = "KVCache::prefill";
-        detail::require(keys.rows() == values.rows(), function, "values", "has shape ", detail::shape(values),
-                        ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
-        check_pair(function, keys.cols(), values.cols());
+        validate(keys, values, {function});
         detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
-        check_representable(function, "keys", keys, "values", values);
         const Index n = keys.rows(), length = length_ + n;
         const SoftmaxOptions options{.scale = static_cast<double>(scale_)};
         if constexpr (Rows::compact) {
@@ -145,10 +150,12 @@ public:
     /// Forgets the newest pairs, keeping the first `tokens` (at most length()): takes the
     /// cache back to an earlier length, e.g. to undo a speculative step. Keeps the allocation.
     void truncate(Index tokens) {
-        detail::require(tokens >= 0 && tokens <= length_, "KVCache::truncate", "tokens", "is ", tokens,
+        detail::require(can_truncate(tokens), "KVCache::truncate", "tokens", "is ", tokens,
                         ", expected 0 .. length() = ", length_);
         length_ = tokens;
     }
+    /// Whether truncate(tokens) would succeed: 0 ≤ tokens ≤ length().
+    [[nodiscard]] bool can_truncate(Index tokens) const noexcept { return tokens >= 0 && tokens <= length_; }
     /// Allocates room for `tokens` pairs in all, so later updates up to that length do not allocate.
     void reserve(Index tokens) { reserve_exact(std::max(tokens, length_)); }
 
@@ -208,25 +215,11 @@ public:
     }
 
 private:
-    void check_pair(const char* function, Index key_cols, Index value_cols) const {
-        detail::require(key_cols == key_dim_, function, "key", "has ", key_cols, " columns, expected ", key_dim_);
-        detail::require(value_cols == value_dim_, function, "value", "has ", value_cols, " columns, expected ",
-                        value_dim_);
-    }
-
     using Rows = detail::StoredRows<T, S>;
 
     struct Storage {
         Rows keys, values;
     };
-
-    /// Refuses, before anything changes, a finite value S cannot hold (float16 past ±65504).
-    template <class K, class V>
-    static void check_representable(const char* function, const char* key_name, const K& keys,
-                                    const char* value_name, const V& values) {
-        Rows::check_representable(function, key_name, keys);
-        Rows::check_representable(function, value_name, values);
-    }
 
     /// New storage, with room to grow, holding the current pairs and then `keys`/`values`:
     /// capacity max(2 × capacity, needed + needed / 2, 16), so a bulk append (a prefill)

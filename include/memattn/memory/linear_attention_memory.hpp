@@ -102,7 +102,7 @@ public:
     /// key or value of the wrong size. The key and value may be views of the state itself
     /// (e.g. a row of state().mu): they are read before the state changes.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        check_pair("LinearAttentionMemory::update", key.cols(), value.cols());
+        validate(key, value, {"LinearAttentionMemory::update", "key", "value"});
         Eigen::Map<const Matrix<T>> k(key.data(), 1, key_dim_);
         auto kf = key_features_.topRows(1);
         phi_(ConstMatrixRef<T>(k), MatrixRef<T>(kf));  // only the scratch row changes before here
@@ -137,10 +137,7 @@ public:
     /// GEMM μ ← γⁿ μ + φ(K)ᵀ diag(γ^{n−1−j}) V. Keys and values that are views of the
     /// state itself are copied first (the one case where extend allocates).
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
-        detail::require(keys.rows() == values.rows(), "LinearAttentionMemory::extend", "values", "has shape ",
-                        detail::shape(values), ", expected ", keys.rows(), " rows as keys (", detail::shape(keys),
-                        ")");
-        check_pair("LinearAttentionMemory::extend", keys.cols(), values.cols());
+        validate(keys, values, {"LinearAttentionMemory::extend"});
         if (views_state(keys) || views_state(values)) {  // each block's fold changes what later blocks read
             const Matrix<T> own_keys = keys, own_values = values;
             return extend(own_keys, own_values);
@@ -161,9 +158,7 @@ public:
     /// reads the state once, at the start, and writes it back at the end).
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         constexpr const char* function = "LinearAttentionMemory::prefill";
-        check_pair(function, keys.cols(), values.cols());
-        detail::require(keys.rows() == values.rows(), function, "values", "has shape ", detail::shape(values),
-                        ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
+        validate(keys, values, {function});
         detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
         chunked_linear_attention(queries, keys, values, out, phi_, options_, &state_);
         length_ += keys.rows();
@@ -176,15 +171,20 @@ public:
     void prefill_group(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
                        MatrixRef<T> out) {
         constexpr const char* function = "LinearAttentionMemory::prefill_group";
-        check_pair(function, keys.cols(), values.cols());
-        detail::require(keys.rows() == values.rows(), function, "values", "has shape ", detail::shape(values),
-                        ", expected ", keys.rows(), " rows as keys (", detail::shape(keys), ")");
+        validate(keys, values, {function});
         const Index members = queries.cols() / key_dim_;
         detail::require(members >= 1 && queries.cols() == members * key_dim_, function, "queries", "has shape ",
                         detail::shape(queries), ", expected a multiple of key_dim = ", key_dim_, " columns");
         detail::check_prefill(function, queries, keys, values, out, members * key_dim_, members * value_dim_);
         detail::chunked_form<T>(queries, keys, values, out, phi_, options_, feature_dim_, state_);
         length_ += keys.rows();
+    }
+
+    /// Throws what update/extend would throw for these pairs, changing nothing:
+    /// std::invalid_argument for a shape, std::length_error past memattn::max_length.
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                  const detail::PairSite& site = {"LinearAttentionMemory::validate"}) const {
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim_, value_dim_, length_);
     }
 
     /// Tokens seen since reset (or the length given to set_state).
@@ -219,7 +219,8 @@ public:
                         ", expected ", feature_dim_, 'x', value_dim_);
         detail::require(state.nu.cols() == feature_dim_, "LinearAttentionMemory::set_state", "state.nu", "has shape ",
                         detail::shape(state.nu), ", expected 1x", feature_dim_);
-        detail::require(length >= 0, "LinearAttentionMemory::set_state", "length", "is ", length, ", expected >= 0");
+        detail::require(length >= 0 && length <= max_length, "LinearAttentionMemory::set_state", "length", "is ",
+                        length, ", expected 0 .. memattn::max_length = 2^62");
         state_.mu = state.mu;
         state_.nu = state.nu;
         length_ = length;
@@ -282,7 +283,7 @@ public:
         r.expect("eps", options_.eps);
         r.expect("decay", options_.decay);
         r.expect("normalize", options_.normalize);
-        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        const Index length = r.count("length", 0, max_length);
         r.expect_remaining(sizeof(T) * static_cast<std::size_t>(state_.mu.size() + state_.nu.size()), "mu and nu");
         r.matrix(state_.mu, "mu");
         r.matrix(state_.nu, "nu");
@@ -328,12 +329,6 @@ private:
         out.noalias() = qf * state_.mu;  // q'μ
         if (options_.normalize)
             out *= T(1) / (qf.row(0).dot(state_.nu) + static_cast<T>(options_.eps));  // / (q'·ν + eps)
-    }
-
-    void check_pair(const char* function, Index key_cols, Index value_cols) const {
-        detail::require(key_cols == key_dim_, function, "key", "has ", key_cols, " columns, expected ", key_dim_);
-        detail::require(value_cols == value_dim_, function, "value", "has ", value_cols, " columns, expected ",
-                        value_dim_);
     }
 
     static Index checked_dim(Index dim, const char* argument) {

@@ -49,13 +49,13 @@ public:
 
     /// Folds one pair into the summary.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        check_pair("MovingAverageCache::update", detail::shape(key), detail::shape(value));
+        validate(key, value, {"MovingAverageCache::update", "key", "value"});
         fold(key, value);
     }
 
     /// Folds many pairs; a windowed mean copies only the last `window` of them.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
-        check_pair("MovingAverageCache::extend", detail::shape(keys), detail::shape(values));
+        validate(keys, values, {"MovingAverageCache::extend"});
         const Index n = keys.rows();
         if (window_ > 0 && n >= window_) {
             ring_.put_rows(length_ + n - window_, keys.bottomRows(window_), values.bottomRows(window_));
@@ -65,6 +65,13 @@ public:
         }
         for (Index i = 0; i < n; ++i)
             fold(keys.row(i), values.row(i));
+    }
+
+    /// Throws what update/extend would throw for these pairs, changing nothing:
+    /// std::invalid_argument for a shape, std::length_error past memattn::max_length.
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                  const detail::PairSite& site = {"MovingAverageCache::validate"}) const {
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim_, value_dim_, length_);
     }
 
     /// out = the summary value (softmax over the one summary slot); zero when empty.
@@ -147,7 +154,7 @@ public:
         r.expect("value_dim", value_dim_);
         r.expect("window", window_);
         r.expect("alpha", alpha_);
-        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        const Index length = r.count("length", 0, max_length);
         const Index since_resum = r.count("steps since the re-sum", 0, window_ > 0 ? window_ - 1 : 0);
         const Index held = window_ > 0 ? std::min(length, window_) : 0;
         const std::size_t vectors =
@@ -240,10 +247,6 @@ private:
         if (alpha_ > T(0))
             return state;
         return state / static_cast<T>(averaged());
-    }
-
-    void check_pair(const char* function, detail::Shape key, detail::Shape value) const {
-        detail::check_pairs(function, key, value, key_dim_, value_dim_);
     }
 
     static Index checked_dim(Index dim, const char* argument) {

@@ -50,8 +50,7 @@ public:
 
     /// Stores one pair; the pair `window` positions back (if not a sink) is forgotten.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        check_pair("SlidingWindowCache::update", detail::shape(key), detail::shape(value));
-        check_representable("SlidingWindowCache::update", "key", key, "value", value);
+        validate(key, value, {"SlidingWindowCache::update", "key", "value"});
         if (length_ < sinks_)
             sink_pairs_.put(length_, key, value);
         else
@@ -61,9 +60,19 @@ public:
 
     /// Stores many pairs; only the ones still visible afterwards are copied.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
-        check_pair("SlidingWindowCache::extend", detail::shape(keys), detail::shape(values));
-        check_representable("SlidingWindowCache::extend", "keys", keys, "values", values);
+        validate(keys, values, {"SlidingWindowCache::extend"});
         store(keys, values);
+    }
+
+    /// Throws what update/extend would throw for these pairs, changing nothing:
+    /// std::invalid_argument for a shape, or for a finite value S would store as ±∞ or
+    /// NaN; std::length_error past memattn::max_length. `site` names the caller (a layer's
+    /// check of one head's part of its packed rows, see KVCache::validate).
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                  const detail::PairSite& site = {"SlidingWindowCache::validate"}) const {
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim_, value_dim_, length_);
+        detail::check_storable<T, S>(site, keys, false);
+        detail::check_storable<T, S>(site, values, true);
     }
 
     /// Outputs for the queries at positions length() .. length() + n − 1, equal to
@@ -74,9 +83,8 @@ public:
     /// pairs its queries see, read from the cache and the prompt.
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         const char* function = "SlidingWindowCache::prefill";
-        check_pair(function, detail::shape(keys), detail::shape(values));
+        validate(keys, values, {function});
         detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
-        check_representable(function, "keys", keys, "values", values);
         prefill_members(queries, keys, values, out, 1);
         store(keys, values);
     }
@@ -88,12 +96,11 @@ public:
     void prefill_group(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
                        MatrixRef<T> out) {
         const char* function = "SlidingWindowCache::prefill_group";
-        check_pair(function, detail::shape(keys), detail::shape(values));
+        validate(keys, values, {function});
         const Index members = queries.cols() / key_dim_;
         detail::require(members >= 1 && queries.cols() == members * key_dim_, function, "queries", "has shape ",
                         detail::shape(queries), ", expected a multiple of key_dim = ", key_dim_, " columns");
         detail::check_prefill(function, queries, keys, values, out, members * key_dim_, members * value_dim_);
-        check_representable(function, "keys", keys, "values", values);
         prefill_members(queries, keys, values, out, members);
         store(keys, values);
     }
@@ -147,6 +154,10 @@ public:
     /// std::invalid_argument, unchanged, otherwise.
     void truncate(Index tokens) {
         constexpr const char* function = "SlidingWindowCache::truncate";
+        if (can_truncate(tokens)) [[likely]] {
+            length_ = tokens;
+            return;
+        }
         detail::require(tokens >= 0 && tokens <= length_, function, "tokens", "is ", tokens,
                         ", expected 0 .. length() = ", length_);
         // The oldest window item the shorter cache would hold must not have been overwritten.
@@ -154,7 +165,10 @@ public:
                         window_, " has overwritten the pairs before token ", first_window_item() + sinks_,
                         " (length() = ", length_, ", sinks = ", sinks_,
                         "): a cache truncated to ", tokens, " tokens would need them");
-        length_ = tokens;
+    }
+    /// Whether truncate(tokens) would succeed (see truncate).
+    [[nodiscard]] bool can_truncate(Index tokens) const noexcept {
+        return tokens >= 0 && tokens <= length_ && first_window_item(tokens) >= first_window_item();
     }
 
     /// The key width d.
@@ -191,7 +205,7 @@ public:
         r.expect("window", window_);
         r.expect("sinks", sinks_);
         r.expect("scale", scale_);
-        const Index length = r.count("length", 0, std::numeric_limits<Index>::max());
+        const Index length = r.count("length", 0, max_length);
         const Index sinks = held_sinks(length), first = first_window_item(length), last = window_items(length);
         r.expect_remaining(sink_pairs_.bytes(sinks + last - first), "the held pairs");
         sink_pairs_.read_items(r, 0, sinks);
@@ -303,18 +317,6 @@ private:
                                                 out.block(a, m * value_dim_, b - a, value_dim_), [](Index, T) {},
                                                 kernel_options());
         }
-    }
-
-    void check_pair(const char* function, detail::Shape key, detail::Shape value) const {
-        detail::check_pairs(function, key, value, key_dim_, value_dim_);
-    }
-
-    /// Refuses, before anything changes, a finite value S cannot hold (float16 past ±65504).
-    template <class K, class V>
-    static void check_representable(const char* function, const char* key_name, const K& keys,
-                                    const char* value_name, const V& values) {
-        detail::StoredRows<T, S>::check_representable(function, key_name, keys);
-        detail::StoredRows<T, S>::check_representable(function, value_name, values);
     }
 
     static Index checked(Index value, Index least, const char* argument) {

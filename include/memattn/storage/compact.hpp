@@ -81,8 +81,52 @@ constexpr snapshot::TypeCode storage_code() {
 /// Q8 blocks in a row of `cols` values.
 constexpr Index q8_blocks(Index cols) { return (cols + Q8::block - 1) / Q8::block; }
 
-/// The largest finite Eigen::half.
-inline constexpr float half_max = 65504.0f;
+/// The smallest magnitude of float that storage S rounds to ±∞ (to nearest, ties to
+/// even, as Eigen's scalar and vector conversions do): the midpoint between S's largest
+/// finite value and the next power of two. Q8 stores a block as float scales, so only
+/// a value past float's own range is lost; for T = S = float nothing is.
+template <class S>
+inline constexpr float storage_overflow = std::numeric_limits<float>::infinity();
+template <>
+inline constexpr float storage_overflow<Eigen::half> = 65520.0f;  // 65504 + half an ulp (16)
+template <>
+inline constexpr float storage_overflow<Eigen::bfloat16> = std::bit_cast<float>(std::uint32_t{0x7F7F8000});
+
+/// The one policy of every storage type: a finite value that S would store as ±∞ or NaN
+/// is refused with std::invalid_argument naming the function, the argument, the value
+/// and its place; ±∞ and NaN themselves are stored as they are (and poison as in T).
+/// A value is converted as put_rows converts it (double → float → S), so a double past
+/// float's range is refused for every compact type, and a value that merely rounds to
+/// S's largest finite one (float16: below 65520) is kept. Costs one compare per value.
+template <class T, class S, class D>
+void check_storable([[maybe_unused]] const PairSite& site, [[maybe_unused]] const D& rows,
+                    [[maybe_unused]] bool values) {
+    if constexpr (!std::is_same_v<S, T> && !(std::is_same_v<S, Q8> && std::is_same_v<T, float>)) {
+        const std::string_view argument = values ? site.value_name : site.key_name;
+        const float limit = storage_overflow<S>;
+        bool lost = false;
+        for (Index r = 0; r < rows.rows(); ++r)
+            for (Index c = 0; c < rows.cols(); ++c) {
+                const T x = rows(r, c);
+                lost |= std::isfinite(x) && !(std::abs(static_cast<float>(x)) < limit);
+            }
+        if (!lost) [[likely]]
+            return;
+        for (Index r = 0; r < rows.rows(); ++r)
+            for (Index c = 0; c < rows.cols(); ++c) {
+                const T x = rows(r, c);
+                const bool kept = !(std::isfinite(x) && !(std::abs(static_cast<float>(x)) < limit));
+                if constexpr (std::is_same_v<S, Q8>)
+                    require(kept, site.function, argument, "has the finite value ", x, " in row ", r, ", column ",
+                            SiteColumn{site, c, values}, ", past float's range (Q8 scales are float: its block ",
+                            "would be stored as NaN)");
+                else
+                    require(kept, site.function, argument, "has the finite value ", x, " in row ", r, ", column ",
+                            SiteColumn{site, c, values}, ", which ", storage_name<S>, " storage would hold as ",
+                            "infinity (finite magnitudes below ", limit, " are kept, rounded)");
+            }
+    }
+}
 
 /// Conversion in registers: one packet of float (Eigen's Packet<float>: 8 lanes with
 /// AVX2, 16 with AVX-512) from as many stored values, where the instruction set has the
@@ -253,10 +297,6 @@ public:
     [[nodiscard]] Index cols() const noexcept { return m_.cols(); }
     void swap(StoredRows& other) noexcept { m_.swap(other.m_); }
 
-    /// Throws, naming `function` and `argument`, where S cannot hold a value of `rows` (never for T).
-    template <class D>
-    static void check_representable(const char*, const char*, const D&) {}
-
     template <class D>
     void put_rows(Index first, const D& rows) {
         m_.middleRows(first, rows.rows()) = rows;
@@ -292,20 +332,6 @@ public:
     [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return m_.cols(); }
     void swap(StoredRows& other) noexcept { m_.swap(other.m_); }
-
-    template <class D>
-    static void check_representable(const char* function, const char* argument, const D& rows) {
-        if constexpr (std::is_same_v<S, Eigen::half>) {
-            // ±∞ and NaN are kept (and poison as in T); a finite value beyond ±65504 is refused.
-            for (Index r = 0; r < rows.rows(); ++r)
-                for (Index c = 0; c < rows.cols(); ++c) {
-                    const double x = static_cast<double>(rows(r, c));
-                    require(!(std::isfinite(x) && std::abs(x) > double(half_max)), function, argument,
-                            "has the value ", x, " at (", r, ", ", c,
-                            "), beyond float16's range ±65504 (it would be stored as infinity)");
-                }
-        }
-    }
 
     template <class D>
     void put_rows(Index first, const D& rows) {
@@ -386,9 +412,6 @@ public:
     }
 
     template <class D>
-    static void check_representable(const char*, const char*, const D&) {}
-
-    template <class D>
     void put_rows(Index first, const D& rows) {
         for (Index r = 0; r < rows.rows(); ++r)
             for (Index b = 0; b < scales_.cols(); ++b) {
@@ -400,11 +423,19 @@ public:
                     finite = finite && std::isfinite(x);
                     amax = std::max(amax, std::abs(x));
                 }
-                const float s = !finite ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
-                const float inverse = finite && amax > 0 ? 127.0f / amax : 0.0f;
+                float s = !finite ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+                if (finite && !std::isfinite(127.0f * s))  // amax near FLT_MAX: s rounded up past it
+                    s = std::nextafter(s, 0.0f);
                 scales_(first + r, b) = s;
+                // 127 / amax overflows float for amax below 127 / FLT_MAX (~3.7e-37): such
+                // a block is scaled in double, where it cannot, and rounds as float's would.
+                const float inverse = finite && amax > 0 ? 127.0f / amax : 0.0f;
+                const bool tiny = !std::isfinite(inverse);
+                const double tiny_inverse = tiny ? 127.0 / static_cast<double>(amax) : 0.0;
                 for (Index c = c0; c < c0 + n; ++c) {
-                    const float scaled = static_cast<float>(rows(r, c)) * inverse;  // |scaled| ≤ 127
+                    const float x = static_cast<float>(rows(r, c));
+                    const float scaled = tiny ? static_cast<float>(static_cast<double>(x) * tiny_inverse)
+                                              : x * inverse;  // |scaled| ≤ 127
                     q_(first + r, c) = static_cast<std::int8_t>(finite ? std::nearbyint(scaled) : 0.0f);
                 }
             }
