@@ -6,17 +6,23 @@
 // own checks instead of stopping at the checksum. Then:
 //   - load throws SnapshotError: the target's own snapshot is byte for byte what it was;
 //   - load returns: saving the target gives exactly the bytes load consumed (the format
-//     is canonical), and the loaded memory decodes a token.
+//     is canonical), and the loaded memory decodes a token;
+//   - loading the same bytes from a buffer (load(memory, span)) has the same outcome, and
+//     returns the size the stream load consumed, which is snapshot_size of the result.
 // Seeds (fuzz/corpus/snapshot) are valid snapshots of every target, written by this file
 // built with -DMEMATTN_SNAPSHOT_FUZZ_WRITE_SEEDS as an ordinary program and run with the
 // directory as its argument.
 #include <memattn/memattn.hpp>
 #include <memattn/persistence/snapshot.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <span>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -72,22 +78,46 @@ void with_target(unsigned which, F&& f) {
     }
 }
 
+/// The same bytes loaded from a buffer (exactly their size): SIZE_MAX when load threw,
+/// else the size it returned. The memory is unchanged when it threw.
+template <class M>
+std::size_t span_load(M target, const std::string& stream, const std::string& before) {
+    std::vector<std::byte> buffer(stream.size());
+    if (!stream.empty())  // an empty vector's data() may be null
+        std::memcpy(buffer.data(), stream.data(), stream.size());
+    try {
+        const std::size_t consumed = load(target, std::span<const std::byte>(buffer));
+        if (snapshot_size(target) != consumed || saved(target) != stream.substr(0, consumed))
+            std::abort();  // the size or the bytes differ from what was loaded
+        return consumed;
+    } catch (const SnapshotError&) {
+        if (saved(target) != before)
+            std::abort();  // a throwing load changed the memory
+        return SIZE_MAX;
+    }
+}
+
 template <class M>
 void fuzz_load(M target, std::string stream) {
     using T = typename M::Scalar;
     const std::string before = saved(target);
+    const std::size_t from_span = span_load(target, stream, before);
     std::istringstream in(stream, std::ios::binary);
     try {
         load(target, in);
     } catch (const SnapshotError&) {
         if (saved(target) != before)
             std::abort();  // a throwing load changed the memory
+        if (from_span != SIZE_MAX)
+            std::abort();  // the buffer loaded what the stream refused
         return;
     }
     const std::streamoff at = in.tellg();
     const std::size_t consumed = at < 0 ? stream.size() : static_cast<std::size_t>(at);
     if (saved(target) != stream.substr(0, consumed))
         std::abort();  // what loaded does not save back to the same bytes
+    if (from_span != consumed)
+        std::abort();  // the buffer and the stream disagree
     Index qd = target.key_dim(), od = target.value_dim();
     if constexpr (detail::KnowsQueryDims<M>) {
         qd = target.query_dim();

@@ -9,6 +9,13 @@
 //   std::ifstream in("chat.mem", std::ios::binary);
 //   memattn::load(resumed, in);   // continues bit for bit where `cache` was saved
 //
+// Or in a buffer of one's own (a server keeping many conversations' states), the same
+// bytes, sized first; load returns the bytes it read, where a next snapshot starts:
+//
+//   std::vector<std::byte> buffer(memattn::snapshot_size(cache));
+//   memattn::save(cache, buffer);                     // returns buffer.size()
+//   const std::size_t used = memattn::load(resumed, buffer);
+//
 // The format (docs/snapshot-format.md) is versioned, little-endian and checksummed
 // (CRC-32C over every byte). load is all or nothing: a stream that is truncated,
 // corrupted anywhere, of a newer format version, or of another kind, scalar, storage,
@@ -41,11 +48,16 @@
 #include <algorithm>
 #include <array>
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <istream>
+#include <limits>
 #include <ostream>
+#include <span>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace memattn {
@@ -96,85 +108,139 @@ constexpr TypeCode storage_code() {
 
 namespace detail {
 
-inline void read_exactly(std::istream& in, void* data, std::size_t size, const char* what, std::uint64_t offset) {
-    if (size == 0)
-        return;
-    in.read(static_cast<char*>(data), static_cast<std::streamsize>(size));
-    if (static_cast<std::size_t>(in.gcount()) != size)
-        throw SnapshotError("memattn::load: the stream ends " + std::to_string(offset + std::uint64_t(in.gcount())) +
-                            " bytes into the snapshot, inside " + what + " (truncated)");
+/// The bytes of a snapshot before its payload (magic, version, kind, type codes,
+/// reserved, payload size), for a kind name of `kind_bytes` bytes.
+constexpr std::uint64_t snapshot_header_bytes(std::uint64_t kind_bytes) noexcept {
+    return snapshot::magic.size() + 4 + 4 + kind_bytes + 1 + 1 + 2 + 8;
 }
 
-}  // namespace detail
+/// What writing a memory's snapshot takes, found by a counting pass of its
+/// write_snapshot (nothing is allocated for the bytes): its kind and the sizes.
+struct SnapshotPlan {
+    std::string kind;
+    std::uint64_t payload = 0;  // bytes of the payload
+    std::uint64_t total = 0;    // bytes of the whole snapshot: header, payload, checksum
+};
 
-/// Writes `memory` to `out` as one snapshot (docs/snapshot-format.md): the header, the
-/// memory's payload, the checksum. Open files in binary mode. Throws SnapshotError if the
-/// stream fails (what reached it is then an incomplete snapshot that load rejects).
+/// `function` is the caller's name without "memattn::", as for require.
 template <Snapshottable M>
-void save(const M& memory, std::ostream& out) {
+SnapshotPlan plan_snapshot(const M& memory, std::string_view function) {
     snapshot::Writer counter;
     memory.write_snapshot(counter);
-    const std::string kind = memory.snapshot_kind();
-    detail::require(kind.size() <= snapshot::max_kind_bytes, "memattn::save", "memory.snapshot_kind()", "has ",
-                    kind.size(), " bytes, expected at most ", snapshot::max_kind_bytes);
-    snapshot::Writer w(out);
+    SnapshotPlan plan{memory.snapshot_kind(), counter.size(), 0};
+    require(plan.kind.size() <= snapshot::max_kind_bytes, function, "memory.snapshot_kind()", "has ",
+            plan.kind.size(), " bytes, expected at most ", snapshot::max_kind_bytes);
+    plan.total = snapshot_header_bytes(plan.kind.size()) + plan.payload + 4;
+    return plan;
+}
+
+/// A snapshot's size as a std::size_t (it always is one where size_t has 64 bits);
+/// `function` is named without "memattn::", as for require.
+inline std::size_t snapshot_bytes(const SnapshotPlan& plan, std::string_view function) {
+    if constexpr (sizeof(std::size_t) < sizeof(std::uint64_t))
+        if (plan.total > std::numeric_limits<std::size_t>::max())
+            throw std::length_error("memattn::" + std::string(function) + ": the snapshot of " + plan.kind + " has " +
+                                    std::to_string(plan.total) + " bytes, more than a std::size_t counts");
+    return static_cast<std::size_t>(plan.total);
+}
+
+/// The one write path of the format, whatever the sink of `w` (a stream or a buffer):
+/// the header, the memory's payload, the checksum.
+template <Snapshottable M>
+void write_snapshot_to(const M& memory, const SnapshotPlan& plan, snapshot::Writer& w) {
     w.bytes(snapshot::magic.data(), snapshot::magic.size());
     w.number(snapshot::format_version);
-    w.text(kind);
+    w.text(plan.kind);
     w.number(static_cast<std::uint8_t>(snapshot::type_code<typename M::Scalar>()));
     w.number(static_cast<std::uint8_t>(snapshot::storage_code<M>()));
     w.number(std::uint16_t{0});
-    w.number(static_cast<std::uint64_t>(counter.size()));
+    w.number(plan.payload);
     const std::uint64_t before = w.size();
     memory.write_snapshot(w);
-    if (w.size() - before != counter.size())
-        throw SnapshotError("memattn::save: " + kind + " wrote " + std::to_string(w.size() - before) +
-                            " payload bytes after counting " + std::to_string(counter.size()));
+    if (w.size() - before != plan.payload)
+        throw SnapshotError("memattn::save: " + plan.kind + " wrote " + std::to_string(w.size() - before) +
+                            " payload bytes after counting " + std::to_string(plan.payload));
     w.number(w.crc());
 }
 
-/// Reads one snapshot from `in` into `memory`, which must be of the kind, scalar,
-/// storage, dimensions and options the snapshot was saved from; leaves `in` just after
-/// it. All or nothing: on any fault (see SnapshotError) `memory` is unchanged.
-template <Snapshottable M>
-void load(M& memory, std::istream& in) {
+/// Where load reads a snapshot from a stream: fill(end) makes the snapshot's bytes
+/// [0, end) available at data(), reading only as far as the snapshot goes, in growing
+/// pieces so that a corrupted size cannot make load allocate more than the stream holds
+/// (plus as much again).
+class StreamSource {
+public:
+    explicit StreamSource(std::istream& in) : in_(in) {}
+
+    void fill(std::uint64_t end, const char* what) {
+        while (bytes_.size() < end) {
+            const std::uint64_t got = bytes_.size();
+            const std::uint64_t piece = std::min<std::uint64_t>(end - got, std::max<std::uint64_t>(got, 1 << 20));
+            bytes_.resize(static_cast<std::size_t>(got + piece));
+            in_.read(reinterpret_cast<char*>(bytes_.data() + got), static_cast<std::streamsize>(piece));
+            if (static_cast<std::uint64_t>(in_.gcount()) != piece)
+                throw SnapshotError("memattn::load: the stream ends " +
+                                    std::to_string(got + static_cast<std::uint64_t>(in_.gcount())) +
+                                    " bytes into the snapshot, inside " + what + " (truncated)");
+        }
+    }
+    [[nodiscard]] const unsigned char* data() const noexcept { return bytes_.data(); }
+
+private:
+    std::istream& in_;
+    std::vector<unsigned char> bytes_;
+};
+
+/// Where load reads a snapshot from a caller's buffer: the bytes are there already, and
+/// fill(end) only checks that the buffer holds [0, end).
+class SpanSource {
+public:
+    explicit SpanSource(std::span<const std::byte> in)
+        : data_(reinterpret_cast<const unsigned char*>(in.data())), size_(in.size()) {}
+
+    void fill(std::uint64_t end, const char* what) const {
+        if (end > size_)
+            throw SnapshotError("memattn::load: the buffer ends " + std::to_string(size_) +
+                                " bytes into the snapshot, inside " + what + " (truncated)");
+    }
+    [[nodiscard]] const unsigned char* data() const noexcept { return data_; }
+
+private:
+    const unsigned char* data_;
+    std::size_t size_;
+};
+
+/// The one read path of the format, whatever the source: reads one snapshot into
+/// `memory` all or nothing and returns its size in bytes.
+template <Snapshottable M, class Source>
+std::uint64_t load_snapshot_from(M& memory, Source& source) {
     using namespace snapshot;
     // Header, up to the kind's length: magic, version, kind bytes.
-    std::vector<unsigned char> head(magic.size() + 8);
-    detail::read_exactly(in, head.data(), head.size(), "the header", 0);
-    if (!std::equal(magic.begin(), magic.end(), head.begin()))
+    constexpr std::uint64_t fixed = magic.size() + 8;
+    source.fill(fixed, "the header");
+    if (!std::equal(magic.begin(), magic.end(), source.data()))
         throw SnapshotError("memattn::load: not a memattn snapshot (the first 8 bytes are not the magic \\x89MEMATTN)");
-    const auto version = detail::from_little_endian<std::uint32_t>(head.data() + 8);
+    const auto version = from_little_endian<std::uint32_t>(source.data() + 8);
     if (version == 0 || version > format_version)
         throw SnapshotError("memattn::load: format version " + std::to_string(version) +
                             (version == 0 ? " is invalid" : " is newer than this library reads (") +
                             (version == 0 ? "" : std::to_string(format_version) + ")"));
-    const auto kind_bytes = detail::from_little_endian<std::uint32_t>(head.data() + 12);
+    const auto kind_bytes = from_little_endian<std::uint32_t>(source.data() + 12);
     if (kind_bytes > max_kind_bytes)
         throw SnapshotError("memattn::load: the kind name has " + std::to_string(kind_bytes) +
                             " bytes, at most " + std::to_string(max_kind_bytes) + " are valid (corrupted header)");
     // The rest of the header: kind, two type codes, reserved, payload size.
-    const std::size_t fixed = head.size();
-    head.resize(fixed + kind_bytes + 12);
-    detail::read_exactly(in, head.data() + fixed, kind_bytes + 12, "the header", fixed);
-    const unsigned char* after_kind = head.data() + fixed + kind_bytes;
-    const auto payload_bytes = detail::from_little_endian<std::uint64_t>(after_kind + 4);
-    // The payload, read in growing pieces so that a corrupted size cannot make load
-    // allocate more than the stream holds (plus as much again).
-    std::vector<unsigned char> payload;
-    std::uint64_t got = 0;
-    while (got < payload_bytes) {
-        const std::uint64_t piece = std::min<std::uint64_t>(payload_bytes - got, std::max<std::uint64_t>(got, 1 << 20));
-        payload.resize(static_cast<std::size_t>(got + piece));
-        detail::read_exactly(in, payload.data() + got, static_cast<std::size_t>(piece), "the payload",
-                             head.size() + got);
-        got += piece;
-    }
-    unsigned char stored_crc[4];
-    detail::read_exactly(in, stored_crc, 4, "the checksum", head.size() + payload_bytes);
-    const std::uint32_t crc = detail::Crc32c::update(detail::Crc32c::update(0, head.data(), head.size()),
-                                                     payload.data(), payload.size());
-    const auto expected_crc = detail::from_little_endian<std::uint32_t>(stored_crc);
+    const std::uint64_t header = snapshot_header_bytes(kind_bytes);
+    source.fill(header, "the header");
+    const auto payload_bytes = from_little_endian<std::uint64_t>(source.data() + header - 8);
+    if (payload_bytes > std::numeric_limits<std::size_t>::max() - header - 4)
+        throw SnapshotError("memattn::load: the header gives a payload of " + std::to_string(payload_bytes) +
+                            " bytes, more than this machine addresses (corrupted header)");
+    // The payload and the checksum.
+    source.fill(header + payload_bytes, "the payload");
+    source.fill(header + payload_bytes + 4, "the checksum");
+    const unsigned char* bytes = source.data();
+    const std::uint32_t crc = Crc32c::update(0, bytes, static_cast<std::size_t>(header + payload_bytes));
+    const auto expected_crc = from_little_endian<std::uint32_t>(bytes + header + payload_bytes);
     if (crc != expected_crc) {
         std::ostringstream message;
         message << "memattn::load: checksum mismatch (stored 0x" << std::hex << expected_crc << ", computed 0x" << crc
@@ -182,13 +248,14 @@ void load(M& memory, std::istream& in) {
         throw SnapshotError(message.str());
     }
     // Sound bytes: now what they say must match the target.
-    const std::string kind(reinterpret_cast<const char*>(head.data() + fixed), kind_bytes);
+    const std::string kind(reinterpret_cast<const char*>(bytes + fixed), kind_bytes);
     const std::string mine = memory.snapshot_kind();
     if (kind != mine)
         throw SnapshotError("memattn::load: the stream holds a " + kind + ", the memory is a " + mine);
+    const unsigned char* after_kind = bytes + fixed + kind_bytes;
     const std::uint8_t scalar = after_kind[0], storage = after_kind[1];
-    const auto my_scalar = static_cast<std::uint8_t>(type_code<typename M::Scalar>());
-    const auto my_storage = static_cast<std::uint8_t>(storage_code<M>());
+    const auto my_scalar = static_cast<std::uint8_t>(snapshot::type_code<typename M::Scalar>());
+    const auto my_storage = static_cast<std::uint8_t>(snapshot::storage_code<M>());
     if (scalar != my_scalar)
         throw SnapshotError("memattn::load: " + mine + ": the scalar is " + type_name(scalar) + " in the stream, " +
                             type_name(my_scalar) + " in the memory");
@@ -197,8 +264,67 @@ void load(M& memory, std::istream& in) {
                             type_name(my_storage) + " in the memory");
     if (after_kind[2] != 0 || after_kind[3] != 0)
         throw SnapshotError("memattn::load: " + mine + ": the reserved header bytes are not 0");
-    Reader reader(payload, mine);
+    Reader reader(std::span<const unsigned char>(bytes + header, static_cast<std::size_t>(payload_bytes)), mine);
     memory.read_snapshot(reader);
+    return header + payload_bytes + 4;
+}
+
+}  // namespace detail
+
+/// The size in bytes of the snapshot save(memory, ...) writes, exactly: what a buffer for
+/// save(memory, span) needs. Runs the memory's write_snapshot counting, which allocates
+/// nothing for the bytes and takes a small part of a save's time (no copy, no checksum).
+/// The size changes as the memory takes tokens (a KVCache's grows with its length; the
+/// fixed-size memories' stays the same from the first token their state holds in full).
+template <Snapshottable M>
+[[nodiscard]] std::size_t snapshot_size(const M& memory) {
+    return detail::snapshot_bytes(detail::plan_snapshot(memory, "snapshot_size"), "snapshot_size");
+}
+
+/// Writes `memory` to `out` as one snapshot (docs/snapshot-format.md): the header, the
+/// memory's payload, the checksum. Open files in binary mode. Throws SnapshotError if the
+/// stream fails (what reached it is then an incomplete snapshot that load rejects).
+template <Snapshottable M>
+void save(const M& memory, std::ostream& out) {
+    const detail::SnapshotPlan plan = detail::plan_snapshot(memory, "save");
+    snapshot::Writer w(out);
+    detail::write_snapshot_to(memory, plan, w);
+}
+
+/// Writes `memory` as one snapshot into the first bytes of `out`, the bytes save(memory,
+/// stream) writes, and returns how many (snapshot_size(memory)); the rest of `out` is not
+/// touched, so snapshots can be written back to back. A buffer smaller than the snapshot
+/// throws std::invalid_argument, saying the size needed and the size given, before a byte
+/// is written. (Only a memory whose write_snapshot throws, or writes other sizes than it
+/// counted, leaves the buffer's first bytes unspecified, with SnapshotError.)
+template <Snapshottable M>
+std::size_t save(const M& memory, std::span<std::byte> out) {
+    const detail::SnapshotPlan plan = detail::plan_snapshot(memory, "save");
+    const std::size_t total = detail::snapshot_bytes(plan, "save");
+    detail::require(total <= out.size(), "save", "out", "has ", out.size(), " bytes, the snapshot of the ",
+                    plan.kind, " needs ", total, " (memattn::snapshot_size)");
+    snapshot::Writer w(out.first(total));
+    detail::write_snapshot_to(memory, plan, w);
+    return total;
+}
+
+/// Reads one snapshot from `in` into `memory`, which must be of the kind, scalar,
+/// storage, dimensions and options the snapshot was saved from; leaves `in` just after
+/// it. All or nothing: on any fault (see SnapshotError) `memory` is unchanged.
+template <Snapshottable M>
+void load(M& memory, std::istream& in) {
+    detail::StreamSource source(in);
+    detail::load_snapshot_from(memory, source);
+}
+
+/// Reads the snapshot at the start of `in` into `memory`, as load(memory, stream) does
+/// (the same checks, all or nothing), and returns its size in bytes, where the next
+/// snapshot of a buffer holding several back to back starts. Bytes after the snapshot are
+/// not read. Reads the payload where it lies in `in`, without copying it.
+template <Snapshottable M>
+std::size_t load(M& memory, std::span<const std::byte> in) {
+    detail::SpanSource source(in);
+    return static_cast<std::size_t>(detail::load_snapshot_from(memory, source));
 }
 
 }  // namespace memattn

@@ -14,6 +14,7 @@
 #include <array>
 #include <bit>
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <istream>
@@ -167,25 +168,45 @@ constexpr TypeCode type_code() {
     return std::is_same_v<T, float> ? TypeCode::float32 : TypeCode::float64;
 }
 
-/// Writes a payload, or only counts its bytes (no stream): memattn::save runs a memory's
-/// write_snapshot twice, once to size the payload for the header and once to write it.
-/// Keeps the CRC-32C of everything it has written.
+/// Writes a snapshot's bytes to a stream or into a caller's buffer, or only counts them
+/// (no sink): memattn::save runs a memory's write_snapshot once counting, to size the
+/// payload for the header (and memattn::snapshot_size stops there), and once writing.
+/// Keeps the CRC-32C of everything it has written. The stream and the buffer are the
+/// two sinks of one write path: what a memory's write_snapshot writes is the same bytes
+/// in either.
 class Writer {
 public:
     /// Counts bytes and writes nothing.
     Writer() = default;
     /// Writes to `out` (a stream opened in binary mode).
     explicit Writer(std::ostream& out) : out_(&out) {}
+    /// Writes into `out` from its first byte; writing past its end throws SnapshotError
+    /// (memattn::save sizes the buffer first, so only a memory that writes more than it
+    /// counted reaches that).
+    explicit Writer(std::span<std::byte> out)
+        : buffer_(reinterpret_cast<unsigned char*>(out.data())), capacity_(out.size()), to_buffer_(true) {}
 
-    /// `size` bytes as they are; throws SnapshotError when the stream fails.
+    /// `size` bytes as they are; throws SnapshotError when the stream fails or the
+    /// buffer is full.
     void bytes(const void* data, std::size_t size) {
-        size_ += size;
-        if (out_ == nullptr || size == 0)
+        if (size == 0 || counting()) {
+            size_ += size;
             return;
+        }
+        if (to_buffer_) {
+            if (size > capacity_ - size_)
+                throw SnapshotError("memattn::save: the snapshot outgrows its buffer of " + std::to_string(capacity_) +
+                                    " bytes after " + std::to_string(size_) +
+                                    " (the memory wrote more than it counted)");
+            std::memcpy(buffer_ + size_, data, size);
+        }
+        size_ += size;
         crc_ = detail::Crc32c::update(crc_, data, size);
-        out_->write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
-        if (!*out_)
-            throw SnapshotError("memattn::save: the stream failed after " + std::to_string(size_) + " bytes");
+        if (out_ != nullptr) {
+            out_->write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
+            if (!*out_)
+                throw SnapshotError("memattn::save: the stream failed after " + std::to_string(size_) + " bytes");
+        }
     }
 
     /// One number: an integer of any width or a float/double, little-endian.
@@ -233,6 +254,10 @@ public:
         Writer counter;
         f(counter);
         number(static_cast<std::uint64_t>(counter.size()));
+        if (counting()) {  // one pass is enough to count
+            size_ += counter.size();
+            return;
+        }
         const std::uint64_t before = size_;
         f(*this);
         if (size_ - before != counter.size())
@@ -244,9 +269,14 @@ public:
     [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
     /// CRC-32C of the bytes written so far (0 when counting).
     [[nodiscard]] std::uint32_t crc() const noexcept { return crc_; }
+    /// Whether this writer only counts (it has no stream and no buffer).
+    [[nodiscard]] bool counting() const noexcept { return out_ == nullptr && !to_buffer_; }
 
 private:
     std::ostream* out_ = nullptr;
+    unsigned char* buffer_ = nullptr;
+    std::size_t capacity_ = 0;
+    bool to_buffer_ = false;
     std::uint64_t size_ = 0;
     std::uint32_t crc_ = 0;
 };
