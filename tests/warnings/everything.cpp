@@ -1,8 +1,9 @@
 // A user's translation unit that instantiates every kernel and every memory of memattn:
 // the kernels and the plain caches for float and double, the rest (the same template code
 // in either scalar) for float. The build compiles it with -Wall -Wextra -Wpedantic -Werror for
-// the default target, x86-64-v3 (AVX2) and x86-64-v4 (AVX-512), so a warning that
-// memattn's headers cause in a user's optimised build on any of them fails the build.
+// the default target, x86-64-v3 (AVX2), x86-64-v4 (AVX-512) and sapphirerapids (AVX512-BF16),
+// Eigen by a plain -I, so a warning that memattn's headers (or Eigen's) cause in a user's
+// optimised build on any of them fails the build.
 // It is compiled, not run: it needs only to instantiate, so it works on any CPU.
 #include <memattn/memattn.hpp>
 

@@ -23,4 +23,26 @@
 #pragma GCC diagnostic pop
 #endif
 
+// Eigen 3.4 itself warns where it is not a system header, i.e. included by a plain -I as
+// pkg-config's eigen3.pc gives it (CMake's Eigen3::Eigen makes it -isystem): with any AVX
+// target, its bfloat16 packet code (arch/AVX/PacketMath.h F32ToBf16, arch/AVX512/
+// PacketMath.h ploaddup and ploadquad) declares an unused `r`, so -Wall reports
+// -Wunused-variable; with F16C (x86-64-v3 and up), clang's -Wpedantic reports the
+// compound literal of its _cvtss_sh macro in Eigen's Half.h as -Wc99-extensions. These
+// are reported while Eigen is parsed, so a push / ignored / pop around the one #include
+// covers Eigen's lines and nothing else: memattn's headers, read after the pop, and the
+// user's code keep every warning (tests/CMakeLists.txt checks it). Like the pragma above,
+// it takes effect when memattn is the first to include Eigen.
+#if defined(__GNUC__)  // GCC and clang
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-variable"
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wc99-extensions"
+#endif
+#endif
+
 #include <Eigen/Core>
+
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
