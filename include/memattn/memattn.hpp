@@ -33,3 +33,9 @@
 #include "memattn/layer/parallel.hpp"
 #include "memattn/layer/multi_head_kernels.hpp"
 #include "memattn/layer/multi_head_memory.hpp"
+
+// memattn::compiled (CMake target; see memattn/compiled.hpp): the common float
+// instantiations come from its library instead of every translation unit.
+#ifdef MEMATTN_COMPILED
+#include "memattn/compiled.hpp"
+#endif
