@@ -1,4 +1,10 @@
 #pragma once
+// Every memattn header includes this one first, so a translation unit compiled for an
+// older standard stops here, with one line, before the first concept.
+#if (defined(_MSVC_LANG) ? _MSVC_LANG : __cplusplus) < 202002L
+#error "memattn needs C++20: compile with -std=c++20 (linking CMake's memattn::memattn adds it)"
+#endif
+
 // The one place memattn includes Eigen/Core, after a workaround for a false warning of
 // GCC 12 on AVX-512 targets (GCC bug 105593, fixed in GCC 13): the AVX-512 intrinsics
 // make their "undefined" pass-through operands with `__m512 __Y = __Y;`, and once
