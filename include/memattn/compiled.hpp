@@ -72,6 +72,7 @@
 #define MEMATTN_COMPILED_SAVE_LOAD_ONE(SIGNATURE, ...)                                                     \
     SIGNATURE(void, save<__VA_ARGS__>, (const __VA_ARGS__&, std::ostream&))                                \
     SIGNATURE(void, load<__VA_ARGS__>, (__VA_ARGS__&, std::istream&))
+/// save/load on streams of a memory and of MultiHead over it, both.
 #define MEMATTN_COMPILED_SAVE_LOAD(SIGNATURE, ...)                                                         \
     MEMATTN_COMPILED_SAVE_LOAD_ONE(SIGNATURE, __VA_ARGS__)                                                 \
     MEMATTN_COMPILED_SAVE_LOAD_ONE(SIGNATURE, MultiHead<__VA_ARGS__>)
@@ -129,6 +130,9 @@ template <class D>
 concept Output = std::same_as<typename std::remove_cvref_t<D>::Scalar, float> && writable_expression<D> &&
                  row_major_sequence<std::remove_cvref_t<D>>;
 
+/// \cond
+// (The reference shows none of what follows: declarations made by macros undefined after
+// use, and the overloads that route a call to the library, described at the top.)
 // The library's functions over views: each runs the header's template of the same name.
 #define MEMATTN_COMPILED_DECLARE_ENTRIES(...)                                                              \
     template <>                                                                                            \
@@ -204,3 +208,4 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
 
 }  // namespace memattn
 #endif
+/// \endcond

@@ -36,7 +36,10 @@
 
 namespace memattn {
 
-/// S: how the window's pairs are stored, T itself or a compact type (storage/compact.hpp);
+/// A local window of the last `window` raw pairs and up to `slots` compressed pairs
+/// summarising what fell out of it, one softmax over both; see the top of the file.
+/// \tparam C the compressor that pools `rate` evicted pairs into a slot (memory/compressor.hpp).
+/// \tparam S how the window's pairs are stored, T itself or a compact type (storage/compact.hpp);
 /// the compressed slots stay in T, since the compressor pools into them in place.
 template <Scalar T, class C = MeanPool, class S = T>
     requires StorageFor<S, T>

@@ -18,7 +18,9 @@
 
 namespace memattn {
 
-/// S: how the pairs are stored, T itself or a compact type (storage/compact.hpp:
+/// Every (key, value) pair seen, so `attend` is exact causal softmax attention over the
+/// whole past; see the top of the file.
+/// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp:
 /// Eigen::bfloat16, Eigen::half, memattn::Q8); arithmetic is in T either way.
 template <Scalar T, class S = T>
     requires StorageFor<S, T>

@@ -28,7 +28,9 @@
 
 namespace memattn {
 
-/// S: how the pairs are stored, T itself or a compact type (storage/compact.hpp).
+/// The last `window` (key, value) pairs plus the first `sinks`: `attend` equals
+/// causal_softmax_attention with that window and those sinks; see the top of the file.
+/// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp).
 template <Scalar T, class S = T>
     requires StorageFor<S, T>
 class SlidingWindowCache {
