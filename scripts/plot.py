@@ -6,6 +6,13 @@
 
 Every figure names the CPU, the SIMD level and the date of the run it shows. Repeated
 runs are reduced to their median (Google Benchmark's aggregates when present).
+
+A run on a busy machine is marked on its figure, in red in the title and at the foot: other
+processes took at least CONTENDED_CORES of a core on average while it ran, as
+scripts/lib/measure_load.py measured beside the JSON (NAME.load.json), or, for results
+without that record, Google Benchmark's 1-minute load average at the start was at least
+half the cores. `plot.py bench` lists the marked figures in OUT_DIR/CONTENDED (and removes
+that file when none is), which `scripts/bench --plot --update-docs` refuses to copy.
 """
 import csv
 import datetime
@@ -20,6 +27,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+# Other processes' average use, in cores, during a run from which a figure is marked.
+CONTENDED_CORES = 0.2
+# The figures marked so far (file names), for OUT_DIR/CONTENDED.
+contended_figures = []
 
 
 def load(path):
@@ -43,7 +55,33 @@ def load(path):
             continue
         keys = [k for k, v in entries[0].items() if isinstance(v, (int, float))]
         merged[name] = {k: statistics.median(e[k] for e in entries if k in e) for k in keys}
-    return merged, data.get("context", {})
+    context = dict(data.get("context", {}))
+    sidecar = os.path.splitext(path)[0] + ".load.json"
+    if os.path.exists(sidecar):
+        with open(sidecar) as f:
+            context["memattn_load"] = json.load(f)
+    return merged, context
+
+
+def contention(context):
+    """The note a figure carries when its run shared the machine, else None."""
+    record = context.get("memattn_load")
+    if record and record.get("other_cores_busy") is not None:
+        others = record["other_cores_busy"]
+        if others < CONTENDED_CORES:
+            return None
+        cpus = record.get("cpus") or context.get("num_cpus") or "?"
+        note = f"CONTENDED RUN: other processes used {others:.2f} of {cpus} cores on average while it ran"
+        before, after = record.get("loadavg_before"), record.get("loadavg_after")
+        if before and after:
+            note += f" (load {before[0]:.2f} before, {after[0]:.2f} after)"
+        return note + "; its timings are not the library's alone"
+    load_avg = context.get("load_avg")
+    cpus = context.get("num_cpus")
+    if load_avg and cpus and load_avg[0] >= cpus / 2:
+        return (f"POSSIBLY CONTENDED: load average {load_avg[0]:.2f} on {cpus} cores when the run started "
+                "(no measurement during the run)")
+    return None
 
 
 def args_of(run_name):
@@ -87,11 +125,19 @@ def caption(context):
 
 
 def save(fig, context, path, title):
-    fig.suptitle(f"{title}\n{caption(context)}", fontsize=10)
+    note = contention(context)
+    if note:
+        title = f"{title}  [CONTENDED RUN]"
+    fig.suptitle(f"{title}\n{caption(context)}", fontsize=10, color="tab:red" if note else "black")
     fig.tight_layout()
+    if note:
+        fig.subplots_adjust(bottom=fig.subplotpars.bottom + 0.06)
+        fig.text(0.5, 0.01, note, ha="center", va="bottom", fontsize=7, color="tab:red",
+                 bbox={"facecolor": "white", "edgecolor": "tab:red", "alpha": 0.9})
+        contended_figures.append(os.path.basename(path))
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    print(f"wrote {path}")
+    print(f"wrote {path}" + (f" -- {note}" if note else ""))
 
 
 def causal_softmax(results, out):
@@ -298,6 +344,12 @@ def main(argv):
         os.makedirs(argv[3], exist_ok=True)
         for figure in (causal_softmax, memories, linear_forms, threads):
             figure(argv[2], argv[3])
+        marker = os.path.join(argv[3], "CONTENDED")
+        if contended_figures:
+            with open(marker, "w") as f:
+                f.write("".join(name + "\n" for name in contended_figures))
+        elif os.path.exists(marker):
+            os.remove(marker)
         return 0
     if len(argv) == 4 and argv[1] == "demo":
         demo(argv[2], argv[3])
