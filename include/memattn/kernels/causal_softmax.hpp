@@ -81,6 +81,29 @@
 //   (15–20× under a window); double 0.455–0.49 of float (the FMA count allows 0.48–0.49:
 //   docs/performance.md). Products 78% of the time, the softmax bookkeeping 17% (d = 64).
 //
+// Measured on an AMD EPYC, family 25 model 17 (AVX-512, each 512-bit operation executed as
+// two 256-bit halves; BM_FmaPeak 116–117 GFLOP/s on one core; 6 × 4 blocking; a shared
+// 2-core machine at load 3–6; GFLOP/s per CPU second, medians of 5–9 interleaved
+// repetitions, ratios within one process, 7–10 processes):
+//   Full calls 87–97 GFLOP/s, 0.74–0.84 of the peak (N ∈ {4096, 16384}, d ∈ {64, 128}).
+//   Window 512 at the default 64 × 96 against full calls: N = 16384 0.92–0.94 (d = 64),
+//   0.94–0.98 (d = 128); N = 4096 0.92–0.93, 0.91–0.98.
+//   Window 512, query tiles {32, 48, 64, 96, 128, 192} × key tiles {32, 48, 64, 96, 128,
+//   192, 256} (BM_TileSweep, N = 4096 and 16384; and 576, a query tile's whole span of
+//   keys, at N = 16384): 64 query rows are best; 48 rows fill 64 lanes (two packets of
+//   16) and run at 0.63–0.75; key tiles of 96 and longer are within 2–4% of one another
+//   (128 against 96: −1% to +3%), 32 loses 5–8%. The default stays 64 × 96.
+//   What is left: the products execute 3.5% more Sᵀ pairs and 1% more P·V terms than
+//   the visible ones (band edges rounded out to whole packets); the softmax bookkeeping
+//   runs over whole masked tiles, 575 keys per query for 512 visible; a query row's own
+//   work (Q's transpose, O's division) and a key tile's (prefetch, mask, α ⊙ acc) are
+//   spread over 512 pairs instead of up to N. The products take 82% of a windowed call's
+//   time, 89% of a full one's (perf, N = 16384, d = 64). Where the key tiles are cut
+//   matters not: with banded tiles, key tiles aligned on the window's start instead of
+//   the diagonal compute the same pairs within 0.2% (counted by replaying the tile walk
+//   and the bands) for query and key tiles of 32–128. Skipping, in the bookkeeping, the
+//   keys no lane of a packet sees gained 0.6% (within the noise) and is not done.
+//
 // Banded masked tiles: a tile that crosses the diagonal or the window's edge computes,
 // per strip of 6 keys, only the query lanes that see one of them (rounded out to whole
 // packets; mask() writes −∞ into the rest), and in P·V, per strip of queries, only the
