@@ -237,3 +237,32 @@ TEMPLATE_TEST_CASE("KVCache: the decode steps after a prefill or a bulk extend d
         CHECK(cache.length() == n + steps);
     }
 }
+
+TEMPLATE_TEST_CASE("MultiHead<KVCache>: split decode steps allocate nothing once reserved, at 1 and 2 threads",
+                   "[memory][allocation][layer]", float, double) {
+    using T = TestType;
+    // 8 query heads over 2 KV heads, 9000 pairs each: three pieces per head (split_keys
+    // 4096), and enough work per step to be spread over the threads.
+    const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 16};
+    const Index n = 9000, steps = 20;
+    const Matrix<T> K = random_matrix<T>(n + steps, 32, 2), V = random_matrix<T>(n + steps, 32, 3),
+                    Q = random_matrix<T>(steps, 128, 1);
+    for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        MultiHead<KVCache<T>> mem(layout, [](Index) { return KVCache<T>(16, 16); });
+        mem.reserve(n + steps);
+        mem.extend(K.topRows(n), V.topRows(n));
+        const OpenMPExecutor executor{.threads = threads};
+        mem.set_executor(executor);
+        Vector<T> out(128);
+        HeapWatch watch;
+        for (Index i = 0; i < steps; ++i) {
+            mem.update(K.row(n + i), V.row(n + i));
+            mem.attend(Q.row(i), out);
+        }
+        const auto counts = watch.stop();
+        CHECK(counts.operator_news == 0);
+        CHECK(counts.eigen_mallocs == 0);
+        CHECK(out.allFinite());
+    }
+}

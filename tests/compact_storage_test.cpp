@@ -285,3 +285,81 @@ TEMPLATE_TEST_CASE("Compact storage: rows added in registers equal row-by-row ad
         }
     }
 }
+
+TEMPLATE_TEST_CASE("Compact storage: grouped attend equals the plain cache's fed the stored values, bit for bit",
+                   "[storage][group]", MEMATTN_STORAGE_PAIRS) {
+    using T = typename TestType::first_type;
+    using S = typename TestType::second_type;
+    // Off every tile: 300 pairs (group_keys 128, conversion steps of a few rows), d = 40
+    // and dv = 33 (off the packets), groups from 1 to 17 (one query, the dot route, the
+    // tiled route, more than group_rows).
+    const Index n = 300, d = 40, dv = 33;
+    const Matrix<T> K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
+    const Matrix<T> Ks = stored<T, S>(K), Vs = stored<T, S>(V);
+    const auto check = [&](auto compact, auto plain) {
+        memattn::extend(compact, K, V);
+        memattn::extend(plain, Ks, Vs);
+        for (const Index g : {1, 2, 4, 5, 8, 16, 17}) {
+            INFO(detail::storage_name<S> << ", g = " << g);
+            const Matrix<T> Q = random_matrix<T>(g, d, 10 + static_cast<std::uint64_t>(g));
+            Matrix<T> grouped(g, dv), expected(g, dv), single(g, dv);
+            compact.attend_group(Q, grouped);
+            plain.attend_group(Q, expected);
+            for (Index r = 0; r < g; ++r)
+                compact.attend(Q.row(r), single.row(r));
+            // Groups of group_rows queries; a group of one is exactly the cache's attend
+            // (in registers: other arithmetic than the plain cache's), the others are
+            // bitwise the plain cache's grouped attend.
+            for (Index r0 = 0; r0 < g; r0 += detail::group_rows) {
+                const Index rows = std::min(detail::group_rows, g - r0);
+                const auto& same = rows == 1 ? single : expected;
+                CHECK((grouped.middleRows(r0, rows).array() == same.middleRows(r0, rows).array()).all());
+            }
+            check_close(grouped, to_double(single), tolerance<T>());
+        }
+    };
+    check(KVCache<T, S>(d, dv), KVCache<T>(d, dv));
+    check(SlidingWindowCache<T, S>(d, dv, 150, 3), SlidingWindowCache<T>(d, dv, 150, 3));  // sinks + a wrapped ring
+    check(HybridCache<T, MeanPool, S>(d, dv, 64, 4, 30), HybridCache<T>(d, dv, 64, 4, 30));
+}
+
+TEMPLATE_TEST_CASE("Compact storage: MultiHead splits compact caches over threads, the same bits for any executor",
+                   "[storage][multihead][split]", Eigen::bfloat16, Eigen::half, Q8) {
+    using S = TestType;
+    const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 16};
+    const Index n = 2 * MultiHead<KVCache<float>>::split_keys + 333;  // three pieces per head
+    const Matrix<float> K = random_matrix<float>(n, 32, 4), V = random_matrix<float>(n, 32, 5);
+    const Matrix<float> Q = random_matrix<float>(3, 128, 6);
+    Matrix<float> Ks(n, 32), Vs(n, 32);  // stored head by head: a Q8 block ends with its head's row
+    for (Index kv = 0; kv < 2; ++kv) {
+        Ks.middleCols(kv * 16, 16) = stored<float, S>(Matrix<float>(K.middleCols(kv * 16, 16)));
+        Vs.middleCols(kv * 16, 16) = stored<float, S>(Matrix<float>(V.middleCols(kv * 16, 16)));
+    }
+    MultiHead<KVCache<float, S>> compact(layout, [](Index) { return KVCache<float, S>(16, 16); });
+    MultiHead<KVCache<float>> plain(layout, [](Index) { return KVCache<float>(16, 16); });
+    compact.extend(K, V);
+    plain.extend(Ks, Vs);
+    Matrix<float> expected(3, 128);
+    for (Index i = 0; i < 3; ++i)
+        plain.attend(Q.row(i), expected.row(i));
+    for (const int threads : {1, 2, 3, 5}) {
+        INFO(detail::storage_name<S> << ", " << threads << " threads");
+        const OpenMPExecutor executor{.threads = threads};
+        compact.set_executor(executor);
+        Matrix<float> O(3, 128);
+        for (Index i = 0; i < 3; ++i)
+            compact.attend(Q.row(i), O.row(i));
+        CHECK((O.array() == expected.array()).all());
+    }
+    const SerialExecutor serial;
+    compact.set_executor(serial);
+    Matrix<float> O(1, 128);
+    compact.attend(Q.row(0), O.row(0));
+    CHECK((O.array() == expected.row(0).array()).all());
+    // Against the double reference within the storage's documented error, one head.
+    const Index h = 5, kv = h / 4;
+    const auto exact = reference::softmax_attention(to_double(Q.row(0).segment(h * 16, 16)),
+                                                    to_double(K.middleCols(kv * 16, 16)),
+                                                    to_double(V.middleCols(kv * 16, 16)));
+    check_close(O.middleCols(h * 16, 16), exact.out, storage_tolerance<S>());
+}

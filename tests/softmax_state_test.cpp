@@ -1,6 +1,7 @@
 #include "support.hpp"
 
 #include <memattn/detail/packet.hpp>
+#include <memattn/kernels/decode_attention.hpp>
 #include <memattn/softmax_state.hpp>
 
 #include <algorithm>

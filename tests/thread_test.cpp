@@ -5,6 +5,10 @@
 
 #include <memattn/memattn.hpp>
 
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -145,4 +149,123 @@ TEST_CASE("threads: inside the caller's parallel region the layer runs serially"
         CHECK(threads_seen[static_cast<std::size_t>(t)] == 1);
 #endif
     }
+}
+
+namespace {
+
+/// A user's own pool of std::threads as a memattn::Executor, as a server would bring
+/// one: parallel_for hands items to the workers and the calling thread, and waits.
+class ThreadPool {
+public:
+    explicit ThreadPool(int workers) {
+        for (int w = 0; w < workers; ++w)
+            threads_.emplace_back([this] { work(); });
+    }
+    ~ThreadPool() {
+        {
+            const std::lock_guard<std::mutex> lock(mutex_);
+            stop_ = true;
+        }
+        wake_.notify_all();
+        for (auto& thread : threads_)
+            thread.join();
+    }
+    ThreadPool(const ThreadPool&) = delete;
+    ThreadPool& operator=(const ThreadPool&) = delete;
+
+    [[nodiscard]] int concurrency() const noexcept { return static_cast<int>(threads_.size()) + 1; }
+
+    template <class F>
+    void parallel_for(Index n, F&& f) const {
+        std::unique_lock<std::mutex> lock(mutex_);
+        job_ = [&f](Index i) { f(i); };
+        next_ = 0;
+        items_ = n;
+        done_ = 0;
+        ++generation_;
+        calls_.fetch_add(1);
+        lock.unlock();
+        wake_.notify_all();
+        run_items();  // the calling thread works too
+        lock.lock();
+        finished_.wait(lock, [this] { return done_ == items_; });
+        job_ = nullptr;
+    }
+
+    [[nodiscard]] long calls() const noexcept { return calls_.load(); }
+
+private:
+    void run_items() const {
+        for (;;) {
+            std::unique_lock<std::mutex> lock(mutex_);
+            if (!job_ || next_ >= items_)
+                return;
+            const Index i = next_++;
+            const auto job = job_;
+            lock.unlock();
+            job(i);
+            lock.lock();
+            if (++done_ == items_)
+                finished_.notify_all();
+        }
+    }
+    void work() const {
+        long seen = 0;
+        for (;;) {
+            {
+                std::unique_lock<std::mutex> lock(mutex_);
+                wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+                if (stop_)
+                    return;
+                seen = generation_;
+            }
+            run_items();
+        }
+    }
+
+    std::vector<std::thread> threads_;
+    mutable std::mutex mutex_;
+    mutable std::condition_variable wake_, finished_;
+    mutable std::function<void(Index)> job_;
+    mutable Index next_ = 0, items_ = 0, done_ = 0;
+    mutable long generation_ = 0;
+    mutable std::atomic<long> calls_{0};
+    bool stop_ = false;
+};
+
+static_assert(Executor<ThreadPool> && Executor<SerialExecutor> && Executor<OpenMPExecutor>);
+
+}  // namespace
+
+TEST_CASE("threads: every executor, a user's std::thread pool included, gives the same bits", "[layer][threads]") {
+    const HeadLayout layout{8, 2, 16};
+    const Index n = 2 * MultiHead<KVCache<float>>::split_keys + 300;  // three pieces per head
+    const Matrix<float> Q = random_matrix<float>(n, 128, 1), K = random_matrix<float>(n, 32, 2),
+                        V = random_matrix<float>(n, 32, 3);
+    const auto run = [&](ExecutorRef executor) {
+        Matrix<float> O(n, 128);
+        multi_head_causal_softmax_attention(Q, K, V, O, layout, {.window = 700}, {}, executor);
+        Matrix<float> linear(n, 128);
+        multi_head_chunked_linear_attention(Q, K, V, linear, layout, EluPlusOne{}, {}, {}, {}, executor);
+        MultiHead<KVCache<float>> mem(layout, [](Index) { return KVCache<float>(16, 16); });
+        mem.set_executor(executor);
+        Matrix<float> prompt(n - 4, 128), steps(4, 128);
+        prefill(mem, Q.topRows(n - 4), K.topRows(n - 4), V.topRows(n - 4), prompt);
+        decode(mem, Q.bottomRows(4), K.bottomRows(4), V.bottomRows(4), steps);  // the split attend
+        Matrix<float> all(n, 3 * 128);
+        all << O, linear, (Matrix<float>(n, 128) << prompt, steps).finished();
+        return all;
+    };
+    const Matrix<float> serial = run(SerialExecutor{});
+    for (const int threads : {1, 2, 3, 5}) {
+        INFO("OpenMP, " << threads << " threads");
+        CHECK((run(OpenMPExecutor{.threads = threads}).array() == serial.array()).all());
+    }
+    for (const int workers : {1, 2, 4}) {
+        INFO("a pool of " << workers + 1 << " threads");
+        ThreadPool pool(workers);
+        CHECK((run(pool).array() == serial.array()).all());
+        CHECK(pool.calls() > 0);
+    }
+    CHECK((run(ExecutorRef{}).array() == serial.array()).all());  // the default executor
 }

@@ -52,6 +52,7 @@
 
 #include "memattn/feature_maps.hpp"
 #include "memattn/kernels/causal_softmax.hpp"
+#include "memattn/kernels/decode_attention.hpp"
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/layer/head_layout.hpp"
 #include "memattn/memory/kv_cache.hpp"

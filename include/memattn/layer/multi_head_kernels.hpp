@@ -124,7 +124,7 @@ private:
 template <class T, class HeadKeysOf, class LseSink>
 void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink&& lse, const HeadLayout& layout,
                             const SoftmaxOptions& options, const VarLen& batch, Index k_rows,
-                            const HeadKeysOf& head_keys) {
+                            const HeadKeysOf& head_keys, ExecutorRef executor = {}) {
     const Index d = layout.head_dim, dv = layout.values();
     const std::vector<SoftmaxItem> items = softmax_items(layout, batch, Q.rows(), k_rows, options);
     const auto span_of = [&](const SoftmaxItem& item) { return sequence_span(batch, item.seq, Q.rows(), k_rows); };
@@ -157,19 +157,23 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink
                     O.block(row0, item.head * dv, item.rows, dv),
                     [&](Index r, T value) { lse(row0 + r, item.head, value); }, head_options, *scratch);
             }
-        });
+        },
+        0, executor);
 }
 
 /// The softmax layer on packed K/V buffers, after the checks.
 template <class T, class LseSink>
 void multi_head_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                               MatrixRef<T> O, LseSink&& lse, const HeadLayout& layout, const SoftmaxOptions& options,
-                              const VarLen& batch) {
+                              const VarLen& batch, ExecutorRef executor) {
     const Index d = layout.head_dim, dv = layout.values();
-    multi_head_softmax_run<T>(Q, O, lse, layout, options, batch, K.rows(), [&](const SequenceSpan& span, Index kv) {
-        return HeadKeys<T>{K.block(span.k_begin, kv * d, span.k_rows, d),
-                           V.block(span.k_begin, kv * dv, span.k_rows, dv), options.scale};
-    });
+    multi_head_softmax_run<T>(
+        Q, O, lse, layout, options, batch, K.rows(),
+        [&](const SequenceSpan& span, Index kv) {
+            return HeadKeys<T>{K.block(span.k_begin, kv * d, span.k_rows, d),
+                               V.block(span.k_begin, kv * dv, span.k_rows, dv), options.scale};
+        },
+        executor);
 }
 
 template <class T>
@@ -191,10 +195,13 @@ void check_softmax_layer(const char* function, const HeadLayout& layout, const C
 /// the file and layer/head_layout.hpp): O[:, h·dv, dv] is causal_softmax_attention of
 /// Q's head h over K/V's head h / (q_heads / kv_heads), sequence by sequence. Throws
 /// std::invalid_argument, writing nothing, on a bad layout, shapes, options or offsets.
+/// The work runs on `executor` (execution/executor.hpp; the default: every core with
+/// OpenMP), the same bits on any.
 template <class DQ, class DK, class DV, detail::EigenMatrix DO>
 void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                          const Eigen::MatrixBase<DV>& V, DO&& O, const HeadLayout& layout,
-                                         const SoftmaxOptions& options = {}, const VarLen& batch = {}) {
+                                         const SoftmaxOptions& options = {}, const VarLen& batch = {},
+                                         ExecutorRef executor = {}) {
     using T = typename DQ::Scalar;
     static_assert(Scalar<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must be float or double.");
     static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
@@ -203,7 +210,7 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
     const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
     MatrixRef<T> o = detail::output(std::forward<DO>(O));
     detail::check_softmax_layer<T>(function, layout, q, k, v, o, options, batch);
-    detail::multi_head_softmax_views<T>(q, k, v, o, [](Index, Index, T) {}, layout, options, batch);
+    detail::multi_head_softmax_views<T>(q, k, v, o, [](Index, Index, T) {}, layout, options, batch, executor);
 }
 
 /// As above, and writes lse(i, h) = log Σ_{j visible} exp(scale · q_ih·k_j) into `lse`,
@@ -211,7 +218,8 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
 template <class DQ, class DK, class DV, detail::EigenMatrix DO, detail::EigenMatrix DL>
 void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                          const Eigen::MatrixBase<DV>& V, DO&& O, DL&& lse, const HeadLayout& layout,
-                                         const SoftmaxOptions& options = {}, const VarLen& batch = {}) {
+                                         const SoftmaxOptions& options = {}, const VarLen& batch = {},
+                                         ExecutorRef executor = {}) {
     using T = typename DQ::Scalar;
     static_assert(Scalar<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must be float or double.");
     static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>, std::remove_cvref_t<DL>>,
@@ -226,7 +234,8 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
         detail::check_disjoint(function, "lse", lse, q, k, v);
         detail::require_disjoint(function, "lse", lse, "O", o);
         detail::multi_head_softmax_views<T>(
-            q, k, v, o, [&lse](Index i, Index h, T value) { lse.coeffRef(i, h) = value; }, layout, options, batch);
+            q, k, v, o, [&lse](Index i, Index h, T value) { lse.coeffRef(i, h) = value; }, layout, options, batch,
+            executor);
     }
 }
 
@@ -342,7 +351,7 @@ void multi_head_chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const E
                                          const Eigen::MatrixBase<DV>& V, DO&& O, const HeadLayout& layout,
                                          const Phi& phi = {}, const LinearOptions& options = {},
                                          std::span<LinearState<typename DQ::Scalar>> states = {},
-                                         const VarLen& batch = {}) {
+                                         const VarLen& batch = {}, ExecutorRef executor = {}) {
     using T = typename DQ::Scalar;
     static_assert(Scalar<T>, "memattn::multi_head_chunked_linear_attention: the scalar type must be float or double.");
     static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
@@ -359,7 +368,7 @@ void multi_head_chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const E
     const std::size_t sequences = detail::sequence_count(batch);
     const auto pairs = static_cast<Index>(sequences) * layout.kv_heads;
     // Sub-groups per group: enough items for every thread (a choice that changes no bit).
-    const Index threads = detail::available_threads();
+    const Index threads = executor.concurrency();
     const Index split = std::min(g, std::max<Index>(1, (threads + pairs - 1) / pairs));
     std::vector<detail::LinearItem> items;
     for (std::size_t b = 0; b < sequences; ++b)
@@ -405,7 +414,7 @@ void multi_head_chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const E
                     states[index] = std::move(state);
             }
         },
-        static_cast<int>(threads));
+        static_cast<int>(threads), executor);
 }
 
 }  // namespace memattn

@@ -12,14 +12,16 @@
 //
 // attend: the query heads of a group are adjacent in the packed row, so a group's queries
 // are one g × head_dim block, and each KV head's memory is read once for the whole group
-// (its attend_group when it has one, else g attends). For the softmax memories whose pairs
-// it can see (for_each_run: KVCache, SlidingWindowCache, HybridCache) the keys are cut into
+// (its attend_group when it has one, else g attends). For the softmax memories whose
+// stored pairs it can see (for_each_stored_run: KVCache, SlidingWindowCache, HybridCache,
+// in every storage type, each stored row converted once per group) the keys are cut into
 // pieces of `split_keys` pairs (flash-decoding): the pieces of every head are spread over
-// the threads, each folds its pairs into partial softmax states, and the partial states
-// of a head are merged in piece order. The pieces depend only on the memory's length, not
-// on the number of threads, so the output is bitwise the same for any thread count; a
-// step whose total work is below `parallel_work` stays on the calling thread and, with
-// one piece per head, allocates nothing (the split path allocates its partial states).
+// the threads of the layer's executor (execution/executor.hpp), each folds its pairs into
+// partial softmax states, and the partial states of a head are merged in piece order. The
+// pieces depend only on the memory's length, not on the executor or the number of
+// threads, so the output is bitwise the same for any of them; a step whose total work is
+// below `parallel_work` stays on the calling thread. The split's scratch is sized when
+// the heads grow (see size_split_scratch), so after reserve() a step allocates nothing.
 //
 // prefill: MultiHead<KVCache> appends the prompt to every head's cache and runs the
 // multi-head kernel over the caches (every query head, tile by tile, on every thread:
@@ -32,6 +34,8 @@
 // A call that throws std::invalid_argument changes nothing; the factory's memories must
 // agree with the layout (checked where the memory tells its key_dim and value_dim).
 
+#include "memattn/execution/executor.hpp"
+#include "memattn/kernels/decode_attention.hpp"
 #include "memattn/layer/head_layout.hpp"
 #include "memattn/layer/multi_head_kernels.hpp"
 #include "memattn/layer/parallel.hpp"
@@ -44,6 +48,8 @@
 #include <algorithm>
 #include <concepts>
 #include <cstddef>
+#include <mutex>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -56,7 +62,7 @@ namespace detail {
 /// A softmax memory that shows the runs of pairs its attend reads, and its scale.
 template <class M>
 concept HasPairRuns = requires(const M& m) {
-    m.for_each_run([](const auto&, const auto&) {});
+    m.for_each_stored_run([](const auto&, const auto&, Index, Index) {});
     { m.scale() } -> std::convertible_to<typename M::Scalar>;
 };
 
@@ -72,6 +78,22 @@ template <class M>
 inline constexpr bool is_plain_kv_cache = false;
 template <class T>
 inline constexpr bool is_plain_kv_cache<KVCache<T>> = true;
+
+/// The most pairs a memory with pair runs can show before it allocates again: its
+/// pair_capacity() where it has one (the caches), else the pairs it shows now.
+template <class M>
+Index pair_capacity(const M& m) {
+    if constexpr (requires { { m.pair_capacity() } -> std::convertible_to<Index>; }) {
+        return m.pair_capacity();
+    } else {
+        Index n = 0;
+        m.for_each_stored_run([&n](const auto&, const auto&, Index, Index count) { n += count; });
+        return n;
+    }
+}
+
+template <class M>
+concept CanReserve = requires(M& m, Index n) { m.reserve(n); };
 
 template <class M>
 concept CanTruncate = requires(M& m, const M& cm, Index n) {
@@ -126,6 +148,23 @@ public:
                 detail::require(head.value_dim() == layout_.values(), "MultiHead", name.c_str(), "has value_dim ",
                                 head.value_dim(), ", expected the layout's value_dim ", layout_.values());
         }
+        size_split_scratch();
+    }
+
+    /// Runs attend's and prefill's items on `executor` (execution/executor.hpp), which
+    /// must outlive the calls; the outputs are bitwise the same on any executor.
+    void set_executor(ExecutorRef executor) noexcept { executor_ = executor; }
+    /// Where attend and prefill run their items (memattn::default_executor unless set).
+    [[nodiscard]] ExecutorRef executor() const noexcept { return executor_; }
+
+    /// Room for `tokens` in every head that reserves (KVCache), and the split attend's
+    /// scratch for them: after it, decode steps up to that length allocate nothing.
+    void reserve(Index tokens)
+        requires detail::CanReserve<M>
+    {
+        for (M& head : heads_)
+            head.reserve(tokens);
+        size_split_scratch();
     }
 
     /// Feeds one token: `key` is kv_heads·head_dim wide, `value` kv_heads·value_dim.
@@ -136,6 +175,7 @@ public:
             for (Index h = 0; h < layout_.kv_heads; ++h)
                 heads_[static_cast<std::size_t>(h)].update(key.segment(h * d, d), value.segment(h * dv, dv));
         });
+        size_split_scratch();  // allocates only when a head's cache has just grown
     }
 
     /// Feeds many tokens (packed rows), through each head's own extend where it has one.
@@ -149,6 +189,7 @@ public:
                 memattn::extend(heads_[static_cast<std::size_t>(h)], keys.middleCols(h * d, d),
                                 values.middleCols(h * dv, dv));
         });
+        size_split_scratch();
     }
 
     /// Outputs of every query head for the tokens K/V (see the top of the file), equal
@@ -162,6 +203,7 @@ public:
             return;
         if constexpr (detail::is_plain_kv_cache<M>) {
             prefill_caches(queries, keys, values, out);
+            size_split_scratch();
         } else if constexpr (detail::HasGroupPrefill<M> || detail::HasBulkPrefill<M>) {
             const Index d = layout_.head_dim, dv = layout_.values(), g = layout_.group_size();
             if (!detail::HasGroupPrefill<M> && g > 1) {
@@ -184,8 +226,10 @@ public:
                             else
                                 head.prefill(q, k, v, o);
                         }
-                    });
+                    },
+                    0, executor_);
             });
+            size_split_scratch();
         } else {
             detail::decode_rows(*this, queries, keys, values, out);
         }
@@ -313,6 +357,7 @@ public:
         }
         r.expect_remaining(0, "the end of the layer");
         heads_.swap(loaded);
+        size_split_scratch();
     }
 
 private:
@@ -378,7 +423,8 @@ private:
     /// Pairs head h's attend reads.
     [[nodiscard]] Index pairs(Index h) const {
         Index n = 0;
-        heads_[static_cast<std::size_t>(h)].for_each_run([&n](const auto& keys, const auto&) { n += keys.rows(); });
+        heads_[static_cast<std::size_t>(h)].for_each_stored_run(
+            [&n](const auto&, const auto&, Index, Index count) { n += count; });
         return n;
     }
 
@@ -396,12 +442,11 @@ private:
             auto acc_rows = acc.middleRows(r0, g);
             detail::GroupAttention<T> group(q.middleRows(r0, g), head.scale());
             Index offset = 0;
-            head.for_each_run([&](const auto& keys, const auto& values) {
-                const Index begin = std::max(piece.first, offset), end = std::min(piece.last, offset + keys.rows());
+            head.for_each_stored_run([&](const auto& keys, const auto& values, Index first, Index n) {
+                const Index begin = std::max(piece.first, offset), end = std::min(piece.last, offset + n);
                 if (begin < end)
-                    group.fold(keys.middleRows(begin - offset, end - begin), values.middleRows(begin - offset, end - begin),
-                               acc_rows);
-                offset += keys.rows();
+                    group.fold_stored(keys, values, first + begin - offset, end - begin, acc_rows);
+                offset += n;
             });
             for (Index r = 0; r < g; ++r)
                 states[r0 + r] = group.state(r);
@@ -410,15 +455,14 @@ private:
 
     /// attend for memories with pair runs (see the top of the file).
     void attend_split(const ConstRowRef<T>& query, RowRef<T>& out) const {
-        const Index g = layout_.group_size(), dv = layout_.values();
         Index total = 0, most = 0;
         for (Index h = 0; h < layout_.kv_heads; ++h) {
             total += pairs(h);
             most = std::max(most, pairs(h));
         }
-        const double work = static_cast<double>(total) * static_cast<double>(g) *
-                            static_cast<double>(layout_.head_dim + dv);
-        const int threads = work < parallel_work ? 1 : 0;  // one thread: no schedule, no allocation
+        const double work = static_cast<double>(total) * static_cast<double>(layout_.group_size()) *
+                            static_cast<double>(layout_.head_dim + layout_.values());
+        const int threads = work < parallel_work ? 1 : 0;  // one thread: no team to start
         if (most <= split_keys) {  // one piece per head: each head's own grouped attend
             detail::parallel_ranges(
                 layout_.kv_heads, [&](Index h) { return static_cast<double>(pairs(h)); },
@@ -426,22 +470,105 @@ private:
                     for (Index h = first; h < last; ++h)
                         attend_head(h, query, out);
                 },
-                threads);
+                threads, executor_);
             return;
         }
-        // Pieces of split_keys pairs (the last one of a head shorter), head by head.
+        // The scratch is sized for the pieces of the heads' capacity (constructor, reserve,
+        // extend, prefill, and an update whose cache grew): taken here, nothing allocates.
+        // A second attend running at the same time on another thread uses scratch of its own.
+        std::unique_lock<std::mutex> lock(split_.mutex, std::try_to_lock);
+        const Index pieces = piece_count();
+        if (lock.owns_lock() && split_.fits(pieces, layout_)) {
+            attend_pieces(query, out, split_, threads);
+        } else {
+            SplitScratch own;
+            own.size_for(pieces, layout_);
+            attend_pieces(query, out, own, threads);
+        }
+    }
+
+    /// Pieces of split_keys pairs (the last one of a head shorter), head by head.
+    [[nodiscard]] Index piece_count() const {
+        Index pieces = 0;
+        for (Index h = 0; h < layout_.kv_heads; ++h)
+            pieces += std::max<Index>(1, (pairs(h) + split_keys - 1) / split_keys);
+        return pieces;
+    }
+
+    /// Scratch of the split attend: the pieces, each head's first piece, a state per
+    /// (piece, query of the group) and an accumulator row for each.
+    struct SplitScratch {
+        std::mutex mutex;
         std::vector<Piece> pieces;
         std::vector<Index> first_piece;
+        std::vector<SoftmaxState<T>> states;
+        Matrix<T> partial;
+
+        // A copy or a move gets scratch of the same size and a mutex of its own.
+        SplitScratch() = default;
+        SplitScratch(const SplitScratch& other)
+            : first_piece(other.first_piece), states(other.states), partial(other.partial.rows(), other.partial.cols()) {
+            pieces.reserve(other.pieces.capacity());
+        }
+        SplitScratch(SplitScratch&& other) noexcept
+            : pieces(std::move(other.pieces)), first_piece(std::move(other.first_piece)),
+              states(std::move(other.states)), partial(std::move(other.partial)) {}
+        SplitScratch& operator=(SplitScratch other) noexcept {
+            pieces.swap(other.pieces);
+            first_piece.swap(other.first_piece);
+            states.swap(other.states);
+            partial.swap(other.partial);
+            return *this;
+        }
+        ~SplitScratch() = default;
+
+        [[nodiscard]] bool fits(Index n, const HeadLayout& layout) const {
+            return static_cast<Index>(pieces.capacity()) >= n && partial.rows() >= n * layout.group_size();
+        }
+        void size_for(Index n, const HeadLayout& layout) {
+            const Index g = layout.group_size();
+            pieces.reserve(static_cast<std::size_t>(n));
+            first_piece.resize(static_cast<std::size_t>(layout.kv_heads) + 1);
+            states.resize(static_cast<std::size_t>(n * g));
+            if (partial.rows() < n * g)
+                partial.resize(n * g, layout.values());
+        }
+    };
+
+    /// Sizes the split scratch for the pieces the heads can hold now (their capacity),
+    /// so that attend allocates nothing. Called where the heads may have grown, after
+    /// they have: if the scratch cannot grow (std::bad_alloc), it stays as it was and an
+    /// attend that needs more makes its own, so the call that fed the heads still succeeds.
+    void size_split_scratch() noexcept {
+        if constexpr (detail::HasPairRuns<M>) {
+            Index pieces = 0;
+            for (const M& head : heads_)
+                pieces += std::max<Index>(1, (detail::pair_capacity(head) + split_keys - 1) / split_keys);
+            if (split_.fits(pieces, layout_))
+                return;
+            try {
+                split_.size_for(pieces, layout_);
+            } catch (const std::bad_alloc&) {
+            }
+        }
+    }
+
+    /// The split attend over `scratch` (sized for the pieces).
+    void attend_pieces(const ConstRowRef<T>& query, RowRef<T>& out, SplitScratch& scratch, int threads) const {
+        const Index g = layout_.group_size(), dv = layout_.values();
+        std::vector<Piece>& pieces = scratch.pieces;
+        pieces.clear();
         for (Index h = 0; h < layout_.kv_heads; ++h) {
-            first_piece.push_back(static_cast<Index>(pieces.size()));
+            scratch.first_piece[static_cast<std::size_t>(h)] = static_cast<Index>(pieces.size());
             const Index n = pairs(h);
             for (Index j = 0; j < std::max<Index>(n, 1); j += split_keys)
-                pieces.push_back({h, j, std::min(n, j + split_keys)});
+                pieces.push_back({h, j, std::min(n, j + split_keys)});  // within the reserved capacity
         }
-        first_piece.push_back(static_cast<Index>(pieces.size()));
+        scratch.first_piece[static_cast<std::size_t>(layout_.kv_heads)] = static_cast<Index>(pieces.size());
         // Piece 0 of a head accumulates in the output; the others in scratch.
-        std::vector<SoftmaxState<T>> states(pieces.size() * static_cast<std::size_t>(g));
-        Matrix<T> partial(static_cast<Index>(pieces.size()) * g, dv);
+        SoftmaxState<T>* states = scratch.states.data();
+        Matrix<T>& partial = scratch.partial;
+        const std::vector<Index>& first_piece = scratch.first_piece;
         detail::parallel_ranges(
             static_cast<Index>(pieces.size()),
             [&](Index i) {
@@ -454,18 +581,18 @@ private:
                     GroupOut acc = i == first_piece[static_cast<std::size_t>(p.head)]
                                        ? group_outputs(out, p.head)
                                        : GroupOut(partial.data() + i * g * dv, g, dv, Eigen::OuterStride<>(dv));
-                    attend_piece(p, group_queries(query, p.head), states.data() + i * g, acc);
+                    attend_piece(p, group_queries(query, p.head), states + i * g, acc);
                 }
             },
-            threads);
+            threads, executor_);
         // Merge each head's pieces in order, then normalise.
         for (Index h = 0; h < layout_.kv_heads; ++h) {
             const Index p0 = first_piece[static_cast<std::size_t>(h)];
             GroupOut o = group_outputs(out, h);
             for (Index r = 0; r < g; ++r) {
-                SoftmaxState<T>& state = states[static_cast<std::size_t>(p0 * g + r)];
+                SoftmaxState<T>& state = states[p0 * g + r];
                 for (Index p = p0 + 1; p < first_piece[static_cast<std::size_t>(h) + 1]; ++p)
-                    state.merge(states[static_cast<std::size_t>(p * g + r)], o.row(r), partial.row(p * g + r));
+                    state.merge(states[p * g + r], o.row(r), partial.row(p * g + r));
                 state.finish(o.row(r));
             }
         }
@@ -484,13 +611,16 @@ private:
                 [this](const detail::SequenceSpan&, Index kv) {
                     const M& head = heads_[static_cast<std::size_t>(kv)];
                     return detail::HeadKeys<T>{head.keys(), head.values(), static_cast<double>(head.scale())};
-                });
+                },
+                executor_);
         });
     }
 
     HeadLayout layout_;
     Index key_width_;  ///< each head's columns of a key row
     std::vector<M> heads_;
+    ExecutorRef executor_;        ///< where attend and prefill run their items
+    mutable SplitScratch split_;  ///< the split attend's scratch (see size_split_scratch)
 };
 
 }  // namespace memattn

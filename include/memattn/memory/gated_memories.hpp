@@ -21,10 +21,10 @@
 //   Matrix<float> keys(n, 65);  keys << K, beta;
 //   memattn::prefill(memory, Q, keys, V, O);    // = chunked_delta_rule_attention(Q, K, V, beta, O, ...)
 
-#include "memattn/detail/memory_checks.hpp"
 #include "memattn/kernels/delta_rule.hpp"
 #include "memattn/kernels/gated_linear_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/types.hpp"
 

@@ -19,10 +19,11 @@
 // position e % rate; slots [max(0, S − slots), S) with S = ⌈E / rate⌉ are kept, slot g
 // in row g % slots of a ring. Both rings are allocated at construction.
 
-#include "memattn/detail/memory_checks.hpp"
-#include "memattn/detail/pair_ring.hpp"
+#include "memattn/kernels/decode_attention.hpp"
 #include "memattn/memory/compressor.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/memory_checks.hpp"
+#include "memattn/memory/detail/pair_ring.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
@@ -141,11 +142,19 @@ public:
     /// Row r of `out` = attend(row r of `queries`), to rounding, for g queries at once:
     /// the pairs are read once for the group (grouped-query attention), the logits and
     /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
-    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const
-        requires std::same_as<S, T>
-    {
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
         detail::check_group_query("HybridCache::attend_group", queries, out, key_dim_, value_dim_);
-        detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_run(f); });
+        detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_stored_run(f); });
+    }
+
+    /// Calls f(keys, values, first, n) for each contiguous run of the stored pairs `attend`
+    /// reads, in order (the kept compressed slots, in T, then the window, in S).
+    template <class F>
+    void for_each_stored_run(F&& f) const {
+        const Index e = evicted(length_), s = slot_count(e);
+        if (slots_ > 0)
+            compressed_.for_each_stored(first_slot(s), s, f);
+        local_.for_each_stored(e, length_, f);
     }
 
     /// Calls f(keys, values) for each contiguous run of the pairs `attend` reads, in the
@@ -162,6 +171,8 @@ public:
 
     /// Tokens seen since reset.
     [[nodiscard]] Index length() const noexcept { return length_; }
+    /// The most pairs attend reads: the kept compressed slots and the window.
+    [[nodiscard]] Index pair_capacity() const noexcept { return slots_ + window_; }
     /// Bytes of the pairs held now (raw and compressed); constant once both are full.
     [[nodiscard]] std::size_t footprint() const noexcept {
         const Index e = evicted(length_), s = slot_count(e);

@@ -4,8 +4,9 @@
 // it is the baseline the fixed-size memories are measured against.
 
 #include "memattn/kernels/causal_softmax.hpp"
-#include "memattn/detail/memory_checks.hpp"
+#include "memattn/kernels/decode_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/storage/compact.hpp"
@@ -122,13 +123,22 @@ public:
     }
 
     /// Row r of `out` = attend(row r of `queries`), to rounding, for g queries at once:
-    /// the pairs are read once for the group (grouped-query attention), the logits and
-    /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
-    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const
-        requires std::same_as<S, T>
-    {
+    /// the pairs are read (and, stored compactly, converted) once for the group
+    /// (grouped-query attention), the logits and the weighted values are small
+    /// register-blocked products instead of g passes. Allocates nothing.
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
         detail::check_group_query("KVCache::attend_group", queries, out, key_dim_, value_dim_);
-        detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_run(f); });
+        detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_stored_run(f); });
+    }
+
+    /// Calls f(keys, values, first, n) for each contiguous run of the stored pairs `attend`
+    /// reads, in order: rows [first, first + n) of the stored keys and values
+    /// (detail::StoredRows, in storage S). How memattn::MultiHead splits one attend across
+    /// threads, for every storage type.
+    template <class F>
+    void for_each_stored_run(F&& f) const {
+        if (length_ > 0)
+            f(keys_, values_, Index{0}, length_);
     }
 
     /// Calls f(keys, values) for each contiguous run of the pairs `attend` reads, in the
@@ -145,6 +155,8 @@ public:
     [[nodiscard]] Index length() const noexcept { return length_; }
     /// Bytes of the pairs held now, as stored (S).
     [[nodiscard]] std::size_t footprint() const noexcept { return bytes(length_); }
+    /// Pairs it can hold before it allocates again.
+    [[nodiscard]] Index pair_capacity() const noexcept { return keys_.rows(); }
     /// Bytes allocated (held pairs plus room to grow).
     [[nodiscard]] std::size_t capacity() const noexcept { return bytes(keys_.rows()); }
     /// Forgets every pair and keeps the allocation.

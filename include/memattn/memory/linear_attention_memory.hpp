@@ -17,10 +17,10 @@
 // the constructor behind a mutex, so such attends are serialised but still allocate
 // nothing.
 
-#include "memattn/detail/memory_checks.hpp"
 #include "memattn/feature_maps.hpp"
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/types.hpp"
 

@@ -14,9 +14,9 @@
 // summation: after 10^6 tokens of float the mean agrees with double to ~1e-7
 // relative, where a plain float sum would have lost ~1e-2 (tests hold this).
 
-#include "memattn/detail/memory_checks.hpp"
-#include "memattn/detail/pair_ring.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/memory_checks.hpp"
+#include "memattn/memory/detail/pair_ring.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/types.hpp"
 

@@ -13,10 +13,11 @@
 // j − sinks of a ring of `window` rows; both are allocated at construction, so
 // update/attend never allocate. Everything else derives from length().
 
-#include "memattn/detail/memory_checks.hpp"
-#include "memattn/detail/pair_ring.hpp"
 #include "memattn/kernels/causal_softmax.hpp"
+#include "memattn/kernels/decode_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/memory_checks.hpp"
+#include "memattn/memory/detail/pair_ring.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
 
@@ -121,11 +122,17 @@ public:
     /// Row r of `out` = attend(row r of `queries`), to rounding, for g queries at once:
     /// the pairs are read once for the group (grouped-query attention), the logits and
     /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
-    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const
-        requires std::same_as<S, T>
-    {
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
         detail::check_group_query("SlidingWindowCache::attend_group", queries, out, key_dim_, value_dim_);
-        detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_run(f); });
+        detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_stored_run(f); });
+    }
+
+    /// Calls f(keys, values, first, n) for each contiguous run of the stored pairs `attend`
+    /// reads, in order (the sinks, then the window), in any storage (see KVCache).
+    template <class F>
+    void for_each_stored_run(F&& f) const {
+        sink_pairs_.for_each_stored(0, held_sinks(), f);
+        window_pairs_.for_each_stored(first_window_item(), window_items(), f);
     }
 
     /// Calls f(keys, values) for each contiguous run of the pairs `attend` reads, in the
@@ -144,6 +151,8 @@ public:
     [[nodiscard]] std::size_t footprint() const noexcept {
         return sink_pairs_.bytes(held_sinks()) + window_pairs_.bytes(window_items() - first_window_item());
     }
+    /// The most pairs attend reads: window + sinks.
+    [[nodiscard]] Index pair_capacity() const noexcept { return sinks_ + window_; }
     /// Bytes allocated at construction: window + sinks pairs.
     [[nodiscard]] std::size_t capacity() const noexcept { return sink_pairs_.bytes(sinks_ + window_); }
     /// Forgets every pair and keeps the allocation.

@@ -12,22 +12,27 @@
 //   Eigen::bfloat16  8-bit exponent, 8-bit mantissa: float's range, relative rounding
 //                    2^-9; outputs within 1e-2 of exact on unit-scale inputs.
 //   Eigen::half      IEEE binary16: 11-bit mantissa (rounding 2^-12) but a range of
-//                    ±65504. A finite value beyond it would become ±∞ and then NaN
-//                    outputs: storing one throws std::invalid_argument (the cache
-//                    unchanged) instead; ±∞ and NaN are stored as they are (they poison
-//                    the outputs that see them, as in float). Outputs within 2e-3.
+//                    ±65504. Outputs within 2e-3.
 //   memattn::Q8      like llama.cpp's q8_0: blocks of 32 values of a row (the last one
 //                    shorter when the row is) as int8 q_i with one float scale
 //                    s = max|x_i| / 127, value = s·q_i; a row of d values takes
 //                    d + 4·⌈d/32⌉ bytes. Rounding ≤ max|x|/254 per block; outputs within
 //                    2e-2. A block holding ±∞ or NaN stores a NaN scale: the whole block
 //                    reads as NaN.
+//
+// One policy for every type (check_storable): a finite value that S would store as ±∞
+// or NaN (float16 from 65520 on, bfloat16 from ~3.3962e38, a double past float's range)
+// throws std::invalid_argument and the cache is unchanged; ±∞ and NaN themselves are
+// stored as they are and poison the outputs that see them, as in T.
+//
+// The attention that reads stored rows lives in kernels/decode_attention.hpp (one query
+// or a group, in registers where the instruction set converts) and in the causal softmax
+// kernel (a tile at a time); this header only stores, converts and describes them.
 
 #include "memattn/detail/assert.hpp"
 #include "memattn/detail/packet.hpp"
 #include "memattn/detail/tile_product.hpp"
 #include "memattn/persistence/stream.hpp"
-#include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
@@ -557,80 +562,6 @@ void round_trip(const D& rows, StoredRows<T, S>& scratch, T* out, Index ld) {
     MEMATTN_DASSERT(scratch.rows() >= rows.rows() && scratch.cols() == rows.cols());
     scratch.put_rows(0, rows);
     scratch.decode_rows(0, rows.rows(), out, ld);
-}
-
-/// Values T a single-query attend converts per step on its stack: 32 KiB.
-template <class T>
-inline constexpr Index stored_buffer = Index(32768 / sizeof(T));
-
-/// One query against the stored pairs [first, first + n) of K and V, as the streaming path
-/// of attend_contiguous: per block of attend_block keys, the logits s_j = scale · q·k_j,
-/// the online softmax, then acc = α·acc + Σ_j p_j v_j. In float with fused_storage each
-/// row is converted in registers inside the dot product and the update; otherwise rows
-/// are converted a few at a time into a buffer in L1 (dot_in_order, add_values_in_order),
-/// on the stack (stored_buffer values), or from the heap for a row wider than that.
-template <class T, class S, class Q, class Acc>
-void attend_stored(const Q& q, const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n, T scale,
-                   SoftmaxState<T>& state, Acc&& acc) {
-    MEMATTN_DASSERT(q.innerStride() == 1 && acc.innerStride() == 1);
-    if constexpr (fused_storage && std::is_same_v<T, float>) {
-        // Conversion in registers: each key row's dot product and each value row's update
-        // read the stored bytes once, in address order.
-        using namespace Eigen::internal;
-        alignas(64) T logits[attend_block];
-        const Index dv = V.cols(), packed = dv / packet_lanes<T> * packet_lanes<T>;
-        // From DRAM (a run of at least streaming_bytes), rows are asked for 4 KiB ahead on
-        // each stream, as on the float path; in cache the prefetches only cost.
-        const Index end = first + n;
-        const bool streaming = static_cast<std::size_t>(n) * (StoredRows<T, S>::row_bytes(K.cols()) +
-                                                              StoredRows<T, S>::row_bytes(dv)) >= streaming_bytes;
-        const Index k_ahead = streaming ? std::max<Index>(1, Index(4096 / StoredRows<T, S>::row_bytes(K.cols()))) : n;
-        const Index v_ahead = streaming ? std::max<Index>(1, Index(4096 / StoredRows<T, S>::row_bytes(dv))) : n;
-        T* out = acc.data();
-        for (Index j0 = first; j0 < end; j0 += attend_block) {
-            const Index m = std::min(attend_block, end - j0);
-            for (Index j = 0; j < m; ++j) {
-                if (j0 + j + k_ahead < end)
-                    K.prefetch_row(j0 + j + k_ahead);
-                logits[j] = scale * K.dot(j0 + j, q.data());
-            }
-            const T alpha = state.absorb(logits, m);
-            if (alpha != T(1)) {
-                for (Index c = 0; c < packed; c += packet_lanes<T>)
-                    pstoreu(out + c, pmul(pset1<Packet<T>>(alpha), ploadu<Packet<T>>(out + c)));
-                for (Index c = packed; c < dv; ++c)
-                    out[c] *= alpha;
-            }
-            V.add_rows(j0, m, logits, out, streaming ? v_ahead : 0, end);
-        }
-        return;
-    }
-    const Index d = K.cols(), dv = V.cols(), widest = std::max(d, dv);
-    alignas(64) T stack[stored_buffer<T>];
-    std::vector<T> heap;
-    T* buffer = stack;
-    if (widest > stored_buffer<T>) {
-        heap.resize(static_cast<std::size_t>(widest));
-        buffer = heap.data();
-    }
-    const Index step = std::max<Index>(1, std::min<Index>(16, stored_buffer<T> / widest));
-    alignas(64) T logits[attend_block];
-    for (Index j0 = first; j0 < first + n; j0 += attend_block) {
-        const Index m = std::min(attend_block, first + n - j0);
-        for (Index j = 0; j < m; j += step) {
-            const Index rows = std::min(step, m - j);
-            K.decode_rows(j0 + j, rows, buffer, d);
-            for (Index r = 0; r < rows; ++r)
-                logits[j + r] = scale * dot_in_order(q.data(), buffer + r * d, d);
-        }
-        T alpha = state.absorb(logits, m);
-        for (Index j = 0; j < m; j += step) {
-            const Index rows = std::min(step, m - j);
-            V.decode_rows(j0 + j, rows, buffer, dv);
-            add_values_in_order(logits + j, buffer, dv, rows, dv, alpha, acc.data());
-            alpha = T(1);
-        }
-    }
 }
 
 }  // namespace detail

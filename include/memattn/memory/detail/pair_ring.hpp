@@ -7,9 +7,11 @@
 //
 // Layout: keys_ (capacity × d) and values_ (capacity × dv), row-major, so the items
 // [first, last) are at most two contiguous runs of rows, which is what
-// detail::attend_contiguous and Eigen's GEMV want.
+// detail::attend_contiguous, detail::attend_stored and the grouped attend
+// (kernels/decode_attention.hpp) want.
 
 #include "memattn/detail/assert.hpp"
+#include "memattn/kernels/decode_attention.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/storage/compact.hpp"
@@ -105,6 +107,13 @@ public:
             else
                 attend_contiguous(query, keys_.block(row, n), values_.block(row, n), scale, state, acc);
         });
+    }
+
+    /// Calls f(keys, values, row, n) for each contiguous run of the items [first, last),
+    /// oldest first: rows [row, row + n) of the stored keys and values, in any storage.
+    template <class F>
+    void for_each_stored(Index first, Index last, F&& f) const {
+        for_each_run(first, last, [&](Index row, Index, Index n) { f(keys_, values_, row, n); });
     }
 
     /// Calls f(keys, values) with the rows of each contiguous run of the items [first, last), oldest first.

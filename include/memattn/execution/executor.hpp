@@ -1,0 +1,163 @@
+#pragma once
+// Executors: how memattn hands the independent work items of one call (a head, a tile
+// of queries, a piece of a long cache) to threads. The one place memattn names OpenMP.
+//
+//   memattn::OpenMPExecutor two{.threads = 2};
+//   memattn::multi_head_causal_softmax_attention(Q, K, V, O, layout, {}, {}, two);
+//   memattn::MultiHead<memattn::KVCache<float>> mem(layout, make);
+//   mem.set_executor(my_pool);   // any type modelling memattn::Executor
+//
+// An executor has two members:
+//   int concurrency() const;             how many items it can run at once (>= 1)
+//   void parallel_for(Index n, F f) const;  f(i) once for every i in [0, n), on any
+//                                        thread, in any order; returns when all are done
+// memattn cuts a call's items into at most concurrency() contiguous ranges of equal
+// estimated cost (layer/parallel.hpp) and asks for one parallel_for over the ranges, so
+// a pool is entered once per call. No item's arithmetic depends on the cut, so the
+// outputs are bitwise the same for every executor and every thread count. memattn's own
+// callables catch their exceptions (they are rethrown on the calling thread after
+// parallel_for returns), so an executor never sees one.
+//
+// - SerialExecutor: every item on the calling thread, in order.
+// - OpenMPExecutor: an OpenMP team of min(n, concurrency()) threads; `threads` 0 means
+//   omp_get_max_threads() (so omp_set_num_threads and OMP_NUM_THREADS apply). Called
+//   from inside an active parallel region it runs on the calling thread. Compiled
+//   without -fopenmp it is serial.
+// - DefaultExecutor: OpenMPExecutor with OpenMP, else SerialExecutor; what a call uses
+//   when it names none.
+// - ExecutorRef: a non-owning, non-allocating reference to any executor, which calls
+//   and memories hold; the executor must outlive the calls that use it.
+//
+// OpenMP's idle threads spin (OMP_WAIT_POLICY=active, libgomp's default for a while
+// after each region) before they sleep. On a machine whose cores are busy with other
+// work, a spinning team member steals the core from the thread that has the work, and
+// a threaded step can be many times slower than a serial one (docs/performance.md has
+// the figures). memattn does not change the process-wide policy: it keeps small steps on
+// the calling thread (MultiHead::parallel_work), and a server that shares its cores
+// should run with OMP_WAIT_POLICY=passive or bring its own pool as an executor.
+
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <concepts>
+#include <type_traits>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace memattn {
+
+namespace detail {
+
+/// The callable an executor is checked with: f(i) for an item index.
+struct ItemProbe {
+    void operator()(Index) const noexcept {}
+};
+
+}  // namespace detail
+
+/// Runs the items of a call (see the top of the file): concurrency() and parallel_for(n, f).
+template <class E>
+concept Executor = requires(const E& e, Index n, const detail::ItemProbe& f) {
+    { e.concurrency() } -> std::convertible_to<int>;
+    e.parallel_for(n, f);
+};
+
+/// Every item on the calling thread, in order.
+struct SerialExecutor {
+    /// Always 1.
+    [[nodiscard]] int concurrency() const noexcept { return 1; }
+    /// f(0), f(1), ..., f(n − 1) on the calling thread.
+    template <class F>
+    void parallel_for(Index n, F&& f) const {
+        for (Index i = 0; i < n; ++i)
+            f(i);
+    }
+};
+
+/// An OpenMP team per call (see the top of the file).
+struct OpenMPExecutor {
+    int threads = 0;  ///< team size; 0: omp_get_max_threads()
+
+    /// Threads a call may use now: 1 without OpenMP or inside an active parallel region.
+    [[nodiscard]] int concurrency() const noexcept {
+#if defined(_OPENMP)
+        if (omp_in_parallel())
+            return 1;
+        return threads > 0 ? threads : std::max(1, omp_get_max_threads());
+#else
+        return 1;
+#endif
+    }
+
+    /// f(i) for every i in [0, n) on a team of min(n, concurrency()) threads, item i on
+    /// thread i mod team; serial for a team of one.
+    template <class F>
+    void parallel_for(Index n, F&& f) const {
+        const auto team = static_cast<int>(std::min<Index>(n, concurrency()));
+        if (team <= 1) {
+            for (Index i = 0; i < n; ++i)
+                f(i);
+            return;
+        }
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(team) schedule(static, 1)
+        for (Index i = 0; i < n; ++i)
+            f(i);
+#endif
+    }
+};
+
+#if defined(_OPENMP)
+using DefaultExecutor = OpenMPExecutor;  ///< what a call uses when it names no executor
+#else
+using DefaultExecutor = SerialExecutor;  ///< what a call uses when it names no executor
+#endif
+
+/// The executor calls and memories use when given none.
+inline const DefaultExecutor default_executor{};
+
+/// A reference to any Executor, copied by value, allocating nothing: the executor must
+/// outlive every call made through the reference. Default-constructed, it refers to
+/// memattn::default_executor.
+class ExecutorRef {
+public:
+    /// memattn::default_executor.
+    ExecutorRef() noexcept : ExecutorRef(default_executor) {}
+
+    /// `executor`, which must outlive the reference's uses.
+    template <Executor E>
+        requires(!std::same_as<std::remove_cvref_t<E>, ExecutorRef>)
+    ExecutorRef(const E& executor) noexcept  // implicit: a view, like std::span
+        : object_(&executor), concurrency_(&concurrency_of<E>), run_(&run_on<E>) {}
+
+    /// The executor's concurrency(), at least 1.
+    [[nodiscard]] int concurrency() const { return std::max(1, concurrency_(object_)); }
+
+    /// The executor's parallel_for(n, f); `f` must not throw.
+    template <class F>
+    void parallel_for(Index n, F&& f) const {
+        using Fn = std::remove_reference_t<F>;
+        run_(object_, n, const_cast<void*>(static_cast<const void*>(&f)),
+             [](void* fn, Index i) { (*static_cast<Fn*>(fn))(i); });
+    }
+
+private:
+    using Call = void (*)(void*, Index);
+
+    template <class E>
+    static int concurrency_of(const void* executor) {
+        return static_cast<int>(static_cast<const E*>(executor)->concurrency());
+    }
+    template <class E>
+    static void run_on(const void* executor, Index n, void* fn, Call call) {
+        static_cast<const E*>(executor)->parallel_for(n, [fn, call](Index i) { call(fn, i); });
+    }
+
+    const void* object_;
+    int (*concurrency_)(const void*);
+    void (*run_)(const void*, Index, void*, Call);
+};
+
+}  // namespace memattn
