@@ -133,8 +133,13 @@ template <class M>
 void check_no_allocation(M mem) {
     using T = typename M::Scalar;
     const Index d = mem.key_dim(), dv = mem.value_dim(), n = 300;
-    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
-    Vector<T> out(dv);
+    Index qd = d, od = dv;  // a layer's queries and outputs are wider than its keys and values
+    if constexpr (requires { mem.query_dim(); }) {
+        qd = mem.query_dim();
+        od = mem.output_dim();
+    }
+    const Matrix<T> Q = random_matrix<T>(n, qd, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
+    Vector<T> out(od);
     mem.extend(K.topRows(5), V.topRows(5));  // a partly filled memory too
     HeapWatch watch;
     for (Index i = 0; i < n; ++i) {
@@ -204,6 +209,14 @@ TEMPLATE_TEST_CASE("Fixed-size memories never allocate in update, attend or exte
     SECTION("MultiHead<SlidingWindowCache>, two heads: a short step stays on this thread") {
         check_no_allocation(
             MultiHead<SlidingWindowCache<T>>(HeadLayout{2, 2, 8, 4}, [](Index) { return SlidingWindowCache<T>(8, 4, 32, 2); }));
+    }
+    SECTION("MultiHead<LinearAttentionMemory>, groups of two: the grouped attend") {
+        check_no_allocation(MultiHead<LinearAttentionMemory<T>>(
+            HeadLayout{4, 2, 8, 4}, [](Index) { return LinearAttentionMemory<T>(8, 4); }));
+    }
+    SECTION("MultiHead<SlidingWindowCache<T, Q8>>, groups of four: the compact grouped attend") {
+        check_no_allocation(MultiHead<SlidingWindowCache<T, Q8>>(
+            HeadLayout{8, 2, 8, 4}, [](Index) { return SlidingWindowCache<T, Q8>(8, 4, 32, 2); }));
     }
     SECTION("MultiHead<HybridCache>, two heads") {
         check_no_allocation(

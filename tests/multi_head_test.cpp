@@ -320,6 +320,32 @@ TEST_CASE("attend_group equals g single attends", "[layer][memory]") {
     check(kv);
     check(window);
     check(hybrid);
+    // The linear family: the state read once for the group, one product.
+    LinearAttentionMemory<float> linear(8, 5);
+    LinearAttentionMemory<float, Taylor2> taylor(8, 5);                        // d' = 45
+    LinearAttentionMemory<float, Taylor2> wide(130, 5);                         // d' past the stack buffer
+    GatedLinearAttentionMemory<float> gated(8, 5, GateKind::channel);
+    DeltaRuleMemory<float> delta(8, 5, {.normalize_keys = true}, true);
+    extend(linear, K, V);
+    extend(taylor, K, V);
+    Matrix<float> gate_keys(700, 16), delta_keys(700, 10);
+    gate_keys << K, (random_matrix<float>(700, 8, 74).array() * 0.05f - 0.05f).matrix();
+    delta_keys << K, Matrix<float>::Constant(700, 1, 0.3f), Matrix<float>::Constant(700, 1, -0.01f);
+    extend(gated, gate_keys, V);
+    extend(delta, delta_keys, V);
+    extend(wide, random_matrix<float>(50, 130, 75), V.topRows(50));
+    check(linear);
+    check(taylor);
+    check(gated);
+    check(delta);
+    {
+        const Matrix<float> Qw = random_matrix<float>(3, 130, 76, 0.1);
+        Matrix<float> grouped(3, 5), single(3, 5);
+        wide.attend_group(Qw, grouped);
+        for (Index r = 0; r < 3; ++r)
+            wide.attend(Qw.row(r), single.row(r));
+        CHECK((grouped.array() == single.array()).all());  // one query at a time, as attend
+    }
     KVCache<float> empty(8, 5);
     Matrix<float> out = Matrix<float>::Constant(g, 5, 1.0f);
     empty.attend_group(Qg, out);

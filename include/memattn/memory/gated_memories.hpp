@@ -114,6 +114,19 @@ public:
             out *= T(1) / (query.dot(state_.nu) + static_cast<T>(options_.eps));
     }
 
+    /// Row r of `out` = attend(row r of `queries`), to rounding: S and z read once for the
+    /// group, one register-blocked product Q_g S. Allocates nothing.
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+        detail::check_group_query("GatedLinearAttentionMemory::attend_group", queries, out, d_, dv_);
+        if (queries.rows() == 0)
+            return;
+        detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, state_.mu.data(),
+                                dv_, out.data(), out.outerStride(), nullptr);
+        if (options_.normalize && length_ > 0)
+            for (Index r = 0; r < queries.rows(); ++r)
+                out.row(r) *= T(1) / (queries.row(r).dot(state_.nu) + static_cast<T>(options_.eps));
+    }
+
     /// chunked_gated_linear_attention over the keys' first d columns and their gates, from
     /// and into the memory's state.
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
@@ -247,6 +260,16 @@ public:
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
         detail::check_query("DeltaRuleMemory::attend", query, out, d_, dv_);
         out.noalias() = query * S_;
+    }
+
+    /// Row r of `out` = attend(row r of `queries`), to rounding: S read once for the
+    /// group, one register-blocked product Q_g S. Allocates nothing.
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+        detail::check_group_query("DeltaRuleMemory::attend_group", queries, out, d_, dv_);
+        if (queries.rows() == 0)
+            return;
+        detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, S_.data(), dv_,
+                                out.data(), out.outerStride(), nullptr);
     }
 
     /// chunked_delta_rule_attention over the keys' columns, from and into the memory's state.

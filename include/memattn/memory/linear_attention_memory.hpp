@@ -126,6 +126,32 @@ public:
         }
     }
 
+    /// Row r of `out` = attend(row r of `queries`), to rounding, for g queries at once (a
+    /// group of query heads over this KV head): μ and ν are read once for the group, the
+    /// features of as many queries as fit the stack buffer at a time, one register-blocked
+    /// product φ(Q_g) μ. Allocates nothing.
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+        detail::check_group_query("LinearAttentionMemory::attend_group", queries, out, key_dim_, value_dim_);
+        const Index rows = feature_dim_ <= stack_features ? stack_features / feature_dim_ : 0;
+        if (rows == 0) {  // d' beyond the stack buffer: one query at a time, as attend
+            for (Index r = 0; r < queries.rows(); ++r)
+                attend(queries.row(r), out.row(r));
+            return;
+        }
+        alignas(64) T buffer[stack_features];
+        for (Index r0 = 0; r0 < queries.rows(); r0 += rows) {
+            const Index m = std::min(rows, queries.rows() - r0);
+            Eigen::Map<Matrix<T>> qf(buffer, m, feature_dim_);
+            phi_(ConstMatrixRef<T>(queries.middleRows(r0, m)), MatrixRef<T>(qf));
+            T* o = out.data() + r0 * out.outerStride();
+            detail::tile_product<T>(m, value_dim_, feature_dim_, buffer, feature_dim_, 1, state_.mu.data(), value_dim_,
+                                    o, out.outerStride(), nullptr);  // q'μ
+            if (options_.normalize)
+                for (Index r = 0; r < m; ++r)
+                    out.row(r0 + r) *= T(1) / (qf.row(r).dot(state_.nu) + static_cast<T>(options_.eps));
+        }
+    }
+
     /// Most tokens per block of extend: no queries, so no pairs term to keep small; long
     /// blocks make the fold one large GEMM. The block's φ(K) scratch is allocated by the
     /// constructor with min(256, max(1, 16384 / d')) rows (≤ 64 KiB in float, at least
