@@ -82,6 +82,20 @@ void layer(const memattn::Matrix<T>& x, memattn::Matrix<T>& out, memattn::Index 
     use_memory(memattn::MultiHead<memattn::LinearAttentionMemory<T>>(
                    layout, [h](memattn::Index) { return memattn::LinearAttentionMemory<T>(h, h); }),
                x.leftCols(h), k, out);
+    // Compact caches in a layer: the grouped attend that converts each stored row once,
+    // and the split over an executor.
+    static const memattn::SerialExecutor serial;
+    memattn::MultiHead<memattn::KVCache<T, memattn::Q8>> q8(
+        layout, [h](memattn::Index) { return memattn::KVCache<T, memattn::Q8>(h, h); });
+    q8.set_executor(serial);
+    q8.reserve(x.rows());
+    use_memory(q8, x.leftCols(h), k, out);
+    use_memory(memattn::MultiHead<memattn::KVCache<T, Eigen::bfloat16>>(
+                   layout, [h](memattn::Index) { return memattn::KVCache<T, Eigen::bfloat16>(h, h); }),
+               x.leftCols(h), k, out);
+    use_memory(memattn::MultiHead<memattn::SlidingWindowCache<T, Eigen::half>>(
+                   layout, [h](memattn::Index) { return memattn::SlidingWindowCache<T, Eigen::half>(h, h, 4, 1); }),
+               x.leftCols(h), k, out);
 }
 
 template <class T>

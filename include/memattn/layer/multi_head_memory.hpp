@@ -154,6 +154,14 @@ public:
     /// Runs attend's and prefill's items on `executor` (execution/executor.hpp), which
     /// must outlive the calls; the outputs are bitwise the same on any executor.
     void set_executor(ExecutorRef executor) noexcept { executor_ = executor; }
+    /// A temporary executor would be gone before the calls that use it: refused at
+    /// compile time.
+    template <Executor E>
+        requires(!std::same_as<E, ExecutorRef>)
+    void set_executor(const E&&) {
+        static_assert(sizeof(E) == 0, "memattn: MultiHead::set_executor keeps a reference: pass an executor that "
+                                      "outlives the calls, not a temporary");
+    }
     /// Where attend and prefill run their items (memattn::default_executor unless set).
     [[nodiscard]] ExecutorRef executor() const noexcept { return executor_; }
 
