@@ -28,12 +28,13 @@ using memattn::test::random_matrix;
 
 namespace {
 
-/// Throws std::invalid_argument whose message holds every needle.
-void expect_rejected(const std::function<void()>& call, const std::vector<std::string>& needles) {
+/// Throws E whose message holds every needle.
+template <class E>
+void expect_thrown(const std::function<void()>& call, const std::vector<std::string>& needles) {
     bool threw = false;
     try {
         call();
-    } catch (const std::invalid_argument& e) {
+    } catch (const E& e) {
         threw = true;
         const std::string message = e.what();
         INFO(message);
@@ -41,6 +42,11 @@ void expect_rejected(const std::function<void()>& call, const std::vector<std::s
             CHECK_THAT(message, HasSubstring(needle));
     }
     CHECK(threw);
+}
+
+/// Throws std::invalid_argument whose message holds every needle.
+void expect_rejected(const std::function<void()>& call, const std::vector<std::string>& needles) {
+    expect_thrown<std::invalid_argument>(call, needles);
 }
 
 }  // namespace
@@ -446,17 +452,7 @@ std::string bytes_of(const M& memory) {
 template <class E = std::invalid_argument, class M, class F>
 void expect_unchanged_throw(const M& memory, F&& call, const std::vector<std::string>& needles) {
     const std::string before = bytes_of(memory);
-    bool threw = false;
-    try {
-        call();
-    } catch (const E& e) {
-        threw = true;
-        const std::string message = e.what();
-        INFO(message);
-        for (const auto& needle : needles)
-            CHECK_THAT(message, HasSubstring(needle));
-    }
-    CHECK(threw);
+    expect_thrown<E>(call, needles);
     CHECK(bytes_of(memory) == before);
 }
 
