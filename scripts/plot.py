@@ -3,6 +3,8 @@
 
   plot.py bench RESULTS_DIR OUT_DIR   Google Benchmark JSON (scripts/bench --plot) -> PNGs
   plot.py demo CSV OUT_PNG            streaming_decode --csv output (scripts/demo --plot) -> one PNG
+  plot.py decode-table JSON           bench/decode_bench.cpp's JSON -> the Markdown table of
+                                      docs/performance.md ("Decode at the roofline")
 
 Every figure names the CPU, the SIMD level and the date of the run it shows. Repeated
 runs are reduced to their median (Google Benchmark's aggregates when present).
@@ -116,6 +118,8 @@ def caption(context):
     date = context.get("date", "")[:10] or datetime.date.today().isoformat()
     cores = context.get("num_cpus")
     parts = [cpu]
+    if context.get("cpu_family_model"):
+        parts.append(context["cpu_family_model"])
     if simd:
         parts.append(simd)
     if cores:
@@ -308,6 +312,105 @@ def threads(results, out):
     save(fig, context, os.path.join(out, "threads.png"), "Multi-head layer, N = 4096: two threads against one")
 
 
+DECODE_STORAGES = [("float", "tab:blue"), ("bfloat16", "tab:orange"), ("half", "tab:green"), ("Q8", "tab:red")]
+DECODE_LAYOUTS = [(32, 8), (8, 1)]
+
+
+def decode_cells(runs, prefix="BM_DecodeStep"):
+    """{(storage, q, kv, length, threads): run} of bench/decode_bench.cpp's cells."""
+    cells = {}
+    for name, run in runs.items():
+        base, named, _ = args_of(name)
+        m = re.fullmatch(re.escape(prefix) + r"<(\w+)>", base)
+        if m and "step_ms" in run:
+            cells[(m.group(1), named["q"], named["kv"], named["length"], named["t"])] = run
+    return cells
+
+
+def decode_roofline(results, out):
+    """Step time against cache length for every storage, each beside its roofline."""
+    path = os.path.join(results, "decode_bench.json")
+    if not os.path.exists(path):
+        return
+    runs, context = load(path)
+    cells = decode_cells(runs)
+    if not cells:
+        return
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
+    for row, (q, kv) in enumerate(DECODE_LAYOUTS):
+        for col, threads in enumerate((1, 2)):
+            ax = axes[row][col]
+            for storage, color in DECODE_STORAGES:
+                pts = sorted((length, run) for (s, qq, kk, length, t), run in cells.items()
+                             if (s, qq, kk, t) == (storage, q, kv, threads))
+                if not pts:
+                    continue
+                xs = [length for length, _ in pts]
+                ax.plot(xs, [r["step_ms"] for _, r in pts], "o-", color=color, label=f"{storage}: step")
+                ax.plot(xs, [r["roofline_ms"] for _, r in pts], "--", color=color, lw=1.2,
+                        label=f"{storage}: roofline")
+                for x, (_, r) in zip(xs, pts):
+                    ax.annotate(f"{r['fraction']:.2f}", (x, r["step_ms"]), xytext=(4, 3),
+                                textcoords="offset points", fontsize=7, color=color)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{q} query / {kv} KV heads x 128, {threads} thread{'s' if threads > 1 else ''}",
+                         fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            if row == 1:
+                ax.set_xlabel("cache length (tokens)")
+            if col == 0:
+                ax.set_ylabel("ms per step (median)")
+    axes[0][1].legend(fontsize=7, loc="upper left", ncol=2)
+    fig.text(0.5, 0.935, "roofline: the larger of a streaming read of the step's bytes (the caches' K and V as "
+             "stored) and its multiply-adds at the FMA peak, same run and threads; numbers: roofline / step",
+             ha="center", fontsize=7)
+    fig.subplots_adjust(top=0.86)
+    save(fig, context, os.path.join(out, "decode_roofline.png"),
+         "Decode step (update + attend) of MultiHead<KVCache<float, S>> against its roofline")
+
+
+def decode_table(path):
+    """Prints the Markdown table of docs/performance.md from decode_bench's JSON."""
+    runs, context = load(path)
+    steps, attends = decode_cells(runs), decode_cells(runs, "BM_DecodeAttend")
+    print(f"{caption(context)}")
+    note = contention(context)
+    if note:
+        print(note)
+    record = context.get("memattn_load") or {}
+    if record.get("loadavg_before"):
+        print(f"load average {record['loadavg_before'][0]:.2f} before, {record['loadavg_after'][0]:.2f} after")
+    print()
+    with_attend = bool(attends)
+    header = "| storage | layout | length | MiB read | 1 thread: step / roofline ms | fraction |"
+    header += " 2 threads: step / roofline ms | fraction |"
+    if with_attend:
+        header += " attend alone 1T / 2T ms |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for storage, _ in DECODE_STORAGES:
+        for q, kv in DECODE_LAYOUTS:
+            for length in sorted({c[3] for c in steps}):
+                one, two = steps.get((storage, q, kv, length, 1)), steps.get((storage, q, kv, length, 2))
+                if not one and not two:
+                    continue
+                mib = (one or two)["MiB"]
+
+                def cell(r):
+                    if not r:
+                        return "– | –"
+                    bound = " (FMA)" if r.get("compute_bound", 0) >= 0.5 else ""
+                    return f"{r['step_ms']:.3g} / {r['roofline_ms']:.3g}{bound} | {r['fraction']:.2f}"
+
+                line = f"| {storage} | {q}/{kv} | {length} | {mib:.0f} | {cell(one)} | {cell(two)} |"
+                if with_attend:
+                    a1, a2 = attends.get((storage, q, kv, length, 1)), attends.get((storage, q, kv, length, 2))
+                    line += (f" {a1['step_ms']:.3g}" if a1 else " –") + " / " + (f"{a2['step_ms']:.3g} |" if a2 else "– |")
+                print(line)
+    return 0
+
+
 def demo(csv_path, out_png):
     data = {}
     with open(csv_path) as f:
@@ -342,7 +445,7 @@ def cpu_model():
 def main(argv):
     if len(argv) == 4 and argv[1] == "bench":
         os.makedirs(argv[3], exist_ok=True)
-        for figure in (causal_softmax, memories, linear_forms, threads):
+        for figure in (causal_softmax, memories, linear_forms, threads, decode_roofline):
             figure(argv[2], argv[3])
         marker = os.path.join(argv[3], "CONTENDED")
         if contended_figures:
@@ -351,6 +454,8 @@ def main(argv):
         elif os.path.exists(marker):
             os.remove(marker)
         return 0
+    if len(argv) == 3 and argv[1] == "decode-table":
+        return decode_table(argv[2])
     if len(argv) == 4 and argv[1] == "demo":
         demo(argv[2], argv[3])
         return 0

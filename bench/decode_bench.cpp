@@ -1,0 +1,328 @@
+// Decode at the roofline (issue 25): one decoding step of a layer, beside the least time
+// the machine needs for it, measured in the same cell of the same run.
+//
+//   BM_DecodeStep<S>/q:Q/kv:KV/length:L/t:T    update + attend of one token in
+//       MultiHead<KVCache<float, S>> with Q query heads over KV heads of d = dv = 128, a
+//       cache of L tokens, OpenMPExecutor{.threads = T} (set_executor); reserve() first,
+//       and the cache is taken back to L (truncate) after every step, so every iteration
+//       measures the same length and none allocates
+//   BM_DecodeAttend<S>/...                     the attend alone, the same cells: what the
+//       update costs is the difference
+//
+// S is float, bfloat16 (Eigen::bfloat16), half (Eigen::half) or Q8 (memattn::Q8). Every
+// cell also measures, after its timed loop and on the same T threads:
+//   read_ms    a streaming read of exactly the bytes the step must read (the footprint()
+//              of every KV head's stored K and V at length L, in storage S), from one
+//              buffer of that size, so a cell that fits in the last-level cache is
+//              compared with a read that does too
+//   fma_ms     the step's multiply-adds, 2 · Q · L · (d + dv) FLOPs, at the FMA peak of
+//              T threads (independent chains of packet FMAs in registers, as BM_FmaPeak)
+// and reports, as counters: step_ms (the median of the timed iterations, each timed on
+// its own clock, real time; the benchmark's own Time column is their mean), read_ms the
+// median of the read's passes, fma_ms at the median FMA pass of the same threads in real
+// time (peak_GFLOPS; core_peak_GFLOPS is the cores' own, from each thread's CPU time),
+// roofline_ms = max(read_ms, fma_ms), fraction = roofline_ms / step_ms, compute_bound
+// (1 when fma_ms is the larger), MiB (the bytes read), read_GBps and step_GBps (the bytes
+// over step_ms). Step, read and FMA passes all run in real time on the cell's threads, so
+// on a shared machine each gets the same share of the cores. (That a step allocates nothing is tests/allocation_test.cpp's.)
+//
+// The figure and the table: scripts/plot.py (decode_roofline.png; `plot.py decode-table
+// decode_bench.json` prints the table of docs/performance.md). On a shared machine run
+//   decode_bench --benchmark_filter=BM_DecodeStep --benchmark_repetitions=5
+//       --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true
+// and read the medians; record the load (scripts/lib/measure_load.py).
+#include "bench_common.hpp"
+
+#include <memattn/execution/executor.hpp>
+#include <memattn/layer/multi_head_memory.hpp>
+#include <memattn/memory/kv_cache.hpp>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <ctime>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+namespace {
+
+using memattn::HeadLayout;
+using memattn::Index;
+using memattn::Matrix;
+using Clock = std::chrono::steady_clock;
+
+constexpr Index head_dim = 128;
+constexpr Index pool_tokens = 4096;  // synthetic tokens, reused cyclically to fill a cache
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+/// "family F model M" of /proc/cpuinfo: "AMD EPYC" alone does not say which generation.
+std::string cpu_family_model() {
+    std::ifstream in("/proc/cpuinfo");
+    std::string family, model;
+    for (std::string line; std::getline(in, line) && (family.empty() || model.empty());) {
+        const auto colon = line.find(':');
+        if (colon == std::string::npos || colon + 2 > line.size())
+            continue;
+        if (line.rfind("cpu family", 0) == 0)
+            family = line.substr(colon + 2);
+        else if (line.rfind("model", 0) == 0 && line.rfind("model name", 0) != 0)
+            model = line.substr(colon + 2);
+    }
+    return "family " + family + " model " + model;
+}
+
+const bool family_added = [] {
+    benchmark::AddCustomContext("cpu_family_model", cpu_family_model());
+    return true;
+}();
+
+/// The buffer the streaming reads run over: one allocation for the process, grown to the
+/// largest cell, every page written once. A cell reads its first `bytes`.
+const float* stream_buffer(std::size_t bytes) {
+    static std::unique_ptr<float[]> buffer;
+    static std::size_t size = 0;
+    if (bytes > size) {
+        buffer.reset();
+        const std::size_t floats = bytes / sizeof(float) + 64;
+        buffer.reset(new float[floats]);
+        for (std::size_t i = 0; i < floats; ++i)
+            buffer[i] = static_cast<float>(i & 1023) * 1e-3f;
+        size = bytes;
+    }
+    return buffer.get();
+}
+
+/// Sum of `count` floats from p, 8 packet accumulators (more than the adds' latency
+/// times the loads per cycle, so the adds never limit the read), in address order.
+float read_floats(const float* p, std::size_t count) {
+    using namespace Eigen::internal;
+    using Packet = memattn::detail::Packet<float>;
+    constexpr std::size_t lanes = memattn::detail::packet_lanes<float>;
+    Packet acc[8];
+    for (Packet& a : acc)
+        a = pset1<Packet>(0.f);
+    std::size_t i = 0;
+    for (; i + 8 * lanes <= count; i += 8 * lanes)
+        for (std::size_t u = 0; u < 8; ++u)
+            acc[u] = padd(acc[u], ploadu<Packet>(p + i + u * lanes));
+    float sum = predux(padd(padd(padd(acc[0], acc[1]), padd(acc[2], acc[3])),
+                            padd(padd(acc[4], acc[5]), padd(acc[6], acc[7]))));
+    for (; i < count; ++i)
+        sum += p[i];
+    return sum;
+}
+
+/// Median of `n` timings (seconds), reordering them.
+double median(std::vector<double>& times) {
+    const auto middle = times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2);
+    std::nth_element(times.begin(), middle, times.end());
+    return *middle;
+}
+
+/// Seconds per streaming read of `bytes` on the executor's threads (each reads an equal
+/// contiguous part): the median of at least 7 passes and 0.1 s, after one untimed pass.
+double streaming_read_seconds(std::size_t bytes, const memattn::OpenMPExecutor& executor) {
+    const float* data = stream_buffer(bytes);
+    const std::size_t count = bytes / sizeof(float);
+    const int threads = executor.concurrency();
+    std::array<float, 64> sums{};
+    const auto pass = [&] {
+        executor.parallel_for(threads, [&](Index t) {
+            const std::size_t first = count * static_cast<std::size_t>(t) / static_cast<std::size_t>(threads);
+            const std::size_t last = count * static_cast<std::size_t>(t + 1) / static_cast<std::size_t>(threads);
+            sums[static_cast<std::size_t>(t) % sums.size()] = read_floats(data + first, last - first);
+        });
+        benchmark::DoNotOptimize(sums);
+    };
+    pass();
+    std::vector<double> times;
+    times.reserve(1 << 16);
+    const auto start = Clock::now();
+    do {
+        const auto before = Clock::now();
+        pass();
+        times.push_back(seconds_since(before));
+    } while (times.size() < times.capacity() && (times.size() < 7 || seconds_since(start) < 0.1));
+    return median(times);
+}
+
+/// CPU seconds the calling thread has run.
+double thread_cpu_seconds() {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+/// The FMA peak of the executor's threads: 12 independent chains of packet FMAs in
+/// registers per thread (bench_common.hpp's fma_peak), 7 passes. Returns the FLOP/s of
+/// the median pass in real time (what the cell's threads got of the cores, as the step
+/// and the read do) and, beside it, the cores' own peak: each thread's rate over its own
+/// CPU time summed over the threads, the best pass (which other processes do not change).
+std::pair<double, double> fma_peak_flops(const memattn::OpenMPExecutor& executor) {
+    using namespace Eigen::internal;
+    using Packet = memattn::detail::Packet<float>;
+    constexpr int chains = 12;
+    constexpr Index steps = 1 << 18;
+    constexpr double flops_per_thread = 2.0 * chains * memattn::detail::packet_lanes<float> * static_cast<double>(steps);
+    const int threads = executor.concurrency();
+    std::array<float, 64> sums{};
+    std::array<double, 64> rates{};
+    std::vector<double> times;
+    double best = 0;
+    for (int pass = 0; pass < 7; ++pass) {
+        const auto start = Clock::now();
+        executor.parallel_for(threads, [&](Index t) {
+            const double cpu_start = thread_cpu_seconds();
+            Packet acc[chains];
+            for (int i = 0; i < chains; ++i)
+                acc[i] = pset1<Packet>(0.001f * static_cast<float>(i + t));
+            const Packet a = pset1<Packet>(0.999999f), b = pset1<Packet>(1e-7f);
+            for (Index s = 0; s < steps; ++s)
+                for (int i = 0; i < chains; ++i)
+                    acc[i] = pmadd(acc[i], a, b);
+            Packet total = acc[0];
+            for (int i = 1; i < chains; ++i)
+                total = padd(total, acc[i]);
+            sums[static_cast<std::size_t>(t) % sums.size()] = predux(total);
+            rates[static_cast<std::size_t>(t) % rates.size()] = flops_per_thread / (thread_cpu_seconds() - cpu_start);
+        });
+        times.push_back(seconds_since(start));
+        benchmark::DoNotOptimize(sums);
+        double sum = 0;
+        for (int t = 0; t < threads; ++t)
+            sum += rates[static_cast<std::size_t>(t)];
+        best = std::max(best, sum);
+    }
+    return {flops_per_thread * threads / median(times), best};
+}
+
+/// Synthetic packed rows of `cols` floats, one pool per width, made once.
+const Matrix<float>& pool(Index cols, unsigned seed) {
+    static std::vector<std::pair<std::pair<Index, unsigned>, std::unique_ptr<Matrix<float>>>> pools;
+    for (const auto& [key, m] : pools)
+        if (key == std::pair{cols, seed})
+            return *m;
+    pools.emplace_back(std::pair{cols, seed},
+                       std::make_unique<Matrix<float>>(memattn::bench::random_matrix<float>(pool_tokens, cols, seed)));
+    return *pools.back().second;
+}
+
+template <class S>
+void decode_cell(benchmark::State& state, bool with_update) {
+    const HeadLayout layout{state.range(0), state.range(1), head_dim};
+    const Index length = state.range(2);
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(3))};
+#if !defined(_OPENMP)
+    if (state.range(3) > 1) {
+        state.SkipWithError("built without OpenMP");
+        return;
+    }
+#endif
+    using Cache = memattn::KVCache<float, S>;
+    using Layer = memattn::MultiHead<Cache>;
+    const Index kv_cols = layout.kv_heads * head_dim, q_cols = layout.q_heads * head_dim;
+    const Matrix<float>& keys = pool(kv_cols, 2);
+    const Matrix<float>& values = pool(kv_cols, 3);
+    // Google Benchmark calls a cell several times while it sizes the iteration count: the
+    // layer of the last cell is kept (one at a time) so that it is filled once per cell.
+    static std::string kept_name;
+    static std::shared_ptr<void> kept;
+    const std::string name = std::string(typeid(S).name()) + "/" + std::to_string(layout.q_heads) + "/" +
+                             std::to_string(layout.kv_heads) + "/" + std::to_string(length);
+    if (name != kept_name || !kept) {
+        kept.reset();  // at most one filled layer at a time
+        kept_name.clear();
+        auto made = std::make_shared<Layer>(layout, [](Index) { return Cache(head_dim, head_dim); });
+        made->reserve(length + 1);
+        for (Index filled = 0; filled < length; filled += pool_tokens) {
+            const Index n = std::min(pool_tokens, length - filled);
+            made->extend(keys.topRows(n), values.topRows(n));
+        }
+        kept = made;
+        kept_name = name;
+    }
+    Layer& mem = *static_cast<Layer*>(kept.get());
+    mem.truncate(length);
+    mem.set_executor(executor);
+    const std::size_t bytes = mem.footprint();  // every KV head's K and V at `length`, as stored
+    const Matrix<float>& queries = pool(q_cols, 1);
+    Matrix<float> out(1, q_cols);
+    Index t = 0;
+    const auto step = [&] {
+        const Index row = t++ % pool_tokens;
+        if (with_update)
+            mem.update(keys.row(row), values.row(row));
+        mem.attend(queries.row(row), out.row(0));
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        if (with_update)
+            mem.truncate(length);
+    };
+    step();  // the first step sizes nothing (reserve did), but warms the caches and the team
+    // Each iteration timed on its own: the median is what a step costs when no other
+    // process takes its core meanwhile (on a shared machine the mean is the scheduler's).
+    std::vector<double> times;
+    times.reserve(1 << 20);
+    for (auto _ : state) {
+        const auto before = Clock::now();
+        step();
+        if (times.size() < times.capacity())
+            times.push_back(seconds_since(before));
+    }
+    const double step_seconds = median(times);
+
+    const double read_seconds = streaming_read_seconds(bytes, executor);
+    const double flops = 2.0 * static_cast<double>(layout.q_heads) * static_cast<double>(length) *
+                         static_cast<double>(head_dim + head_dim);
+    const auto [peak, core_peak] = fma_peak_flops(executor);
+    const double fma_seconds = flops / peak;
+    const double roofline = std::max(read_seconds, fma_seconds);
+    state.counters["step_ms"] = step_seconds * 1e3;
+    state.counters["read_ms"] = read_seconds * 1e3;
+    state.counters["fma_ms"] = fma_seconds * 1e3;
+    state.counters["roofline_ms"] = roofline * 1e3;
+    state.counters["fraction"] = roofline / step_seconds;
+    state.counters["compute_bound"] = fma_seconds > read_seconds ? 1.0 : 0.0;
+    state.counters["MiB"] = static_cast<double>(bytes) / (1024.0 * 1024.0);
+    state.counters["read_GBps"] = static_cast<double>(bytes) / read_seconds * 1e-9;
+    state.counters["step_GBps"] = static_cast<double>(bytes) / step_seconds * 1e-9;
+    state.counters["peak_GFLOPS"] = peak * 1e-9;
+    state.counters["core_peak_GFLOPS"] = core_peak * 1e-9;
+}
+
+template <class S>
+void BM_DecodeStep(benchmark::State& state) {
+    decode_cell<S>(state, true);
+}
+template <class S>
+void BM_DecodeAttend(benchmark::State& state) {
+    decode_cell<S>(state, false);
+}
+
+void cells(benchmark::internal::Benchmark* b) {
+    b->ArgNames({"q", "kv", "length", "t"});
+    for (auto [q, kv] : {std::pair<Index, Index>{32, 8}, {8, 1}})
+        for (Index length : {4096, 32768, 131072})
+            for (Index threads : {1, 2})
+                b->Args({q, kv, length, threads});
+    b->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace
+
+BENCHMARK(BM_DecodeStep<float>)->Name("BM_DecodeStep<float>")->Apply(cells);
+BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Apply(cells);
+BENCHMARK(BM_DecodeStep<Eigen::half>)->Name("BM_DecodeStep<half>")->Apply(cells);
+BENCHMARK(BM_DecodeStep<memattn::Q8>)->Name("BM_DecodeStep<Q8>")->Apply(cells);
+BENCHMARK(BM_DecodeAttend<float>)->Name("BM_DecodeAttend<float>")->Apply(cells);
+BENCHMARK(BM_DecodeAttend<Eigen::bfloat16>)->Name("BM_DecodeAttend<bfloat16>")->Apply(cells);
+BENCHMARK(BM_DecodeAttend<Eigen::half>)->Name("BM_DecodeAttend<half>")->Apply(cells);
+BENCHMARK(BM_DecodeAttend<memattn::Q8>)->Name("BM_DecodeAttend<Q8>")->Apply(cells);
+
+BENCHMARK_MAIN();
