@@ -17,8 +17,9 @@
 // (softmax_state.hpp) and merges them in a fixed order, so its bits do not depend on
 // how the parts were spread over threads.
 //
-// Measured (bench/decode_bench.cpp, AMD EPYC family 25 model 17, AVX-512, a contended
-// run; docs/performance.md, "Decode at the roofline"): a 32/8 × 128 layer's step at
+// Measured (bench/decode_bench.cpp, AMD EPYC family 25 model 17, AVX-512; a contended
+// run, and one thread again on a quiet machine with the same figures; docs/performance.md,
+// "Decode at the roofline"): a 32/8 × 128 layer's step at
 // 32768 tokens runs at 0.60 of its roofline (a streaming read of the bytes it reads)
 // with float storage and 0.23–0.25 with bfloat16, float16 and Q8; the update costs
 // nothing measurable beside the attend. What is left between the fraction and 1:
@@ -27,8 +28,9 @@
 //   time for float, and the route is bound by instructions per pair, not by bytes;
 // - compact rows are converted through a buffer in L1 before those products (47–55% of
 //   the time with the dot products), not in registers inside them;
-// - the grouped path issues no software prefetch of its own (the single-query path
-//   does), so a cache from DRAM waits on the hardware prefetcher.
+// - software prefetch (key and value rows 4 KiB ahead in the dot route, as the
+//   single-query path does) gained nothing, measured interleaved on a quiet machine
+//   (float 21.5–21.8 against 20.2–21.6 ms): the route waits on instructions, not memory.
 
 #include "memattn/detail/assert.hpp"
 #include "memattn/detail/packet.hpp"
