@@ -204,9 +204,8 @@ public:
     /// to decode's; `out` must not overlap the inputs.
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         constexpr const char* function = "MultiHead::prefill";
-        detail::check_pairs(function, detail::shape(keys), detail::shape(values), key_dim(), value_dim());
+        validate(keys, values, {function});  // shapes, then every head's values
         detail::check_prefill(function, queries, keys, values, out, query_dim(), output_dim());
-        validate(keys, values, {function});
         if (keys.rows() == 0)  // no column block of an empty (possibly null) view
             return;
         if constexpr (detail::is_plain_kv_cache<M>) {

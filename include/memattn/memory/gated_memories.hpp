@@ -131,9 +131,8 @@ public:
     /// and into the memory's state.
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         constexpr const char* function = "GatedLinearAttentionMemory::prefill";
-        detail::check_pairs(function, detail::shape(keys), detail::shape(values), key_dim(), dv_);
+        validate(keys, values, {function});  // shapes, gates (and beta)
         detail::check_prefill(function, queries, keys, values, out, d_, dv_);
-        validate(keys, values, {function});
         if (keys.rows() == 0)
             return;
         LinearState<T> state = state_;  // a throw (no memory) leaves the memory as it was
@@ -275,9 +274,8 @@ public:
     /// chunked_delta_rule_attention over the keys' columns, from and into the memory's state.
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         constexpr const char* function = "DeltaRuleMemory::prefill";
-        detail::check_pairs(function, detail::shape(keys), detail::shape(values), key_dim(), dv_);
+        validate(keys, values, {function});  // shapes, gates (and beta)
         detail::check_prefill(function, queries, keys, values, out, d_, dv_);
-        validate(keys, values, {function});
         if (keys.rows() == 0)
             return;
         LinearState<T> state{S_, {}};  // a throw (no memory) leaves the memory as it was

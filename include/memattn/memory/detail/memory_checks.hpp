@@ -11,13 +11,6 @@
 
 namespace memattn::detail {
 
-/// Key(s) key.rows × key_dim and value(s) of as many rows × value_dim.
-inline void check_pairs(const char* function, Shape key, Shape value, Index key_dim, Index value_dim) {
-    require(key.cols == key_dim, function, "key", "has shape ", key, ", expected ", key_dim, " columns (key_dim)");
-    require(value.cols == value_dim && value.rows == key.rows, function, "value", "has shape ", value, ", expected ",
-            key.rows, 'x', value_dim, " (key is ", key, ")");
-}
-
 /// A memory holding `length` tokens may take `added` more: no memory counts past
 /// memattn::max_length, so no position it derives can overflow. Throws std::length_error.
 inline void check_room(std::string_view function, Index length, Index added) {
