@@ -323,6 +323,47 @@ TEMPLATE_TEST_CASE("Compact storage: grouped attend equals the plain cache's fed
     check(HybridCache<T, MeanPool, S>(d, dv, 64, 4, 30), HybridCache<T>(d, dv, 64, 4, 30));
 }
 
+TEMPLATE_TEST_CASE("Grouped attend: a query's output is the same bits in every group it is in, for every storage",
+                   "[storage][group]", float, Eigen::bfloat16, Eigen::half, Q8) {
+    using S = TestType;
+    // Groups below a packet's lanes take tiles of GQ queries × GK keys (decode_attention.hpp);
+    // every logit adds its lanes by the same tree, so query r's output must not depend on
+    // the tiles its group is cut into (a group of 7 is tiles of 4, 2 and 1) nor on which
+    // lane of a tile it lands in. Lengths off every tile and block (GK up to 16, blocks of
+    // 128 keys), head dims off the packets and d = 1, against the double reference too.
+    const Index lanes = detail::packet_lanes<float>;
+    for (const auto& [n, d, dv] : {std::tuple<Index, Index, Index>{1, 1, 1}, {3, 16, 16}, {130, 40, 33},
+                                   {300, 128, 128}, {261, 17, 70}}) {
+        const Matrix<float> K = random_matrix<float>(n, d, 20), V = random_matrix<float>(n, dv, 21);
+        KVCache<float, S> cache(d, dv);
+        memattn::extend(cache, K, V);
+        const Index most = std::min<Index>(lanes - 1, detail::group_rows);
+        const Matrix<float> Q = random_matrix<float>(most, d, 22, 2.0);
+        // Each query alone in a group of two (itself twice): the tile of two.
+        Matrix<float> pairs(most, dv);
+        for (Index r = 0; r < most; ++r) {
+            Matrix<float> twice(2, d), out(2, dv);
+            twice << Q.row(r), Q.row(r);
+            cache.attend_group(twice, out);
+            CHECK((out.row(0).array() == out.row(1).array()).all());
+            pairs.row(r) = out.row(0);
+        }
+        Matrix<double> exact(most, dv);  // each query sees every pair: a one-query call each
+        for (Index r = 0; r < most; ++r)
+            exact.row(r) = reference::softmax_attention(to_double(Q.row(r)), to_double(stored<float, S>(K)),
+                                                        to_double(stored<float, S>(V)))
+                               .out;
+        for (Index g = 2; g <= most; ++g) {
+            INFO(detail::storage_name<S> << ", n = " << n << ", d = " << d << ", dv = " << dv << ", g = " << g);
+            Matrix<float> grouped(g, dv);
+            cache.attend_group(Q.topRows(g), grouped);
+            if constexpr (detail::decode_tiles)
+                CHECK((grouped.array() == pairs.topRows(g).array()).all());
+            check_close(grouped, exact.topRows(g), tolerance<float>());
+        }
+    }
+}
+
 TEMPLATE_TEST_CASE("Compact storage: MultiHead splits compact caches over threads, the same bits for any executor",
                    "[storage][multihead][split]", Eigen::bfloat16, Eigen::half, Q8) {
     using S = TestType;

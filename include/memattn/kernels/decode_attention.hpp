@@ -8,8 +8,10 @@
 //   attend_stored       one query, pairs stored compactly: each row converted in
 //                       registers inside its dot product and its value update
 //   GroupAttention      g <= 16 queries: each stored row is read (and converted) once for
-//                       the whole group; logits and weighted values as register-blocked
-//                       tile products; fold() for runs of T, fold_stored() for any storage
+//                       the whole group; fold() for runs of T, fold_stored() for any storage.
+//                       Fewer queries than a packet's lanes (float, AVX2/AVX-512): tiles of
+//                       GQ queries × GK keys (logit_tiles, value_tiles), rows converted in
+//                       registers; a whole packet of queries: the tiled kernel's products
 //   attend_group_runs   g queries over a memory's for_each_stored_run(f)
 //
 // A run is given as (keys, values, first, n): the rows [first, first + n) of two
@@ -17,20 +19,25 @@
 // (softmax_state.hpp) and merges them in a fixed order, so its bits do not depend on
 // how the parts were spread over threads.
 //
-// Measured (bench/decode_bench.cpp, AMD EPYC family 25 model 17, AVX-512; a contended
-// run, and one thread again on a quiet machine with the same figures; docs/performance.md,
-// "Decode at the roofline"): a 32/8 × 128 layer's step at
-// 32768 tokens runs at 0.60 of its roofline (a streaming read of the bytes it reads)
-// with float storage and 0.23–0.25 with bfloat16, float16 and Q8; the update costs
-// nothing measurable beside the attend. What is left between the fraction and 1:
-// - groups smaller than a packet's lanes (g = 4 or 8 under AVX-512's 16) take the dot
-//   route, one horizontal reduction per (query, key) pair: the logits take 35% of the
-//   time for float, and the route is bound by instructions per pair, not by bytes;
-// - compact rows are converted through a buffer in L1 before those products (47–55% of
-//   the time with the dot products), not in registers inside them;
-// - software prefetch (key and value rows 4 KiB ahead in the dot route, as the
-//   single-query path does) gained nothing, measured interleaved on a quiet machine
-//   (float 21.5–21.8 against 20.2–21.6 ms): the route waits on instructions, not memory.
+// Measured (bench/decode_bench.cpp, AMD EPYC family 25 model 17: Zen 4 class, AVX-512 run
+// as two 256-bit halves, 2 cores; docs/performance.md, "Decode at the roofline"): a
+// 32/8 × 128 layer's step at 32768 tokens on one thread runs at 0.58–0.62 of its roofline
+// for every storage but Q8 (0.43), and on two at 0.66–0.76 (Q8 0.45); bfloat16 and
+// float16 step 1.8–2× faster than float. What is left between the fraction and 1:
+// - for a group of 4 or 8 the step is as much arithmetic as reading: g·d multiply-adds
+//   per key for the logits and as many for the values, at the FMA peak 4.5 ms for this
+//   step, against 6 ms to read it in bfloat16. The kernel runs at 0.5–0.6 of the FMA peak
+//   in cache: besides the multiply-adds, each packet of a compact row costs its
+//   conversion (two instructions for bfloat16, three for Q8: widen, convert, scale), the
+//   logits' transpose-and-add network 3 instructions per logit, the online softmax one
+//   exponential per logit. On AVX-512 cores that run 512-bit operations in two halves,
+//   these share the ports of the multiply-adds;
+// - so Q8, with a quarter of float's bytes, is bound by that arithmetic, not by memory:
+//   an integer Q·K (the query quantised to int8, VNNI) would remove the conversion;
+// - float is bound by memory but reaches only ~0.6 of a streaming read on one thread: the
+//   reads of the four rows of a tile and of the values interleave with the arithmetic, and
+//   the core's line-fill buffers, not the bandwidth, cap what is in flight (the software
+//   prefetches stall on them); two threads reach 0.7.
 
 #include "memattn/detail/assert.hpp"
 #include "memattn/detail/packet.hpp"
@@ -43,6 +50,7 @@
 #include <cmath>
 #include <cstddef>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace memattn::detail {
@@ -228,9 +236,219 @@ void attend_stored(const Q& q, const StoredRows<T, S>& K, const StoredRows<T, S>
 }
 
 
+// The grouped logits of a few queries (fewer than a packet's lanes): tiles of
+// GQ queries × GK keys with GQ·GK = lanes, one packet accumulator per (query, key) pair
+// summing along the head dim, and then the lanes of all of a tile's accumulators added
+// at once by one transpose-and-add network (lanes − 1 additions and twice as many
+// shuffles for lanes sums) instead of one horizontal reduction per pair. Every sum has
+// the same tree whatever the tile and the lane it lands in: first lanes (e, e + lanes/2),
+// then (e, e + lanes/4), ..., so a query's logits do not depend on the group it is in.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // packets as template arguments (see packet.hpp)
+#endif
+#if defined(EIGEN_VECTORIZE_AVX512)
+/// Lane ℓ of the result is the sum of the lanes of a[tile_slot(ℓ)].
+inline Packet<float> sum_lanes(const Packet<float> (&a)[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)  // 256-bit halves: lanes e + e+8 of a[2i], then of a[2i+1]
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)  // 128-bit quarters: + e+4, one input each
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // + e+2, two inputs per quarter
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));  // + e+1
+}
+/// The accumulator whose sum lands in lane ℓ: lane 4q + m holds a[4m + q].
+constexpr int tile_slot(int lane) { return lane % 4 * 4 + lane / 4; }
+inline constexpr bool decode_tiles = fused_storage;
+#elif defined(EIGEN_VECTORIZE_AVX2) && defined(EIGEN_VECTORIZE_FMA)
+inline Packet<float> sum_lanes(const Packet<float> (&a)[8]) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; ++i)  // 128-bit halves: lanes e + e+4 of a[2i], then of a[2i+1]
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i)  // + e+2
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xDD));  // + e+1
+}
+/// Lane 4h + m holds a[2m + h].
+constexpr int tile_slot(int lane) { return lane % 4 * 2 + lane / 4; }
+inline constexpr bool decode_tiles = fused_storage;
+#else
+/// Elsewhere the same sums one lane at a time (the route is not taken: decode_tiles).
+template <class P, int N>
+P sum_lanes(const P (&a)[N]) {
+    using T = typename Eigen::internal::unpacket_traits<P>::type;
+    constexpr int lanes = Eigen::internal::unpacket_traits<P>::size;
+    alignas(64) T out[lanes], x[lanes];
+    for (int i = 0; i < lanes; ++i) {
+        Eigen::internal::pstoreu(x, a[i]);
+        for (int w = lanes / 2; w > 0; w /= 2)
+            for (int e = 0; e < w; ++e)
+                x[e] += x[e + w];
+        out[i] = x[0];
+    }
+    return Eigen::internal::ploadu<P>(out);
+}
+constexpr int tile_slot(int lane) { return lane; }
+inline constexpr bool decode_tiles = false;
+#endif
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+/// Rows of float read in place (a run of a cache's own rows), with the interface of
+/// StoredRows' stored_packet and stored_value.
+struct InPlaceRows {
+    const float* data;
+    Index stride, cols;
+    void prefetch_row(Index r) const { prefetch_rows(data + r * stride, 1, 0, cols); }
+    [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const {
+        return Eigen::internal::ploadu<Packet<float>>(data + r * stride + c);
+    }
+    [[nodiscard]] float stored_value(Index r, Index c) const { return data[r * stride + c]; }
+};
+
+/// s (GQ rows, stride lds) = q (GQ rows of d values, stride ldq, zero-padded to whole
+/// packets, aligned) · K_jᵀ for the keys j ∈ [first, first + m) of `keys`
+/// (stored_packet/stored_value), GK = lanes / GQ keys per tile. Each tile asks for the
+/// key rows `ahead` rows on (below `end`) and for its own rows of `values` (towards L2,
+/// where value_tiles reads them next).
+template <int GQ, class Keys, class Values>
+void logit_tiles(const Keys& keys, const Values& values, Index first, Index m, Index d, const float* q, Index ldq,
+                 float* s, Index lds, Index ahead, Index end) {
+    using namespace Eigen::internal;
+    using P = Packet<float>;
+    constexpr int lanes = static_cast<int>(packet_lanes<float>), GK = lanes / GQ;
+    static_assert(GQ * GK == lanes);
+    const Index packed = d / lanes * lanes;
+    for (Index j = 0; j < m; j += GK) {
+        Index row[GK];  // a tile past the end repeats the last key, and drops its sums
+        for (int k = 0; k < GK; ++k)
+            row[k] = first + std::min<Index>(j + k, m - 1);
+        if (ahead > 0) {
+            for (Index r = first + j; r < std::min(first + j + GK, first + m); ++r) {
+                if (r + ahead < end)
+                    keys.prefetch_row(r + ahead);
+                values.prefetch_row(r);
+            }
+        }
+        P acc[lanes];
+        for (int i = 0; i < lanes; ++i)
+            acc[i] = pset1<P>(0.0f);
+        for (Index c = 0; c < packed; c += lanes) {
+            P qp[GQ];
+            for (int r = 0; r < GQ; ++r)
+                qp[r] = pload<P>(q + r * ldq + c);
+            for (int k = 0; k < GK; ++k) {
+                const P kp = keys.stored_packet(row[k], c);
+                for (int r = 0; r < GQ; ++r)
+                    acc[tile_slot(r * GK + k)] = pmadd(qp[r], kp, acc[tile_slot(r * GK + k)]);
+            }
+        }
+        if (packed < d) {  // the last, partial packet: zeros past d on both sides
+            for (int k = 0; k < GK; ++k) {
+                alignas(64) float tail[lanes] = {};
+                for (Index c = packed; c < d; ++c)
+                    tail[c - packed] = keys.stored_value(row[k], c);
+                const P kp = pload<P>(tail);
+                for (int r = 0; r < GQ; ++r)
+                    acc[tile_slot(r * GK + k)] = pmadd(pload<P>(q + r * ldq + packed), kp, acc[tile_slot(r * GK + k)]);
+            }
+        }
+        alignas(64) float sums[lanes];
+        pstore(sums, sum_lanes(acc));
+        const Index n = std::min<Index>(GK, m - j);
+        for (int r = 0; r < GQ; ++r)
+            for (Index k = 0; k < n; ++k)
+                s[r * lds + j + k] = sums[r * GK + k];
+    }
+}
+
+/// out (GQ rows of dv, stride ldo) = α ⊙ out + P·V_j for the values j ∈ [first, first + m)
+/// of `values` and the weights P (GQ rows, stride lds): register tiles of GQ rows and up
+/// to lanes/GQ packets, every value packet converted once for the GQ rows. Each output
+/// element adds its terms in order of j, one fused multiply-add each.
+template <int GQ, class Values>
+void value_tiles(const Values& values, Index first, Index m, Index dv, const float* p, Index lds, const float* alpha,
+                 float* out, Index ldo) {
+    using namespace Eigen::internal;
+    using P = Packet<float>;
+    constexpr Index lanes = packet_lanes<float>;
+    constexpr int width = std::clamp(static_cast<int>(lanes) / GQ, 1, 8);
+    const Index packed = dv / lanes * lanes;
+    for (Index c0 = 0; c0 < packed; c0 += width * lanes) {
+        dispatch<width>(std::min<Index>(width, (packed - c0) / lanes), [&]<int Packets>() {
+            P acc[GQ][Packets];
+            for (int r = 0; r < GQ; ++r)
+                for (int k = 0; k < Packets; ++k)
+                    acc[r][k] = pmul(pset1<P>(alpha[r]), ploadu<P>(out + r * ldo + c0 + k * lanes));
+            for (Index j = 0; j < m; ++j) {
+                P v[Packets];
+                for (int k = 0; k < Packets; ++k)
+                    v[k] = values.stored_packet(first + j, c0 + k * lanes);
+                for (int r = 0; r < GQ; ++r) {
+                    const P w = pset1<P>(p[r * lds + j]);
+                    for (int k = 0; k < Packets; ++k)
+                        acc[r][k] = pmadd(w, v[k], acc[r][k]);
+                }
+            }
+            for (int r = 0; r < GQ; ++r)
+                for (int k = 0; k < Packets; ++k)
+                    pstoreu(out + r * ldo + c0 + k * lanes, acc[r][k]);
+        });
+    }
+    for (Index c = packed; c < dv; ++c)
+        for (int r = 0; r < GQ; ++r) {
+            float x = alpha[r] * out[r * ldo + c];
+            for (Index j = 0; j < m; ++j)
+                x = std::fma(p[r * lds + j], values.stored_value(first + j, c), x);
+            out[r * ldo + c] = x;
+        }
+}
+
+/// f.template operator()<GQ>(r0) over the rows [0, g) in chunks of powers of two below
+/// the lanes, largest first.
+template <class F>
+void for_query_tiles(Index g, F&& f) {
+    Index r0 = 0;
+    [&]<int... I>(std::integer_sequence<int, I...>) {
+        const auto chunks = [&]<int GQ>() {
+            if constexpr (GQ < packet_lanes<float>)
+                for (; g - r0 >= GQ; r0 += GQ)
+                    f.template operator()<GQ>(r0);
+        };
+        (chunks.template operator()<(8 >> I)>(), ...);
+    }(std::make_integer_sequence<int, 4>{});
+}
+
 /// Grouped attend: at most `group_rows` queries and `group_keys` keys per step.
 inline constexpr Index group_rows = 16;
 inline constexpr Index group_keys = 128;
+
+/// Stored bytes of K and V from which a grouped attend asks for its rows ahead: past the
+/// L2, rows come from L3 or DRAM. Measured (bench/decode_bench.cpp, AMD EPYC family 25
+/// model 17, a 32/8 × 128 layer, bfloat16 and float): from DRAM, asking for key rows 4 KiB
+/// ahead and for a block's value rows while its logits are computed halves the step
+/// (bfloat16 at 32768 tokens: 17.5 → 9.8 ms; float at 4096: 3.0 → 1.9 ms); on pairs that
+/// sit in L3 it costs 10–12% (8/1 × 128 at 4096 tokens).
+inline constexpr std::size_t group_prefetch_bytes = std::size_t(1) << 20;
+
+/// True when the runs a memory's for_each_stored_run gives hold at least
+/// group_prefetch_bytes of K and V.
+template <class ForEachRun>
+bool beyond_l2(const ForEachRun& for_each_stored_run) {
+    std::size_t bytes = 0;
+    for_each_stored_run([&bytes](const auto& keys, const auto& values, Index, Index n) {
+        bytes += static_cast<std::size_t>(n) * (keys.row_bytes(keys.cols()) + values.row_bytes(values.cols()));
+    });
+    return bytes >= group_prefetch_bytes;
+}
 
 /// g ≤ group_rows queries against runs of keys and values, each read once for the whole
 /// group (what grouped-query attention saves), per block of ≤ 128 keys, with all scratch
@@ -239,7 +457,11 @@ inline constexpr Index group_keys = 128;
 /// - g ≥ a packet's lanes and d ≤ max_depth, the tiled kernel's: Sᵀ = K_b · (log2(e)·scale·Q_g)ᵀ
 ///   (keys × lanes, register-blocked) and the online softmax in base 2 across the lanes
 ///   (SoftmaxBlockState); at g = 16 twice as fast as the other route;
-/// - fewer queries: S = scale · Q_g K_bᵀ as dot products vectorised along the head dim and
+/// - fewer queries, in float with AVX2 or AVX-512 (decode_tiles) and d ≤ max_depth: the
+///   tiles route, S = (scale·Q_g) K_bᵀ by logit_tiles and one SoftmaxState per query, the
+///   rows converted in registers (a 32/8 × 128 layer at 32768 tokens, bfloat16: 24.5 →
+///   10.5 ms per step on one thread, float 23 → 19 ms);
+/// - elsewhere: S = scale · Q_g K_bᵀ as dot products vectorised along the head dim and
 ///   one SoftmaxState per query, since a key-major product would fill only g of a
 ///   packet's lanes (g = 4: 1.6× faster than the tiled route with AVX2).
 /// Then acc = α ⊙ acc + P · V_b, one register-blocked product with α fused into its load.
@@ -249,14 +471,26 @@ class GroupAttention {
 public:
     static constexpr Index max_depth = 256;
 
+    /// `ahead`: the pairs come from beyond the L2 (beyond_l2), so rows are asked for ahead.
     template <class QB>
-    GroupAttention(const QB& queries, T scale)
-        : queries_(queries), scale_(scale), g_(queries.rows()), lanes_(round_up(g_, packet_lanes<T>)),
-          tiled_(g_ >= packet_lanes<T> && queries.cols() <= max_depth), block_(tiled_ ? lanes_ : 1) {
+    GroupAttention(const QB& queries, T scale, bool ahead = false)
+        : queries_(queries), scale_(scale), g_(queries.rows()), lanes_(round_up(g_, packet_lanes<T>)), ahead_(ahead),
+          tiled_(g_ >= packet_lanes<T> && queries.cols() <= max_depth),
+          tiles_(std::is_same_v<T, float> && decode_tiles && g_ >= 2 && !tiled_ && queries.cols() <= max_depth),
+          depth_(round_up(queries.cols(), packet_lanes<T>)), block_(tiled_ ? lanes_ : 1) {
         MEMATTN_DASSERT(g_ <= group_rows && lanes_ <= group_rows);
+        const Index d = queries.cols();
+        if (tiles_) {  // scale·Q_g, rows zero-padded to whole packets
+            for (Index r = 0; r < g_; ++r) {
+                for (Index k = 0; k < d; ++k)
+                    qt_[r * depth_ + k] = scale * queries(r, k);
+                for (Index k = d; k < depth_; ++k)
+                    qt_[r * depth_ + k] = T(0);
+            }
+            return;
+        }
         if (!tiled_)
             return;
-        const Index d = queries.cols();
         const T factor = scale * T(1.44269504088896340735992468100);  // base-2 logits
         for (Index k = 0; k < d; ++k) {
             for (Index r = 0; r < g_; ++r)
@@ -276,6 +510,14 @@ public:
             attend_contiguous(queries_.row(0), K, V, scale_, states_[0], acc.row(0));
             return;
         }
+        if constexpr (std::is_same_v<T, float> && decode_tiles) {
+            if (tiles_) {
+                fold_tiles(InPlaceRows{K.data(), K.outerStride(), K.cols()},
+                           InPlaceRows{V.data(), V.outerStride(), V.cols()}, 0, K.rows(), K.cols(), V.cols(),
+                           K.cols() * Index(sizeof(float)), acc);
+                return;
+            }
+        }
         const auto in_place = [](const auto& X) {
             return [&X](Index j, Index) { return Rows{X.data() + j * X.outerStride(), X.outerStride()}; };
         };
@@ -284,8 +526,8 @@ public:
 
     /// fold() for the rows [first, first + n) of stored keys and values in any storage.
     /// Stored as T they are read in place. Stored compactly, each key and value row is
-    /// converted once for the whole group (what a grouped attend saves over one attend per
-    /// query head), a few rows at a time into a buffer that stays in L1, and the products
+    /// converted once per tile of queries in registers (the tiles route) or once for the
+    /// whole group into a buffer that stays in L1 (the other routes), and the products
     /// run on the converted rows in the same blocks and the same order of terms as fold():
     /// the result is bitwise fold()'s on the stored values converted to T. One query takes
     /// attend_stored, which is exactly the cache's attend.
@@ -298,6 +540,13 @@ public:
             if (g_ == 1) {
                 attend_stored(queries_.row(0), K, V, first, n, scale_, states_[0], acc.row(0));
                 return;
+            }
+            if constexpr (std::is_same_v<T, float> && decode_tiles) {
+                if (tiles_) {
+                    fold_tiles(K, V, first, n, K.cols(), V.cols(),
+                               static_cast<Index>(StoredRows<T, S>::row_bytes(K.cols())), acc);
+                    return;
+                }
             }
             const Index d = K.cols(), dv = V.cols(), widest = std::max(d, dv);
             alignas(64) T stack[stored_buffer<T>];
@@ -373,14 +622,39 @@ private:
         }
     }
 
+    /// The route of 2 ≤ g < lanes queries in float (decode_tiles): per block of group_keys
+    /// keys, the logits by logit_tiles, one SoftmaxState per query, then α ⊙ acc + P·V by
+    /// value_tiles; every stored row is converted in registers, once per tile of queries.
+    template <class Keys, class Values, class Acc>
+    void fold_tiles(const Keys& keys, const Values& values, Index first, Index n, Index d, Index dv,
+                    Index key_row_bytes, Acc& acc) {
+        float* out = acc.data();
+        const Index ldo = acc.outerStride();
+        const Index ahead = ahead_ ? std::max<Index>(1, Index(4096) / std::max<Index>(1, key_row_bytes)) : 0;
+        for (Index j0 = 0; j0 < n; j0 += group_keys) {
+            const Index block = std::min(group_keys, n - j0);
+            for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                logit_tiles<GQ>(keys, values, first + j0, block, d, qt_ + r0 * depth_, depth_, s_ + r0 * group_keys,
+                                group_keys, r0 == 0 ? ahead : 0, first + n);
+            });
+            for (Index r = 0; r < g_; ++r)
+                alpha_[r] = states_[r].absorb(s_ + r * group_keys, block);
+            for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                value_tiles<GQ>(values, first + j0, block, dv, s_ + r0 * group_keys, group_keys, alpha_ + r0,
+                                out + r0 * ldo, ldo);
+            });
+        }
+    }
+
     ConstMatrixRef<T> queries_;
     T scale_;
     Index g_, lanes_;
-    bool tiled_;
+    bool ahead_, tiled_, tiles_;
+    Index depth_;  // the head dim rounded up to whole packets
     SoftmaxBlockState<T, static_cast<int>(group_rows)> block_;  // tiled route
     SoftmaxState<T> states_[group_rows];                        // the other routes
     T alpha_[group_rows];
-    alignas(64) T qt_[max_depth * group_rows];  // log2(e)·scale·Q_gᵀ, tiled route
+    alignas(64) T qt_[max_depth * group_rows];  // log2(e)·scale·Q_gᵀ (tiled route), scale·Q_g (tiles)
     alignas(64) T s_[group_rows * group_keys];  // logits, then weights
 };
 
@@ -391,11 +665,12 @@ private:
 template <class T, class ForEachRun>
 void attend_group_runs(const ConstMatrixRef<T>& queries, MatrixRef<T>& out, T scale,
                        const ForEachRun& for_each_stored_run) {
+    const bool ahead = beyond_l2(for_each_stored_run);
     for (Index r0 = 0; r0 < queries.rows(); r0 += group_rows) {
         const Index g = std::min(group_rows, queries.rows() - r0);
         auto acc = out.middleRows(r0, g);
         acc.setZero();
-        GroupAttention<T> group(queries.middleRows(r0, g), scale);
+        GroupAttention<T> group(queries.middleRows(r0, g), scale, ahead);
         for_each_stored_run([&](const auto& keys, const auto& values, Index first, Index n) {
             group.fold_stored(keys, values, first, n, acc);
         });

@@ -113,7 +113,7 @@ public:
     using Scalar = T;  ///< the heads' scalar
 
     /// Pairs per piece of a split attend (see the top of the file).
-    static constexpr Index split_keys = 4096;
+    static constexpr Index split_keys = 2048;
     /// Pairs × query heads × (head_dim + value_dim) of one step below which it runs on one thread.
     static constexpr double parallel_work = 1 << 20;
 
@@ -444,10 +444,11 @@ private:
     void attend_piece(const Piece& piece, const GroupMap& q, SoftmaxState<T>* states, GroupOut& acc) const {
         const M& head = heads_[static_cast<std::size_t>(piece.head)];
         acc.setZero();
+        const bool ahead = detail::beyond_l2([&head](const auto& f) { head.for_each_stored_run(f); });
         for (Index r0 = 0; r0 < q.rows(); r0 += detail::group_rows) {
             const Index g = std::min(detail::group_rows, q.rows() - r0);
             auto acc_rows = acc.middleRows(r0, g);
-            detail::GroupAttention<T> group(q.middleRows(r0, g), head.scale());
+            detail::GroupAttention<T> group(q.middleRows(r0, g), head.scale(), ahead);
             Index offset = 0;
             head.for_each_stored_run([&](const auto& keys, const auto& values, Index first, Index n) {
                 const Index begin = std::max(piece.first, offset), end = std::min(piece.last, offset + n);

@@ -313,6 +313,9 @@ public:
     }
     [[nodiscard]] auto block(Index first, Index n) const { return m_.middleRows(first, n); }
     [[nodiscard]] const Matrix<T>& matrix() const noexcept { return m_; }
+    /// A packet of row r from column c (c + lanes ≤ cols), and one value.
+    [[nodiscard]] Packet<T> stored_packet(Index r, Index c) const { return Eigen::internal::ploadu<Packet<T>>(&m_(r, c)); }
+    [[nodiscard]] T stored_value(Index r, Index c) const { return m_(r, c); }
     [[nodiscard]] auto row(Index r) { return m_.row(r); }
     [[nodiscard]] auto row(Index r) const { return m_.row(r); }
 
@@ -383,6 +386,10 @@ public:
     [[nodiscard]] Packet<float> packet(Index r, Index c) const { return load_packet(&m_(r, c)); }
     [[nodiscard]] float scalar(Index r, Index c) const { return to_float(m_(r, c)); }
     [[nodiscard]] static float weight(Index, Index, float w) { return w; }
+    /// The stored values as float, exactly as decode_rows gives them: a packet from
+    /// column c (c + lanes ≤ cols; fused_storage), and one value.
+    [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const { return load_packet(&m_(r, c)); }
+    [[nodiscard]] float stored_value(Index r, Index c) const { return to_float(m_(r, c)); }
 
     [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
     [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept { return 2 * static_cast<std::size_t>(cols); }
@@ -517,6 +524,15 @@ public:
     [[nodiscard]] Packet<float> packet(Index r, Index c) const { return load_packet(&q_(r, c)); }
     [[nodiscard]] float scalar(Index r, Index c) const { return static_cast<float>(q_(r, c)); }
     [[nodiscard]] float weight(Index r, Index c, float w) const { return w * scales_(r, c / Q8::block); }
+    /// The stored values as float, exactly as decode_rows gives them (scale · q_i): a
+    /// packet from column c (c + lanes ≤ cols, inside one block; fused_storage), and one value.
+    [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const {
+        return Eigen::internal::pmul(Eigen::internal::pset1<Packet<float>>(scales_(r, c / Q8::block)),
+                                     load_packet(&q_(r, c)));
+    }
+    [[nodiscard]] float stored_value(Index r, Index c) const {
+        return scales_(r, c / Q8::block) * to_float(q_(r, c));
+    }
 
     [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
     [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept {
