@@ -10,7 +10,7 @@ and the headers carry no Doxygen markup for it:
     sentence is the brief, then the whole comment as written, in a fenced block (its
     ASCII formulas, tables and code keep their layout, and nothing in it is read as
     Markdown, a Doxygen command or an HTML tag);
-  - a header under kernels/, memory/, layer/, persistence/, storage/ or distributed/
+  - a header under kernels/, memory/, layer/, serving/, persistence/, storage/ or distributed/
     (and feature_maps.hpp, softmax_state.hpp: kernels) joins that group of the reference
     (docs/groups.dox): the file by \\ingroup, and everything documented in its
     `namespace memattn { ... }` blocks by `\\addtogroup` and `@{ ... @}` comments added on
@@ -32,6 +32,7 @@ GROUPS = {
     "persistence": "persistence",
     "storage": "storage",
     "distributed": "distributed",
+    "serving": "serving",
 }
 OPENING = re.compile(r"^namespace memattn\s*\{\s*$")
 CLOSING = re.compile(r"^\}\s*//\s*namespace memattn\s*$")

@@ -41,6 +41,7 @@ inline void eigen_assertion_failed(const char* condition) {
 #include <memattn/memory/linear_attention_memory.hpp>
 #include <memattn/memory/moving_average_cache.hpp>
 #include <memattn/memory/sliding_window_cache.hpp>
+#include <memattn/serving/paged_kv_cache.hpp>
 
 #include <vector>
 
@@ -254,8 +255,8 @@ TEMPLATE_TEST_CASE("KVCache: the decode steps after a prefill or a bulk extend d
 TEMPLATE_TEST_CASE("MultiHead<KVCache>: split decode steps allocate nothing once reserved, at 1 and 2 threads",
                    "[memory][allocation][layer]", float, double) {
     using T = TestType;
-    // 8 query heads over 2 KV heads, 9000 pairs each: three pieces per head (split_keys
-    // 4096), and enough work per step to be spread over the threads.
+    // 8 query heads over 2 KV heads, 9000 pairs each: five pieces per head (split_keys
+    // 2048), and enough work per step to be spread over the threads.
     const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 16};
     const Index n = 9000, steps = 20;
     const Matrix<T> K = random_matrix<T>(n + steps, 32, 2), V = random_matrix<T>(n + steps, 32, 3),
@@ -273,6 +274,40 @@ TEMPLATE_TEST_CASE("MultiHead<KVCache>: split decode steps allocate nothing once
             mem.update(K.row(n + i), V.row(n + i));
             mem.attend(Q.row(i), out);
         }
+        const auto counts = watch.stop();
+        CHECK(counts.operator_news == 0);
+        CHECK(counts.eigen_mallocs == 0);
+        CHECK(out.allFinite());
+    }
+}
+
+TEMPLATE_TEST_CASE("PagedKVCache: steps allocate nothing, through new blocks, copy-on-write and truncate",
+                   "[serving][allocation]", float, Eigen::bfloat16, Q8) {
+    using S = TestType;
+    const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};
+    const Index n = 3000, steps = 40;
+    const Matrix<float> K = random_matrix<float>(n + steps, 128, 2), V = random_matrix<float>(n + steps, 128, 3),
+                        Q = random_matrix<float>(steps, 512, 1);
+    for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        PagedKVCache<float, S> pool(layout, 64, 100);
+        const OpenMPExecutor executor{.threads = threads};
+        pool.set_executor(executor);
+        const Index a = pool.add_sequence();
+        pool.extend(a, K.topRows(n - 50), V.topRows(n - 50));  // the last block half full
+        const Index b = pool.fork(a);                          // shares it
+        Vector<float> out(512);
+        HeapWatch watch;
+        for (Index i = 0; i < steps; ++i) {  // b copies the shared block, then both take new ones
+            pool.update(a, K.row(n + i), V.row(n + i));
+            pool.update(b, K.row(n - 50 + i), V.row(n - 50 + i));
+            pool.attend(a, Q.row(i), out);
+            pool.attend(b, Q.row(i), out);
+        }
+        pool.truncate(b, 10);
+        pool.extend(b, K.topRows(7), V.topRows(7));
+        pool.attend(b, Q.row(0), out);
+        pool.remove(a);
         const auto counts = watch.stop();
         CHECK(counts.operator_news == 0);
         CHECK(counts.eigen_mallocs == 0);

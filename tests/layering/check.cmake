@@ -11,7 +11,7 @@ set(floors
   "^memattn/storage/"                                                                  # 2 storage
   "^memattn/kernels/"                                                                  # 3 kernels
   "^memattn/memory/"                                                                   # 4 memories and their helpers
-  "^memattn/layer/|^memattn/persistence/snapshot\\.hpp$"                               # 5 layer, snapshots
+  "^memattn/layer/|^memattn/serving/|^memattn/persistence/snapshot\\.hpp$"            # 5 layer, serving, snapshots
   "^memattn/distributed/|^memattn/(memattn|compiled)\\.hpp$")                          # 6 MPI, umbrella
 
 function(floor_of path out)

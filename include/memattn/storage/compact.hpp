@@ -307,6 +307,8 @@ public:
         m_.middleRows(first, rows.rows()) = rows;
     }
     void copy_rows_from(const StoredRows& other, Index n) { m_.topRows(n) = other.m_.topRows(n); }
+    /// Rows [to, to + n) = rows [from, from + n), the two ranges apart.
+    void copy_within(Index from, Index to, Index n) { m_.middleRows(to, n) = m_.middleRows(from, n); }
     void decode_rows(Index first, Index n, T* out, Index ld) const {
         Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>(out, n, cols(), Eigen::OuterStride<>(ld)) =
             m_.middleRows(first, n);
@@ -349,6 +351,8 @@ public:
             m_.middleRows(first, rows.rows()) = rows.template cast<float>().template cast<S>();
     }
     void copy_rows_from(const StoredRows& other, Index n) { m_.topRows(n) = other.m_.topRows(n); }
+    /// Rows [to, to + n) = rows [from, from + n), the two ranges apart.
+    void copy_within(Index from, Index to, Index n) { m_.middleRows(to, n) = m_.middleRows(from, n); }
     void decode_rows(Index first, Index n, T* out, Index ld) const {
         for (Index r = 0; r < n; ++r) {
             if constexpr (std::is_same_v<T, float>) {
@@ -455,6 +459,11 @@ public:
     void copy_rows_from(const StoredRows& other, Index n) {
         q_.topRows(n) = other.q_.topRows(n);
         scales_.topRows(n) = other.scales_.topRows(n);
+    }
+    /// Rows [to, to + n) = rows [from, from + n), the two ranges apart.
+    void copy_within(Index from, Index to, Index n) {
+        q_.middleRows(to, n) = q_.middleRows(from, n);
+        scales_.middleRows(to, n) = scales_.middleRows(from, n);
     }
     void decode_rows(Index first, Index n, T* out, Index ld) const {
         for (Index r = 0; r < n; ++r) {

@@ -1,0 +1,433 @@
+#pragma once
+// PagedKVCache: one layer's K/V for many sequences at once, in a pool of fixed-size
+// blocks, with prefixes shared between sequences (docs/design.md, "Serving").
+//
+//   memattn::PagedKVCache<float, Eigen::bfloat16> pool({.q_heads = 32, .kv_heads = 8, .head_dim = 128},
+//                                                      /*blocks=*/4096);
+//   const memattn::Index a = pool.add_sequence();
+//   auto first = pool.sequence(a);                 // a sequence is a Memory
+//   memattn::extend(first, prompt_keys, prompt_values);
+//   const memattn::Index b = pool.fork(a);     // shares every block of a
+//   pool.sequence(b).update(k_row, v_row);    // copies the shared last block first
+//   pool.sequence(b).attend(q_row, o_row);    // packed rows, as memattn::MultiHead's
+//   pool.truncate(b, 10);                     // rollback: frees what no one else holds
+//   pool.remove(a);
+//
+// A block holds `block_size` tokens of every KV head: for block b, KV head h and slot t,
+// the key is row (b·kv_heads + h)·block_size + t of one detail::StoredRows (in storage S,
+// like KVCache's), the value the same row of another, so a head's tokens in a block are
+// one contiguous run of rows and the attend reads them through
+// kernels/decode_attention.hpp like any cache's. A sequence is its block table (the
+// blocks of its tokens, in order) and its length; a block has a reference count, and a
+// sequence that writes into a block another sequence holds copies it first into a free
+// block (copy-on-write), so a fork costs one count per block.
+//
+// Capacity is fixed when the pool is built: a step (update, attend) allocates nothing.
+// When a call needs more blocks than are free it throws memattn::PoolExhausted, naming
+// what it asked for and what is free, and changes nothing; every other bad input (an id
+// that is not a live sequence, a shape, a value the storage cannot hold) throws
+// std::invalid_argument and changes nothing.
+
+#include "memattn/execution/executor.hpp"
+#include "memattn/kernels/decode_attention.hpp"
+#include "memattn/layer/head_layout.hpp"
+#include "memattn/layer/parallel.hpp"
+#include "memattn/memory/detail/memory_checks.hpp"
+#include "memattn/softmax_state.hpp"
+#include "memattn/storage/compact.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace memattn {
+
+/// A pool had fewer free blocks than a call needed; the pool is unchanged.
+class PoolExhausted : public std::runtime_error {
+public:
+    PoolExhausted(const std::string& function, Index needed, Index free, Index blocks)
+        : std::runtime_error("memattn::" + function + ": needs " + std::to_string(needed) + " free block" +
+                             (needed == 1 ? "" : "s") + ", but " + std::to_string(free) + " of the pool's " +
+                             std::to_string(blocks) + " are free"),
+          needed_(needed),
+          free_(free) {}
+    /// Blocks the call needed.
+    [[nodiscard]] Index needed() const noexcept { return needed_; }
+    /// Blocks that were free.
+    [[nodiscard]] Index free() const noexcept { return free_; }
+
+private:
+    Index needed_, free_;
+};
+
+/// One layer's K/V for many sequences in a pool of blocks; see the top of the file.
+/// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp).
+template <Scalar T, class S = T>
+    requires StorageFor<S, T>
+class PagedKVCache {
+public:
+    using Scalar = T;       ///< the rows' scalar and the arithmetic's
+    using StorageType = S;  ///< how the pairs are stored
+
+    /// Tokens per block unless the constructor is told otherwise.
+    static constexpr Index default_block_size = 128;
+
+    class Sequence;
+
+    /// A pool of `blocks` blocks of `block_size` tokens of every KV head of `layout`;
+    /// `scale` multiplies q·k before the softmax, 0 meaning 1/sqrt(head_dim). Allocates
+    /// the whole pool now.
+    PagedKVCache(const HeadLayout& layout, Index blocks, Index block_size = default_block_size, T scale = T(0))
+        : layout_(checked(layout)),
+          blocks_(detail::at_least(blocks, 1, "PagedKVCache", "blocks")),
+          block_size_(detail::at_least(block_size, 1, "PagedKVCache", "block_size")),
+          scale_(detail::checked_scale(scale, layout.head_dim, "PagedKVCache")),
+          keys_(pool_rows(), layout_.head_dim),
+          values_(pool_rows(), layout_.values()),
+          refs_(static_cast<std::size_t>(blocks_), 0) {
+        free_.reserve(static_cast<std::size_t>(blocks_));
+        for (Index b = blocks_; b-- > 0;)  // popped from the back: block 0 first
+            free_.push_back(b);
+    }
+
+    /// A new, empty sequence; returns its id (the smallest id not in use).
+    Index add_sequence() {
+        const Index id = fresh_id();
+        State& s = sequences_[static_cast<std::size_t>(id)];
+        s.table.reserve(static_cast<std::size_t>(blocks_));  // its steps never allocate
+        s.length = 0;
+        s.live = true;
+        return id;
+    }
+
+    /// A new sequence holding the same tokens as `parent`, sharing every block of it
+    /// (copied when either writes into a shared block). Returns its id.
+    Index fork(Index parent) {
+        check_sequence("PagedKVCache::fork", "parent", parent);
+        const Index id = fresh_id();
+        State& child = sequences_[static_cast<std::size_t>(id)];
+        const State& from = sequences_[static_cast<std::size_t>(parent)];
+        child.table.reserve(static_cast<std::size_t>(blocks_));
+        child.table.assign(from.table.begin(), from.table.end());
+        child.length = from.length;
+        child.live = true;
+        for (const Index b : child.table)
+            ++refs_[static_cast<std::size_t>(b)];
+        return id;
+    }
+
+    /// Keeps the first `tokens` tokens of `seq` (a rollback) and frees the blocks past
+    /// them that no other sequence holds.
+    void truncate(Index seq, Index tokens) {
+        constexpr const char* function = "PagedKVCache::truncate";
+        check_sequence(function, "seq", seq);
+        State& s = sequences_[static_cast<std::size_t>(seq)];
+        detail::require(tokens >= 0 && tokens <= s.length, function, "tokens", "is ", tokens, ", expected 0 to ",
+                        s.length, " (the length of sequence ", seq, ")");
+        const Index keep = blocks_for(tokens);
+        for (std::size_t i = static_cast<std::size_t>(keep); i < s.table.size(); ++i)
+            release(s.table[i]);
+        s.table.resize(static_cast<std::size_t>(keep));
+        s.length = tokens;
+    }
+
+    /// Ends `seq`: frees the blocks no other sequence holds; its id may be reused.
+    void remove(Index seq) {
+        check_sequence("PagedKVCache::remove", "seq", seq);
+        State& s = sequences_[static_cast<std::size_t>(seq)];
+        for (const Index b : s.table)
+            release(b);
+        s.table.clear();
+        s.length = 0;
+        s.live = false;
+    }
+
+    /// True when `seq` is a live sequence of the pool.
+    [[nodiscard]] bool contains(Index seq) const noexcept {
+        return seq >= 0 && seq < static_cast<Index>(sequences_.size()) && sequences_[static_cast<std::size_t>(seq)].live;
+    }
+    /// Tokens of `seq`.
+    [[nodiscard]] Index length(Index seq) const {
+        check_sequence("PagedKVCache::length", "seq", seq);
+        return sequences_[static_cast<std::size_t>(seq)].length;
+    }
+    /// Blocks held by `seq` (shared ones included).
+    [[nodiscard]] Index blocks_of(Index seq) const {
+        check_sequence("PagedKVCache::blocks_of", "seq", seq);
+        return static_cast<Index>(sequences_[static_cast<std::size_t>(seq)].table.size());
+    }
+    /// Live sequences.
+    [[nodiscard]] Index sequences() const noexcept {
+        return static_cast<Index>(std::count_if(sequences_.begin(), sequences_.end(),
+                                                [](const State& s) { return s.live; }));
+    }
+    /// Blocks some sequence holds (a shared block once).
+    [[nodiscard]] Index blocks_in_use() const noexcept { return blocks_ - free_blocks(); }
+    /// Blocks no sequence holds.
+    [[nodiscard]] Index free_blocks() const noexcept { return static_cast<Index>(free_.size()); }
+    /// Blocks of the pool.
+    [[nodiscard]] Index blocks() const noexcept { return blocks_; }
+    /// Tokens per block.
+    [[nodiscard]] Index block_size() const noexcept { return block_size_; }
+    /// Bytes the pool holds: its blocks (allocated when it was built), their counts and
+    /// the sequences' tables.
+    [[nodiscard]] std::size_t footprint() const noexcept {
+        std::size_t bytes = keys_.bytes(pool_rows()) + values_.bytes(pool_rows()) +
+                            sizeof(Index) * (refs_.capacity() + free_.capacity());
+        for (const State& s : sequences_)
+            bytes += sizeof(State) + sizeof(Index) * s.table.capacity();
+        return bytes;
+    }
+    /// Bytes of the blocks `seq` holds, shared ones included.
+    [[nodiscard]] std::size_t footprint(Index seq) const { return block_bytes() * static_cast<std::size_t>(blocks_of(seq)); }
+
+    [[nodiscard]] const HeadLayout& layout() const noexcept { return layout_; }
+    [[nodiscard]] T scale() const noexcept { return scale_; }
+    /// Widths of the packed rows: keys kv_heads·head_dim, values kv_heads·value_dim,
+    /// queries q_heads·head_dim, outputs q_heads·value_dim.
+    [[nodiscard]] Index key_dim() const noexcept { return layout_.kv_heads * layout_.head_dim; }
+    [[nodiscard]] Index value_dim() const noexcept { return layout_.kv_heads * layout_.values(); }
+    [[nodiscard]] Index query_dim() const noexcept { return layout_.q_heads * layout_.head_dim; }
+    [[nodiscard]] Index output_dim() const noexcept { return layout_.q_heads * layout_.values(); }
+
+    /// Where attend runs its KV heads (memattn::default_executor unless set); the pool
+    /// keeps the reference.
+    void set_executor(ExecutorRef executor) noexcept { executor_ = executor; }
+    template <Executor E>
+        requires(!std::same_as<E, ExecutorRef>)
+    void set_executor(const E&&) {
+        static_assert(sizeof(E) == 0, "memattn: PagedKVCache::set_executor keeps a reference: pass an executor "
+                                      "that outlives the calls, not a temporary");
+    }
+    [[nodiscard]] ExecutorRef executor() const noexcept { return executor_; }
+
+    /// Appends one token to `seq`: `key` is kv_heads·head_dim wide, `value`
+    /// kv_heads·value_dim. Takes a free block when the last one is full, and copies the
+    /// last one first when another sequence holds it.
+    void update(Index seq, ConstRowRef<T> key, ConstRowRef<T> value) {
+        const detail::PairSite site{"PagedKVCache::update", "key", "value"};
+        validate(seq, key, value, site);
+        append(sequences_[static_cast<std::size_t>(seq)], key, value);
+    }
+
+    /// Appends many tokens (packed rows) to `seq`; all or nothing.
+    void extend(Index seq, ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        validate(seq, keys, values, {"PagedKVCache::extend"});
+        append(sequences_[static_cast<std::size_t>(seq)], keys, values);
+    }
+
+    /// Throws what update/extend of `seq` would throw for these packed rows, changing
+    /// nothing: std::invalid_argument for an id, a shape or a value S cannot hold,
+    /// std::length_error past memattn::max_length, memattn::PoolExhausted when the pool has
+    /// fewer free blocks than they need.
+    void validate(Index seq, ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                  const detail::PairSite& site = {"PagedKVCache::validate"}) const {
+        check_sequence(site.function, "seq", seq);
+        const State& s = sequences_[static_cast<std::size_t>(seq)];
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), value_dim(), s.length);
+        detail::check_storable<T, S>(site, keys, false);
+        detail::check_storable<T, S>(site, values, true);
+        const Index needed = blocks_needed(s, keys.rows());
+        if (needed > free_blocks())
+            throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
+    }
+
+    /// out (q_heads·value_dim) = every query head of `query` (q_heads·head_dim) attending
+    /// the tokens of `seq` (zero for an empty sequence); each KV head's blocks are read
+    /// once for its group of query heads, the KV heads spread over the executor's threads
+    /// (bitwise the same for any of them). Allocates nothing.
+    void attend(Index seq, ConstRowRef<T> query, RowRef<T> out) const {
+        constexpr const char* function = "PagedKVCache::attend";
+        check_sequence(function, "seq", seq);
+        detail::check_query(function, query, out, query_dim(), output_dim());
+        const State& s = sequences_[static_cast<std::size_t>(seq)];
+        if (s.length == 0) {
+            out.setZero();
+            return;
+        }
+        const Index g = layout_.group_size();
+        const double work = static_cast<double>(s.length) * static_cast<double>(layout_.q_heads) *
+                            static_cast<double>(layout_.head_dim + layout_.values());
+        detail::parallel_ranges(
+            layout_.kv_heads, [](Index) { return 1.0; },
+            [&](Index first, Index last) {
+                for (Index h = first; h < last; ++h)
+                    attend_head(s, h, query.data() + h * g * layout_.head_dim, out.data() + h * g * layout_.values());
+            },
+            work < parallel_work ? 1 : 0, executor_);
+    }
+
+    /// Pairs × query heads × (head_dim + value_dim) of one attend below which it runs on
+    /// the calling thread (as memattn::MultiHead's).
+    static constexpr double parallel_work = 1 << 20;
+
+    /// `seq` as a Memory of packed rows (see Sequence).
+    [[nodiscard]] Sequence sequence(Index seq) {
+        check_sequence("PagedKVCache::sequence", "seq", seq);
+        return Sequence(*this, seq);
+    }
+
+    /// One sequence of a PagedKVCache as a memattn::Memory of packed rows (the layer's
+    /// width, as memattn::MultiHead's): update/extend append to it, attend reads it,
+    /// reset() truncates it to nothing. A view: the pool must outlive it, and removing the
+    /// sequence ends it.
+    class Sequence {
+    public:
+        using Scalar = T;
+
+        void update(ConstRowRef<T> key, ConstRowRef<T> value) { pool_->update(id_, key, value); }
+        void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) { pool_->extend(id_, keys, values); }
+        void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
+                      const detail::PairSite& site = {"PagedKVCache::Sequence::validate"}) const {
+            pool_->validate(id_, keys, values, site);
+        }
+        void attend(ConstRowRef<T> query, RowRef<T> out) const { pool_->attend(id_, query, out); }
+        [[nodiscard]] Index length() const { return pool_->length(id_); }
+        /// Bytes of the blocks it holds, shared ones included.
+        [[nodiscard]] std::size_t footprint() const { return pool_->footprint(id_); }
+        void reset() { pool_->truncate(id_, 0); }
+
+        [[nodiscard]] Index key_dim() const noexcept { return pool_->key_dim(); }
+        [[nodiscard]] Index value_dim() const noexcept { return pool_->value_dim(); }
+        [[nodiscard]] Index query_dim() const noexcept { return pool_->query_dim(); }
+        [[nodiscard]] Index output_dim() const noexcept { return pool_->output_dim(); }
+        /// Its id in the pool.
+        [[nodiscard]] Index id() const noexcept { return id_; }
+        [[nodiscard]] PagedKVCache& pool() const noexcept { return *pool_; }
+
+    private:
+        friend class PagedKVCache;
+        Sequence(PagedKVCache& pool, Index id) : pool_(&pool), id_(id) {}
+        PagedKVCache* pool_;
+        Index id_;
+    };
+
+private:
+    struct State {
+        std::vector<Index> table;  // the blocks of the tokens, in order; capacity: every block
+        Index length = 0;
+        bool live = false;
+    };
+
+    static HeadLayout checked(const HeadLayout& layout) {
+        detail::check_layout("PagedKVCache", layout);
+        return layout;
+    }
+
+    /// Rows of each of the two stores: blocks × kv_heads × block_size, checked.
+    [[nodiscard]] Index pool_rows() const {
+        return detail::checked_product("PagedKVCache", "blocks", blocks_,
+                                       detail::checked_product("PagedKVCache", "block_size", block_size_,
+                                                               layout_.kv_heads, "block_size x kv_heads"),
+                                       "blocks x block_size x kv_heads");
+    }
+    [[nodiscard]] std::size_t block_bytes() const noexcept {
+        return static_cast<std::size_t>(block_size_ * layout_.kv_heads) *
+               (detail::StoredRows<T, S>::row_bytes(layout_.head_dim) +
+                detail::StoredRows<T, S>::row_bytes(layout_.values()));
+    }
+    /// The first row of KV head h in block b.
+    [[nodiscard]] Index first_row(Index b, Index h) const noexcept { return (b * layout_.kv_heads + h) * block_size_; }
+    [[nodiscard]] Index blocks_for(Index tokens) const noexcept { return (tokens + block_size_ - 1) / block_size_; }
+
+    void check_sequence(std::string_view function, const char* argument, Index seq) const {
+        if (!contains(seq)) [[unlikely]]
+            detail::require(false, function, argument, "is ", seq, ", which is not a live sequence of the pool (",
+                            sequences(), " live, ids below ", sequences_.size(), ")");
+    }
+
+    /// The smallest id not in use, its state made ready (may allocate: not a step).
+    Index fresh_id() {
+        for (std::size_t i = 0; i < sequences_.size(); ++i)
+            if (!sequences_[i].live)
+                return static_cast<Index>(i);
+        sequences_.emplace_back();
+        return static_cast<Index>(sequences_.size() - 1);
+    }
+
+    /// Free blocks that appending n tokens to s takes: the new blocks, and one more when
+    /// its last block is partly filled and shared (copied before the first write).
+    [[nodiscard]] Index blocks_needed(const State& s, Index n) const noexcept {
+        if (n == 0)
+            return 0;
+        const Index grown = blocks_for(s.length + n) - static_cast<Index>(s.table.size());
+        const bool copy = s.length % block_size_ != 0 && refs_[static_cast<std::size_t>(s.table.back())] > 1;
+        return grown + (copy ? 1 : 0);
+    }
+
+    Index take_block() noexcept {
+        MEMATTN_DASSERT(!free_.empty());
+        const Index b = free_.back();
+        free_.pop_back();
+        refs_[static_cast<std::size_t>(b)] = 1;
+        return b;
+    }
+    void release(Index b) noexcept {
+        if (--refs_[static_cast<std::size_t>(b)] == 0)
+            free_.push_back(b);  // within its capacity: every block
+    }
+
+    /// Appends the rows of K/V to s, checked by validate (cannot throw).
+    template <class KRows, class VRows>
+    void append(State& s, const KRows& keys, const VRows& values) noexcept {
+        const Index d = layout_.head_dim, dv = layout_.values();
+        for (Index r = 0; r < keys.rows(); ++r) {
+            const Index t = s.length % block_size_;
+            if (t == 0) {
+                s.table.push_back(take_block());  // within its capacity: every block
+            } else if (refs_[static_cast<std::size_t>(s.table.back())] > 1) {  // copy-on-write
+                const Index shared = s.table.back(), own = take_block();
+                for (Index h = 0; h < layout_.kv_heads; ++h) {
+                    keys_.copy_within(first_row(shared, h), first_row(own, h), t);
+                    values_.copy_within(first_row(shared, h), first_row(own, h), t);
+                }
+                release(shared);
+                s.table.back() = own;
+            }
+            const Index b = s.table.back();
+            for (Index h = 0; h < layout_.kv_heads; ++h) {
+                keys_.put_rows(first_row(b, h) + t, keys.block(r, h * d, 1, d));
+                values_.put_rows(first_row(b, h) + t, values.block(r, h * dv, 1, dv));
+            }
+            ++s.length;
+        }
+    }
+
+    /// KV head h's group of query heads (g rows of q, g rows of out) over s's blocks.
+    void attend_head(const State& s, Index h, const T* q, T* out) const {
+        const Index g = layout_.group_size(), d = layout_.head_dim, dv = layout_.values();
+        const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> queries(q, g, d, Eigen::OuterStride<>(d));
+        Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> outputs(out, g, dv, Eigen::OuterStride<>(dv));
+        const bool ahead = static_cast<std::size_t>(s.length) * (detail::StoredRows<T, S>::row_bytes(d) +
+                                                                 detail::StoredRows<T, S>::row_bytes(dv)) >=
+                           detail::group_prefetch_bytes;
+        for (Index r0 = 0; r0 < g; r0 += detail::group_rows) {
+            const Index rows = std::min(detail::group_rows, g - r0);
+            auto acc = outputs.middleRows(r0, rows);
+            acc.setZero();
+            detail::GroupAttention<T> group(queries.middleRows(r0, rows), scale_, ahead);
+            for (std::size_t i = 0; i < s.table.size(); ++i) {
+                const Index first = static_cast<Index>(i) * block_size_;
+                group.fold_stored(keys_, values_, first_row(s.table[i], h), std::min(block_size_, s.length - first),
+                                  acc);
+            }
+            for (Index r = 0; r < rows; ++r)
+                group.state(r).finish(acc.row(r));
+        }
+    }
+
+    HeadLayout layout_;
+    Index blocks_, block_size_;
+    T scale_;
+    detail::StoredRows<T, S> keys_, values_;
+    std::vector<Index> refs_;  // sequences holding each block
+    std::vector<Index> free_;  // blocks no one holds, taken from the back
+    std::vector<State> sequences_;
+    ExecutorRef executor_;
+};
+
+}  // namespace memattn

@@ -1,0 +1,349 @@
+// memattn::PagedKVCache: a pool of blocks for many sequences, each a Memory; fork with
+// copy-on-write, truncate, remove, exhaustion; against the double reference, a private
+// cache per sequence, and a model of the pool (a map of sequences to their tokens).
+
+#include "support.hpp"
+
+#include <memattn/memattn.hpp>
+
+#include <map>
+#include <random>
+#include <tuple>
+#include <vector>
+
+using namespace memattn;
+using namespace memattn::test;
+
+static_assert(Memory<PagedKVCache<float>::Sequence>);
+static_assert(Memory<PagedKVCache<double, Eigen::bfloat16>::Sequence>);
+
+namespace {
+
+/// The packed rows as storage S gives them back, head by head (a Q8 block ends with its
+/// head's row).
+template <class T, class S>
+Matrix<T> stored_heads(const Matrix<T>& X, Index heads) {
+    const Index w = X.cols() / heads;
+    Matrix<T> out(X.rows(), X.cols());
+    for (Index h = 0; h < heads; ++h) {
+        const Matrix<T> part = X.middleCols(h * w, w);
+        Matrix<T> back(X.rows(), w);
+        detail::round_trip<T, S>(part, back.data(), w);
+        out.middleCols(h * w, w) = back;
+    }
+    return out;
+}
+
+/// Every query head of q (one packed row) over the tokens K/V (packed rows, as stored),
+/// in double: the reference a paged sequence must match.
+MatrixD paged_reference(const HeadLayout& layout, const MatrixD& q, const MatrixD& K, const MatrixD& V) {
+    const Index d = layout.head_dim, dv = layout.values(), g = layout.group_size();
+    MatrixD out = MatrixD::Zero(1, layout.q_heads * dv);
+    if (K.rows() == 0)
+        return out;
+    for (Index h = 0; h < layout.q_heads; ++h) {
+        const Index kv = h / g;
+        out.middleCols(h * dv, dv) = reference::softmax_attention(q.middleCols(h * d, d), K.middleCols(kv * d, d),
+                                                                  V.middleCols(kv * dv, dv))
+                                         .out;
+    }
+    return out;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("PagedKVCache: a sequence equals the double reference and a private cache, in every storage",
+                   "[serving]", float, Eigen::bfloat16, Eigen::half, Q8) {
+    using S = TestType;
+    for (const auto& [layout, block] :
+         {std::tuple<HeadLayout, Index>{{4, 2, 16, 0}, 16}, {{8, 1, 17, 9}, 3}, {{2, 2, 1, 0}, 1}, {{32, 8, 32, 0}, 128},
+          {{3, 3, 8, 0}, 7}}) {
+        for (const Index n : {0, 1, 37, 300}) {
+            INFO(detail::storage_name<S> << ", " << layout.q_heads << "/" << layout.kv_heads << " x " << layout.head_dim
+                                         << ", block " << block << ", n = " << n);
+            const Index kw = layout.kv_heads * layout.head_dim, vw = layout.kv_heads * layout.values();
+            const Index per_sequence = (n + block - 1) / block;
+            PagedKVCache<float, S> pool(layout, 2 * per_sequence + 1, block);
+            const Index a = pool.add_sequence(), b = pool.add_sequence();
+            const Matrix<float> K = random_matrix<float>(n, kw, 1), V = random_matrix<float>(n, vw, 2);
+            // a through extend, b token by token: the same pairs.
+            auto first = pool.sequence(a), second = pool.sequence(b);
+            memattn::extend(first, K, V);
+            for (Index i = 0; i < n; ++i)
+                second.update(K.row(i), V.row(i));
+            CHECK(pool.length(a) == n);
+            CHECK(pool.blocks_in_use() == 2 * per_sequence);
+            const Matrix<float> q = random_matrix<float>(1, pool.query_dim(), 3, 2.0);
+            Matrix<float> oa(1, pool.output_dim()), ob(1, pool.output_dim());
+            pool.sequence(a).attend(q.row(0), oa.row(0));
+            pool.sequence(b).attend(q.row(0), ob.row(0));
+            CHECK((oa.array() == ob.array()).all());
+            const MatrixD Ks = stored_heads<float, S>(K, layout.kv_heads).template cast<double>();
+            const MatrixD Vs = stored_heads<float, S>(V, layout.kv_heads).template cast<double>();
+            check_close(oa, paged_reference(layout, q.template cast<double>(), Ks, Vs), 2e-5);  // the stored values exactly
+            // A private layer of caches fed the same tokens.
+            const Index d = layout.head_dim, dv = layout.values();  // a lambda cannot capture a binding (C++20)
+            MultiHead<KVCache<float, S>> layer(layout, [d, dv](Index) { return KVCache<float, S>(d, dv); });
+            memattn::extend(layer, K, V);
+            Matrix<float> private_out(1, pool.output_dim());
+            layer.attend(q.row(0), private_out.row(0));
+            check_close(oa, private_out.template cast<double>(), 2e-5);
+        }
+    }
+}
+
+TEST_CASE("PagedKVCache: fork shares every block and copies a shared block before writing into it", "[serving]") {
+    const HeadLayout layout{4, 2, 8, 0};
+    PagedKVCache<float> pool(layout, 32, 16);
+    const Matrix<float> K = random_matrix<float>(40, 16, 11), V = random_matrix<float>(40, 16, 12);
+    const Matrix<float> q = random_matrix<float>(1, 32, 13, 2.0);
+    const auto attend = [&](Index seq) {
+        Matrix<float> o(1, 32);
+        pool.attend(seq, q.row(0), o.row(0));
+        return o;
+    };
+    const auto fresh = [&](Index tokens, const Matrix<float>& extra_k, const Matrix<float>& extra_v) {
+        const Index id = pool.add_sequence();
+        pool.extend(id, K.topRows(tokens), V.topRows(tokens));
+        pool.extend(id, extra_k, extra_v);
+        const Matrix<float> o = attend(id);
+        pool.remove(id);
+        return o;
+    };
+    const Index parent = pool.add_sequence();
+    pool.extend(parent, K.topRows(37), V.topRows(37));  // 3 blocks, the last one partly filled
+    CHECK(pool.blocks_in_use() == 3);
+    const Matrix<float> before = attend(parent);
+    const Index child = pool.fork(parent);
+    CHECK(pool.length(child) == 37);
+    CHECK(pool.blocks_in_use() == 3);  // shared
+    CHECK((attend(child).array() == before.array()).all());
+    // The child writes into the shared last block: it copies it first.
+    pool.update(child, K.row(37), V.row(37));
+    CHECK(pool.blocks_in_use() == 4);
+    CHECK((attend(parent).array() == before.array()).all());
+    CHECK((attend(child).array() == fresh(38, Matrix<float>(0, 16), Matrix<float>(0, 16)).array()).all());
+    // The parent writes too: its block is its own again (the count fell to one), no copy.
+    const Matrix<float> other_k = random_matrix<float>(1, 16, 14), other_v = random_matrix<float>(1, 16, 15);
+    pool.update(parent, other_k.row(0), other_v.row(0));
+    CHECK(pool.blocks_in_use() == 4);
+    CHECK((attend(parent).array() == fresh(37, other_k, other_v).array()).all());
+    CHECK((attend(child).array() == fresh(38, Matrix<float>(0, 16), Matrix<float>(0, 16)).array()).all());
+    // A fork at a block edge shares full blocks only: the next token takes a new block.
+    const Index edge = pool.add_sequence();
+    pool.extend(edge, K.topRows(32), V.topRows(32));
+    const Index edge_child = pool.fork(edge);
+    const Index in_use = pool.blocks_in_use();
+    pool.update(edge_child, K.row(32), V.row(32));
+    CHECK(pool.blocks_in_use() == in_use + 1);
+    CHECK((attend(edge_child).array() == fresh(33, Matrix<float>(0, 16), Matrix<float>(0, 16)).array()).all());
+}
+
+TEST_CASE("PagedKVCache: truncate and remove free the blocks no one else holds", "[serving]") {
+    const HeadLayout layout{2, 1, 8, 0};
+    PagedKVCache<float, Eigen::half> pool(layout, 16, 8);
+    const Matrix<float> K = random_matrix<float>(60, 8, 21), V = random_matrix<float>(60, 8, 22);
+    const Matrix<float> q = random_matrix<float>(1, 16, 23);
+    const Index a = pool.add_sequence();
+    pool.extend(a, K.topRows(50), V.topRows(50));  // 7 blocks
+    const Index b = pool.fork(a);
+    CHECK(pool.blocks_in_use() == 7);
+    pool.truncate(b, 20);  // b holds 3 blocks, all still a's
+    CHECK(pool.blocks_in_use() == 7);
+    CHECK(pool.blocks_of(b) == 3);
+    pool.remove(a);  // a's blocks past b's 3 are freed
+    CHECK(pool.blocks_in_use() == 3);
+    CHECK(!pool.contains(a));
+    CHECK(pool.sequences() == 1);
+    // b continues from its 20 tokens exactly as a fresh sequence of them.
+    pool.extend(b, K.middleRows(20, 10), V.middleRows(20, 10));
+    const Index c = pool.add_sequence();  // reuses a's id
+    CHECK(c == a);
+    pool.extend(c, K.topRows(30), V.topRows(30));
+    Matrix<float> ob(1, 16), oc(1, 16);
+    pool.attend(b, q.row(0), ob.row(0));
+    pool.attend(c, q.row(0), oc.row(0));
+    CHECK((ob.array() == oc.array()).all());
+    pool.sequence(b).reset();
+    CHECK(pool.length(b) == 0);
+    pool.attend(b, q.row(0), ob.row(0));
+    CHECK(ob.isZero(0));
+    pool.remove(b);
+    pool.remove(c);
+    CHECK(pool.blocks_in_use() == 0);
+    CHECK(pool.free_blocks() == 16);
+}
+
+TEST_CASE("PagedKVCache: an exhausted pool or bad input throws and changes nothing", "[serving][bad_input]") {
+    const HeadLayout layout{4, 2, 4, 0};
+    PagedKVCache<float, Eigen::half> pool(layout, 3, 4);
+    const Matrix<float> K = random_matrix<float>(20, 8, 31), V = random_matrix<float>(20, 8, 32);
+    const Index a = pool.add_sequence();
+    pool.extend(a, K.topRows(10), V.topRows(10));  // 3 blocks, the last half full
+    const Index b = pool.fork(a);
+    const auto unchanged = [&] {
+        CHECK(pool.length(a) == 10);
+        CHECK(pool.length(b) == 10);
+        CHECK(pool.blocks_in_use() == 3);
+    };
+    // Copy-on-write needs a block, and none is free.
+    try {
+        pool.update(b, K.row(10), V.row(10));
+        FAIL("no PoolExhausted");
+    } catch (const PoolExhausted& e) {
+        CHECK(e.needed() == 1);
+        CHECK(e.free() == 0);
+        CHECK(std::string(e.what()) ==
+              "memattn::PagedKVCache::update: needs 1 free block, but 0 of the pool's 3 are free");
+    }
+    unchanged();
+    pool.remove(b);
+    // 6 more tokens need 1 block past the 2 free slots: 10 + 6 = 16 tokens is 4 blocks.
+    CHECK_THROWS_AS(pool.extend(a, K.middleRows(10, 6), V.middleRows(10, 6)), PoolExhausted);
+    CHECK(pool.length(a) == 10);
+    CHECK(pool.blocks_in_use() == 3);
+    // Bad ids, shapes and values: std::invalid_argument naming the function and argument.
+    CHECK_THROWS_WITH(pool.update(7, K.row(0), V.row(0)),
+                      Catch::Contains("PagedKVCache::update") && Catch::Contains("'seq'") &&
+                          Catch::Contains("not a live sequence"));
+    CHECK_THROWS_WITH(pool.update(b, K.row(0), V.row(0)), Catch::Contains("not a live sequence"));  // removed
+    CHECK_THROWS_AS(pool.fork(-1), std::invalid_argument);
+    CHECK_THROWS_AS(pool.truncate(a, 11), std::invalid_argument);
+    CHECK_THROWS_AS(pool.update(a, K.row(0).head(7), V.row(0)), std::invalid_argument);
+    Matrix<float> big = K.row(0);
+    big(0, 5) = 1e6f;  // float16 would hold it as infinity
+    CHECK_THROWS_WITH(pool.update(a, big.row(0), V.row(0)), Catch::Contains("float16"));
+    Matrix<float> q = random_matrix<float>(1, 16, 33), o(1, 16), narrow(1, 15);
+    CHECK_THROWS_AS(pool.attend(a, q.row(0), narrow.row(0)), std::invalid_argument);
+    CHECK(pool.length(a) == 10);
+    CHECK(pool.blocks_in_use() == 3);
+    CHECK_THROWS_AS(PagedKVCache<float>(layout, 0, 4), std::invalid_argument);
+    CHECK_THROWS_AS(PagedKVCache<float>(layout, 4, 0), std::invalid_argument);
+    CHECK_THROWS_AS(PagedKVCache<float>(HeadLayout{3, 2, 4, 0}, 4, 4), std::invalid_argument);
+}
+
+TEST_CASE("PagedKVCache: thousands of random operations against a model of the pool", "[serving][model]") {
+    // The model: each live sequence's tokens (indices into K/V). Checked after every
+    // operation: lengths, the pool's counts, and one sequence's attend against the double
+    // reference of its tokens; at the end every block is free again.
+    const HeadLayout layout{4, 2, 4, 0};
+    const Index blocks = 12, block = 4;
+    PagedKVCache<float> pool(layout, blocks, block);
+    const Matrix<float> K = random_matrix<float>(400, 8, 41), V = random_matrix<float>(400, 8, 42);
+    const Matrix<float> q = random_matrix<float>(1, 16, 43, 2.0);
+    std::map<Index, std::vector<Index>> model;
+    std::mt19937_64 gen(44);
+    const auto pick = [&](Index n) { return static_cast<Index>(gen() % static_cast<std::uint64_t>(n)); };
+    const auto any_live = [&] {
+        auto it = model.begin();
+        std::advance(it, pick(static_cast<Index>(model.size())));
+        return it->first;
+    };
+    Index next_token = 0, exhausted = 0;
+    for (int step = 0; step < 3000; ++step) {
+        const Index op = model.empty() ? 0 : pick(6);
+        INFO("step " << step << ", op " << op);
+        if (op == 0 && model.size() < 8) {
+            model[pool.add_sequence()] = {};
+        } else if (op == 1 && model.size() < 8) {
+            const Index parent = any_live();
+            const Index child = pool.fork(parent);
+            model[child] = model[parent];
+        } else if (op == 2 || op == 3) {
+            const Index seq = any_live(), n = pick(9);
+            std::vector<Index> tokens(static_cast<std::size_t>(n));
+            Matrix<float> k(n, 8), v(n, 8);
+            for (Index i = 0; i < n; ++i) {
+                tokens[static_cast<std::size_t>(i)] = next_token % 400;
+                k.row(i) = K.row(next_token % 400);
+                v.row(i) = V.row(next_token % 400);
+                ++next_token;
+            }
+            const Index in_use = pool.blocks_in_use();
+            try {
+                pool.extend(seq, k, v);
+                model[seq].insert(model[seq].end(), tokens.begin(), tokens.end());
+            } catch (const PoolExhausted&) {
+                ++exhausted;
+                CHECK(pool.blocks_in_use() == in_use);
+            }
+        } else if (op == 4) {
+            const Index seq = any_live();
+            const Index n = pick(static_cast<Index>(model[seq].size()) + 1);
+            pool.truncate(seq, n);
+            model[seq].resize(static_cast<std::size_t>(n));
+        } else if (op == 5) {
+            const Index seq = any_live();
+            pool.remove(seq);
+            model.erase(seq);
+        }
+        REQUIRE(pool.sequences() == static_cast<Index>(model.size()));
+        Index held = 0;
+        for (const auto& [seq, tokens] : model) {
+            REQUIRE(pool.length(seq) == static_cast<Index>(tokens.size()));
+            held += pool.blocks_of(seq);
+        }
+        REQUIRE(pool.blocks_in_use() <= held);
+        REQUIRE(pool.blocks_in_use() + pool.free_blocks() == blocks);
+        if (!model.empty()) {
+            const Index seq = any_live();
+            const auto& tokens = model[seq];
+            MatrixD k(static_cast<Index>(tokens.size()), 8), v(static_cast<Index>(tokens.size()), 8);
+            for (std::size_t i = 0; i < tokens.size(); ++i) {
+                k.row(static_cast<Index>(i)) = K.row(tokens[i]).cast<double>();
+                v.row(static_cast<Index>(i)) = V.row(tokens[i]).cast<double>();
+            }
+            Matrix<float> o(1, 16);
+            pool.attend(seq, q.row(0), o.row(0));
+            check_close(o, paged_reference(layout, q.cast<double>(), k, v), 2e-5);
+        }
+    }
+    CHECK(exhausted > 0);  // the pool ran out now and then
+    for (const auto& [seq, tokens] : model)
+        pool.remove(seq);
+    CHECK(pool.blocks_in_use() == 0);
+}
+
+TEST_CASE("PagedKVCache: attend is bitwise the same on every executor and thread count", "[serving][threads]") {
+    const HeadLayout layout{32, 8, 32, 0};
+    PagedKVCache<float, Eigen::bfloat16> pool(layout, 64, 64);
+    const Index seq = pool.add_sequence();
+    pool.extend(seq, random_matrix<float>(1000, 256, 51), random_matrix<float>(1000, 256, 52));
+    const Matrix<float> q = random_matrix<float>(1, 1024, 53);
+    Matrix<float> expected(1, 1024);
+    const SerialExecutor serial;
+    pool.set_executor(serial);
+    pool.attend(seq, q.row(0), expected.row(0));
+    for (const int threads : {1, 2, 3, 5}) {
+        const OpenMPExecutor executor{.threads = threads};
+        pool.set_executor(executor);
+        Matrix<float> o(1, 1024);
+        pool.attend(seq, q.row(0), o.row(0));
+        CHECK((o.array() == expected.array()).all());
+    }
+}
+
+TEMPLATE_TEST_CASE("PagedKVCache: blocks of a multiple of 128 tokens give a KVCache's grouped attend, bit for bit",
+                   "[serving][group]", float, Eigen::bfloat16, Q8) {
+    using S = TestType;
+    const HeadLayout layout{8, 2, 24, 0};  // groups of 4
+    for (const Index block : {128, 256}) {
+        PagedKVCache<float, S> pool(layout, 8, block);
+        const Index seq = pool.add_sequence();
+        const Matrix<float> K = random_matrix<float>(700, 48, 61), V = random_matrix<float>(700, 48, 62);
+        pool.extend(seq, K, V);
+        const Matrix<float> q = random_matrix<float>(1, 192, 63, 2.0);
+        Matrix<float> o(1, 192);
+        pool.attend(seq, q.row(0), o.row(0));
+        for (Index kv = 0; kv < 2; ++kv) {
+            KVCache<float, S> cache(24, 24);
+            memattn::extend(cache, Matrix<float>(K.middleCols(kv * 24, 24)), Matrix<float>(V.middleCols(kv * 24, 24)));
+            const Matrix<float> group = Eigen::Map<const Matrix<float>>(q.data() + kv * 96, 4, 24);
+            Matrix<float> expected(4, 24);
+            cache.attend_group(group, expected);
+            const Matrix<float> got = Eigen::Map<const Matrix<float>>(o.data() + kv * 96, 4, 24);
+            INFO(detail::storage_name<S> << ", block " << block << ", KV head " << kv);
+            CHECK((got.array() == expected.array()).all());
+        }
+    }
+}
