@@ -347,3 +347,138 @@ TEMPLATE_TEST_CASE("PagedKVCache: blocks of a multiple of 128 tokens give a KVCa
         }
     }
 }
+
+TEMPLATE_TEST_CASE("batched_decode over the pool equals one update and attend per sequence, for any order and thread count",
+                   "[serving][batched]", float, Eigen::half) {
+    using S = TestType;
+    const HeadLayout layout{8, 2, 16, 0};
+    const Index batch = 6;
+    const Matrix<float> K = random_matrix<float>(400, 32, 71), V = random_matrix<float>(400, 32, 72);
+    const Matrix<float> Qb = random_matrix<float>(batch, 128, 73), Kb = random_matrix<float>(batch, 32, 74),
+                        Vb = random_matrix<float>(batch, 32, 75);
+    // Uneven lengths, forks sharing a partly filled block (two of them write into it in
+    // the batch, the parent too), an empty sequence.
+    const auto build = [&](PagedKVCache<float, S>& pool) {
+        std::vector<Index> ids;
+        const Index root = pool.add_sequence();
+        pool.extend(root, K.topRows(37), V.topRows(37));
+        ids.push_back(root);
+        ids.push_back(pool.fork(root));
+        ids.push_back(pool.fork(root));
+        for (const Index n : {0, 1, 300}) {
+            ids.push_back(pool.add_sequence());
+            pool.extend(ids.back(), K.topRows(n), V.topRows(n));
+        }
+        return ids;
+    };
+    PagedKVCache<float, S> one_by_one(layout, 40, 16);
+    const std::vector<Index> ids = build(one_by_one);
+    Matrix<float> expected(batch, 128);
+    for (Index i = 0; i < batch; ++i) {
+        one_by_one.update(ids[static_cast<std::size_t>(i)], Kb.row(i), Vb.row(i));
+        one_by_one.attend(ids[static_cast<std::size_t>(i)], Qb.row(i), expected.row(i));
+    }
+    for (const int threads : {1, 2, 3}) {
+        for (const bool reversed : {false, true}) {
+            INFO(threads << " threads, " << (reversed ? "reversed" : "in order"));
+            PagedKVCache<float, S> pool(layout, 40, 16);
+            std::vector<Index> seqs = build(pool);
+            std::vector<Index> order(batch);
+            for (Index i = 0; i < batch; ++i)
+                order[static_cast<std::size_t>(i)] = reversed ? batch - 1 - i : i;
+            std::vector<Index> batch_ids;
+            Matrix<float> Q(batch, 128), Kr(batch, 32), Vr(batch, 32), O(batch, 128);
+            for (Index r = 0; r < batch; ++r) {
+                const Index i = order[static_cast<std::size_t>(r)];
+                batch_ids.push_back(seqs[static_cast<std::size_t>(i)]);
+                Q.row(r) = Qb.row(i);
+                Kr.row(r) = Kb.row(i);
+                Vr.row(r) = Vb.row(i);
+            }
+            const OpenMPExecutor executor{.threads = threads};
+            const Index before = pool.blocks_in_use();
+            batched_decode(pool, batch_ids, Q, Kr, Vr, O, executor);
+            CHECK(pool.blocks_in_use() == before + 3);  // two of the three holders copy the shared block, the empty one takes one
+            for (Index r = 0; r < batch; ++r)
+                CHECK((O.row(r).array() == expected.row(order[static_cast<std::size_t>(r)]).array()).all());
+        }
+    }
+}
+
+TEST_CASE("batched_decode: a batch that does not fit, or bad input, changes no sequence", "[serving][batched][bad_input]") {
+    const HeadLayout layout{4, 2, 4, 0};
+    PagedKVCache<float> pool(layout, 4, 4);
+    const Index a = pool.add_sequence(), b = pool.add_sequence();
+    pool.extend(a, random_matrix<float>(4, 8, 81), random_matrix<float>(4, 8, 82));  // full block
+    pool.extend(b, random_matrix<float>(6, 8, 83), random_matrix<float>(6, 8, 84));  // 2 blocks
+    const Index c = pool.fork(b);                                                    // shares b's half block
+    // a needs a block, b and c write into their shared block: one copies. 2 needed, 1 free.
+    const std::vector<Index> all{a, b, c};
+    const Matrix<float> Q = random_matrix<float>(3, 16, 85), K = random_matrix<float>(3, 8, 86),
+                        V = random_matrix<float>(3, 8, 87);
+    Matrix<float> O(3, 16);
+    try {
+        batched_decode(pool, all, Q, K, V, O);
+        FAIL("no PoolExhausted");
+    } catch (const PoolExhausted& e) {
+        CHECK(e.needed() == 2);
+        CHECK(e.free() == 1);
+    }
+    CHECK(pool.length(a) == 4);
+    CHECK(pool.length(b) == 6);
+    CHECK(pool.length(c) == 6);
+    CHECK(pool.blocks_in_use() == 3);
+    // b and c alone fit (one copy), and do.
+    const std::vector<Index> two{b, c};
+    Matrix<float> O2(2, 16);
+    batched_decode(pool, two, Q.topRows(2), K.topRows(2), V.topRows(2), O2);
+    CHECK(pool.length(b) == 7);
+    CHECK(pool.blocks_in_use() == 4);
+    // Bad input: a repeated id, a removed one, rows that do not match the batch.
+    const std::vector<Index> twice{a, a};
+    CHECK_THROWS_WITH(batched_decode(pool, twice, Q.topRows(2), K.topRows(2), V.topRows(2), O2),
+                      Catch::Contains("twice"));
+    pool.remove(c);
+    CHECK_THROWS_WITH(batched_decode(pool, two, Q.topRows(2), K.topRows(2), V.topRows(2), O2),
+                      Catch::Contains("not a live sequence"));
+    const std::vector<Index> one{a};
+    CHECK_THROWS_AS(batched_decode(pool, one, Q.topRows(1), K.topRows(2), V.topRows(2), O2.topRows(1)),
+                    std::invalid_argument);
+    CHECK_THROWS_AS(batched_decode(pool, one, Q.topRows(2), K.topRows(1), V.topRows(1), O2), std::invalid_argument);
+    CHECK(pool.length(a) == 4);
+    CHECK(pool.length(b) == 7);
+}
+
+TEST_CASE("batched_decode over a span of memories equals one decode step per memory", "[serving][batched]") {
+    const HeadLayout layout{4, 2, 8, 0};
+    const auto make = [&] {
+        std::vector<MultiHead<SlidingWindowCache<float>>> layers;
+        for (Index i = 0; i < 5; ++i)
+            layers.emplace_back(layout, [](Index) { return SlidingWindowCache<float>(8, 8, 64, 2); });
+        for (Index i = 0; i < 5; ++i)
+            memattn::extend(layers[static_cast<std::size_t>(i)], random_matrix<float>(30 * i, 16, 91),
+                            random_matrix<float>(30 * i, 16, 92));
+        return layers;
+    };
+    const Matrix<float> Q = random_matrix<float>(5, 32, 93), K = random_matrix<float>(5, 16, 94),
+                        V = random_matrix<float>(5, 16, 95);
+    auto separate = make();
+    Matrix<float> expected(5, 32);
+    for (Index i = 0; i < 5; ++i) {
+        separate[static_cast<std::size_t>(i)].update(K.row(i), V.row(i));
+        separate[static_cast<std::size_t>(i)].attend(Q.row(i), expected.row(i));
+    }
+    for (const int threads : {1, 2}) {
+        auto layers = make();
+        const OpenMPExecutor executor{.threads = threads};
+        Matrix<float> O(5, 32);
+        batched_decode(std::span(layers), Q, K, V, O, executor);
+        CHECK((O.array() == expected.array()).all());
+        for (Index i = 0; i < 5; ++i)
+            CHECK(layers[static_cast<std::size_t>(i)].length() == 30 * i + 1);
+        // A row a memory refuses (wrong width) changes none of them.
+        CHECK_THROWS_AS(batched_decode(std::span(layers), Q, K.leftCols(15), V, O), std::invalid_argument);
+        for (Index i = 0; i < 5; ++i)
+            CHECK(layers[static_cast<std::size_t>(i)].length() == 30 * i + 1);
+    }
+}

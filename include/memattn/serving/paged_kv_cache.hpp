@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -265,6 +266,73 @@ public:
     /// the calling thread (as memattn::MultiHead's).
     static constexpr double parallel_work = 1 << 20;
 
+    /// One token for each sequence of `seqs` (distinct live ids): row i of K/V is appended
+    /// to seqs[i], all or nothing. The free blocks needed are counted exactly, copies of a
+    /// shared block included (of k holders of a block that all write into it, k − 1 copy
+    /// it when no one else holds it), so a batch that fits is taken and one that does not
+    /// throws PoolExhausted with every sequence unchanged. Allocates nothing.
+    void update(std::span<const Index> seqs, ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        const detail::PairSite site{"PagedKVCache::update", "K", "V"};
+        check_batch(site.function, seqs, keys.rows(), "K");
+        detail::require(values.rows() == keys.rows(), site.function, "V", "has ", values.rows(), " rows, expected ",
+                        keys.rows(), " (one per sequence)");
+        Index needed = 0;
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+            const Index r = static_cast<Index>(i);
+            detail::check_site_pairs(site, detail::shape(keys.row(r)), detail::shape(values.row(r)), key_dim(),
+                                     value_dim(), s.length);
+            needed += s.length % block_size_ == 0 ? 1 : copies_before(seqs, i) ? 1 : 0;
+        }
+        detail::check_storable<T, S>(site, keys, false);
+        detail::check_storable<T, S>(site, values, true);
+        if (needed > free_blocks())
+            throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            const Index r = static_cast<Index>(i);
+            append(sequences_[static_cast<std::size_t>(seqs[i])], keys.middleRows(r, 1), values.middleRows(r, 1));
+        }
+    }
+
+    /// Row i of O = row i of Q attending sequence seqs[i] (live ids, repeats allowed), as
+    /// attend(seqs[i], Q.row(i), O.row(i)) would give it, bit for bit: the (sequence, KV
+    /// head) items spread over the executor's threads (memattn::default_executor unless
+    /// given), by their lengths. Allocates nothing.
+    void attend(std::span<const Index> seqs, ConstMatrixRef<T> queries, MatrixRef<T> out,
+                ExecutorRef executor = {}) const {
+        constexpr const char* function = "PagedKVCache::attend";
+        for (const Index seq : seqs)
+            check_sequence(function, "seqs", seq);
+        detail::check_prefill(function, queries, queries, queries, out, query_dim(), output_dim());
+        detail::require(queries.rows() == static_cast<Index>(seqs.size()), function, "Q", "has ", queries.rows(),
+                        " rows, expected ", seqs.size(), " (one per sequence)");
+        const Index g = layout_.group_size(), kv = layout_.kv_heads;
+        const Index items = static_cast<Index>(seqs.size()) * kv;
+        double work = 0;
+        for (const Index seq : seqs)
+            work += static_cast<double>(sequences_[static_cast<std::size_t>(seq)].length);
+        work *= static_cast<double>(layout_.q_heads) * static_cast<double>(layout_.head_dim + layout_.values());
+        detail::parallel_ranges(
+            items,
+            [&](Index item) {
+                return 1.0 + static_cast<double>(sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(
+                                                     item / kv)])]
+                                                     .length);
+            },
+            [&](Index first, Index last) {
+                for (Index item = first; item < last; ++item) {
+                    const Index b = item / kv, h = item % kv;
+                    const State& s = sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(b)])];
+                    T* o = out.data() + b * out.outerStride() + h * g * layout_.values();
+                    if (s.length == 0)
+                        std::fill(o, o + g * layout_.values(), T(0));
+                    else
+                        attend_head(s, h, queries.data() + b * queries.outerStride() + h * g * layout_.head_dim, o);
+                }
+            },
+            work < parallel_work ? 1 : 0, executor.concurrency() > 0 ? executor : executor_);
+    }
+
     /// `seq` as a Memory of packed rows (see Sequence).
     [[nodiscard]] Sequence sequence(Index seq) {
         check_sequence("PagedKVCache::sequence", "seq", seq);
@@ -333,6 +401,31 @@ private:
     /// The first row of KV head h in block b.
     [[nodiscard]] Index first_row(Index b, Index h) const noexcept { return (b * layout_.kv_heads + h) * block_size_; }
     [[nodiscard]] Index blocks_for(Index tokens) const noexcept { return (tokens + block_size_ - 1) / block_size_; }
+
+    /// The ids of a batch: live and distinct, one per row.
+    void check_batch(std::string_view function, std::span<const Index> seqs, Index rows, const char* rows_name) const {
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            check_sequence(function, "seqs", seqs[i]);
+            for (std::size_t j = 0; j < i; ++j)
+                detail::require(seqs[j] != seqs[i], function, "seqs", "names sequence ", seqs[i], " twice (at ", j,
+                                " and ", i, "): a batch appends one token to each of distinct sequences");
+        }
+        detail::require(rows == static_cast<Index>(seqs.size()), function, rows_name, "has ", rows,
+                        " rows, expected ", seqs.size(), " (one per sequence)");
+    }
+
+    /// Whether batch member i, writing into its partly filled last block, copies it: of
+    /// the k members writing into one block held r times, those before the r-th copy it.
+    [[nodiscard]] bool copies_before(std::span<const Index> seqs, std::size_t i) const noexcept {
+        const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+        const Index block = s.table.back();
+        Index earlier = 0;
+        for (std::size_t j = 0; j < i; ++j) {
+            const State& o = sequences_[static_cast<std::size_t>(seqs[j])];
+            earlier += o.length % block_size_ != 0 && o.table.back() == block ? 1 : 0;
+        }
+        return refs_[static_cast<std::size_t>(block)] - earlier > 1;
+    }
 
     void check_sequence(std::string_view function, const char* argument, Index seq) const {
         if (!contains(seq)) [[unlikely]]

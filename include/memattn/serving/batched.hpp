@@ -1,0 +1,82 @@
+#pragma once
+// Batched decode: one new token for each of many sequences in one call, threaded across
+// (sequence, KV head) items (docs/design.md, "Serving").
+//
+//   std::vector<memattn::Index> seqs{a, b, c};
+//   memattn::batched_decode(pool, seqs, Q, K, V, O);        // rows [batch, heads·dim]
+//   memattn::batched_decode(std::span(layers), Q, K, V, O);  // one Memory per sequence
+//
+// Row i of K/V is appended to sequence i and row i of Q attends it, so the output is bit
+// for bit what one update and one attend per sequence give, for any batch order, thread
+// count and executor. Everything is checked before any sequence moves: a call that
+// throws (a bad id or shape, a value the storage cannot hold, too few free blocks)
+// changes nothing.
+
+#include "memattn/execution/executor.hpp"
+#include "memattn/layer/parallel.hpp"
+#include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/memory_checks.hpp"
+#include "memattn/serving/paged_kv_cache.hpp"
+#include "memattn/types.hpp"
+
+#include <span>
+#include <type_traits>
+
+namespace memattn {
+
+/// One token for each sequence of `seqs` (distinct live ids of `pool`): row i of K and V
+/// appended to seqs[i], then row i of O = row i of Q attending it. Allocates nothing.
+template <Scalar T, class S>
+void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::type_identity_t<ConstMatrixRef<T>> Q,
+                    std::type_identity_t<ConstMatrixRef<T>> K, std::type_identity_t<ConstMatrixRef<T>> V,
+                    std::type_identity_t<MatrixRef<T>> O, ExecutorRef executor = {}) {
+    constexpr const char* function = "batched_decode";
+    detail::require(Q.rows() == static_cast<Index>(seqs.size()) && Q.cols() == pool.query_dim(), function, "Q",
+                    "has shape ", detail::shape(Q), ", expected ", seqs.size(), 'x', pool.query_dim(),
+                    " (one row per sequence)");
+    detail::require(O.rows() == Q.rows() && O.cols() == pool.output_dim(), function, "O", "has shape ",
+                    detail::shape(O), ", expected ", Q.rows(), 'x', pool.output_dim());
+    detail::require_disjoint(function, "O", O, "Q", Q);
+    detail::require_disjoint(function, "O", O, "K", K);
+    detail::require_disjoint(function, "O", O, "V", V);
+    pool.update(seqs, K, V);
+    pool.attend(seqs, Q, O, executor);
+}
+
+/// One token for each memory of `memories` (one per sequence, any Memory: a
+/// MultiHead of caches, the linear or gated memories of a hybrid model's recurrent
+/// layers): row i of K/V updates memories[i], then row i of O = its attend of row i of Q;
+/// the memories spread over the executor's threads (a memory's own threads then run on
+/// the one it is given). Every row is checked first (shapes, and the values through each
+/// memory's validate where it has one), so a bad row leaves every memory unchanged.
+template <Memory M, class T = typename M::Scalar>
+void batched_decode(std::span<M> memories, std::type_identity_t<ConstMatrixRef<T>> Q,
+                    std::type_identity_t<ConstMatrixRef<T>> K, std::type_identity_t<ConstMatrixRef<T>> V,
+                    std::type_identity_t<MatrixRef<T>> O, ExecutorRef executor = {}) {
+    constexpr const char* function = "batched_decode";
+    const Index batch = static_cast<Index>(memories.size());
+    detail::require(K.rows() == batch, function, "K", "has ", K.rows(), " rows, expected ", batch,
+                    " (one per memory)");
+    for (Index i = 0; i < batch; ++i) {
+        const M& mem = memories[static_cast<std::size_t>(i)];
+        const ConstMatrixRef<T> q = Q.middleRows(i, 1), k = K.middleRows(i, 1), v = V.middleRows(i, 1);
+        const MatrixRef<T> o = O.middleRows(i, 1);
+        detail::check_sequences<M, T>(function, mem, q, k, v, o);
+        detail::validate_pairs<M, T>(function, mem, k, v);
+    }
+    detail::require_disjoint(function, "O", O, "Q", Q);
+    detail::require_disjoint(function, "O", O, "K", K);
+    detail::require_disjoint(function, "O", O, "V", V);
+    detail::parallel_ranges(
+        batch, [&](Index i) { return 1.0 + static_cast<double>(memories[static_cast<std::size_t>(i)].length()); },
+        [&](Index first, Index last) {
+            for (Index i = first; i < last; ++i) {
+                M& mem = memories[static_cast<std::size_t>(i)];
+                mem.update(K.row(i), V.row(i));
+                mem.attend(Q.row(i), O.row(i));
+            }
+        },
+        0, executor);
+}
+
+}  // namespace memattn
