@@ -36,6 +36,8 @@
 #include <memattn/execution/executor.hpp>
 #include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/kv_cache.hpp>
+#include <memattn/serving/batched.hpp>
+#include <memattn/serving/paged_kv_cache.hpp>
 
 #include <algorithm>
 #include <array>
@@ -202,6 +204,42 @@ std::pair<double, double> fma_peak_flops(const memattn::OpenMPExecutor& executor
     return {flops_per_thread * threads / median(times), best};
 }
 
+/// The cell's counters (see the top of the file): its step time beside a streaming read
+/// of `bytes` and `flops` at the FMA peak, measured now on the executor's threads.
+void report_roofline(benchmark::State& state, double step_seconds, std::size_t bytes, double flops,
+                     const memattn::OpenMPExecutor& executor) {
+    const double read_seconds = streaming_read_seconds(bytes, executor);
+    const auto [peak, core_peak] = fma_peak_flops(executor);
+    const double fma_seconds = flops / peak;
+    const double roofline = std::max(read_seconds, fma_seconds);
+    state.counters["step_ms"] = step_seconds * 1e3;
+    state.counters["read_ms"] = read_seconds * 1e3;
+    state.counters["fma_ms"] = fma_seconds * 1e3;
+    state.counters["roofline_ms"] = roofline * 1e3;
+    state.counters["fraction"] = roofline / step_seconds;
+    state.counters["compute_bound"] = fma_seconds > read_seconds ? 1.0 : 0.0;
+    state.counters["MiB"] = static_cast<double>(bytes) / (1024.0 * 1024.0);
+    state.counters["read_GBps"] = static_cast<double>(bytes) / read_seconds * 1e-9;
+    state.counters["step_GBps"] = static_cast<double>(bytes) / step_seconds * 1e-9;
+    state.counters["peak_GFLOPS"] = peak * 1e-9;
+    state.counters["core_peak_GFLOPS"] = core_peak * 1e-9;
+}
+
+/// Each call of `step` timed on its own; the median (see decode_cell).
+template <class Step>
+double median_step_seconds(benchmark::State& state, const Step& step) {
+    step();  // warms the caches and the team
+    std::vector<double> times;
+    times.reserve(1 << 20);
+    for (auto _ : state) {
+        const auto before = Clock::now();
+        step();
+        if (times.size() < times.capacity())
+            times.push_back(seconds_since(before));
+    }
+    return median(times);
+}
+
 /// Synthetic packed rows of `cols` floats, one pool per width, made once.
 const Matrix<float>& pool(Index cols, unsigned seed) {
     static std::vector<std::pair<std::pair<Index, unsigned>, std::unique_ptr<Matrix<float>>>> pools;
@@ -264,36 +302,12 @@ void decode_cell(benchmark::State& state, bool with_update) {
         if (with_update)
             mem.truncate(length);
     };
-    step();  // the first step sizes nothing (reserve did), but warms the caches and the team
     // Each iteration timed on its own: the median is what a step costs when no other
     // process takes its core meanwhile (on a shared machine the mean is the scheduler's).
-    std::vector<double> times;
-    times.reserve(1 << 20);
-    for (auto _ : state) {
-        const auto before = Clock::now();
-        step();
-        if (times.size() < times.capacity())
-            times.push_back(seconds_since(before));
-    }
-    const double step_seconds = median(times);
-
-    const double read_seconds = streaming_read_seconds(bytes, executor);
+    const double step_seconds = median_step_seconds(state, step);
     const double flops = 2.0 * static_cast<double>(layout.q_heads) * static_cast<double>(length) *
                          static_cast<double>(head_dim + head_dim);
-    const auto [peak, core_peak] = fma_peak_flops(executor);
-    const double fma_seconds = flops / peak;
-    const double roofline = std::max(read_seconds, fma_seconds);
-    state.counters["step_ms"] = step_seconds * 1e3;
-    state.counters["read_ms"] = read_seconds * 1e3;
-    state.counters["fma_ms"] = fma_seconds * 1e3;
-    state.counters["roofline_ms"] = roofline * 1e3;
-    state.counters["fraction"] = roofline / step_seconds;
-    state.counters["compute_bound"] = fma_seconds > read_seconds ? 1.0 : 0.0;
-    state.counters["MiB"] = static_cast<double>(bytes) / (1024.0 * 1024.0);
-    state.counters["read_GBps"] = static_cast<double>(bytes) / read_seconds * 1e-9;
-    state.counters["step_GBps"] = static_cast<double>(bytes) / step_seconds * 1e-9;
-    state.counters["peak_GFLOPS"] = peak * 1e-9;
-    state.counters["core_peak_GFLOPS"] = core_peak * 1e-9;
+    report_roofline(state, step_seconds, bytes, flops, executor);
 }
 
 template <class S>
@@ -314,6 +328,172 @@ void cells(benchmark::internal::Benchmark* b) {
     b->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 
+// Serving (issue 26): 32 sequences of uneven lengths, 512 to 8192 tokens evenly spaced,
+// of a 32/8 × 128 layer, one token each per step, the sequences taken back to their
+// lengths after every step.
+//   BM_BatchedDecode<S>/block:B/t:T    batched_decode over one PagedKVCache<float, S> of
+//       blocks of B tokens; counters as above (bytes: the pairs of every sequence, as
+//       stored) and wasted_MiB, the bytes of the blocks held past the tokens
+//   BM_SeparateDecode<S>/t:T           the same steps as 32 MultiHead<KVCache<float, S>>,
+//       one update and attend each
+//   BM_PrefixSharing<S>/block:B        16 sequences forked from one 2048-token prompt, one
+//       token each per step: held_MiB (the pool's blocks in use) against private_MiB
+//       (16 caches of the same tokens)
+constexpr Index serving_batch = 32;
+const HeadLayout serving_layout{32, 8, head_dim};
+
+Index serving_length(Index i) { return 512 + i * (8192 - 512) / (serving_batch - 1); }
+
+/// The bytes of a token's K and V in every KV head of the serving layout, as S stores them.
+template <class S>
+std::size_t token_bytes() {
+    return static_cast<std::size_t>(serving_layout.kv_heads) *
+           2 * memattn::detail::StoredRows<float, S>::row_bytes(head_dim);
+}
+
+template <class S>
+void BM_BatchedDecode(benchmark::State& state) {
+    const Index block = state.range(0);
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(1))};
+    const Index kv_cols = serving_layout.kv_heads * head_dim, q_cols = serving_layout.q_heads * head_dim;
+    const Matrix<float>& keys = pool(kv_cols, 2);
+    const Matrix<float>& values = pool(kv_cols, 3);
+    Index blocks = 0, tokens = 0;
+    for (Index i = 0; i < serving_batch; ++i) {
+        blocks += serving_length(i) / block + 1;
+        tokens += serving_length(i);
+    }
+    using Pool = memattn::PagedKVCache<float, S>;
+    static std::string kept_name;
+    static std::shared_ptr<Pool> kept;
+    static std::vector<Index> ids;
+    const std::string name = std::string(typeid(S).name()) + "/" + std::to_string(block);
+    if (name != kept_name || !kept) {
+        kept.reset();
+        kept_name.clear();
+        kept = std::make_shared<Pool>(serving_layout, blocks, block);
+        ids.clear();
+        for (Index i = 0; i < serving_batch; ++i) {
+            ids.push_back(kept->add_sequence());
+            for (Index filled = 0; filled < serving_length(i); filled += pool_tokens) {
+                const Index n = std::min(pool_tokens, serving_length(i) - filled);
+                kept->extend(ids.back(), keys.topRows(n), values.topRows(n));
+            }
+        }
+        kept_name = name;
+    }
+    Pool& paged = *kept;
+    const Matrix<float> Q = pool(q_cols, 1).topRows(serving_batch), K = keys.topRows(serving_batch),
+                        V = values.topRows(serving_batch);
+    Matrix<float> O(serving_batch, q_cols);
+    const auto step = [&] {
+        memattn::batched_decode(paged, ids, Q, K, V, O, executor);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+        for (Index i = 0; i < serving_batch; ++i)
+            paged.truncate(ids[static_cast<std::size_t>(i)], serving_length(i));
+    };
+    const double step_seconds = median_step_seconds(state, step);
+    const std::size_t bytes = static_cast<std::size_t>(tokens) * token_bytes<S>();
+    const double flops = 2.0 * static_cast<double>(serving_layout.q_heads) * static_cast<double>(tokens) *
+                         static_cast<double>(2 * head_dim);
+    report_roofline(state, step_seconds, bytes, flops, executor);
+    state.counters["wasted_MiB"] =
+        static_cast<double>(static_cast<std::size_t>(paged.blocks_in_use() * block) * token_bytes<S>() - bytes) /
+        (1024.0 * 1024.0);
+}
+
+template <class S>
+void BM_SeparateDecode(benchmark::State& state) {
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(0))};
+    const Index kv_cols = serving_layout.kv_heads * head_dim, q_cols = serving_layout.q_heads * head_dim;
+    const Matrix<float>& keys = pool(kv_cols, 2);
+    const Matrix<float>& values = pool(kv_cols, 3);
+    using Cache = memattn::KVCache<float, S>;
+    using Layer = memattn::MultiHead<Cache>;
+    static std::string kept_name;
+    static std::shared_ptr<std::vector<Layer>> kept;
+    const std::string name = typeid(S).name();
+    if (name != kept_name || !kept) {
+        kept.reset();
+        kept_name.clear();
+        kept = std::make_shared<std::vector<Layer>>();
+        for (Index i = 0; i < serving_batch; ++i) {
+            kept->emplace_back(serving_layout, [](Index) { return Cache(head_dim, head_dim); });
+            kept->back().reserve(serving_length(i) + 1);
+            for (Index filled = 0; filled < serving_length(i); filled += pool_tokens) {
+                const Index n = std::min(pool_tokens, serving_length(i) - filled);
+                kept->back().extend(keys.topRows(n), values.topRows(n));
+            }
+        }
+        kept_name = name;
+    }
+    std::vector<Layer>& layers = *kept;
+    Index tokens = 0;
+    for (Index i = 0; i < serving_batch; ++i) {
+        layers[static_cast<std::size_t>(i)].set_executor(executor);
+        tokens += serving_length(i);
+    }
+    const Matrix<float>& queries = pool(q_cols, 1);
+    Matrix<float> out(1, q_cols);
+    const auto step = [&] {
+        for (Index i = 0; i < serving_batch; ++i) {
+            Layer& layer = layers[static_cast<std::size_t>(i)];
+            layer.update(keys.row(i), values.row(i));
+            layer.attend(queries.row(i), out.row(0));
+            benchmark::DoNotOptimize(out.data());
+            benchmark::ClobberMemory();
+            layer.truncate(serving_length(i));
+        }
+    };
+    const double step_seconds = median_step_seconds(state, step);
+    const std::size_t bytes = static_cast<std::size_t>(tokens) * token_bytes<S>();
+    const double flops = 2.0 * static_cast<double>(serving_layout.q_heads) * static_cast<double>(tokens) *
+                         static_cast<double>(2 * head_dim);
+    report_roofline(state, step_seconds, bytes, flops, executor);
+}
+
+template <class S>
+void BM_PrefixSharing(benchmark::State& state) {
+    const Index block = state.range(0), prompt = 2048, forks = 16;
+    const memattn::OpenMPExecutor executor{.threads = 1};
+    const Index kv_cols = serving_layout.kv_heads * head_dim, q_cols = serving_layout.q_heads * head_dim;
+    const Matrix<float>& keys = pool(kv_cols, 2);
+    const Matrix<float>& values = pool(kv_cols, 3);
+    memattn::PagedKVCache<float, S> paged(serving_layout, prompt / block + 2 * forks + 2, block);
+    const Index root = paged.add_sequence();
+    paged.extend(root, keys.topRows(prompt), values.topRows(prompt));
+    std::vector<Index> ids;
+    for (Index i = 0; i < forks; ++i)
+        ids.push_back(paged.fork(root));
+    const Matrix<float> Q = pool(q_cols, 1).topRows(forks), K = keys.middleRows(prompt, forks),
+                        V = values.middleRows(prompt, forks);
+    Matrix<float> O(forks, q_cols);
+    const auto step = [&] {
+        memattn::batched_decode(paged, ids, Q, K, V, O, executor);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+        for (const Index id : ids)
+            paged.truncate(id, prompt + 1);  // each keeps its own first token: a block of its own
+    };
+    const double step_seconds = median_step_seconds(state, step);
+    state.counters["step_ms"] = step_seconds * 1e3;
+    state.counters["held_MiB"] =
+        static_cast<double>(static_cast<std::size_t>(paged.blocks_in_use() * block) * token_bytes<S>()) /
+        (1024.0 * 1024.0);
+    state.counters["private_MiB"] =
+        static_cast<double>(static_cast<std::size_t>(forks * (prompt + 1)) * token_bytes<S>()) / (1024.0 * 1024.0);
+}
+
+void serving_cells(benchmark::internal::Benchmark* b) {
+    b->ArgNames({"block", "t"});
+    for (Index threads : {1, 2})
+        b->Args({memattn::PagedKVCache<float>::default_block_size, threads});
+    for (Index block : {16, 32, 64, 256})
+        b->Args({block, 1});
+    b->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
 }  // namespace
 
 BENCHMARK(BM_DecodeStep<float>)->Name("BM_DecodeStep<float>")->Apply(cells);
@@ -324,5 +504,11 @@ BENCHMARK(BM_DecodeAttend<float>)->Name("BM_DecodeAttend<float>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<Eigen::bfloat16>)->Name("BM_DecodeAttend<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<Eigen::half>)->Name("BM_DecodeAttend<half>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<memattn::Q8>)->Name("BM_DecodeAttend<Q8>")->Apply(cells);
+
+BENCHMARK(BM_BatchedDecode<float>)->Name("BM_BatchedDecode<float>")->Apply(serving_cells);
+BENCHMARK(BM_BatchedDecode<Eigen::bfloat16>)->Name("BM_BatchedDecode<bfloat16>")->Apply(serving_cells);
+BENCHMARK(BM_SeparateDecode<float>)->Name("BM_SeparateDecode<float>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SeparateDecode<Eigen::bfloat16>)->Name("BM_SeparateDecode<bfloat16>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PrefixSharing<Eigen::bfloat16>)->Name("BM_PrefixSharing<bfloat16>")->ArgName("block")->Arg(16)->Arg(128)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

@@ -14,9 +14,10 @@
 //   pool.remove(a);
 //
 // A block holds `block_size` tokens of every KV head: for block b, KV head h and slot t,
-// the key is row (b·kv_heads + h)·block_size + t of one detail::StoredRows (in storage S,
+// the key is row (h·blocks + b)·block_size + t of one detail::StoredRows (in storage S,
 // like KVCache's), the value the same row of another, so a head's tokens in a block are
-// one contiguous run of rows and the attend reads them through
+// one contiguous run of rows (and in consecutive blocks, consecutive runs: from DRAM
+// they stream as one cache's do), and the attend reads them through
 // kernels/decode_attention.hpp like any cache's. A sequence is its block table (the
 // blocks of its tokens, in order) and its length; a block has a reference count, and a
 // sequence that writes into a block another sequence holds copies it first into a free
@@ -398,8 +399,10 @@ private:
                (detail::StoredRows<T, S>::row_bytes(layout_.head_dim) +
                 detail::StoredRows<T, S>::row_bytes(layout_.values()));
     }
-    /// The first row of KV head h in block b.
-    [[nodiscard]] Index first_row(Index b, Index h) const noexcept { return (b * layout_.kv_heads + h) * block_size_; }
+    /// The first row of KV head h in block b: head-major, so a head's tokens in blocks
+    /// b, b + 1, ... (a sequence's blocks, taken in order from a fresh pool) follow each
+    /// other in memory and stream as one cache's would.
+    [[nodiscard]] Index first_row(Index b, Index h) const noexcept { return (h * blocks_ + b) * block_size_; }
     [[nodiscard]] Index blocks_for(Index tokens) const noexcept { return (tokens + block_size_ - 1) / block_size_; }
 
     /// The ids of a batch: live and distinct, one per row.

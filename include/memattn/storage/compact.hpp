@@ -318,6 +318,8 @@ public:
     /// A packet of row r from column c (c + lanes ≤ cols), and one value.
     [[nodiscard]] Packet<T> stored_packet(Index r, Index c) const { return Eigen::internal::ploadu<Packet<T>>(&m_(r, c)); }
     [[nodiscard]] T stored_value(Index r, Index c) const { return m_(r, c); }
+    /// Asks for a row towards the cache ahead of its use.
+    void prefetch_row(Index row) const { prefetch_rows(&m_(row, 0), 1, 0, cols()); }
     [[nodiscard]] auto row(Index r) { return m_.row(r); }
     [[nodiscard]] auto row(Index r) const { return m_.row(r); }
 
