@@ -632,9 +632,10 @@ private:
     /// keys, the logits by logit_tiles, one SoftmaxState per query, then α ⊙ acc + P·V by
     /// value_tiles; every stored row is converted in registers, once per tile of queries.
     /// Key rows are asked for ahead up to `prefetch_end`: the end of the store, past the
-    /// run, when the next run most often follows in memory (a paged sequence's next
-    /// block, a split's next piece: measured, the batched step of 32 paged bfloat16
-    /// sequences 48–56 → 43–44 ms on one thread).
+    /// run, since the next run most often follows in memory (a paged sequence's next
+    /// block, a split's next piece). Measured on the batched step of 32 paged bfloat16
+    /// sequences, one thread: 43–44 ms against 48–56 within blocks only, in two
+    /// interleaved runs; later runs moved by as much (docs/performance.md, "Serving").
     template <class Keys, class Values, class Acc>
     void fold_tiles(const Keys& keys, const Values& values, Index first, Index n, Index d, Index dv,
                     Index key_row_bytes, Index prefetch_end, Acc& acc) {
