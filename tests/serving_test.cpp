@@ -8,6 +8,8 @@
 
 #include <map>
 #include <random>
+#include <sstream>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -481,4 +483,70 @@ TEST_CASE("batched_decode over a span of memories equals one decode step per mem
         for (Index i = 0; i < 5; ++i)
             CHECK(layers[static_cast<std::size_t>(i)].length() == 30 * i + 1);
     }
+}
+
+TEMPLATE_TEST_CASE("PagedKVCache: one sequence saves and loads on its own, into a pool of any block size",
+                   "[serving][snapshot]", float, Eigen::bfloat16, Q8) {
+    using S = TestType;
+    const HeadLayout layout{4, 2, 16, 0};
+    PagedKVCache<float, S> pool(layout, 32, 16);
+    const Index a = pool.add_sequence(), other = pool.add_sequence();
+    const Matrix<float> K = random_matrix<float>(60, 32, 101), V = random_matrix<float>(60, 32, 102);
+    pool.extend(a, K.topRows(45), V.topRows(45));
+    pool.extend(other, K.topRows(5), V.topRows(5));
+    const Index child = pool.fork(a);  // a shares its blocks: the snapshot is its tokens all the same
+    std::stringstream stream;
+    auto seq = pool.sequence(a);
+    memattn::save(seq, stream);
+    // Into a pool of blocks of 7, a sequence that held other tokens.
+    PagedKVCache<float, S> target(layout, 16, 7);
+    const Index b = target.add_sequence();
+    target.extend(b, K.topRows(3), V.topRows(3));
+    auto loaded = target.sequence(b);
+    memattn::load(loaded, stream);
+    CHECK(target.length(b) == 45);
+    CHECK(target.blocks_in_use() == 7);  // ⌈45 / 7⌉, the 3 tokens' block freed
+    const Matrix<float> q = random_matrix<float>(1, 64, 103);
+    Matrix<float> expected(1, 64), got(1, 64);
+    pool.attend(a, q.row(0), expected.row(0));
+    target.attend(b, q.row(0), got.row(0));
+    check_close(got, expected.cast<double>(), 2e-5);  // other blocks: other softmax folds
+    // Continues as the original does.
+    pool.update(a, K.row(45), V.row(45));
+    target.update(b, K.row(45), V.row(45));
+    pool.attend(a, q.row(0), expected.row(0));
+    target.attend(b, q.row(0), got.row(0));
+    check_close(got, expected.cast<double>(), 2e-5);
+    // Back into a pool of the same block size: bit for bit.
+    std::stringstream again;
+    memattn::save(seq, again);
+    PagedKVCache<float, S> same(layout, 32, 16);
+    const Index c = same.add_sequence();
+    auto into = same.sequence(c);
+    memattn::load(into, again);
+    same.attend(c, q.row(0), got.row(0));
+    CHECK((got.array() == expected.array()).all());
+    // Too few free blocks, another layout, a corrupted stream: SnapshotError or
+    // PoolExhausted, the sequence unchanged.
+    std::stringstream third;
+    memattn::save(seq, third);
+    const std::string bytes = third.str();
+    PagedKVCache<float, S> small(layout, 3, 16);
+    const Index d = small.add_sequence();
+    small.extend(d, K.topRows(2), V.topRows(2));
+    auto tiny = small.sequence(d);
+    std::stringstream copy1(bytes);
+    CHECK_THROWS_AS(memattn::load(tiny, copy1), PoolExhausted);
+    CHECK(small.length(d) == 2);
+    PagedKVCache<float, S> wider(HeadLayout{8, 2, 16, 0}, 32, 16);
+    const Index e = wider.add_sequence();
+    auto wide = wider.sequence(e);
+    std::stringstream copy2(bytes);
+    CHECK_THROWS_AS(memattn::load(wide, copy2), SnapshotError);
+    std::string corrupt = bytes;
+    corrupt[corrupt.size() / 2] = static_cast<char>(corrupt[corrupt.size() / 2] ^ 1);
+    std::stringstream copy3(corrupt);
+    CHECK_THROWS_AS(memattn::load(into, copy3), SnapshotError);
+    CHECK(same.length(c) == 46);
+    CHECK(pool.length(child) == 45);
 }

@@ -34,6 +34,7 @@
 #include "memattn/layer/head_layout.hpp"
 #include "memattn/layer/parallel.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
+#include "memattn/persistence/stream.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
@@ -334,6 +335,61 @@ public:
             work < parallel_work ? 1 : 0, executor.concurrency() > 0 ? executor : executor_);
     }
 
+    /// Snapshots of one sequence (Sequence::write_snapshot): the layout, scale and length,
+    /// then every KV head's keys, in token order, then their values, as stored (S) — its
+    /// tokens, not the pool's blocks, so it loads into a pool of any block size.
+    void write_sequence(Index seq, snapshot::Writer& w) const {
+        check_sequence("PagedKVCache::write_sequence", "seq", seq);
+        const State& s = sequences_[static_cast<std::size_t>(seq)];
+        w.index(layout_.q_heads);
+        w.index(layout_.kv_heads);
+        w.index(layout_.head_dim);
+        w.index(layout_.values());
+        w.number(scale_);
+        w.index(s.length);
+        for (const bool values : {false, true})
+            for (Index h = 0; h < layout_.kv_heads; ++h)
+                for (std::size_t i = 0; i < s.table.size(); ++i) {
+                    const Index first = static_cast<Index>(i) * block_size_;
+                    (values ? values_ : keys_)
+                        .write_rows(w, first_row(s.table[i], h), std::min(block_size_, s.length - first));
+                }
+    }
+    /// Reads a payload of write_sequence into `seq`, replacing its tokens. Throws
+    /// SnapshotError (another layout or scale, a wrong size) or PoolExhausted (fewer free
+    /// blocks than the tokens need, its own blocks still held), `seq` unchanged.
+    void read_sequence(Index seq, snapshot::Reader& r) {
+        check_sequence("PagedKVCache::read_sequence", "seq", seq);
+        r.expect("q_heads", layout_.q_heads);
+        r.expect("kv_heads", layout_.kv_heads);
+        r.expect("head_dim", layout_.head_dim);
+        r.expect("value_dim", layout_.values());
+        r.expect("scale", scale_);
+        const std::size_t token = static_cast<std::size_t>(layout_.kv_heads) *
+                                  (detail::StoredRows<T, S>::row_bytes(layout_.head_dim) +
+                                   detail::StoredRows<T, S>::row_bytes(layout_.values()));
+        const Index length = r.count("length", 0, static_cast<Index>(r.remaining() / token));
+        r.expect_remaining(static_cast<std::size_t>(length) * token, "the pairs");
+        const Index needed = blocks_for(length);
+        if (needed > free_blocks())
+            throw PoolExhausted("PagedKVCache::read_sequence", needed, free_blocks(), blocks_);
+        std::vector<Index> table;  // may throw: nothing changed yet
+        table.reserve(static_cast<std::size_t>(blocks_));
+        for (Index i = 0; i < needed; ++i)
+            table.push_back(take_block());
+        for (const bool values : {false, true})
+            for (Index h = 0; h < layout_.kv_heads; ++h)
+                for (Index i = 0; i < needed; ++i)
+                    (values ? values_ : keys_)
+                        .read_rows(r, first_row(table[static_cast<std::size_t>(i)], h),
+                                   std::min(block_size_, length - i * block_size_));
+        State& s = sequences_[static_cast<std::size_t>(seq)];
+        for (const Index b : s.table)
+            release(b);
+        s.table.swap(table);
+        s.length = length;
+    }
+
     /// `seq` as a Memory of packed rows (see Sequence).
     [[nodiscard]] Sequence sequence(Index seq) {
         check_sequence("PagedKVCache::sequence", "seq", seq);
@@ -364,6 +420,14 @@ public:
         [[nodiscard]] Index value_dim() const noexcept { return pool_->value_dim(); }
         [[nodiscard]] Index query_dim() const noexcept { return pool_->query_dim(); }
         [[nodiscard]] Index output_dim() const noexcept { return pool_->output_dim(); }
+        /// Snapshots (memattn/persistence/snapshot.hpp) of this sequence alone: its tokens
+        /// (PagedKVCache::write_sequence), loadable into a sequence of any pool of the same
+        /// layout, scale and storage.
+        static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
+        [[nodiscard]] static std::string snapshot_kind() { return "PagedKVCache::Sequence"; }
+        void write_snapshot(snapshot::Writer& w) const { pool_->write_sequence(id_, w); }
+        void read_snapshot(snapshot::Reader& r) { pool_->read_sequence(id_, r); }
+
         /// Its id in the pool.
         [[nodiscard]] Index id() const noexcept { return id_; }
         [[nodiscard]] PagedKVCache& pool() const noexcept { return *pool_; }
