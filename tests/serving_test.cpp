@@ -550,3 +550,73 @@ TEMPLATE_TEST_CASE("PagedKVCache: one sequence saves and loads on its own, into 
     CHECK(same.length(c) == 46);
     CHECK(pool.length(child) == 45);
 }
+
+TEMPLATE_TEST_CASE("batched_prefill: chunks of prompt beside single tokens equal each sequence's own prefill",
+                   "[serving][batched]", float, Q8) {
+    using S = TestType;
+    const HeadLayout layout{4, 2, 16, 0};
+    const Matrix<float> K0 = random_matrix<float>(100, 32, 111), V0 = random_matrix<float>(100, 32, 112);
+    // Sequences: a cached 37 tokens with a forked sibling (sharing a partly filled block),
+    // an empty one; chunks of 20, 1, 0 and 9 rows.
+    const auto build = [&](PagedKVCache<float, S>& pool) {
+        const Index a = pool.add_sequence();
+        pool.extend(a, K0.topRows(37), V0.topRows(37));
+        const Index b = pool.fork(a);
+        const Index c = pool.add_sequence();
+        const Index e = pool.add_sequence();
+        pool.extend(e, K0.topRows(5), V0.topRows(5));
+        return std::vector<Index>{a, b, c, e};
+    };
+    const std::vector<Index> offsets{0, 20, 21, 21, 30};
+    const Matrix<float> Q = random_matrix<float>(30, 64, 113), K = random_matrix<float>(30, 32, 114),
+                        V = random_matrix<float>(30, 32, 115);
+    PagedKVCache<float, S> one_by_one(layout, 32, 16);
+    const std::vector<Index> ids = build(one_by_one);
+    Matrix<float> expected(30, 64);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+        const Index r0 = offsets[i], n = offsets[i + 1] - offsets[i];
+        auto seq = one_by_one.sequence(ids[i]);
+        auto o = expected.middleRows(r0, n);
+        memattn::prefill(seq, Q.middleRows(r0, n), K.middleRows(r0, n), V.middleRows(r0, n), o);
+    }
+    for (const int threads : {1, 2, 3}) {
+        INFO(threads << " threads");
+        PagedKVCache<float, S> pool(layout, 32, 16);
+        const std::vector<Index> seqs = build(pool);
+        const OpenMPExecutor executor{.threads = threads};
+        Matrix<float> O(30, 64);
+        batched_prefill(pool, seqs, offsets, Q, K, V, O, executor);
+        CHECK((O.array() == expected.array()).all());
+        CHECK(pool.length(seqs[0]) == 57);
+        CHECK(pool.length(seqs[2]) == 0);
+        CHECK(pool.length(seqs[3]) == 14);
+    }
+    // The last sequence's chunk against the double reference: 5 cached tokens, then 9
+    // rows each seeing the cache and the rows up to itself (causal, aligned to the end).
+    PagedKVCache<float, S> pool(layout, 32, 16);
+    const std::vector<Index> seqs = build(pool);
+    Matrix<float> O(30, 64);
+    batched_prefill(pool, seqs, offsets, Q, K, V, O);
+    Matrix<float> Ke(14, 32), Ve(14, 32);
+    Ke << K0.topRows(5), K.bottomRows(9);
+    Ve << V0.topRows(5), V.bottomRows(9);
+    const MatrixD Ks = stored_heads<float, S>(Ke, 2).template cast<double>();
+    const MatrixD Vs = stored_heads<float, S>(Ve, 2).template cast<double>();
+    for (Index h = 0; h < 4; ++h) {
+        const MatrixD exact = reference::softmax_attention(Q.bottomRows(9).middleCols(h * 16, 16).template cast<double>(),
+                                                           Ks.middleCols(h / 2 * 16, 16), Vs.middleCols(h / 2 * 16, 16))
+                                  .out;
+        check_close(O.bottomRows(9).middleCols(h * 16, 16), exact, 2e-5);
+    }
+    // Bad offsets, and a batch that does not fit: nothing changes.
+    const std::vector<Index> short_offsets{0, 20, 30};
+    CHECK_THROWS_AS(batched_prefill(pool, seqs, short_offsets, Q, K, V, O), std::invalid_argument);
+    const std::vector<Index> decreasing{0, 20, 10, 21, 30};
+    CHECK_THROWS_AS(batched_prefill(pool, seqs, decreasing, Q, K, V, O), std::invalid_argument);
+    PagedKVCache<float, S> small(layout, 4, 16);
+    const std::vector<Index> few = build(small);  // 3 blocks + 1 for e: all 4 in use
+    CHECK_THROWS_AS(batched_prefill(small, few, offsets, Q, K, V, O), PoolExhausted);
+    CHECK(small.length(few[0]) == 37);
+    CHECK(small.length(few[3]) == 5);
+    CHECK(small.blocks_in_use() == 4);
+}

@@ -43,6 +43,18 @@ void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::
     pool.attend(seqs, Q, O, executor);
 }
 
+/// A mixed batch over the pool (chunked prefill beside decode): sequence seqs[i] brings
+/// the rows [q_offsets[i], q_offsets[i + 1]) of Q, K and V (a chunk of prompt, one token,
+/// or none) and each row attends the sequence's cached tokens and its new rows up to
+/// itself; bit for bit each sequence's own prefill (PagedKVCache::prefill).
+template <Scalar T, class S>
+void batched_prefill(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::span<const Index> q_offsets,
+                     std::type_identity_t<ConstMatrixRef<T>> Q, std::type_identity_t<ConstMatrixRef<T>> K,
+                     std::type_identity_t<ConstMatrixRef<T>> V, std::type_identity_t<MatrixRef<T>> O,
+                     ExecutorRef executor = {}) {
+    pool.prefill(seqs, q_offsets, Q, K, V, O, executor);
+}
+
 /// One token for each memory of `memories` (one per sequence, any Memory: a
 /// MultiHead of caches, the linear or gated memories of a hybrid model's recurrent
 /// layers): row i of K/V updates memories[i], then row i of O = its attend of row i of Q;

@@ -52,6 +52,7 @@ namespace memattn {
 /// A pool had fewer free blocks than a call needed; the pool is unchanged.
 class PoolExhausted : public std::runtime_error {
 public:
+    /// What `function` needed, and what the pool of `blocks` had free.
     PoolExhausted(const std::string& function, Index needed, Index free, Index blocks)
         : std::runtime_error("memattn::" + function + ": needs " + std::to_string(needed) + " free block" +
                              (needed == 1 ? "" : "s") + ", but " + std::to_string(free) + " of the pool's " +
@@ -188,24 +189,30 @@ public:
     /// Bytes of the blocks `seq` holds, shared ones included.
     [[nodiscard]] std::size_t footprint(Index seq) const { return block_bytes() * static_cast<std::size_t>(blocks_of(seq)); }
 
+    /// The layer's heads.
     [[nodiscard]] const HeadLayout& layout() const noexcept { return layout_; }
+    /// The factor of q·k before the softmax (1/sqrt(head_dim) when built with 0).
     [[nodiscard]] T scale() const noexcept { return scale_; }
-    /// Widths of the packed rows: keys kv_heads·head_dim, values kv_heads·value_dim,
-    /// queries q_heads·head_dim, outputs q_heads·value_dim.
+    /// Width of a packed key row: kv_heads·head_dim.
     [[nodiscard]] Index key_dim() const noexcept { return layout_.kv_heads * layout_.head_dim; }
+    /// Width of a packed value row: kv_heads·value_dim.
     [[nodiscard]] Index value_dim() const noexcept { return layout_.kv_heads * layout_.values(); }
+    /// Width of a packed query row: q_heads·head_dim.
     [[nodiscard]] Index query_dim() const noexcept { return layout_.q_heads * layout_.head_dim; }
+    /// Width of a packed output row: q_heads·value_dim.
     [[nodiscard]] Index output_dim() const noexcept { return layout_.q_heads * layout_.values(); }
 
     /// Where attend runs its KV heads (memattn::default_executor unless set); the pool
     /// keeps the reference.
     void set_executor(ExecutorRef executor) noexcept { executor_ = executor; }
+    /// A temporary executor is refused at compile time: the pool would keep a dangling reference.
     template <Executor E>
         requires(!std::same_as<E, ExecutorRef>)
     void set_executor(const E&&) {
         static_assert(sizeof(E) == 0, "memattn: PagedKVCache::set_executor keeps a reference: pass an executor "
                                       "that outlives the calls, not a temporary");
     }
+    /// Where attend runs its KV heads.
     [[nodiscard]] ExecutorRef executor() const noexcept { return executor_; }
 
     /// Appends one token to `seq`: `key` is kv_heads·head_dim wide, `value`
@@ -335,6 +342,76 @@ public:
             work < parallel_work ? 1 : 0, executor.concurrency() > 0 ? executor : executor_);
     }
 
+    /// A mixed batch (chunked prefill beside decode): sequence seqs[i] (distinct live
+    /// ids) appends the rows [q_offsets[i], q_offsets[i + 1]) of K/V (a chunk of prompt,
+    /// one token, or none), and each of those rows of Q attends the sequence's cached
+    /// tokens and its new rows up to itself, causally: bit for bit what the sequence's own
+    /// update-then-attend per row gives (memattn::prefill on sequence(id)). All or
+    /// nothing (the blocks the batch needs counted exactly, as update's); the (row, KV
+    /// head) items spread over the executor's threads. Allocates nothing.
+    void prefill(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
+                 ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out, ExecutorRef executor = {}) {
+        const detail::PairSite site{"PagedKVCache::prefill", "K", "V"};
+        const char* function = "PagedKVCache::prefill";
+        const Index batch = static_cast<Index>(seqs.size()), rows = keys.rows();
+        detail::require(static_cast<Index>(q_offsets.size()) == batch + 1, function, "q_offsets", "has ",
+                        q_offsets.size(), " entries, expected ", batch + 1, " (one more than the sequences)");
+        detail::require(q_offsets[0] == 0 && q_offsets[static_cast<std::size_t>(batch)] == rows, function,
+                        "q_offsets", "runs from ", q_offsets[0], " to ", q_offsets[static_cast<std::size_t>(batch)],
+                        ", expected 0 to ", rows, " (the rows of K)");
+        for (Index i = 0; i < batch; ++i)
+            detail::require(q_offsets[static_cast<std::size_t>(i)] <= q_offsets[static_cast<std::size_t>(i + 1)],
+                            function, "q_offsets", "decreases at ", i, ": ", q_offsets[static_cast<std::size_t>(i)],
+                            " then ", q_offsets[static_cast<std::size_t>(i + 1)]);
+        check_batch(function, seqs, batch, "seqs");
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), value_dim(), 0);
+        detail::check_prefill(function, queries, keys, values, out, query_dim(), output_dim());
+        const auto chunk = [&](std::size_t i) { return q_offsets[i + 1] - q_offsets[i]; };
+        Index needed = 0;
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+            const Index n = chunk(i);
+            detail::check_room(site.function, s.length, n);
+            if (n == 0)
+                continue;
+            needed += blocks_for(s.length + n) - static_cast<Index>(s.table.size());
+            if (s.length % block_size_ != 0 && copies_before(seqs, i, [&](std::size_t j) { return chunk(j) > 0; }))
+                ++needed;
+        }
+        detail::check_storable<T, S>(site, keys, false);
+        detail::check_storable<T, S>(site, values, true);
+        if (needed > free_blocks())
+            throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
+        for (std::size_t i = 0; i < seqs.size(); ++i)
+            append(sequences_[static_cast<std::size_t>(seqs[i])], keys.middleRows(q_offsets[i], chunk(i)),
+                   values.middleRows(q_offsets[i], chunk(i)));
+        // Row r of sequence i attends its first (length now) − (rows after r) tokens.
+        const Index g = layout_.group_size(), kv = layout_.kv_heads;
+        const auto sequence_of = [&](Index row) {
+            const auto it = std::upper_bound(q_offsets.begin(), q_offsets.end(), row);
+            return static_cast<std::size_t>(it - q_offsets.begin() - 1);
+        };
+        const auto visible = [&](Index row, std::size_t i) {
+            return sequences_[static_cast<std::size_t>(seqs[i])].length - (q_offsets[i + 1] - 1 - row);
+        };
+        double work = 0;
+        for (Index row = 0; row < rows; ++row)
+            work += static_cast<double>(visible(row, sequence_of(row)));
+        work *= static_cast<double>(layout_.q_heads) * static_cast<double>(layout_.head_dim + layout_.values());
+        detail::parallel_ranges(
+            rows * kv, [&](Index item) { return 1.0 + static_cast<double>(visible(item / kv, sequence_of(item / kv))); },
+            [&](Index first, Index last) {
+                for (Index item = first; item < last; ++item) {
+                    const Index row = item / kv, h = item % kv;
+                    const std::size_t i = sequence_of(row);
+                    attend_head(sequences_[static_cast<std::size_t>(seqs[i])], h,
+                                queries.data() + row * queries.outerStride() + h * g * layout_.head_dim,
+                                out.data() + row * out.outerStride() + h * g * layout_.values(), visible(row, i));
+                }
+            },
+            work < parallel_work ? 1 : 0, executor.concurrency() > 0 ? executor : executor_);
+    }
+
     /// Snapshots of one sequence (Sequence::write_snapshot): the layout, scale and length,
     /// then every KV head's keys, in token order, then their values, as stored (S) — its
     /// tokens, not the pool's blocks, so it loads into a pool of any block size.
@@ -402,34 +479,48 @@ public:
     /// sequence ends it.
     class Sequence {
     public:
-        using Scalar = T;
+        using Scalar = T;  ///< the pool's scalar
 
+        /// Appends one token (PagedKVCache::update).
         void update(ConstRowRef<T> key, ConstRowRef<T> value) { pool_->update(id_, key, value); }
+        /// Appends many tokens (PagedKVCache::extend).
         void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) { pool_->extend(id_, keys, values); }
+        /// Throws what update/extend would throw, changing nothing (PagedKVCache::validate).
         void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
                       const detail::PairSite& site = {"PagedKVCache::Sequence::validate"}) const {
             pool_->validate(id_, keys, values, site);
         }
+        /// Every query head of `query` over its tokens (PagedKVCache::attend).
         void attend(ConstRowRef<T> query, RowRef<T> out) const { pool_->attend(id_, query, out); }
+        /// Its tokens.
         [[nodiscard]] Index length() const { return pool_->length(id_); }
         /// Bytes of the blocks it holds, shared ones included.
         [[nodiscard]] std::size_t footprint() const { return pool_->footprint(id_); }
+        /// Truncates it to no tokens (its blocks freed unless shared).
         void reset() { pool_->truncate(id_, 0); }
 
+        /// Width of a packed key row.
         [[nodiscard]] Index key_dim() const noexcept { return pool_->key_dim(); }
+        /// Width of a packed value row.
         [[nodiscard]] Index value_dim() const noexcept { return pool_->value_dim(); }
+        /// Width of a packed query row.
         [[nodiscard]] Index query_dim() const noexcept { return pool_->query_dim(); }
+        /// Width of a packed output row.
         [[nodiscard]] Index output_dim() const noexcept { return pool_->output_dim(); }
         /// Snapshots (memattn/persistence/snapshot.hpp) of this sequence alone: its tokens
         /// (PagedKVCache::write_sequence), loadable into a sequence of any pool of the same
         /// layout, scale and storage.
         static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
+        /// The kind a snapshot records.
         [[nodiscard]] static std::string snapshot_kind() { return "PagedKVCache::Sequence"; }
+        /// Writes its tokens (PagedKVCache::write_sequence).
         void write_snapshot(snapshot::Writer& w) const { pool_->write_sequence(id_, w); }
+        /// Reads tokens written by write_snapshot (PagedKVCache::read_sequence).
         void read_snapshot(snapshot::Reader& r) { pool_->read_sequence(id_, r); }
 
         /// Its id in the pool.
         [[nodiscard]] Index id() const noexcept { return id_; }
+        /// The pool it belongs to.
         [[nodiscard]] PagedKVCache& pool() const noexcept { return *pool_; }
 
     private:
@@ -483,15 +574,20 @@ private:
 
     /// Whether batch member i, writing into its partly filled last block, copies it: of
     /// the k members writing into one block held r times, those before the r-th copy it.
-    [[nodiscard]] bool copies_before(std::span<const Index> seqs, std::size_t i) const noexcept {
+    /// `writes(j)`: member j appends at least one token.
+    template <class Writes>
+    [[nodiscard]] bool copies_before(std::span<const Index> seqs, std::size_t i, const Writes& writes) const noexcept {
         const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
         const Index block = s.table.back();
         Index earlier = 0;
         for (std::size_t j = 0; j < i; ++j) {
             const State& o = sequences_[static_cast<std::size_t>(seqs[j])];
-            earlier += o.length % block_size_ != 0 && o.table.back() == block ? 1 : 0;
+            earlier += writes(j) && o.length % block_size_ != 0 && o.table.back() == block ? 1 : 0;
         }
         return refs_[static_cast<std::size_t>(block)] - earlier > 1;
+    }
+    [[nodiscard]] bool copies_before(std::span<const Index> seqs, std::size_t i) const noexcept {
+        return copies_before(seqs, i, [](std::size_t) { return true; });
     }
 
     void check_sequence(std::string_view function, const char* argument, Index seq) const {
@@ -558,21 +654,25 @@ private:
     }
 
     /// KV head h's group of query heads (g rows of q, g rows of out) over s's blocks.
-    void attend_head(const State& s, Index h, const T* q, T* out) const {
+    void attend_head(const State& s, Index h, const T* q, T* out) const { attend_head(s, h, q, out, s.length); }
+    /// The same over the first `length` tokens of s (length ≥ 1): what the attend gave
+    /// when s held only those, bit for bit (the blocks hold the same rows).
+    void attend_head(const State& s, Index h, const T* q, T* out, Index length) const {
         const Index g = layout_.group_size(), d = layout_.head_dim, dv = layout_.values();
         const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> queries(q, g, d, Eigen::OuterStride<>(d));
         Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> outputs(out, g, dv, Eigen::OuterStride<>(dv));
-        const bool ahead = static_cast<std::size_t>(s.length) * (detail::StoredRows<T, S>::row_bytes(d) +
-                                                                 detail::StoredRows<T, S>::row_bytes(dv)) >=
+        const bool ahead = static_cast<std::size_t>(length) * (detail::StoredRows<T, S>::row_bytes(d) +
+                                                               detail::StoredRows<T, S>::row_bytes(dv)) >=
                            detail::group_prefetch_bytes;
+        const std::size_t used = static_cast<std::size_t>(blocks_for(length));
         for (Index r0 = 0; r0 < g; r0 += detail::group_rows) {
             const Index rows = std::min(detail::group_rows, g - r0);
             auto acc = outputs.middleRows(r0, rows);
             acc.setZero();
             detail::GroupAttention<T> group(queries.middleRows(r0, rows), scale_, ahead);
-            for (std::size_t i = 0; i < s.table.size(); ++i) {
+            for (std::size_t i = 0; i < used; ++i) {
                 const Index first = static_cast<Index>(i) * block_size_;
-                group.fold_stored(keys_, values_, first_row(s.table[i], h), std::min(block_size_, s.length - first),
+                group.fold_stored(keys_, values_, first_row(s.table[i], h), std::min(block_size_, length - first),
                                   acc);
             }
             for (Index r = 0; r < rows; ++r)
