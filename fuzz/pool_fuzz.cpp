@@ -1,6 +1,6 @@
 // Fuzzing the paged pool: a sequence of pool operations (add, fork, extend, truncate,
-// remove, attend, batched decode) on a small PagedKVCache, beside a model of it (each
-// live sequence's tokens). After every operation the lengths and block counts must
+// remove, attend, batched decode and prefill) on a small PagedKVCache, beside a model
+// of it (each live sequence's tokens). After every operation the lengths and block counts must
 // agree with the model, an operation that throws (PoolExhausted) must change nothing,
 // and an attend must equal the double reference of the sequence's tokens; at the end
 // every block must be free again.
@@ -99,6 +99,32 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             Matrix<float> o(1, pool.output_dim());
             pool.attend(seq, q.row(0), o.row(0));
             fuzz::expect_close("attend", o, expected_attend(layout, q, model[seq]), 2e-4);
+        } else if (in.flag()) {  // a mixed batch: a chunk of 0 to 3 rows for every live sequence
+            std::vector<Index> seqs, offsets{0};
+            for (const auto& [seq, tokens] : model) {
+                seqs.push_back(seq);
+                offsets.push_back(offsets.back() + in.size(0, 3));
+            }
+            const Index rows = offsets.back();
+            const Matrix<float> Q = in.matrix<float>(rows, pool.query_dim(), 2.0),
+                                K = in.matrix<float>(rows, kw, 2.0), V = in.matrix<float>(rows, kw, 2.0);
+            Matrix<float> O(rows, pool.output_dim());
+            try {
+                batched_prefill(pool, seqs, offsets, Q, K, V, O);
+                for (std::size_t i = 0; i < seqs.size(); ++i) {
+                    auto& tokens = model[seqs[i]];
+                    for (Index r = offsets[i]; r < offsets[i + 1]; ++r) {
+                        Matrix<float> token(2, kw);
+                        token << K.row(r), V.row(r);
+                        tokens.push_back(token);
+                        fuzz::expect_close("batched_prefill", O.row(r), expected_attend(layout, Q.row(r), tokens),
+                                           2e-4);
+                    }
+                }
+            } catch (const PoolExhausted&) {
+                if (pool.blocks_in_use() != before)
+                    fail("a refused mixed batch changed the pool");
+            }
         } else {  // one token for every live sequence at once
             std::vector<Index> seqs;
             for (const auto& [seq, tokens] : model)

@@ -27,6 +27,8 @@ template <class T, class S>
 Matrix<T> stored_heads(const Matrix<T>& X, Index heads) {
     const Index w = X.cols() / heads;
     Matrix<T> out(X.rows(), X.cols());
+    if (X.rows() == 0)  // no column block of an empty (null) matrix
+        return out;
     for (Index h = 0; h < heads; ++h) {
         const Matrix<T> part = X.middleCols(h * w, w);
         Matrix<T> back(X.rows(), w);
@@ -619,4 +621,48 @@ TEMPLATE_TEST_CASE("batched_prefill: chunks of prompt beside single tokens equal
     CHECK(small.length(few[0]) == 37);
     CHECK(small.length(few[3]) == 5);
     CHECK(small.blocks_in_use() == 4);
+}
+
+TEST_CASE("Prefix sharing: 16 sequences forked from one 2048-token prompt hold it once and decode on their own",
+          "[serving][prefix]") {
+    const HeadLayout layout{4, 2, 8, 0};
+    const Index prompt = 2048, forks = 16, steps = 5;
+    PagedKVCache<float, Eigen::bfloat16> pool(layout, prompt / 128 + forks + 1);
+    const Matrix<float> K = random_matrix<float>(prompt, 16, 121), V = random_matrix<float>(prompt, 16, 122);
+    const Index root = pool.add_sequence();
+    pool.extend(root, K, V);
+    std::vector<Index> seqs;
+    for (Index i = 0; i < forks; ++i)
+        seqs.push_back(pool.fork(root));
+    CHECK(pool.blocks_in_use() == prompt / 128);  // the prompt's blocks, once
+    pool.remove(root);
+    CHECK(pool.blocks_in_use() == prompt / 128);  // still held by the forks
+    // Private caches of the same tokens, one layer per sequence.
+    std::vector<MultiHead<KVCache<float, Eigen::bfloat16>>> private_layers;
+    for (Index i = 0; i < forks; ++i) {
+        private_layers.emplace_back(layout, [](Index) { return KVCache<float, Eigen::bfloat16>(8, 8); });
+        memattn::extend(private_layers.back(), K, V);
+    }
+    for (Index t = 0; t < steps; ++t) {
+        const Matrix<float> Q = random_matrix<float>(forks, 32, 130 + static_cast<std::uint64_t>(t)),
+                            Kt = random_matrix<float>(forks, 16, 140 + static_cast<std::uint64_t>(t)),
+                            Vt = random_matrix<float>(forks, 16, 150 + static_cast<std::uint64_t>(t));
+        Matrix<float> O(forks, 32), expected(forks, 32);
+        batched_decode(pool, seqs, Q, Kt, Vt, O);
+        for (Index i = 0; i < forks; ++i) {
+            auto& layer = private_layers[static_cast<std::size_t>(i)];
+            layer.update(Kt.row(i), Vt.row(i));
+            layer.attend(Q.row(i), expected.row(i));
+        }
+        check_close(O, expected.cast<double>(), 2e-5);
+    }
+    CHECK(pool.blocks_in_use() == prompt / 128 + forks);  // each took one block of its own
+    std::size_t private_bytes = 0;
+    for (const auto& layer : private_layers)
+        private_bytes += layer.footprint();
+    // The blocks in use (128 tokens × 2 KV heads × K and V × 8 values × 2 bytes each)
+    // against 16 private caches of 2053 tokens: under an eighth.
+    const std::size_t held = static_cast<std::size_t>(pool.blocks_in_use()) * 128 * 2 * 2 * 8 * 2;
+    CHECK(held < private_bytes / 8);
+    CHECK(private_bytes >= static_cast<std::size_t>(forks * (prompt + steps)) * 2 * 2 * 8 * 2);
 }
