@@ -666,3 +666,40 @@ TEST_CASE("Prefix sharing: 16 sequences forked from one 2048-token prompt hold i
     CHECK(held < private_bytes / 8);
     CHECK(private_bytes >= static_cast<std::size_t>(forks * (prompt + steps)) * 2 * 2 * 8 * 2);
 }
+
+namespace {
+/// Runs serially and counts the parallel_for calls it is given.
+struct CountingExecutor {
+    mutable int calls = 0;
+    [[nodiscard]] int concurrency() const { return 2; }
+    template <class F>
+    void parallel_for(Index n, F&& f) const {
+        ++calls;
+        for (Index i = 0; i < n; ++i)
+            f(i);
+    }
+};
+static_assert(Executor<CountingExecutor>);
+}  // namespace
+
+TEST_CASE("PagedKVCache: batched calls run on the pool's executor unless given one", "[serving][threads]") {
+    const HeadLayout layout{32, 8, 32, 0};
+    PagedKVCache<float> pool(layout, 64, 64);
+    const Index a = pool.add_sequence(), b = pool.add_sequence();
+    pool.extend(a, random_matrix<float>(1000, 256, 161), random_matrix<float>(1000, 256, 162));
+    pool.extend(b, random_matrix<float>(900, 256, 163), random_matrix<float>(900, 256, 164));
+    const CountingExecutor mine, given;
+    pool.set_executor(mine);
+    const std::vector<Index> seqs{a, b};
+    const Matrix<float> Q = random_matrix<float>(2, 1024, 165), K = random_matrix<float>(2, 256, 166),
+                        V = random_matrix<float>(2, 256, 167);
+    Matrix<float> O(2, 1024), O2(2, 1024);
+    batched_decode(pool, seqs, Q, K, V, O);
+    CHECK(mine.calls == 1);
+    const std::vector<Index> offsets{0, 1, 2};
+    batched_prefill(pool, seqs, offsets, Q, K, V, O2);
+    CHECK(mine.calls == 2);
+    batched_decode(pool, seqs, Q, K, V, O, given);
+    CHECK(mine.calls == 2);
+    CHECK(given.calls == 1);
+}

@@ -25,11 +25,19 @@
 namespace memattn {
 
 /// One token for each sequence of `seqs` (distinct live ids of `pool`): row i of K and V
-/// appended to seqs[i], then row i of O = row i of Q attending it. Allocates nothing.
+/// appended to seqs[i], then row i of O = row i of Q attending it, on the pool's executor
+/// (PagedKVCache::set_executor). Allocates nothing.
 template <Scalar T, class S>
 void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::type_identity_t<ConstMatrixRef<T>> Q,
                     std::type_identity_t<ConstMatrixRef<T>> K, std::type_identity_t<ConstMatrixRef<T>> V,
-                    std::type_identity_t<MatrixRef<T>> O, ExecutorRef executor = {}) {
+                    std::type_identity_t<MatrixRef<T>> O) {
+    batched_decode(pool, seqs, Q, K, V, O, pool.executor());
+}
+/// The same on `executor` instead of the pool's.
+template <Scalar T, class S>
+void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::type_identity_t<ConstMatrixRef<T>> Q,
+                    std::type_identity_t<ConstMatrixRef<T>> K, std::type_identity_t<ConstMatrixRef<T>> V,
+                    std::type_identity_t<MatrixRef<T>> O, ExecutorRef executor) {
     constexpr const char* function = "batched_decode";
     detail::require(Q.rows() == static_cast<Index>(seqs.size()) && Q.cols() == pool.query_dim(), function, "Q",
                     "has shape ", detail::shape(Q), ", expected ", seqs.size(), 'x', pool.query_dim(),
@@ -46,12 +54,20 @@ void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::
 /// A mixed batch over the pool (chunked prefill beside decode): sequence seqs[i] brings
 /// the rows [q_offsets[i], q_offsets[i + 1]) of Q, K and V (a chunk of prompt, one token,
 /// or none) and each row attends the sequence's cached tokens and its new rows up to
-/// itself; bit for bit each sequence's own prefill (PagedKVCache::prefill).
+/// itself; bit for bit each sequence's own prefill (PagedKVCache::prefill), on the pool's
+/// executor.
+template <Scalar T, class S>
+void batched_prefill(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::span<const Index> q_offsets,
+                     std::type_identity_t<ConstMatrixRef<T>> Q, std::type_identity_t<ConstMatrixRef<T>> K,
+                     std::type_identity_t<ConstMatrixRef<T>> V, std::type_identity_t<MatrixRef<T>> O) {
+    pool.prefill(seqs, q_offsets, Q, K, V, O);
+}
+/// The same on `executor` instead of the pool's.
 template <Scalar T, class S>
 void batched_prefill(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::span<const Index> q_offsets,
                      std::type_identity_t<ConstMatrixRef<T>> Q, std::type_identity_t<ConstMatrixRef<T>> K,
                      std::type_identity_t<ConstMatrixRef<T>> V, std::type_identity_t<MatrixRef<T>> O,
-                     ExecutorRef executor = {}) {
+                     ExecutorRef executor) {
     pool.prefill(seqs, q_offsets, Q, K, V, O, executor);
 }
 

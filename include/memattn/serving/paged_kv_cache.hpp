@@ -305,10 +305,13 @@ public:
 
     /// Row i of O = row i of Q attending sequence seqs[i] (live ids, repeats allowed), as
     /// attend(seqs[i], Q.row(i), O.row(i)) would give it, bit for bit: the (sequence, KV
-    /// head) items spread over the executor's threads (memattn::default_executor unless
-    /// given), by their lengths. Allocates nothing.
-    void attend(std::span<const Index> seqs, ConstMatrixRef<T> queries, MatrixRef<T> out,
-                ExecutorRef executor = {}) const {
+    /// head) items spread over the pool's executor's threads (set_executor), by their
+    /// lengths. Allocates nothing.
+    void attend(std::span<const Index> seqs, ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+        attend(seqs, queries, out, executor_);
+    }
+    /// The same on `executor`.
+    void attend(std::span<const Index> seqs, ConstMatrixRef<T> queries, MatrixRef<T> out, ExecutorRef executor) const {
         constexpr const char* function = "PagedKVCache::attend";
         for (const Index seq : seqs)
             check_sequence(function, "seqs", seq);
@@ -339,7 +342,7 @@ public:
                         attend_head(s, h, queries.data() + b * queries.outerStride() + h * g * layout_.head_dim, o);
                 }
             },
-            work < parallel_work ? 1 : 0, executor.concurrency() > 0 ? executor : executor_);
+            work < parallel_work ? 1 : 0, executor);
     }
 
     /// A mixed batch (chunked prefill beside decode): sequence seqs[i] (distinct live
@@ -348,9 +351,14 @@ public:
     /// tokens and its new rows up to itself, causally: bit for bit what the sequence's own
     /// update-then-attend per row gives (memattn::prefill on sequence(id)). All or
     /// nothing (the blocks the batch needs counted exactly, as update's); the (row, KV
-    /// head) items spread over the executor's threads. Allocates nothing.
+    /// head) items spread over the pool's executor's threads (set_executor). Allocates nothing.
     void prefill(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
-                 ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out, ExecutorRef executor = {}) {
+                 ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
+        prefill(seqs, q_offsets, queries, keys, values, out, executor_);
+    }
+    /// The same on `executor`.
+    void prefill(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
+                 ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out, ExecutorRef executor) {
         const detail::PairSite site{"PagedKVCache::prefill", "K", "V"};
         const char* function = "PagedKVCache::prefill";
         const Index batch = static_cast<Index>(seqs.size()), rows = keys.rows();
@@ -409,7 +417,7 @@ public:
                                 out.data() + row * out.outerStride() + h * g * layout_.values(), visible(row, i));
                 }
             },
-            work < parallel_work ? 1 : 0, executor.concurrency() > 0 ? executor : executor_);
+            work < parallel_work ? 1 : 0, executor);
     }
 
     /// Snapshots of one sequence (Sequence::write_snapshot): the layout, scale and length,
