@@ -160,4 +160,25 @@ private:
     void (*run_)(const void*, Index, void*, Call);
 };
 
+/// The executor an object keeps for its calls (memattn::MultiHead, memattn::PagedKVCache
+/// derive from it): a reference, so the executor must outlive the calls that use it.
+class ExecutorSlot {
+public:
+    /// Runs the object's items on `executor`; the outputs are bitwise the same on any.
+    void set_executor(ExecutorRef executor) noexcept { executor_ = executor; }
+    /// A temporary executor would be gone before the calls that use it: refused at
+    /// compile time.
+    template <Executor E>
+        requires(!std::same_as<E, ExecutorRef>)
+    void set_executor(const E&&) {
+        static_assert(sizeof(E) == 0, "memattn: set_executor keeps a reference: pass an executor that outlives "
+                                      "the calls, not a temporary");
+    }
+    /// Where the object runs its items (memattn::default_executor unless set).
+    [[nodiscard]] ExecutorRef executor() const noexcept { return executor_; }
+
+protected:
+    ExecutorRef executor_;  ///< where the object's calls run their items
+};
+
 }  // namespace memattn

@@ -535,7 +535,7 @@ public:
     void fold_stored(const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n, Acc&& acc) {
         if constexpr (!StoredRows<T, S>::compact) {
             if constexpr (std::is_same_v<T, float> && decode_tiles) {
-                if (tiles_ && g_ > 1) {  // read in place, asked for ahead past the run
+                if (tiles_) {  // read in place, asked for ahead past the run
                     fold_tiles(K, V, first, n, K.cols(), V.cols(), K.cols() * Index(sizeof(float)), K.rows(), acc);
                     return;
                 }

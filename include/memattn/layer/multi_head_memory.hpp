@@ -106,7 +106,7 @@ concept CanTruncate = requires(M& m, const M& cm, Index n) {
 /// A Memory over a layer of heads: one memory M per KV head, fed and read through packed
 /// rows of every head (see the top of the file).
 template <Memory M>
-class MultiHead {
+class MultiHead : public ExecutorSlot {
     using T = typename M::Scalar;
 
 public:
@@ -151,19 +151,7 @@ public:
         size_split_scratch();
     }
 
-    /// Runs attend's and prefill's items on `executor` (execution/executor.hpp), which
-    /// must outlive the calls; the outputs are bitwise the same on any executor.
-    void set_executor(ExecutorRef executor) noexcept { executor_ = executor; }
-    /// A temporary executor would be gone before the calls that use it: refused at
-    /// compile time.
-    template <Executor E>
-        requires(!std::same_as<E, ExecutorRef>)
-    void set_executor(const E&&) {
-        static_assert(sizeof(E) == 0, "memattn: MultiHead::set_executor keeps a reference: pass an executor that "
-                                      "outlives the calls, not a temporary");
-    }
-    /// Where attend and prefill run their items (memattn::default_executor unless set).
-    [[nodiscard]] ExecutorRef executor() const noexcept { return executor_; }
+    // set_executor(executor), executor(): attend's and prefill's items (ExecutorSlot).
 
     /// Room for `tokens` in every head that reserves (KVCache), and the split attend's
     /// scratch for them: after it, decode steps up to that length allocate nothing.
@@ -627,7 +615,6 @@ private:
     HeadLayout layout_;
     Index key_width_;  ///< each head's columns of a key row
     std::vector<M> heads_;
-    ExecutorRef executor_;        ///< where attend and prefill run their items
     mutable SplitScratch split_;  ///< the split attend's scratch (see size_split_scratch)
 };
 

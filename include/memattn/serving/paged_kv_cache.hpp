@@ -72,7 +72,7 @@ private:
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp).
 template <Scalar T, class S = T>
     requires StorageFor<S, T>
-class PagedKVCache {
+class PagedKVCache : public ExecutorSlot {
 public:
     using Scalar = T;       ///< the rows' scalar and the arithmetic's
     using StorageType = S;  ///< how the pairs are stored
@@ -202,18 +202,7 @@ public:
     /// Width of a packed output row: q_heads·value_dim.
     [[nodiscard]] Index output_dim() const noexcept { return layout_.q_heads * layout_.values(); }
 
-    /// Where attend runs its KV heads (memattn::default_executor unless set); the pool
-    /// keeps the reference.
-    void set_executor(ExecutorRef executor) noexcept { executor_ = executor; }
-    /// A temporary executor is refused at compile time: the pool would keep a dangling reference.
-    template <Executor E>
-        requires(!std::same_as<E, ExecutorRef>)
-    void set_executor(const E&&) {
-        static_assert(sizeof(E) == 0, "memattn: PagedKVCache::set_executor keeps a reference: pass an executor "
-                                      "that outlives the calls, not a temporary");
-    }
-    /// Where attend runs its KV heads.
-    [[nodiscard]] ExecutorRef executor() const noexcept { return executor_; }
+    // set_executor(executor), executor(): where attends and batches run their items (ExecutorSlot).
 
     /// Appends one token to `seq`: `key` is kv_heads·head_dim wide, `value`
     /// kv_heads·value_dim. Takes a free block when the last one is full, and copies the
@@ -241,7 +230,7 @@ public:
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), value_dim(), s.length);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
-        const Index needed = blocks_needed(s, keys.rows());
+        const Index needed = blocks_needed(std::span<const Index>(&seq, 1), [&](std::size_t) { return keys.rows(); });
         if (needed > free_blocks())
             throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
     }
@@ -255,20 +244,9 @@ public:
         check_sequence(function, "seq", seq);
         detail::check_query(function, query, out, query_dim(), output_dim());
         const State& s = sequences_[static_cast<std::size_t>(seq)];
-        if (s.length == 0) {
-            out.setZero();
-            return;
-        }
-        const Index g = layout_.group_size();
-        const double work = static_cast<double>(s.length) * static_cast<double>(layout_.q_heads) *
-                            static_cast<double>(layout_.head_dim + layout_.values());
-        detail::parallel_ranges(
-            layout_.kv_heads, [](Index) { return 1.0; },
-            [&](Index first, Index last) {
-                for (Index h = first; h < last; ++h)
-                    attend_head(s, h, query.data() + h * g * layout_.head_dim, out.data() + h * g * layout_.values());
-            },
-            work < parallel_work ? 1 : 0, executor_);
+        attend_rows(
+            1, [&](Index) -> const State& { return s; }, [&](Index) { return s.length; }, query.data(), 0,
+            out.data(), 0, executor_);
     }
 
     /// Pairs × query heads × (head_dim + value_dim) of one attend below which it runs on
@@ -285,14 +263,12 @@ public:
         check_batch(site.function, seqs, keys.rows(), "K");
         detail::require(values.rows() == keys.rows(), site.function, "V", "has ", values.rows(), " rows, expected ",
                         keys.rows(), " (one per sequence)");
-        Index needed = 0;
         for (std::size_t i = 0; i < seqs.size(); ++i) {
-            const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
             const Index r = static_cast<Index>(i);
             detail::check_site_pairs(site, detail::shape(keys.row(r)), detail::shape(values.row(r)), key_dim(),
-                                     value_dim(), s.length);
-            needed += s.length % block_size_ == 0 ? 1 : copies_before(seqs, i) ? 1 : 0;
+                                     value_dim(), sequences_[static_cast<std::size_t>(seqs[i])].length);
         }
+        const Index needed = blocks_needed(seqs, [](std::size_t) { return Index{1}; });
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
         if (needed > free_blocks())
@@ -318,31 +294,12 @@ public:
         detail::check_prefill(function, queries, queries, queries, out, query_dim(), output_dim());
         detail::require(queries.rows() == static_cast<Index>(seqs.size()), function, "Q", "has ", queries.rows(),
                         " rows, expected ", seqs.size(), " (one per sequence)");
-        const Index g = layout_.group_size(), kv = layout_.kv_heads;
-        const Index items = static_cast<Index>(seqs.size()) * kv;
-        double work = 0;
-        for (const Index seq : seqs)
-            work += static_cast<double>(sequences_[static_cast<std::size_t>(seq)].length);
-        work *= static_cast<double>(layout_.q_heads) * static_cast<double>(layout_.head_dim + layout_.values());
-        detail::parallel_ranges(
-            items,
-            [&](Index item) {
-                return 1.0 + static_cast<double>(sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(
-                                                     item / kv)])]
-                                                     .length);
-            },
-            [&](Index first, Index last) {
-                for (Index item = first; item < last; ++item) {
-                    const Index b = item / kv, h = item % kv;
-                    const State& s = sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(b)])];
-                    T* o = out.data() + b * out.outerStride() + h * g * layout_.values();
-                    if (s.length == 0)
-                        std::fill(o, o + g * layout_.values(), T(0));
-                    else
-                        attend_head(s, h, queries.data() + b * queries.outerStride() + h * g * layout_.head_dim, o);
-                }
-            },
-            work < parallel_work ? 1 : 0, executor);
+        const auto state = [&](Index row) -> const State& {
+            return sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(row)])];
+        };
+        attend_rows(
+            queries.rows(), state, [&](Index row) { return state(row).length; }, queries.data(),
+            queries.outerStride(), out.data(), out.outerStride(), executor);
     }
 
     /// A mixed batch (chunked prefill beside decode): sequence seqs[i] (distinct live
@@ -375,17 +332,9 @@ public:
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), value_dim(), 0);
         detail::check_prefill(function, queries, keys, values, out, query_dim(), output_dim());
         const auto chunk = [&](std::size_t i) { return q_offsets[i + 1] - q_offsets[i]; };
-        Index needed = 0;
-        for (std::size_t i = 0; i < seqs.size(); ++i) {
-            const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
-            const Index n = chunk(i);
-            detail::check_room(site.function, s.length, n);
-            if (n == 0)
-                continue;
-            needed += blocks_for(s.length + n) - static_cast<Index>(s.table.size());
-            if (s.length % block_size_ != 0 && copies_before(seqs, i, [&](std::size_t j) { return chunk(j) > 0; }))
-                ++needed;
-        }
+        for (std::size_t i = 0; i < seqs.size(); ++i)
+            detail::check_room(site.function, sequences_[static_cast<std::size_t>(seqs[i])].length, chunk(i));
+        const Index needed = blocks_needed(seqs, chunk);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
         if (needed > free_blocks())
@@ -394,30 +343,17 @@ public:
             append(sequences_[static_cast<std::size_t>(seqs[i])], keys.middleRows(q_offsets[i], chunk(i)),
                    values.middleRows(q_offsets[i], chunk(i)));
         // Row r of sequence i attends its first (length now) − (rows after r) tokens.
-        const Index g = layout_.group_size(), kv = layout_.kv_heads;
         const auto sequence_of = [&](Index row) {
             const auto it = std::upper_bound(q_offsets.begin(), q_offsets.end(), row);
             return static_cast<std::size_t>(it - q_offsets.begin() - 1);
         };
-        const auto visible = [&](Index row, std::size_t i) {
-            return sequences_[static_cast<std::size_t>(seqs[i])].length - (q_offsets[i + 1] - 1 - row);
-        };
-        double work = 0;
-        for (Index row = 0; row < rows; ++row)
-            work += static_cast<double>(visible(row, sequence_of(row)));
-        work *= static_cast<double>(layout_.q_heads) * static_cast<double>(layout_.head_dim + layout_.values());
-        detail::parallel_ranges(
-            rows * kv, [&](Index item) { return 1.0 + static_cast<double>(visible(item / kv, sequence_of(item / kv))); },
-            [&](Index first, Index last) {
-                for (Index item = first; item < last; ++item) {
-                    const Index row = item / kv, h = item % kv;
-                    const std::size_t i = sequence_of(row);
-                    attend_head(sequences_[static_cast<std::size_t>(seqs[i])], h,
-                                queries.data() + row * queries.outerStride() + h * g * layout_.head_dim,
-                                out.data() + row * out.outerStride() + h * g * layout_.values(), visible(row, i));
-                }
+        attend_rows(
+            rows, [&](Index row) -> const State& { return sequences_[static_cast<std::size_t>(seqs[sequence_of(row)])]; },
+            [&](Index row) {
+                const std::size_t i = sequence_of(row);
+                return sequences_[static_cast<std::size_t>(seqs[i])].length - (q_offsets[i + 1] - 1 - row);
             },
-            work < parallel_work ? 1 : 0, executor);
+            queries.data(), queries.outerStride(), out.data(), out.outerStride(), executor);
     }
 
     /// Snapshots of one sequence (Sequence::write_snapshot): the layout, scale and length,
@@ -594,9 +530,6 @@ private:
         }
         return refs_[static_cast<std::size_t>(block)] - earlier > 1;
     }
-    [[nodiscard]] bool copies_before(std::span<const Index> seqs, std::size_t i) const noexcept {
-        return copies_before(seqs, i, [](std::size_t) { return true; });
-    }
 
     void check_sequence(std::string_view function, const char* argument, Index seq) const {
         if (!contains(seq)) [[unlikely]]
@@ -613,14 +546,21 @@ private:
         return static_cast<Index>(sequences_.size() - 1);
     }
 
-    /// Free blocks that appending n tokens to s takes: the new blocks, and one more when
-    /// its last block is partly filled and shared (copied before the first write).
-    [[nodiscard]] Index blocks_needed(const State& s, Index n) const noexcept {
-        if (n == 0)
-            return 0;
-        const Index grown = blocks_for(s.length + n) - static_cast<Index>(s.table.size());
-        const bool copy = s.length % block_size_ != 0 && refs_[static_cast<std::size_t>(s.table.back())] > 1;
-        return grown + (copy ? 1 : 0);
+    /// Free blocks that appending chunk(i) tokens to each seqs[i] takes, in order: the new
+    /// blocks, and one more for a member that writes into its partly filled last block
+    /// while it is shared (copies_before).
+    template <class Chunk>
+    [[nodiscard]] Index blocks_needed(std::span<const Index> seqs, const Chunk& chunk) const noexcept {
+        Index needed = 0;
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+            if (chunk(i) == 0)
+                continue;
+            needed += blocks_for(s.length + chunk(i)) - static_cast<Index>(s.table.size());
+            if (s.length % block_size_ != 0 && copies_before(seqs, i, [&](std::size_t j) { return chunk(j) > 0; }))
+                ++needed;
+        }
+        return needed;
     }
 
     Index take_block() noexcept {
@@ -661,10 +601,36 @@ private:
         }
     }
 
-    /// KV head h's group of query heads (g rows of q, g rows of out) over s's blocks.
-    void attend_head(const State& s, Index h, const T* q, T* out) const { attend_head(s, h, q, out, s.length); }
-    /// The same over the first `length` tokens of s (length ≥ 1): what the attend gave
-    /// when s held only those, bit for bit (the blocks hold the same rows).
+    /// Every attend: for rows r < rows, the query heads of row r of q (stride ldq) over the
+    /// first visible(r) tokens of state(r) into row r of out (zero when none), as
+    /// (row, KV head) items spread over the executor's threads by their lengths; a step
+    /// whose work is below parallel_work stays on the calling thread.
+    template <class StateOf, class Visible>
+    void attend_rows(Index rows, const StateOf& state, const Visible& visible, const T* q, Index ldq, T* out, Index ldo,
+                     ExecutorRef executor) const {
+        const Index g = layout_.group_size(), kv = layout_.kv_heads, dv = layout_.values();
+        double work = 0;
+        for (Index row = 0; row < rows; ++row)
+            work += static_cast<double>(visible(row));
+        work *= static_cast<double>(layout_.q_heads) * static_cast<double>(layout_.head_dim + dv);
+        detail::parallel_ranges(
+            rows * kv, [&](Index item) { return 1.0 + static_cast<double>(visible(item / kv)); },
+            [&](Index first, Index last) {
+                for (Index item = first; item < last; ++item) {
+                    const Index row = item / kv, h = item % kv, n = visible(row);
+                    T* o = out + row * ldo + h * g * dv;
+                    if (n == 0)
+                        std::fill(o, o + g * dv, T(0));
+                    else
+                        attend_head(state(row), h, q + row * ldq + h * g * layout_.head_dim, o, n);
+                }
+            },
+            work < parallel_work ? 1 : 0, executor);
+    }
+
+    /// KV head h's group of query heads (g rows of q, g rows of out) over the first
+    /// `length` tokens of s (length ≥ 1): what the attend gave when s held only those,
+    /// bit for bit (the blocks hold the same rows).
     void attend_head(const State& s, Index h, const T* q, T* out, Index length) const {
         const Index g = layout_.group_size(), d = layout_.head_dim, dv = layout_.values();
         const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> queries(q, g, d, Eigen::OuterStride<>(d));
@@ -695,7 +661,6 @@ private:
     std::vector<Index> refs_;  // sequences holding each block
     std::vector<Index> free_;  // blocks no one holds, taken from the back
     std::vector<State> sequences_;
-    ExecutorRef executor_;
 };
 
 }  // namespace memattn
