@@ -1,9 +1,11 @@
 // Fuzzing the paged pool: a sequence of pool operations (add, fork, extend, truncate,
-// remove, attend, batched decode and prefill) on a small PagedKVCache, beside a model
-// of it (each live sequence's tokens). After every operation the lengths and block counts must
+// remove, attend, batched decode and prefill) on a small PagedKVCache, with or without
+// a sliding window and sinks, beside a model of it (each live sequence's tokens). After every operation the lengths and block counts must
 // agree with the model, an operation that throws (PoolExhausted) must change nothing,
-// and an attend must equal the double reference of the sequence's tokens; at the end
-// every block must be free again.
+// an attend must equal the double reference of the sequence's tokens, a rollback the
+// window has made impossible must be refused with nothing changed, and a windowed
+// sequence must never hold more blocks than its window needs; at the end every block
+// must be free again.
 #include "fuzz_input.hpp"
 
 #include <memattn/memattn.hpp>
@@ -11,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <stdexcept>
 #include <vector>
 
 namespace {
@@ -24,7 +27,8 @@ void fail(const char* what) {
 }
 
 /// Every query head of q over the tokens (packed rows) in double.
-MatrixD expected_attend(const HeadLayout& layout, const Matrix<float>& q, const std::vector<Matrix<float>>& tokens) {
+MatrixD expected_attend(const HeadLayout& layout, const Matrix<float>& q, const std::vector<Matrix<float>>& tokens,
+                        const SoftmaxOptions& options) {
     const Index d = layout.head_dim, g = layout.group_size(), n = static_cast<Index>(tokens.size());
     MatrixD out = MatrixD::Zero(1, layout.q_heads * d);
     if (n == 0)
@@ -36,7 +40,8 @@ MatrixD expected_attend(const HeadLayout& layout, const Matrix<float>& q, const 
     }
     for (Index h = 0; h < layout.q_heads; ++h)
         out.middleCols(h * d, d) = reference::softmax_attention(q.cast<double>().middleCols(h * d, d),
-                                                                K.middleCols(h / g * d, d), V.middleCols(h / g * d, d))
+                                                                K.middleCols(h / g * d, d), V.middleCols(h / g * d, d),
+                                                                0, options.window, options.sinks)
                                        .out;
     return out;
 }
@@ -48,7 +53,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const Index kv = in.size(1, 2), g = in.size(1, 3), d = in.size(1, 6);
     const HeadLayout layout{kv * g, kv, d};
     const Index blocks = in.size(1, 12), block = in.size(1, 6);
-    PagedKVCache<float> pool(layout, blocks, block);
+    const Index window = in.size(0, 9), sinks = in.size(0, 3);  // window 0: none
+    PagedKVCache<float> pool(layout, blocks, block, SoftmaxOptions{.window = window, .sinks = sinks});
+    const SoftmaxOptions options = pool.options();
+    const Index most = window == 0 ? blocks : (sinks + block - 1) / block + (window + block - 1) / block + 1;
     const Index kw = kv * d;
     std::map<Index, std::vector<Matrix<float>>> model;  // each token: row 0 its key, row 1 its value
     const auto pick = [&]() -> Index {
@@ -87,8 +95,21 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         } else if (op == 3) {
             const Index seq = pick();
             const Index n = in.size(0, static_cast<Index>(model[seq].size()));
-            pool.truncate(seq, n);
-            model[seq].resize(static_cast<std::size_t>(n));
+            if (pool.can_truncate(seq, n)) {
+                pool.truncate(seq, n);
+                model[seq].resize(static_cast<std::size_t>(n));
+            } else {
+                if (window == 0)
+                    fail("a rollback refused without a window");
+                bool threw = false;
+                try {
+                    pool.truncate(seq, n);
+                } catch (const std::invalid_argument&) {
+                    threw = true;
+                }
+                if (!threw || pool.blocks_in_use() != before || pool.length(seq) != static_cast<Index>(model[seq].size()))
+                    fail("a refused rollback changed the pool");
+            }
         } else if (op == 4) {
             const Index seq = pick();
             pool.remove(seq);
@@ -98,7 +119,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             const Matrix<float> q = in.matrix<float>(1, pool.query_dim(), 2.0);
             Matrix<float> o(1, pool.output_dim());
             pool.attend(seq, q.row(0), o.row(0));
-            fuzz::expect_close("attend", o, expected_attend(layout, q, model[seq]), 2e-4);
+            fuzz::expect_close("attend", o, expected_attend(layout, q, model[seq], options), 2e-4);
         } else if (in.flag()) {  // a mixed batch: a chunk of 0 to 3 rows for every live sequence
             std::vector<Index> seqs, offsets{0};
             for (const auto& [seq, tokens] : model) {
@@ -117,7 +138,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                         Matrix<float> token(2, kw);
                         token << K.row(r), V.row(r);
                         tokens.push_back(token);
-                        fuzz::expect_close("batched_prefill", O.row(r), expected_attend(layout, Q.row(r), tokens),
+                        fuzz::expect_close("batched_prefill", O.row(r), expected_attend(layout, Q.row(r), tokens, options),
                                            2e-4);
                     }
                 }
@@ -140,7 +161,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                     token << K.row(i), V.row(i);
                     auto& tokens = model[seqs[static_cast<std::size_t>(i)]];
                     tokens.push_back(token);
-                    fuzz::expect_close("batched_decode", O.row(i), expected_attend(layout, Q.row(i), tokens), 2e-4);
+                    fuzz::expect_close("batched_decode", O.row(i), expected_attend(layout, Q.row(i), tokens, options), 2e-4);
                 }
             } catch (const PoolExhausted&) {
                 if (pool.blocks_in_use() != before)
@@ -154,6 +175,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             if (pool.length(seq) != static_cast<Index>(tokens.size()))
                 fail("a length differs from the model's");
             held += pool.blocks_of(seq);
+            if (pool.blocks_of(seq) > most)
+                fail("a windowed sequence holds blocks its window left");
         }
         if (pool.blocks_in_use() > held)
             fail("blocks in use that no sequence holds");

@@ -41,6 +41,7 @@ inline void eigen_assertion_failed(const char* condition) {
 #include <memattn/memory/linear_attention_memory.hpp>
 #include <memattn/memory/moving_average_cache.hpp>
 #include <memattn/memory/sliding_window_cache.hpp>
+#include <memattn/serving/batched.hpp>
 #include <memattn/serving/paged_kv_cache.hpp>
 
 #include <vector>
@@ -313,4 +314,32 @@ TEMPLATE_TEST_CASE("PagedKVCache: steps allocate nothing, through new blocks, co
         CHECK(counts.eigen_mallocs == 0);
         CHECK(out.allFinite());
     }
+}
+
+TEST_CASE("PagedKVCache with a window: steps that free the blocks the window leaves allocate nothing",
+          "[serving][allocation][window]") {
+    const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};
+    const Index steps = 700;
+    const Matrix<float> K = random_matrix<float>(steps, 128, 4), V = random_matrix<float>(steps, 128, 5),
+                        Q = random_matrix<float>(steps, 512, 6);
+    // 700 tokens, two sequences, a pool of 14 blocks of 32: the window of 100 and 4 sinks
+    // free the blocks as it moves (each holds the shared sink block and at most 5 more).
+    PagedKVCache<float> pool(layout, 14, 32, SoftmaxOptions{.window = 100, .sinks = 4});
+    const Index a = pool.add_sequence();
+    pool.extend(a, K.topRows(40), V.topRows(40));
+    const Index b = pool.fork(a);
+    Vector<float> out(512);
+    const std::vector<Index> both{a, b};
+    Matrix<float> O(2, 512);
+    HeapWatch watch;
+    for (Index i = 40; i + 1 < steps; i += 2) {
+        pool.update(a, K.row(i), V.row(i));
+        pool.attend(a, Q.row(i), out);
+        batched_decode(pool, both, Q.middleRows(i, 2), K.middleRows(i, 2), V.middleRows(i, 2), O);
+    }
+    const auto counts = watch.stop();
+    CHECK(counts.operator_news == 0);
+    CHECK(counts.eigen_mallocs == 0);
+    CHECK(pool.length(a) > pool.blocks() * pool.block_size());
+    CHECK(O.allFinite());
 }

@@ -40,7 +40,8 @@ Matrix<T> stored_heads(const Matrix<T>& X, Index heads) {
 
 /// Every query head of q (one packed row) over the tokens K/V (packed rows, as stored),
 /// in double: the reference a paged sequence must match.
-MatrixD paged_reference(const HeadLayout& layout, const MatrixD& q, const MatrixD& K, const MatrixD& V) {
+MatrixD paged_reference(const HeadLayout& layout, const MatrixD& q, const MatrixD& K, const MatrixD& V,
+                        Index window = 0, Index sinks = 0) {
     const Index d = layout.head_dim, dv = layout.values(), g = layout.group_size();
     MatrixD out = MatrixD::Zero(1, layout.q_heads * dv);
     if (K.rows() == 0)
@@ -48,7 +49,7 @@ MatrixD paged_reference(const HeadLayout& layout, const MatrixD& q, const Matrix
     for (Index h = 0; h < layout.q_heads; ++h) {
         const Index kv = h / g;
         out.middleCols(h * dv, dv) = reference::softmax_attention(q.middleCols(h * d, d), K.middleCols(kv * d, d),
-                                                                  V.middleCols(kv * dv, dv))
+                                                                  V.middleCols(kv * dv, dv), 0, window, sinks)
                                          .out;
     }
     return out;
@@ -702,4 +703,245 @@ TEST_CASE("PagedKVCache: batched calls run on the pool's executor unless given o
     batched_decode(pool, seqs, Q, K, V, O, given);
     CHECK(mine.calls == 2);
     CHECK(given.calls == 1);
+}
+
+TEMPLATE_TEST_CASE("PagedKVCache with a window: each step equals the windowed reference, and the blocks out of the "
+                   "window are freed",
+                   "[serving][window]", float, Eigen::bfloat16, Q8) {
+    using S = TestType;
+    const HeadLayout layout{4, 2, 8, 0};
+    const Index kw = 16, vw = 16;
+    // window below, at and above the block, sinks none, inside one block and past one.
+    for (const auto& [window, sinks, block] :
+         {std::tuple<Index, Index, Index>{5, 0, 8}, {8, 3, 8}, {20, 2, 8}, {33, 17, 8}, {1, 0, 1}, {7, 9, 4},
+          {64, 4, 16}, {300, 2, 16}}) {
+        INFO(detail::storage_name<S> << ": window " << window << ", sinks " << sinks << ", block " << block);
+        const Index n = 150;
+        const Index bound = (sinks + block - 1) / block + (window + block - 1) / block + 1;
+        PagedKVCache<float, S> pool(layout, bound + 2, block, SoftmaxOptions{.window = window, .sinks = sinks});
+        CHECK(pool.window() == window);
+        CHECK(pool.sinks() == sinks);
+        const Index seq = pool.add_sequence();
+        const Matrix<float> K = random_matrix<float>(n, kw, 21), V = random_matrix<float>(n, vw, 22);
+        const Matrix<float> Q = random_matrix<float>(n, pool.query_dim(), 23, 2.0);
+        const MatrixD Ks = stored_heads<float, S>(K, 2).template cast<double>();
+        const MatrixD Vs = stored_heads<float, S>(V, 2).template cast<double>();
+        // A windowed sequence never holds more than its bound, however long (the pool holds
+        // bound + 2 blocks: 150 tokens would need far more without the window).
+        Matrix<float> o(1, pool.output_dim());
+        for (Index t = 0; t < n; ++t) {
+            pool.update(seq, K.row(t), V.row(t));
+            pool.attend(seq, Q.row(t), o.row(0));
+            CHECK(pool.blocks_of(seq) <= bound);
+            const Index keep = std::max(sinks, t + 1 - window);  // held: the sinks and the blocks reaching keep
+            const Index sink_blocks = (std::min(sinks, t + 1) + block - 1) / block;
+            const Index window_blocks = (t + 1 + block - 1) / block - std::max(keep / block, sink_blocks);
+            CHECK(pool.blocks_of(seq) == sink_blocks + std::max<Index>(window_blocks, 0));
+            check_close(o,
+                        paged_reference(layout, Q.row(t).template cast<double>(), Ks.topRows(t + 1), Vs.topRows(t + 1),
+                                        window, sinks),
+                        2e-5);
+        }
+        CHECK(pool.blocks_in_use() == pool.blocks_of(seq));
+        // The same tokens through a private sliding-window layer.
+        MultiHead<SlidingWindowCache<float, S>> layer(
+            layout, [window, sinks](Index) { return SlidingWindowCache<float, S>(8, 8, window, sinks); });
+        memattn::extend(layer, K, V);
+        Matrix<float> expected(1, pool.output_dim());
+        layer.attend(Q.row(n - 1), expected.row(0));
+        check_close(o, expected.template cast<double>(), 2e-5);
+    }
+}
+
+TEST_CASE("PagedKVCache with a window: no window passed is the plain pool bit for bit; forks free a block once "
+          "every holder's window has left it",
+          "[serving][window]") {
+    const HeadLayout layout{8, 2, 16, 0};
+    const Index n = 100;
+    const Matrix<float> K = random_matrix<float>(n + 40, 32, 31), V = random_matrix<float>(n + 40, 32, 32);
+    const Matrix<float> Q = random_matrix<float>(n + 40, 128, 33, 2.0);
+    PagedKVCache<float> plain(layout, 64, 16), windowed(layout, 64, 16, SoftmaxOptions{.window = 120, .sinks = 4});
+    const Index a = plain.add_sequence(), b = windowed.add_sequence();
+    Matrix<float> oa(1, 128), ob(1, 128);
+    for (Index t = 0; t < n; ++t) {  // length ≤ window + sinks: every token visible
+        plain.update(a, K.row(t), V.row(t));
+        windowed.update(b, K.row(t), V.row(t));
+        plain.attend(a, Q.row(t), oa.row(0));
+        windowed.attend(b, Q.row(t), ob.row(0));
+        REQUIRE((oa.array() == ob.array()).all());
+    }
+    // Fork at 100 tokens; the parent runs 40 tokens ahead, the child stays.
+    PagedKVCache<float> pool(layout, 64, 16, SoftmaxOptions{.window = 24});
+    const Index parent = pool.add_sequence();
+    pool.extend(parent, K.topRows(n), V.topRows(n));  // keeps tokens ≥ 76: blocks 4..6
+    CHECK(pool.blocks_of(parent) == 3);
+    const Index child = pool.fork(parent);
+    CHECK(pool.blocks_in_use() == 3);
+    pool.extend(parent, K.middleRows(n, 40), V.middleRows(n, 40));  // keeps tokens ≥ 116: blocks 7..8
+    CHECK(pool.blocks_of(parent) == 2);
+    // The child still holds blocks 4..6 (block 6, partly filled, was copied by the parent).
+    CHECK(pool.blocks_of(child) == 3);
+    CHECK(pool.blocks_in_use() == 5);
+    Matrix<float> o(1, 128);
+    pool.attend(child, Q.row(n - 1), o.row(0));
+    check_close(o,
+                paged_reference(layout, Q.row(n - 1).cast<double>(), K.topRows(n).cast<double>(),
+                                V.topRows(n).cast<double>(), 24, 0),
+                2e-5);
+    pool.remove(child);
+    CHECK(pool.blocks_in_use() == 2);
+}
+
+TEST_CASE("PagedKVCache with a window: rollback within what is held, refused past it; a mixed batch equals each "
+          "sequence's own steps; snapshots",
+          "[serving][window]") {
+    const HeadLayout layout{4, 2, 8, 0};
+    const SoftmaxOptions options{.window = 20, .sinks = 3};
+    PagedKVCache<float> pool(layout, 40, 8, options);
+    const Matrix<float> K = random_matrix<float>(200, 16, 41), V = random_matrix<float>(200, 16, 42);
+    const Matrix<float> Q = random_matrix<float>(200, 32, 43, 2.0);
+    const Index seq = pool.add_sequence();
+    pool.extend(seq, K.topRows(60), V.topRows(60));  // keeps tokens ≥ 40: the sink block, blocks 5..7
+    CHECK(pool.blocks_of(seq) == 4);
+    CHECK(pool.can_truncate(seq, 60));
+    CHECK_FALSE(pool.can_truncate(seq, 45));  // its last query sees 25..44: freed
+    CHECK_FALSE(pool.can_truncate(seq, 59));  // sees 39..58: token 39 was freed
+    CHECK_FALSE(pool.can_truncate(seq, 61));
+    CHECK_FALSE(pool.can_truncate(seq + 1, 0));
+    CHECK(pool.can_truncate(seq, 3));        // the sinks alone
+    CHECK(pool.can_truncate(seq, 0));
+    CHECK_THROWS_AS(pool.truncate(seq, 59), std::invalid_argument);
+    CHECK(pool.length(seq) == 60);
+    CHECK(pool.blocks_of(seq) == 4);
+    // A rollback of two tokens then the same tokens again: as if it had never happened.
+    Matrix<float> before(1, 32), after(1, 32);
+    pool.attend(seq, Q.row(59), before.row(0));
+    pool.truncate(seq, 60);
+    pool.truncate(seq, 60);
+    pool.attend(seq, Q.row(59), after.row(0));
+    CHECK((before.array() == after.array()).all());
+    // Three tokens on, the rollback of three reaches back to token 40 only: allowed.
+    pool.extend(seq, K.middleRows(60, 3), V.middleRows(60, 3));
+    CHECK(pool.blocks_of(seq) == 4);
+    CHECK(pool.can_truncate(seq, 60));
+    pool.truncate(seq, 60);
+    pool.attend(seq, Q.row(59), after.row(0));
+    CHECK((before.array() == after.array()).all());
+    // To the sinks alone: the window's blocks go, the sink block stays.
+    const Index probe = pool.fork(seq);
+    pool.truncate(probe, 2);
+    CHECK(pool.blocks_of(probe) == 1);
+    CHECK(pool.can_truncate(probe, 2));
+    pool.extend(probe, K.middleRows(2, 30), V.middleRows(2, 30));
+    Matrix<float> probe_out(1, 32);
+    pool.attend(probe, Q.row(31), probe_out.row(0));
+    check_close(probe_out,
+                paged_reference(layout, Q.row(31).cast<double>(), K.topRows(32).cast<double>(),
+                                V.topRows(32).cast<double>(), 20, 3),
+                2e-5);
+    pool.remove(probe);
+
+    // A mixed batch: chunks beside tokens, each row bit for bit its own update then attend.
+    PagedKVCache<float> batch_pool(layout, 80, 8, options), step_pool(layout, 80, 8, options);
+    std::vector<Index> seqs;
+    for (Index i = 0; i < 4; ++i) {
+        seqs.push_back(batch_pool.add_sequence());
+        step_pool.add_sequence();
+        batch_pool.extend(seqs.back(), K.topRows(10 * i), V.topRows(10 * i));
+        step_pool.extend(seqs.back(), K.topRows(10 * i), V.topRows(10 * i));
+    }
+    const std::vector<Index> offsets{0, 45, 46, 46, 80};  // a long chunk, one token, none, a chunk
+    Matrix<float> O(80, 32), expected(80, 32);
+    batched_prefill(batch_pool, seqs, offsets, Q.topRows(80), K.middleRows(100, 80), V.middleRows(100, 80), O);
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+        for (Index r = offsets[i]; r < offsets[i + 1]; ++r) {
+            step_pool.update(seqs[i], K.row(100 + r), V.row(100 + r));
+            step_pool.attend(seqs[i], Q.row(r), expected.row(r));
+        }
+    CHECK((O.array() == expected.array()).all());
+    for (const Index id : seqs) {
+        CHECK(batch_pool.length(id) == step_pool.length(id));
+        CHECK(batch_pool.blocks_of(id) == step_pool.blocks_of(id));
+    }
+
+    // A snapshot holds the sinks and the held tokens; it loads into a pool of another
+    // block size with the same window, and both continue alike.
+    std::stringstream bytes;
+    memattn::save(pool.sequence(seq), bytes);
+    PagedKVCache<float> other(layout, 40, 5, options);
+    const Index loaded = other.add_sequence();
+    auto view = other.sequence(loaded);
+    memattn::load(view, bytes);
+    CHECK(other.length(loaded) == 60);
+    CHECK_FALSE(other.can_truncate(loaded, 59));
+    for (Index t = 60; t < 90; ++t) {
+        pool.update(seq, K.row(t), V.row(t));
+        other.update(loaded, K.row(t), V.row(t));
+        Matrix<float> x(1, 32), y(1, 32);
+        pool.attend(seq, Q.row(t), x.row(0));
+        other.attend(loaded, Q.row(t), y.row(0));
+        check_close(x, y.cast<double>(), 1e-6);
+    }
+    // Another window is another layer: refused.
+    std::stringstream again;
+    memattn::save(pool.sequence(seq), again);
+    PagedKVCache<float> unwindowed(layout, 40, 8);
+    const Index target = unwindowed.add_sequence();
+    auto target_view = unwindowed.sequence(target);
+    CHECK_THROWS_AS(memattn::load(target_view, again), SnapshotError);
+    CHECK(unwindowed.length(target) == 0);
+}
+
+TEST_CASE("batched_prefill over a span of memories equals each memory's own prefill", "[serving][batched]") {
+    const HeadLayout layout{4, 2, 8, 0};
+    const auto make = [&] {
+        std::vector<MultiHead<SlidingWindowCache<float>>> layers;
+        for (Index i = 0; i < 4; ++i)
+            layers.emplace_back(layout, [](Index) { return SlidingWindowCache<float>(8, 8, 24, 2); });
+        for (Index i = 0; i < 4; ++i)
+            memattn::extend(layers[static_cast<std::size_t>(i)], random_matrix<float>(15 * i, 16, 51),
+                            random_matrix<float>(15 * i, 16, 52));
+        return layers;
+    };
+    const Matrix<float> Q = random_matrix<float>(70, 32, 53), K = random_matrix<float>(70, 16, 54),
+                        V = random_matrix<float>(70, 16, 55);
+    const std::vector<Index> offsets{0, 1, 41, 41, 70};
+    auto separate = make();
+    Matrix<float> expected(70, 32);
+    for (std::size_t i = 0; i < 4; ++i) {
+        const Index r = offsets[i], c = offsets[i + 1] - offsets[i];
+        memattn::prefill(separate[i], Q.middleRows(r, c), K.middleRows(r, c), V.middleRows(r, c),
+                         expected.middleRows(r, c));
+    }
+    for (const int threads : {1, 2}) {
+        auto layers = make();
+        Matrix<float> O(70, 32);
+        batched_prefill(std::span(layers), offsets, Q, K, V, O, OpenMPExecutor{.threads = threads});
+        CHECK((O.array() == expected.array()).all());
+        // Offsets that do not fit, or a row a memory refuses, change none of them.
+        CHECK_THROWS_AS(batched_prefill(std::span(layers), std::vector<Index>{0, 1, 41, 70}, Q, K, V, O),
+                        std::invalid_argument);
+        CHECK_THROWS_AS(batched_prefill(std::span(layers), std::vector<Index>{0, 1, 42, 41, 70}, Q, K, V, O),
+                        std::invalid_argument);
+        CHECK_THROWS_AS(batched_prefill(std::span(layers), offsets, Q.topRows(69), K, V, O), std::invalid_argument);
+        for (Index i = 0; i < 4; ++i)
+            CHECK(layers[static_cast<std::size_t>(i)].length() == 15 * i + offsets[static_cast<std::size_t>(i) + 1] -
+                                                                   offsets[static_cast<std::size_t>(i)]);
+    }
+    // The recurrent layers of a hybrid model batch the same way.
+    std::vector<GatedLinearAttentionMemory<double>> gated;
+    for (Index i = 0; i < 3; ++i)
+        gated.emplace_back(4, 3);
+    const MatrixD Qg = random_matrix<double>(9, 4, 56), Vg = random_matrix<double>(9, 3, 58);
+    MatrixD Kg = random_matrix<double>(9, 5, 57);
+    Kg.col(4) = -0.1 * Kg.col(4).cwiseAbs();  // the log-gate column
+    std::vector<GatedLinearAttentionMemory<double>> own = gated;
+    const std::vector<Index> go{0, 4, 5, 9};
+    MatrixD Og(9, 3), Eg(9, 3);
+    batched_prefill(std::span(gated), go, Qg, Kg, Vg, Og);
+    for (std::size_t i = 0; i < 3; ++i) {
+        const Index r = go[i], c = go[i + 1] - go[i];
+        memattn::prefill(own[i], Qg.middleRows(r, c), Kg.middleRows(r, c), Vg.middleRows(r, c), Eg.middleRows(r, c));
+    }
+    CHECK((Og.array() == Eg.array()).all());
 }

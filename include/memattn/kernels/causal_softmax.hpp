@@ -118,6 +118,7 @@
 // visible keys only (the tile product would give the masked ones 0 · ∞ = NaN).
 
 #include "memattn/detail/tile_product.hpp"
+#include "memattn/kernels/softmax_options.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
@@ -129,13 +130,6 @@
 #include <utility>
 
 namespace memattn {
-
-/// Options of causal_softmax_attention (docs/design.md).
-struct SoftmaxOptions {
-    double scale = 0;  ///< multiplies q·k before the softmax; 0 means 1/sqrt(d)
-    Index window = 0;  ///< each query sees its last `window` keys, itself included; 0: no limit
-    Index sinks = 0;   ///< the first `sinks` tokens stay visible to every later query (StreamingLLM)
-};
 
 namespace detail {
 

@@ -5,6 +5,7 @@
 //   std::vector<memattn::Index> seqs{a, b, c};
 //   memattn::batched_decode(pool, seqs, Q, K, V, O);        // rows [batch, heads·dim]
 //   memattn::batched_decode(std::span(layers), Q, K, V, O);  // one Memory per sequence
+//   memattn::batched_prefill(std::span(layers), offsets, Q, K, V, O);  // chunks beside tokens
 //
 // Row i of K/V is appended to sequence i and row i of Q attends it, so the output is bit
 // for bit what one update and one attend per sequence give, for any batch order, thread
@@ -19,6 +20,7 @@
 #include "memattn/serving/paged_kv_cache.hpp"
 #include "memattn/types.hpp"
 
+#include <algorithm>
 #include <span>
 #include <type_traits>
 
@@ -103,6 +105,51 @@ void batched_decode(std::span<M> memories, std::type_identity_t<ConstMatrixRef<T
                 mem.update(K.row(i), V.row(i));
                 mem.attend(Q.row(i), O.row(i));
             }
+        },
+        0, executor);
+}
+
+/// A mixed batch over one Memory per sequence (chunked prefill beside decode, for the
+/// recurrent layers of a hybrid model as for caches): memories[i] takes the rows
+/// [q_offsets[i], q_offsets[i + 1]) of Q, K and V (a chunk, one token or none) through
+/// memattn::prefill, its own whole-sequence kernel where it has one, so row r of O is
+/// what that memory's prefill gives it, bit for bit; the memories spread over the
+/// executor's threads by their work. Every memory's rows are checked first (shapes, and
+/// the values through its validate where it has one), so a bad row leaves every memory
+/// unchanged.
+template <Memory M, class T = typename M::Scalar>
+void batched_prefill(std::span<M> memories, std::span<const Index> q_offsets,
+                     std::type_identity_t<ConstMatrixRef<T>> Q, std::type_identity_t<ConstMatrixRef<T>> K,
+                     std::type_identity_t<ConstMatrixRef<T>> V, std::type_identity_t<MatrixRef<T>> O,
+                     ExecutorRef executor = {}) {
+    constexpr const char* function = "batched_prefill";
+    const Index batch = static_cast<Index>(memories.size());
+    detail::check_offsets(function, q_offsets, batch, K.rows());
+    const auto first = [&](Index i) { return q_offsets[static_cast<std::size_t>(i)]; };
+    const auto rows = [&](Index i) { return first(i + 1) - first(i); };
+    detail::require(Q.rows() == K.rows(), function, "Q", "has ", Q.rows(), " rows, expected ", K.rows(),
+                    " (the rows of K)");
+    detail::require(O.rows() == K.rows(), function, "O", "has ", O.rows(), " rows, expected ", K.rows(),
+                    " (the rows of K)");
+    for (Index i = 0; i < batch; ++i)
+        detail::check_sequences<M, T>(function, memories[static_cast<std::size_t>(i)], Q.middleRows(first(i), rows(i)),
+                                      K.middleRows(first(i), rows(i)), V.middleRows(first(i), rows(i)),
+                                      O.middleRows(first(i), rows(i)));
+    detail::require_disjoint(function, "O", O, "Q", Q);
+    detail::require_disjoint(function, "O", O, "K", K);
+    detail::require_disjoint(function, "O", O, "V", V);
+    detail::parallel_ranges(
+        batch,
+        [&](Index i) {
+            const double n = static_cast<double>(rows(i));
+            return 1.0 + n * (static_cast<double>(memories[static_cast<std::size_t>(i)].length()) + n);
+        },
+        [&](Index lo, Index hi) {
+            for (Index i = lo; i < hi; ++i)
+                if (rows(i) > 0)
+                    prefill(memories[static_cast<std::size_t>(i)], Q.middleRows(first(i), rows(i)),
+                            K.middleRows(first(i), rows(i)), V.middleRows(first(i), rows(i)),
+                            O.middleRows(first(i), rows(i)));
         },
         0, executor);
 }

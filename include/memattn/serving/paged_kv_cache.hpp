@@ -23,6 +23,15 @@
 // sequence that writes into a block another sequence holds copies it first into a free
 // block (copy-on-write), so a fork costs one count per block.
 //
+// A pool built with SoftmaxOptions{.window = W, .sinks = s} is one sliding-window
+// layer's: the query at position p sees the tokens j ≤ p with j < s or j > p − W (as
+// causal_softmax_attention with those options), and after each call a sequence of length
+// L frees (unless another sequence holds it) every block past the first ceil(s / block)
+// whose tokens all lie below L − W, the first token its last query sees: a windowed
+// sequence holds at most ceil(s / block) + ceil(W / block) + 1 blocks, however long it
+// grows. Its table keeps the sink blocks, then the held window blocks, and counts the
+// blocks dropped between them.
+//
 // Capacity is fixed when the pool is built: a step (update, attend) allocates nothing.
 // When a call needs more blocks than are free it throws memattn::PoolExhausted, naming
 // what it asked for and what is free, and changes nothing; every other bad input (an id
@@ -31,6 +40,7 @@
 
 #include "memattn/execution/executor.hpp"
 #include "memattn/kernels/decode_attention.hpp"
+#include "memattn/kernels/softmax_options.hpp"
 #include "memattn/layer/head_layout.hpp"
 #include "memattn/layer/parallel.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
@@ -86,10 +96,18 @@ public:
     /// `scale` multiplies q·k before the softmax, 0 meaning 1/sqrt(head_dim). Allocates
     /// the whole pool now.
     PagedKVCache(const HeadLayout& layout, Index blocks, Index block_size = default_block_size, T scale = T(0))
+        : PagedKVCache(layout, blocks, block_size, SoftmaxOptions{.scale = static_cast<double>(scale)}) {}
+
+    /// A pool of one sliding-window layer (see the top of the file): `options.window`
+    /// (0: none) and `options.sinks` as causal_softmax_attention takes them, and
+    /// `options.scale` as the scale above. Sinks without a window change nothing.
+    PagedKVCache(const HeadLayout& layout, Index blocks, Index block_size, const SoftmaxOptions& options)
         : layout_(checked(layout)),
           blocks_(detail::at_least(blocks, 1, "PagedKVCache", "blocks")),
           block_size_(detail::at_least(block_size, 1, "PagedKVCache", "block_size")),
-          scale_(detail::checked_scale(scale, layout.head_dim, "PagedKVCache")),
+          scale_(detail::checked_scale(static_cast<T>(options.scale), layout.head_dim, "PagedKVCache")),
+          window_(detail::at_least(options.window, 0, "PagedKVCache", "options.window")),
+          sinks_(window_ > 0 ? detail::at_least(options.sinks, 0, "PagedKVCache", "options.sinks") : 0),
           keys_(pool_rows(), layout_.head_dim),
           values_(pool_rows(), layout_.values()),
           refs_(static_cast<std::size_t>(blocks_), 0) {
@@ -104,6 +122,8 @@ public:
         State& s = sequences_[static_cast<std::size_t>(id)];
         s.table.reserve(static_cast<std::size_t>(blocks_));  // its steps never allocate
         s.length = 0;
+        s.dropped = 0;
+        s.first = sinks_;
         s.live = true;
         return id;
     }
@@ -118,6 +138,8 @@ public:
         child.table.reserve(static_cast<std::size_t>(blocks_));
         child.table.assign(from.table.begin(), from.table.end());
         child.length = from.length;
+        child.dropped = from.dropped;
+        child.first = from.first;
         child.live = true;
         for (const Index b : child.table)
             ++refs_[static_cast<std::size_t>(b)];
@@ -125,18 +147,36 @@ public:
     }
 
     /// Keeps the first `tokens` tokens of `seq` (a rollback) and frees the blocks past
-    /// them that no other sequence holds.
+    /// them that no other sequence holds. In a windowed pool the sequence must still hold
+    /// what a sequence of `tokens` tokens would (can_truncate): the window's blocks below
+    /// the current one are freed as it moves on.
     void truncate(Index seq, Index tokens) {
         constexpr const char* function = "PagedKVCache::truncate";
         check_sequence(function, "seq", seq);
         State& s = sequences_[static_cast<std::size_t>(seq)];
         detail::require(tokens >= 0 && tokens <= s.length, function, "tokens", "is ", tokens, ", expected 0 to ",
                         s.length, " (the length of sequence ", seq, ")");
-        const Index keep = blocks_for(tokens);
-        for (std::size_t i = static_cast<std::size_t>(keep); i < s.table.size(); ++i)
+        detail::require(can_truncate(seq, tokens), function, "tokens", "is ", tokens, ", but the window of ", window_,
+                        " has freed the tokens of sequence ", seq, " from ", sinks_, " to ", s.first,
+                        ": a sequence of ", tokens, " tokens would need them");
+        const Index kept = blocks_for(tokens), sink = sink_blocks();
+        const Index held = kept <= sink ? std::min(kept, static_cast<Index>(s.table.size())) : kept - s.dropped;
+        for (std::size_t i = static_cast<std::size_t>(held); i < s.table.size(); ++i)
             release(s.table[i]);
-        s.table.resize(static_cast<std::size_t>(keep));
+        s.table.resize(static_cast<std::size_t>(held));
+        if (kept <= sink) {
+            s.dropped = 0;
+            s.first = sinks_;
+        }
         s.length = tokens;
+    }
+    /// Whether truncate(seq, tokens) would succeed: 0 ≤ tokens ≤ length(seq) and, in a
+    /// windowed pool, no token a sequence of `tokens` tokens still sees has been freed.
+    [[nodiscard]] bool can_truncate(Index seq, Index tokens) const noexcept {
+        if (!contains(seq))
+            return false;
+        const State& s = sequences_[static_cast<std::size_t>(seq)];
+        return tokens >= 0 && tokens <= s.length && (tokens <= sinks_ || std::max(sinks_, tokens - window_) >= s.first);
     }
 
     /// Ends `seq`: frees the blocks no other sequence holds; its id may be reused.
@@ -147,6 +187,7 @@ public:
             release(b);
         s.table.clear();
         s.length = 0;
+        s.dropped = 0;
         s.live = false;
     }
 
@@ -193,6 +234,14 @@ public:
     [[nodiscard]] const HeadLayout& layout() const noexcept { return layout_; }
     /// The factor of q·k before the softmax (1/sqrt(head_dim) when built with 0).
     [[nodiscard]] T scale() const noexcept { return scale_; }
+    /// The latest tokens a query sees, itself included; 0: every token.
+    [[nodiscard]] Index window() const noexcept { return window_; }
+    /// The first tokens every query sees beside its window (0 without a window).
+    [[nodiscard]] Index sinks() const noexcept { return sinks_; }
+    /// The options the attends follow: scale, window and sinks.
+    [[nodiscard]] SoftmaxOptions options() const noexcept {
+        return {.scale = static_cast<double>(scale_), .window = window_, .sinks = sinks_};
+    }
     /// Width of a packed key row: kv_heads·head_dim.
     [[nodiscard]] Index key_dim() const noexcept { return layout_.kv_heads * layout_.head_dim; }
     /// Width of a packed value row: kv_heads·value_dim.
@@ -210,13 +259,17 @@ public:
     void update(Index seq, ConstRowRef<T> key, ConstRowRef<T> value) {
         const detail::PairSite site{"PagedKVCache::update", "key", "value"};
         validate(seq, key, value, site);
-        append(sequences_[static_cast<std::size_t>(seq)], key, value);
+        State& s = sequences_[static_cast<std::size_t>(seq)];
+        append(s, key, value);
+        evict(s);
     }
 
     /// Appends many tokens (packed rows) to `seq`; all or nothing.
     void extend(Index seq, ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         validate(seq, keys, values, {"PagedKVCache::extend"});
-        append(sequences_[static_cast<std::size_t>(seq)], keys, values);
+        State& s = sequences_[static_cast<std::size_t>(seq)];
+        append(s, keys, values);
+        evict(s);
     }
 
     /// Throws what update/extend of `seq` would throw for these packed rows, changing
@@ -275,7 +328,9 @@ public:
             throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
         for (std::size_t i = 0; i < seqs.size(); ++i) {
             const Index r = static_cast<Index>(i);
-            append(sequences_[static_cast<std::size_t>(seqs[i])], keys.middleRows(r, 1), values.middleRows(r, 1));
+            State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+            append(s, keys.middleRows(r, 1), values.middleRows(r, 1));
+            evict(s);
         }
     }
 
@@ -319,15 +374,7 @@ public:
         const detail::PairSite site{"PagedKVCache::prefill", "K", "V"};
         const char* function = "PagedKVCache::prefill";
         const Index batch = static_cast<Index>(seqs.size()), rows = keys.rows();
-        detail::require(static_cast<Index>(q_offsets.size()) == batch + 1, function, "q_offsets", "has ",
-                        q_offsets.size(), " entries, expected ", batch + 1, " (one more than the sequences)");
-        detail::require(q_offsets[0] == 0 && q_offsets[static_cast<std::size_t>(batch)] == rows, function,
-                        "q_offsets", "runs from ", q_offsets[0], " to ", q_offsets[static_cast<std::size_t>(batch)],
-                        ", expected 0 to ", rows, " (the rows of K)");
-        for (Index i = 0; i < batch; ++i)
-            detail::require(q_offsets[static_cast<std::size_t>(i)] <= q_offsets[static_cast<std::size_t>(i + 1)],
-                            function, "q_offsets", "decreases at ", i, ": ", q_offsets[static_cast<std::size_t>(i)],
-                            " then ", q_offsets[static_cast<std::size_t>(i + 1)]);
+        detail::check_offsets(function, q_offsets, batch, rows);
         check_batch(function, seqs, batch, "seqs");
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), value_dim(), 0);
         detail::check_prefill(function, queries, keys, values, out, query_dim(), output_dim());
@@ -354,11 +401,15 @@ public:
                 return sequences_[static_cast<std::size_t>(seqs[i])].length - (q_offsets[i + 1] - 1 - row);
             },
             queries.data(), queries.outerStride(), out.data(), out.outerStride(), executor);
+        for (const Index seq : seqs)  // after the attends: a chunk's first rows see further back
+            evict(sequences_[static_cast<std::size_t>(seq)]);
     }
 
-    /// Snapshots of one sequence (Sequence::write_snapshot): the layout, scale and length,
-    /// then every KV head's keys, in token order, then their values, as stored (S) — its
-    /// tokens, not the pool's blocks, so it loads into a pool of any block size.
+    /// Snapshots of one sequence (Sequence::write_snapshot): the layout, scale, window,
+    /// sinks, length and `first` (its first held token past the sinks: 0 or sinks without
+    /// a window freeing any), then every KV head's keys, in token order (the sinks held,
+    /// then the tokens from `first` on), then their values, as stored (S) — its tokens,
+    /// not the pool's blocks, so it loads into a pool of any block size.
     void write_sequence(Index seq, snapshot::Writer& w) const {
         check_sequence("PagedKVCache::write_sequence", "seq", seq);
         const State& s = sequences_[static_cast<std::size_t>(seq)];
@@ -367,18 +418,20 @@ public:
         w.index(layout_.head_dim);
         w.index(layout_.values());
         w.number(scale_);
+        w.index(window_);
+        w.index(sinks_);
         w.index(s.length);
+        w.index(s.first);
         for (const bool values : {false, true})
             for (Index h = 0; h < layout_.kv_heads; ++h)
-                for (std::size_t i = 0; i < s.table.size(); ++i) {
-                    const Index first = static_cast<Index>(i) * block_size_;
-                    (values ? values_ : keys_)
-                        .write_rows(w, first_row(s.table[i], h), std::min(block_size_, s.length - first));
-                }
+                for_each_held_run(s, [&](Index block, Index offset, Index count) {
+                    (values ? values_ : keys_).write_rows(w, first_row(block, h) + offset, count);
+                });
     }
     /// Reads a payload of write_sequence into `seq`, replacing its tokens. Throws
-    /// SnapshotError (another layout or scale, a wrong size) or PoolExhausted (fewer free
-    /// blocks than the tokens need, its own blocks still held), `seq` unchanged.
+    /// SnapshotError (another layout, scale, window or sinks, a wrong size) or
+    /// PoolExhausted (fewer free blocks than the tokens need, its own blocks still held),
+    /// `seq` unchanged.
     void read_sequence(Index seq, snapshot::Reader& r) {
         check_sequence("PagedKVCache::read_sequence", "seq", seq);
         r.expect("q_heads", layout_.q_heads);
@@ -386,29 +439,38 @@ public:
         r.expect("head_dim", layout_.head_dim);
         r.expect("value_dim", layout_.values());
         r.expect("scale", scale_);
+        r.expect("window", window_);
+        r.expect("sinks", sinks_);
         const std::size_t token = static_cast<std::size_t>(layout_.kv_heads) *
                                   (detail::StoredRows<T, S>::row_bytes(layout_.head_dim) +
                                    detail::StoredRows<T, S>::row_bytes(layout_.values()));
-        const Index length = r.count("length", 0, static_cast<Index>(r.remaining() / token));
-        r.expect_remaining(static_cast<std::size_t>(length) * token, "the pairs");
-        const Index needed = blocks_for(length);
-        if (needed > free_blocks())
-            throw PoolExhausted("PagedKVCache::read_sequence", needed, free_blocks(), blocks_);
-        std::vector<Index> table;  // may throw: nothing changed yet
-        table.reserve(static_cast<std::size_t>(blocks_));
-        for (Index i = 0; i < needed; ++i)
-            table.push_back(take_block());
+        State loaded;
+        loaded.length = r.count("length", 0, max_length);
+        // first: the sinks when nothing was freed, else a token no later than the last query's window.
+        loaded.first = window_ == 0 ? r.count("first", 0, 0)
+                                    : r.count("first", sinks_, std::max(sinks_, loaded.length - window_));
+        const Index sink = sink_blocks(), total = blocks_for(loaded.length);
+        loaded.dropped = loaded.first < loaded.length ? std::max<Index>(0, loaded.first / block_size_ - sink) : 0;
+        const Index held = total - loaded.dropped;
+        const std::size_t pairs = static_cast<std::size_t>(held_tokens(loaded));  // capped: no overflow below
+        r.expect_remaining(std::min(pairs, r.remaining() / token + 1) * token, "the pairs");
+        if (held > free_blocks())
+            throw PoolExhausted("PagedKVCache::read_sequence", held, free_blocks(), blocks_);
+        loaded.table.reserve(static_cast<std::size_t>(blocks_));  // may throw: nothing changed yet
+        for (Index i = 0; i < held; ++i)
+            loaded.table.push_back(take_block());
         for (const bool values : {false, true})
             for (Index h = 0; h < layout_.kv_heads; ++h)
-                for (Index i = 0; i < needed; ++i)
-                    (values ? values_ : keys_)
-                        .read_rows(r, first_row(table[static_cast<std::size_t>(i)], h),
-                                   std::min(block_size_, length - i * block_size_));
+                for_each_held_run(loaded, [&](Index block, Index offset, Index count) {
+                    (values ? values_ : keys_).read_rows(r, first_row(block, h) + offset, count);
+                });
         State& s = sequences_[static_cast<std::size_t>(seq)];
         for (const Index b : s.table)
             release(b);
-        s.table.swap(table);
-        s.length = length;
+        s.table.swap(loaded.table);
+        s.length = loaded.length;
+        s.dropped = loaded.dropped;
+        s.first = loaded.first;
     }
 
     /// `seq` as a Memory of packed rows (see Sequence).
@@ -475,9 +537,14 @@ public:
     };
 
 private:
+    /// A sequence: its tokens [0, min(sinks, length)) and [first, length) are held. Token
+    /// block j (tokens j·block … ) is table[j] for j below the sink blocks, table[j −
+    /// dropped] past the blocks a window has freed, and not held between.
     struct State {
-        std::vector<Index> table;  // the blocks of the tokens, in order; capacity: every block
+        std::vector<Index> table;  // the held blocks, in token order; capacity: every block
         Index length = 0;
+        Index dropped = 0;  // token blocks freed after the sink blocks
+        Index first = 0;    // its first held token past the sinks (≥ sinks)
         bool live = false;
     };
 
@@ -503,6 +570,57 @@ private:
     /// other in memory and stream as one cache's would.
     [[nodiscard]] Index first_row(Index b, Index h) const noexcept { return (h * blocks_ + b) * block_size_; }
     [[nodiscard]] Index blocks_for(Index tokens) const noexcept { return (tokens + block_size_ - 1) / block_size_; }
+    /// Blocks of the sinks, never freed by the window.
+    [[nodiscard]] Index sink_blocks() const noexcept { return blocks_for(sinks_); }
+    /// Token blocks of s, held or freed.
+    [[nodiscard]] static Index token_blocks(const State& s) noexcept {
+        return static_cast<Index>(s.table.size()) + s.dropped;
+    }
+    /// The block holding token block j of s (a held one).
+    [[nodiscard]] Index block_of(const State& s, Index j) const noexcept {
+        return s.table[static_cast<std::size_t>(j < sink_blocks() ? j : j - s.dropped)];
+    }
+    /// Tokens s holds.
+    [[nodiscard]] Index held_tokens(const State& s) const noexcept {
+        return std::min(sinks_, s.length) + std::max<Index>(0, s.length - s.first);
+    }
+    /// f(block, offset, count) for the runs of tokens [begin, end) of s, block by block.
+    template <class F>
+    void for_each_run(const State& s, Index begin, Index end, F&& f) const {
+        for (Index j = begin / block_size_; j * block_size_ < end; ++j) {
+            const Index lo = std::max(begin, j * block_size_), hi = std::min(end, (j + 1) * block_size_);
+            f(block_of(s, j), lo - j * block_size_, hi - lo);
+        }
+    }
+    /// The same over every held token, in order: the sinks, then [first, length).
+    template <class F>
+    void for_each_held_run(const State& s, F&& f) const {
+        for_each_run(s, 0, std::min(sinks_, s.length), f);
+        for_each_run(s, s.first, s.length, f);
+    }
+    /// Tokens the query at position n − 1 sees.
+    [[nodiscard]] Index visible_pairs(Index n) const noexcept {
+        return window_ == 0 || n <= sinks_ + window_ ? n : sinks_ + window_;
+    }
+
+    /// Frees the window's blocks (past the sink blocks) whose tokens all lie below
+    /// length − window, the first token the last query saw past the sinks.
+    void evict(State& s) noexcept {
+        if (window_ == 0)
+            return;
+        const Index keep = std::max(sinks_, s.length - window_), sink = sink_blocks();
+        Index k = 0;
+        while ((sink + s.dropped + k + 1) * block_size_ <= keep)
+            ++k;
+        if (k == 0)
+            return;
+        const auto from = s.table.begin() + static_cast<std::ptrdiff_t>(sink);
+        for (auto it = from; it != from + static_cast<std::ptrdiff_t>(k); ++it)
+            release(*it);
+        s.table.erase(from, from + static_cast<std::ptrdiff_t>(k));  // within its capacity: no allocation
+        s.dropped += k;
+        s.first = std::max(s.first, (sink + s.dropped) * block_size_);
+    }
 
     /// The ids of a batch: live and distinct, one per row.
     void check_batch(std::string_view function, std::span<const Index> seqs, Index rows, const char* rows_name) const {
@@ -556,7 +674,7 @@ private:
             const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
             if (chunk(i) == 0)
                 continue;
-            needed += blocks_for(s.length + chunk(i)) - static_cast<Index>(s.table.size());
+            needed += blocks_for(s.length + chunk(i)) - token_blocks(s);
             if (s.length % block_size_ != 0 && copies_before(seqs, i, [&](std::size_t j) { return chunk(j) > 0; }))
                 ++needed;
         }
@@ -611,10 +729,10 @@ private:
         const Index g = layout_.group_size(), kv = layout_.kv_heads, dv = layout_.values();
         double work = 0;
         for (Index row = 0; row < rows; ++row)
-            work += static_cast<double>(visible(row));
+            work += static_cast<double>(visible_pairs(visible(row)));
         work *= static_cast<double>(layout_.q_heads) * static_cast<double>(layout_.head_dim + dv);
         detail::parallel_ranges(
-            rows * kv, [&](Index item) { return 1.0 + static_cast<double>(visible(item / kv)); },
+            rows * kv, [&](Index item) { return 1.0 + static_cast<double>(visible_pairs(visible(item / kv))); },
             [&](Index first, Index last) {
                 for (Index item = first; item < last; ++item) {
                     const Index row = item / kv, h = item % kv, n = visible(row);
@@ -628,26 +746,33 @@ private:
             work < parallel_work ? 1 : 0, executor);
     }
 
-    /// KV head h's group of query heads (g rows of q, g rows of out) over the first
-    /// `length` tokens of s (length ≥ 1): what the attend gave when s held only those,
-    /// bit for bit (the blocks hold the same rows).
+    /// KV head h's group of query heads (g rows of q, g rows of out) over what the query
+    /// at position length − 1 of s sees (length ≥ 1): every token, or, past a window,
+    /// the sinks and then the window. Without a window, or with one the length has not
+    /// passed, what the attend gave when s held only those tokens, bit for bit (the blocks
+    /// hold the same rows).
     void attend_head(const State& s, Index h, const T* q, T* out, Index length) const {
         const Index g = layout_.group_size(), d = layout_.head_dim, dv = layout_.values();
         const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> queries(q, g, d, Eigen::OuterStride<>(d));
         Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> outputs(out, g, dv, Eigen::OuterStride<>(dv));
-        const bool ahead = static_cast<std::size_t>(length) * (detail::StoredRows<T, S>::row_bytes(d) +
-                                                               detail::StoredRows<T, S>::row_bytes(dv)) >=
+        const bool ahead = static_cast<std::size_t>(visible_pairs(length)) *
+                               (detail::StoredRows<T, S>::row_bytes(d) + detail::StoredRows<T, S>::row_bytes(dv)) >=
                            detail::group_prefetch_bytes;
-        const std::size_t used = static_cast<std::size_t>(blocks_for(length));
+        const Index window_begin = length - window_;
+        const bool whole = window_ == 0 || window_begin <= sinks_;
         for (Index r0 = 0; r0 < g; r0 += detail::group_rows) {
             const Index rows = std::min(detail::group_rows, g - r0);
             auto acc = outputs.middleRows(r0, rows);
             acc.setZero();
             detail::GroupAttention<T> group(queries.middleRows(r0, rows), scale_, ahead);
-            for (std::size_t i = 0; i < used; ++i) {
-                const Index first = static_cast<Index>(i) * block_size_;
-                group.fold_stored(keys_, values_, first_row(s.table[i], h), std::min(block_size_, length - first),
-                                  acc);
+            const auto fold = [&](Index block, Index offset, Index count) {
+                group.fold_stored(keys_, values_, first_row(block, h) + offset, count, acc);
+            };
+            if (whole) {
+                for_each_run(s, 0, length, fold);
+            } else {
+                for_each_run(s, 0, sinks_, fold);
+                for_each_run(s, window_begin, length, fold);
             }
             for (Index r = 0; r < rows; ++r)
                 group.state(r).finish(acc.row(r));
@@ -657,6 +782,7 @@ private:
     HeadLayout layout_;
     Index blocks_, block_size_;
     T scale_;
+    Index window_, sinks_;  // sinks_ is 0 without a window
     detail::StoredRows<T, S> keys_, values_;
     std::vector<Index> refs_;  // sequences holding each block
     std::vector<Index> free_;  // blocks no one holds, taken from the back

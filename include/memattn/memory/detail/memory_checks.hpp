@@ -6,6 +6,8 @@
 #include "memattn/types.hpp"
 
 #include <cmath>
+#include <cstddef>
+#include <span>
 #include <stdexcept>
 #include <string>
 
@@ -63,6 +65,18 @@ void check_prefill(const char* function, const ConstMatrixRef<T>& queries, const
     require_disjoint(function, "out", out, "queries", queries);
     require_disjoint(function, "out", out, "keys", keys);
     require_disjoint(function, "out", out, "values", values);
+}
+
+/// The offsets of a mixed batch: `batch` + 1 entries, from 0 to `rows`, never
+/// decreasing, so sequence i brings rows [offsets[i], offsets[i + 1]).
+inline void check_offsets(std::string_view function, std::span<const Index> offsets, Index batch, Index rows) {
+    require(static_cast<Index>(offsets.size()) == batch + 1, function, "q_offsets", "has ", offsets.size(),
+            " entries, expected ", batch + 1, " (one more than the sequences)");
+    require(offsets.front() == 0 && offsets.back() == rows, function, "q_offsets", "runs from ", offsets.front(),
+            " to ", offsets.back(), ", expected 0 to ", rows, " (the rows of K)");
+    for (std::size_t i = 0; i + 1 < offsets.size(); ++i)
+        require(offsets[i] <= offsets[i + 1], function, "q_offsets", "decreases at ", i, ": ", offsets[i], " then ",
+                offsets[i + 1]);
 }
 
 /// A constructor's integer argument, at least `least`.
