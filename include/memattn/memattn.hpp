@@ -16,6 +16,8 @@
 #include "memattn/softmax_state.hpp"
 #include "memattn/execution/executor.hpp"
 #include "memattn/feature_maps.hpp"
+#include "memattn/positional/rope.hpp"
+#include "memattn/kernels/softmax_options.hpp"
 #include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/kernels/decode_attention.hpp"
 #include "memattn/kernels/linear_attention.hpp"
