@@ -1,6 +1,7 @@
 // causal_softmax_attention against, in the same binary and run: the naive version
 // (materialise the scores, mask, softmax, multiply), Eigen's products on the same tiles
-// without the softmax (the practical ceiling), and the core's FMA peak.
+// without the softmax (the practical ceiling), the core's FMA peak, and itself with the
+// logit options (softcap, ALiBi, sink logits, non-causal: BM_Options).
 //
 // GFLOPS counts 2·(d + dv) FLOPs per visible (query, key) pair for the kernel and the
 // naive version (so their ratio is a ratio of times), and the FLOPs actually executed
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <span>
 
 namespace {
 
@@ -123,6 +125,33 @@ void BM_TileSweep(benchmark::State& state) {
     set_gflops(state, 2.0 * static_cast<double>(2 * d) * visible_pairs(n, window));
 }
 
+/// The logit options (SoftmaxOptions) against the plain call in the same run: option 0
+/// plain, 1 softcap 30, 2 ALiBi, 3 a sink logit, 4 all three, 5 non-causal (GFLOPS per
+/// visible pair: N² for non-causal, so equal rates mean equal cost per pair).
+void BM_Options(benchmark::State& state) {
+    const Index n = state.range(0), d = state.range(1), option = state.range(2);
+    const Matrix<float> Q = random_matrix<float>(n, d, 1), K = random_matrix<float>(n, d, 2),
+                        V = random_matrix<float>(n, d, 3);
+    Matrix<float> O(n, d);
+    const double slope = 0.0625, sink = 0.5;
+    memattn::SoftmaxOptions options;
+    if (option == 1 || option == 4)
+        options.softcap = 30;
+    if (option == 2 || option == 4)
+        options.alibi_slopes = std::span<const double>(&slope, 1);
+    if (option == 3 || option == 4)
+        options.sink_logits = std::span<const double>(&sink, 1);
+    if (option == 5)
+        options.causal = false;
+    for (auto _ : state) {
+        memattn::causal_softmax_attention(Q, K, V, O, options);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    const double pairs = option == 5 ? static_cast<double>(n) * static_cast<double>(n) : visible_pairs(n, 0);
+    set_gflops(state, 2.0 * static_cast<double>(2 * d) * pairs);
+}
+
 void cases(benchmark::internal::Benchmark* b, Index max_n) {
     b->ArgNames({"N", "d", "window"})->Unit(benchmark::kMillisecond);
     for (const Index n : {1024, 4096, 16384})
@@ -146,6 +175,8 @@ BENCHMARK(BM_CausalSoftmax<double>)->Name("BM_CausalSoftmaxDouble")->Apply([](au
 BENCHMARK(BM_EigenTileGemm)->Apply([](auto* b) { cases(b, 16384); });
 BENCHMARK(BM_Naive)->Apply([](auto* b) { cases(b, 16384); });
 BENCHMARK(BM_CausalSoftmax<float>)->Name("BM_CausalSoftmax_long")->ArgNames({"N", "d", "window"})->Args({131072, 64, 512})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Options)->ArgNames({"N", "d", "option"})->ArgsProduct({{4096}, {64, 128}, {0, 1, 2, 3, 4, 5}})
     ->Unit(benchmark::kMillisecond);
 // One family per N and window (Google Benchmark warns above 100 cases in a family).
 BENCHMARK(BM_TileSweep)->Apply([](auto* b) { tile_sweep(b, 4096, 0); });

@@ -41,7 +41,7 @@ MatrixD expected_attend(const HeadLayout& layout, const Matrix<float>& q, const 
     for (Index h = 0; h < layout.q_heads; ++h)
         out.middleCols(h * d, d) = reference::softmax_attention(q.cast<double>().middleCols(h * d, d),
                                                                 K.middleCols(h / g * d, d), V.middleCols(h / g * d, d),
-                                                                0, options.window, options.sinks)
+                                                                0, options.window, options.sink_tokens)
                                        .out;
     return out;
 }
@@ -54,7 +54,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const HeadLayout layout{kv * g, kv, d};
     const Index blocks = in.size(1, 12), block = in.size(1, 6);
     const Index window = in.size(0, 9), sinks = in.size(0, 3);  // window 0: none
-    PagedKVCache<float> pool(layout, blocks, block, SoftmaxOptions{.window = window, .sinks = sinks});
+    PagedKVCache<float> pool(layout, blocks, block, SoftmaxOptions{.window = window, .sink_tokens = sinks});
     const SoftmaxOptions options = pool.options();
     const Index most = window == 0 ? blocks : (sinks + block - 1) / block + (window + block - 1) / block + 1;
     const Index kw = kv * d;

@@ -3,14 +3,17 @@
 // all against the double reference; then the input classes adversarial testing found
 // missing: windows and sinks as large as Index allows, an output over an input (must
 // throw and write nothing), and NaNs of any payload, infinite values and infinite keys
-// (the non-finite policy, row by row, and the kernel against KVCache).
+// (the non-finite policy, row by row, and the kernel against KVCache); and the logit
+// options (softcap, ALiBi, sink logits, non-causal cross attention).
 #include "fuzz_input.hpp"
 
 #include <memattn/memattn.hpp>
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -75,7 +78,7 @@ void special_values(fuzz::FuzzInput& in, Matrix<T> Q, Matrix<T> K, Matrix<T> V, 
         const Index p = offset + i;
         bool sees_poison = poisoned_query[static_cast<std::size_t>(i)];
         for (Index j = 0; j <= p; ++j) {
-            const bool visible = options.window == 0 || j < options.sinks || j > p - options.window;
+            const bool visible = options.window == 0 || j < options.sink_tokens || j > p - options.window;
             sees_poison = sees_poison || (visible && poisoned_token[static_cast<std::size_t>(j)]);
         }
         if (O.row(i).allFinite() == sees_poison) {
@@ -154,6 +157,30 @@ void run(fuzz::FuzzInput& in) {
         }
         if (over != before)
             std::abort();
+    }
+    // The logit options (softcap, ALiBi, a sink logit, non-causal with any Nq) against
+    // the reference that materialises the scores.
+    if (in.flag()) {
+        const double softcap = in.flag() ? 0.25 + std::abs(in.value(20.0)) : 0;
+        const double slope = std::abs(in.value(0.5)), sink = in.value(6.0);
+        const bool use_slope = in.flag(), use_sink = in.flag(), causal = in.flag();
+        const Matrix<T> Qx = causal ? Q : in.matrix<T>(in.size(0, 40), d, range);
+        SoftmaxOptions logit_options{.scale = scale, .window = window, .sink_tokens = sinks, .softcap = softcap,
+                                     .causal = causal};
+        if (use_slope)
+            logit_options.alibi_slopes = std::span<const double>(&slope, 1);
+        if (use_sink)
+            logit_options.sink_logits = std::span<const double>(&sink, 1);
+        Matrix<T> Ox(Qx.rows(), dv);
+        causal_softmax_attention(Qx, K, V, Ox, logit_options);
+        reference::Logits logits{.scale = scale, .window = window, .sink_tokens = sinks, .softcap = softcap,
+                                 .causal = causal};
+        if (use_slope)
+            logits.slope = slope;
+        if (use_sink)
+            logits.sink = sink;
+        expect_close("logit options", Ox, reference::softmax_attention(to_double(Qx), to_double(K), to_double(V), logits).out,
+                     tol);
     }
     if (in.flag())
         special_values(in, Q, K, V, options, expected.out, tol);

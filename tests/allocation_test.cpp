@@ -324,7 +324,7 @@ TEST_CASE("PagedKVCache with a window: steps that free the blocks the window lea
                         Q = random_matrix<float>(steps, 512, 6);
     // 700 tokens, two sequences, a pool of 14 blocks of 32: the window of 100 and 4 sinks
     // free the blocks as it moves (each holds the shared sink block and at most 5 more).
-    PagedKVCache<float> pool(layout, 14, 32, SoftmaxOptions{.window = 100, .sinks = 4});
+    PagedKVCache<float> pool(layout, 14, 32, SoftmaxOptions{.window = 100, .sink_tokens = 4});
     const Index a = pool.add_sequence();
     pool.extend(a, K.topRows(40), V.topRows(40));
     const Index b = pool.fork(a);

@@ -59,7 +59,7 @@ std::vector<BadCall> softmax_calls() {
         {"O rows", run(M(4, 3), M(5, 3), M(5, 2), M(3, 2)), {f, "'O'", "3x2", "4x2"}},
         {"O columns", run(M(4, 3), M(5, 3), M(5, 2), M(4, 3)), {f, "'O'", "4x3", "4x2"}},
         {"negative window", run(M(4, 3), M(5, 3), M(5, 2), M(4, 2), {0, -1, 0}), {f, "options.window", "-1"}},
-        {"negative sinks", run(M(4, 3), M(5, 3), M(5, 2), M(4, 2), {0, 0, -2}), {f, "options.sinks", "-2"}},
+        {"negative sinks", run(M(4, 3), M(5, 3), M(5, 2), M(4, 2), {0, 0, -2}), {f, "options.sink_tokens", "-2"}},
         {"NaN scale", run(M(4, 3), M(5, 3), M(5, 2), M(4, 2), {nan_value, 0, 0}), {f, "options.scale", "nan"}},
         {"infinite scale", run(M(4, 3), M(5, 3), M(5, 2), M(4, 2), {inf_value, 0, 0}), {f, "options.scale", "inf"}},
         {"lse size",

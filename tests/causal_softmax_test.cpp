@@ -31,7 +31,7 @@ void check_against_reference(const Matrix<T>& Q, const Matrix<T>& K, const Matri
     causal_softmax_attention(Q, K, V, O, lse, options);
     const auto expected = reference::softmax_attention(reference::to_double(Q), reference::to_double(K),
                                                        reference::to_double(V), options.scale, options.window,
-                                                       options.sinks);
+                                                       options.sink_tokens);
     check_close(O, expected.out, rel);
     for (Index i = 0; i < Q.rows(); ++i) {
         const double e = expected.lse[static_cast<std::size_t>(i)];
@@ -52,7 +52,7 @@ TEMPLATE_TEST_CASE("causal softmax: sizes around the tile, windows and sinks", "
     CAPTURE(n, window, sinks);
     const Index d = 3, dv = 5;
     check_against_reference(random_matrix<T>(n, d, 1), random_matrix<T>(n, d, 2), random_matrix<T>(n, dv, 3),
-                            {.scale = 0, .window = window, .sinks = sinks});
+                            {.scale = 0, .window = window, .sink_tokens = sinks});
 }
 
 TEMPLATE_TEST_CASE("causal softmax: a thousand tokens", "[softmax][kernel]", float, double) {
@@ -61,7 +61,7 @@ TEMPLATE_TEST_CASE("causal softmax: a thousand tokens", "[softmax][kernel]", flo
     const auto [window, sinks] = GENERATE(table<Index, Index>({{0, 0}, {17, 4}, {1000, 0}}));
     CAPTURE(window, sinks);
     check_against_reference(random_matrix<T>(n, 3, 1), random_matrix<T>(n, 3, 2), random_matrix<T>(n, 5, 3),
-                            {.scale = 0, .window = window, .sinks = sinks});
+                            {.scale = 0, .window = window, .sink_tokens = sinks});
 }
 
 TEMPLATE_TEST_CASE("causal softmax: key and value dims", "[softmax][kernel]", float, double) {
@@ -73,7 +73,7 @@ TEMPLATE_TEST_CASE("causal softmax: key and value dims", "[softmax][kernel]", fl
     CAPTURE(d, dv, window);
     const Index n = 2 * tile + 3;
     check_against_reference(random_matrix<T>(n, d, 4), random_matrix<T>(n, d, 5), random_matrix<T>(n, dv, 6),
-                            {.scale = 0, .window = window, .sinks = window ? 2 : 0});
+                            {.scale = 0, .window = window, .sink_tokens = window ? 2 : 0});
 }
 
 TEMPLATE_TEST_CASE("causal softmax: queries continuing a prefix (Nq < Nk)", "[softmax][kernel]", float, double) {
@@ -84,14 +84,14 @@ TEMPLATE_TEST_CASE("causal softmax: queries continuing a prefix (Nq < Nk)", "[so
     const Index sinks = GENERATE(0, 4);
     CAPTURE(nq, window, sinks);
     check_against_reference(random_matrix<T>(nq, 7, 7), random_matrix<T>(nk, 7, 8), random_matrix<T>(nk, 9, 9),
-                            {.scale = 0.3, .window = window, .sinks = sinks});
+                            {.scale = 0.3, .window = window, .sink_tokens = sinks});
 }
 
 TEMPLATE_TEST_CASE("causal softmax: splitting the queries gives the same rows", "[softmax][kernel]", float, double) {
     using T = TestType;
     const Index n = 333, d = 16, dv = 8;
     const Matrix<T> Q = random_matrix<T>(n, d, 10), K = random_matrix<T>(n, d, 11), V = random_matrix<T>(n, dv, 12);
-    const SoftmaxOptions options{.scale = 0, .window = GENERATE(Index(0), Index(70)), .sinks = 3};
+    const SoftmaxOptions options{.scale = 0, .window = GENERATE(Index(0), Index(70)), .sink_tokens = 3};
     Matrix<T> whole(n, dv);
     causal_softmax_attention(Q, K, V, whole, options);
 
@@ -111,7 +111,7 @@ TEMPLATE_TEST_CASE("causal softmax: logits of 1e4 do not overflow", "[softmax][k
     const Matrix<T> Q = random_matrix<T>(n, d, 13, 100.0), K = random_matrix<T>(n, d, 14, 100.0);
     const Matrix<T> V = random_matrix<T>(n, d, 15);
     // Near-ties between logits of size 1e4 are decided by the rounding of q·k in T.
-    check_against_reference(Q, K, V, {.scale = 1, .window = GENERATE(0, 9), .sinks = 0},
+    check_against_reference(Q, K, V, {.scale = 1, .window = GENERATE(0, 9), .sink_tokens = 0},
                             sizeof(T) == 4 ? 5e-2 : 1e-9);
 
     // Key 0 has logit 1e4 for every query and wins outright (the others have −1e4): o = v_0, lse = 1e4.
@@ -131,18 +131,18 @@ TEMPLATE_TEST_CASE("causal softmax: a non-finite value poisons only the queries 
     using T = TestType;
     const Index n = 150, bad = GENERATE(Index(1), Index(70));
     const T poison = GENERATE(std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity());
-    const SoftmaxOptions options{.scale = 0, .window = GENERATE(Index(0), Index(9)), .sinks = GENERATE(0, 2)};
-    CAPTURE(bad, poison, options.window, options.sinks);
+    const SoftmaxOptions options{.scale = 0, .window = GENERATE(Index(0), Index(9)), .sink_tokens = GENERATE(0, 2)};
+    CAPTURE(bad, poison, options.window, options.sink_tokens);
     const Matrix<T> Q = random_matrix<T>(n, 4, 22), K = random_matrix<T>(n, 4, 23);
     Matrix<T> V = random_matrix<T>(n, 3, 24);
     V(bad, 1) = poison;
     Matrix<T> O(n, 3);
     causal_softmax_attention(Q, K, V, O, options);
     const auto expected = reference::softmax_attention(reference::to_double(Q), reference::to_double(K),
-                                                       reference::to_double(V), 0, options.window, options.sinks);
+                                                       reference::to_double(V), 0, options.window, options.sink_tokens);
     for (Index i = 0; i < n; ++i) {
         CAPTURE(i);
-        if (reference::visible(bad, i, options.window, options.sinks)) {
+        if (reference::visible(bad, i, options.window, options.sink_tokens)) {
             CHECK_FALSE(O.row(i).allFinite());
         } else {
             REQUIRE(O.row(i).allFinite());
@@ -388,7 +388,7 @@ TEMPLATE_TEST_CASE("causal softmax: the AVX-512 and AVX2 blockings give the same
     const Index n = GENERATE(Index(1), Index(45), Index(300)), d = GENERATE(Index(1), Index(24), Index(64));
     const Index window = GENERATE(Index(0), Index(37));
     const Matrix<T> Q = random_matrix<T>(n, d, 4), K = random_matrix<T>(n, d, 5), V = random_matrix<T>(n, d + 3, 6);
-    const SoftmaxOptions options{.scale = 0, .window = window, .sinks = 2};
+    const SoftmaxOptions options{.scale = 0, .window = window, .sink_tokens = 2};
     Vector<T> lse, lse_other;
     const Matrix<T> O = kernel_with_blocking<T, detail::DefaultBlocking>(Q, K, V, options, lse);
     const auto expected = reference::softmax_attention(reference::to_double(Q), reference::to_double(K),
@@ -484,8 +484,8 @@ TEST_CASE("causal softmax: bad input throws naming function, argument and shapes
     CHECK_THROWS_WITH(causal_softmax_attention(Q, K, V, O, lse), HasSubstring("'lse'") && HasSubstring("1x3"));
     CHECK_THROWS_WITH(causal_softmax_attention(Q, K, V, O, {.scale = 0, .window = -1}),
                       HasSubstring("'options.window'"));
-    CHECK_THROWS_WITH(causal_softmax_attention(Q, K, V, O, {.scale = 0, .window = 0, .sinks = -2}),
-                      HasSubstring("'options.sinks'"));
+    CHECK_THROWS_WITH(causal_softmax_attention(Q, K, V, O, {.scale = 0, .window = 0, .sink_tokens = -2}),
+                      HasSubstring("'options.sink_tokens'"));
     CHECK_THROWS_AS(causal_softmax_attention(Q, K, V, O, {.scale = std::numeric_limits<double>::infinity()}),
                     std::invalid_argument);
 

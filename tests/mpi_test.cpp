@@ -124,7 +124,7 @@ TEMPLATE_TEST_CASE("ring attention equals the single-process kernel", "[mpi][sof
     const bool empty = GENERATE(false, true);
     const Index base = GENERATE(Index(1), Index(45), Index(200));
     struct Case {
-        Index window, sinks;
+        Index window, sink_tokens;
     };
     const Case option = GENERATE(Case{0, 0}, Case{37, 0}, Case{37, 3}, Case{1, 2}, Case{100000, 0});
     if (empty && size_of() < 2)
@@ -134,13 +134,13 @@ TEMPLATE_TEST_CASE("ring attention equals the single-process kernel", "[mpi][sof
     const Index d = 24, dv = 17;
     const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
     const std::vector<Index> mine = tokens_of(lengths, rank_of(), layout);
-    const SoftmaxOptions options{.scale = 0, .window = option.window, .sinks = option.sinks};
+    const SoftmaxOptions options{.scale = 0, .window = option.window, .sink_tokens = option.sink_tokens};
     Matrix<T> O(static_cast<Index>(mine.size()), dv);
     distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
                                          options, layout);
     const auto expected = reference::softmax_attention(reference::to_double(Q), reference::to_double(K),
-                                                       reference::to_double(V), 0, option.window, option.sinks);
-    CAPTURE(n, base, empty, option.window, option.sinks, static_cast<int>(layout), rank_of());
+                                                       reference::to_double(V), 0, option.window, option.sink_tokens);
+    CAPTURE(n, base, empty, option.window, option.sink_tokens, static_cast<int>(layout), rank_of());
     check_close(O, rows_of(expected.out, mine), tolerance<T>());
     // The same rows as one process's kernel, to float rounding.
     Matrix<T> whole(n, dv);
@@ -159,7 +159,7 @@ TEMPLATE_TEST_CASE("ring attention over a layer of heads equals each head's refe
     const Matrix<T> Q = random_matrix<T>(n, 4 * 8, 21), K = random_matrix<T>(n, 2 * 8, 22),
                     V = random_matrix<T>(n, 2 * 6, 23);
     const std::vector<Index> mine = tokens_of(lengths, rank_of(), layout);
-    const SoftmaxOptions options{.scale = 0, .window = window, .sinks = 1};
+    const SoftmaxOptions options{.scale = 0, .window = window, .sink_tokens = 1};
     Matrix<T> O(static_cast<Index>(mine.size()), 4 * 6);
     distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
                                          heads, options, layout);
@@ -272,7 +272,7 @@ TEST_CASE("a bad argument on one rank, or ranks that disagree, make every rank t
     SECTION("ring attention: the window differs on the last rank") {
         if (size_of() < 2)
             return;
-        const SoftmaxOptions options{.scale = 0, .window = rank_of() == last ? 5 : 4, .sinks = 0};
+        const SoftmaxOptions options{.scale = 0, .window = rank_of() == last ? 5 : 4, .sink_tokens = 0};
         expect_all_throw("distributed_causal_softmax_attention",
                          [&] { distributed_causal_softmax_attention(MPI_COMM_WORLD, Q, K, V, O, options); });
     }

@@ -76,7 +76,7 @@ void check_softmax_layer(const HeadLayout& layout, const SoftmaxOptions& options
                 reference::to_double(Q.block(qo[b], h * d, q_lengths[b], d)),
                 reference::to_double(K.block(ko[b], kv * d, k_lengths[b], d)),
                 reference::to_double(V.block(ko[b], kv * dv, k_lengths[b], dv)), options.scale, options.window,
-                options.sinks);
+                options.sink_tokens);
             check_close(O.block(qo[b], h * dv, q_lengths[b], dv), expected.out, tolerance<T>());
         }
 }
@@ -90,7 +90,7 @@ TEMPLATE_TEST_CASE("multi_head_causal_softmax_attention equals the kernel per he
     SECTION("MHA 4/4") { check_softmax_layer<T>({4, 4, 16}, {}, {n}, {n}, 1); }
     SECTION("GQA 8/2, value_dim != head_dim") { check_softmax_layer<T>({8, 2, 16, 8}, {}, {n}, {n}, 2); }
     SECTION("MQA 8/1, window and sinks") {
-        check_softmax_layer<T>({8, 1, 8}, {.window = 40, .sinks = 3}, {n}, {n}, 3);
+        check_softmax_layer<T>({8, 1, 8}, {.window = 40, .sink_tokens = 3}, {n}, {n}, 3);
     }
     SECTION("window >= the sequence") { check_softmax_layer<T>({4, 2, 8}, {.window = 1000}, {n}, {n}, 4); }
     SECTION("d = 1, explicit scale, Nq < Nk") { check_softmax_layer<T>({2, 1, 1}, {.scale = 0.5}, {70}, {200}, 5); }
@@ -106,7 +106,7 @@ TEMPLATE_TEST_CASE("A varlen batch equals separate calls per sequence", "[layer]
     // Empty sequences, Nq_b < Nk_b, lengths off every tile and one sequence past several tiles.
     const std::vector<Index> q = {5, 0, 64, 1, 200, 0, 33}, k = {5, 0, 100, 7, 260, 3, 33};
     check_softmax_layer<T>({4, 2, 16}, {}, q, k, 11);
-    check_softmax_layer<T>({6, 3, 8, 4}, {.window = 50, .sinks = 2}, q, k, 12);
+    check_softmax_layer<T>({6, 3, 8, 4}, {.window = 50, .sink_tokens = 2}, q, k, 12);
 }
 
 TEST_CASE("The layer reads column blocks of a fused QKV buffer in place", "[layer][softmax]") {

@@ -160,7 +160,7 @@ TEMPLATE_TEST_CASE("Rows whose visible logits are all −∞ give 0 and lse −�
     decode(cache, Q, K, V, decoded);
     CHECK(decoded.isZero(0));
     for (const Index window : {Index(7), Index(200)}) {
-        causal_softmax_attention(Q, K, V, O, {.window = window, .sinks = 2});
+        causal_softmax_attention(Q, K, V, O, {.window = window, .sink_tokens = 2});
         CHECK(O.isZero(0));
     }
 }
@@ -208,11 +208,11 @@ TEST_CASE("A window or sinks as large as Index allows mean no limit", "[regressi
     const Index huge = std::numeric_limits<Index>::max();
     causal_softmax_attention(Q, K, V, O, {.window = huge});
     CHECK(O == full);
-    causal_softmax_attention(Q, K, V, O, {.window = huge, .sinks = huge});
+    causal_softmax_attention(Q, K, V, O, {.window = huge, .sink_tokens = huge});
     CHECK(O == full);
     causal_softmax_attention(Q, K, V, O, {.window = n});  // window = Nk: the boundary
     CHECK(O == full);
-    causal_softmax_attention(Q, K, V, O, {.window = 3, .sinks = huge});  // every token a sink: other tiles
+    causal_softmax_attention(Q, K, V, O, {.window = 3, .sink_tokens = huge});  // every token a sink: other tiles
     CHECK((O - full).cwiseAbs().maxCoeff() < 1e-6f);
 }
 
@@ -376,7 +376,7 @@ void check_memory_aliasing(const std::string& name, const Mem& fresh) {
 TEST_CASE("Aliasing: every kernel accepts disjoint blocks of one buffer and rejects an output over an input",
           "[regression][aliasing]") {
     check_aliasing_rule("memattn::causal_softmax_attention", [](const auto& Q, const auto& K, const auto& V, auto&& O) {
-        causal_softmax_attention(Q, K, V, O, {.window = 9, .sinks = 1});
+        causal_softmax_attention(Q, K, V, O, {.window = 9, .sink_tokens = 1});
     });
     check_aliasing_rule("memattn::quadratic_linear_attention", [](const auto& Q, const auto& K, const auto& V,
                                                                   auto&& O) { quadratic_linear_attention(Q, K, V, O); });

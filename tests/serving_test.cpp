@@ -718,9 +718,9 @@ TEMPLATE_TEST_CASE("PagedKVCache with a window: each step equals the windowed re
         INFO(detail::storage_name<S> << ": window " << window << ", sinks " << sinks << ", block " << block);
         const Index n = 150;
         const Index bound = (sinks + block - 1) / block + (window + block - 1) / block + 1;
-        PagedKVCache<float, S> pool(layout, bound + 2, block, SoftmaxOptions{.window = window, .sinks = sinks});
+        PagedKVCache<float, S> pool(layout, bound + 2, block, SoftmaxOptions{.window = window, .sink_tokens = sinks});
         CHECK(pool.window() == window);
-        CHECK(pool.sinks() == sinks);
+        CHECK(pool.sink_tokens() == sinks);
         const Index seq = pool.add_sequence();
         const Matrix<float> K = random_matrix<float>(n, kw, 21), V = random_matrix<float>(n, vw, 22);
         const Matrix<float> Q = random_matrix<float>(n, pool.query_dim(), 23, 2.0);
@@ -744,8 +744,9 @@ TEMPLATE_TEST_CASE("PagedKVCache with a window: each step equals the windowed re
         }
         CHECK(pool.blocks_in_use() == pool.blocks_of(seq));
         // The same tokens through a private sliding-window layer.
-        MultiHead<SlidingWindowCache<float, S>> layer(
-            layout, [window, sinks](Index) { return SlidingWindowCache<float, S>(8, 8, window, sinks); });
+        const Index w = window, s = sinks;  // a lambda cannot capture a binding (C++20)
+        MultiHead<SlidingWindowCache<float, S>> layer(layout,
+                                                      [w, s](Index) { return SlidingWindowCache<float, S>(8, 8, w, s); });
         memattn::extend(layer, K, V);
         Matrix<float> expected(1, pool.output_dim());
         layer.attend(Q.row(n - 1), expected.row(0));
@@ -760,7 +761,7 @@ TEST_CASE("PagedKVCache with a window: no window passed is the plain pool bit fo
     const Index n = 100;
     const Matrix<float> K = random_matrix<float>(n + 40, 32, 31), V = random_matrix<float>(n + 40, 32, 32);
     const Matrix<float> Q = random_matrix<float>(n + 40, 128, 33, 2.0);
-    PagedKVCache<float> plain(layout, 64, 16), windowed(layout, 64, 16, SoftmaxOptions{.window = 120, .sinks = 4});
+    PagedKVCache<float> plain(layout, 64, 16), windowed(layout, 64, 16, SoftmaxOptions{.window = 120, .sink_tokens = 4});
     const Index a = plain.add_sequence(), b = windowed.add_sequence();
     Matrix<float> oa(1, 128), ob(1, 128);
     for (Index t = 0; t < n; ++t) {  // length ≤ window + sinks: every token visible
@@ -796,7 +797,7 @@ TEST_CASE("PagedKVCache with a window: rollback within what is held, refused pas
           "sequence's own steps; snapshots",
           "[serving][window]") {
     const HeadLayout layout{4, 2, 8, 0};
-    const SoftmaxOptions options{.window = 20, .sinks = 3};
+    const SoftmaxOptions options{.window = 20, .sink_tokens = 3};
     PagedKVCache<float> pool(layout, 40, 8, options);
     const Matrix<float> K = random_matrix<float>(200, 16, 41), V = random_matrix<float>(200, 16, 42);
     const Matrix<float> Q = random_matrix<float>(200, 32, 43, 2.0);
@@ -944,4 +945,71 @@ TEST_CASE("batched_prefill over a span of memories equals each memory's own pref
         memattn::prefill(own[i], Qg.middleRows(r, c), Kg.middleRows(r, c), Vg.middleRows(r, c), Eg.middleRows(r, c));
     }
     CHECK((Og.array() == Eg.array()).all());
+}
+
+TEMPLATE_TEST_CASE("PagedKVCache with softcap, ALiBi and sink logits: each step equals the reference per query "
+                   "head, in every route of the grouped attend",
+                   "[serving][options]", float, Eigen::bfloat16) {
+    using S = TestType;
+    // g = 1 (one query), 4 (the tiles route under AVX2/AVX-512), 16 (the tiled route).
+    for (const HeadLayout& layout : {HeadLayout{2, 2, 16, 0}, HeadLayout{8, 2, 16, 0}, HeadLayout{32, 2, 16, 0}}) {
+        std::vector<double> slopes, sinks;
+        for (Index h = 0; h < layout.q_heads; ++h) {
+            slopes.push_back(std::pow(2.0, -8.0 * static_cast<double>(h + 1) / static_cast<double>(layout.q_heads)));
+            sinks.push_back(0.25 * static_cast<double>(h % 5) - 0.5);
+        }
+        for (const Index window : {Index{0}, Index{70}}) {
+            const SoftmaxOptions options{.window = window, .sink_tokens = window > 0 ? 3 : 0, .softcap = 4,
+                                         .sink_logits = sinks, .alibi_slopes = slopes};
+            INFO(detail::storage_name<S> << ", " << layout.q_heads << "/" << layout.kv_heads << ", window " << window);
+            PagedKVCache<float, S> pool(layout, 40, 16, options);
+            CHECK(pool.options().softcap == 4);
+            CHECK(pool.options().alibi_slopes.size() == slopes.size());
+            const Index n = 260, kw = 32;
+            const Matrix<float> K = random_matrix<float>(n, kw, 61, 2.0), V = random_matrix<float>(n, kw, 62);
+            const Matrix<float> Q = random_matrix<float>(n, pool.query_dim(), 63, 2.0);
+            const MatrixD Ks = stored_heads<float, S>(K, 2).template cast<double>();
+            const MatrixD Vs = stored_heads<float, S>(V, 2).template cast<double>();
+            const Index seq = pool.add_sequence();
+            Matrix<float> o(1, pool.output_dim());
+            const Index g = layout.group_size();
+            for (Index t = 0; t < n; ++t) {
+                pool.update(seq, K.row(t), V.row(t));
+                pool.attend(seq, Q.row(t), o.row(0));
+                if (t % 37 != 0 && t != n - 1)
+                    continue;
+                for (Index h = 0; h < layout.q_heads; ++h) {
+                    const Index kv = h / g;
+                    const reference::SoftmaxResult expected = reference::softmax_attention(
+                        Q.block(t, h * 16, 1, 16).template cast<double>(), Ks.block(0, kv * 16, t + 1, 16),
+                        Vs.block(0, kv * 16, t + 1, 16),
+                        reference::Logits{.window = window, .sink_tokens = options.sink_tokens, .softcap = 4,
+                                          .slope = slopes[static_cast<std::size_t>(h)],
+                                          .sink = sinks[static_cast<std::size_t>(h)]});
+                    INFO("t = " << t << ", head " << h);
+                    check_close(o.block(0, h * 16, 1, 16), expected.out, 3e-5);
+                }
+            }
+            // A mixed batch gives each row what its own step gave.
+            PagedKVCache<float, S> batch_pool(layout, 40, 16, options), step_pool(layout, 40, 16, options);
+            const Index a = batch_pool.add_sequence(), b = batch_pool.add_sequence();
+            step_pool.add_sequence();
+            step_pool.add_sequence();
+            const std::vector<Index> seqs{a, b}, offsets{0, 30, 31};
+            Matrix<float> O(31, pool.output_dim()), expected(31, pool.output_dim());
+            batched_prefill(batch_pool, seqs, offsets, Q.topRows(31), K.topRows(31), V.topRows(31), O);
+            for (Index r = 0; r < 31; ++r) {
+                const Index id = r < 30 ? a : b;
+                step_pool.update(id, K.row(r), V.row(r));
+                step_pool.attend(id, Q.row(r), expected.row(r));
+            }
+            CHECK((O.array() == expected.array()).all());
+        }
+    }
+    // Bad options: refused by name.
+    const std::vector<double> three{1, 2, 3};
+    CHECK_THROWS_WITH((PagedKVCache<float>(HeadLayout{4, 2, 8, 0}, 4, 16, SoftmaxOptions{.sink_logits = three})),
+                      Catch::Contains("options.sink_logits"));
+    CHECK_THROWS_WITH((PagedKVCache<float>(HeadLayout{4, 2, 8, 0}, 4, 16, SoftmaxOptions{.causal = false})),
+                      Catch::Contains("options.causal"));
 }

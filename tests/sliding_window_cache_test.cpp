@@ -33,7 +33,7 @@ TEMPLATE_TEST_CASE("SlidingWindowCache decode equals windowed causal softmax wit
     check_close(O, expected.out, tolerance<T>());
     // DESIGN invariant 2: decode and the whole-sequence kernel agree.
     Matrix<T> kernel(n, dv);
-    causal_softmax_attention(Q, K, V, kernel, SoftmaxOptions{.window = window, .sinks = sinks});
+    causal_softmax_attention(Q, K, V, kernel, SoftmaxOptions{.window = window, .sink_tokens = sinks});
     check_close(O, reference::to_double(kernel), tolerance<T>());
 }
 

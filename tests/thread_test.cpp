@@ -92,7 +92,7 @@ TEST_CASE("threads: the multi-head kernels give the same bits for 1 to 4 threads
                         V = random_matrix<float>(333, 32, 3);
     same_bits_for_any_thread_count([&] {
         Matrix<float> O(333, 128), lse(333, 8);
-        multi_head_causal_softmax_attention(Q, K, V, O, lse, layout, {.window = 70, .sinks = 2},
+        multi_head_causal_softmax_attention(Q, K, V, O, lse, layout, {.window = 70, .sink_tokens = 2},
                                             VarLen{offsets, offsets});
         Matrix<float> both(333, 136);
         both << O, lse;

@@ -140,7 +140,7 @@ struct Model {
         layers.emplace_back(gen, WindowLayer(layout, [](Index) {
                                 return memattn::SlidingWindowCache<float>(head_dim, head_dim, window, sinks);
                             }),
-                            memattn::SoftmaxOptions{.window = window, .sinks = sinks});
+                            memattn::SoftmaxOptions{.window = window, .sink_tokens = sinks});
         layers.emplace_back(gen, LinearLayer(layout, [](Index) {
                                 return memattn::LinearAttentionMemory<float>(head_dim, head_dim);
                             }),

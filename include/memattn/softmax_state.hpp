@@ -77,6 +77,24 @@ struct SoftmaxState {
         max = new_max;
     }
 
+    /// Adds a key of logit `sigma` and value zero (a learned sink logit, as gpt-oss's):
+    /// the denominator gains e^σ, acc is rescaled to the new maximum. σ = −∞ adds nothing.
+    template <class Acc>
+    void add_sink(T sigma, Acc&& acc) {
+        if (sigma == minus_inf)
+            return;
+        if (empty()) {  // acc is zero: the output stays zero, the log-sum-exp becomes σ
+            max = sigma;
+            sum = T(1);
+            return;
+        }
+        const T new_max = std::isnan(max) ? max : std::max(max, sigma);
+        const T a = std::exp(max - new_max);
+        acc *= a;
+        sum = a * sum + std::exp(sigma - new_max);
+        max = new_max;
+    }
+
     /// acc ← acc / sum, the softmax-weighted mean; zero when no key was visible.
     template <class Acc>
     void finish(Acc&& acc) const {

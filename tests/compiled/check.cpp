@@ -110,7 +110,7 @@ int main() {
     wide << Q, K, V;
     Mat O2(n, 2 * d);
     memattn::causal_softmax_attention(wide.middleCols(0, d), wide.middleCols(d, d), wide.middleCols(2 * d, d),
-                                      O2.middleCols(d, d), {.window = 8, .sinks = 2});
+                                      O2.middleCols(d, d), {.window = 8, .sink_tokens = 2});
     report("softmax_blocks", O2.middleCols(d, d),
            ref::softmax_attention(ref::to_double(Q), ref::to_double(K), ref::to_double(V), 0, 8, 2).out);
     Vec lse(n);

@@ -71,6 +71,58 @@ inline SoftmaxResult softmax_attention(const MatrixD& Q, const MatrixD& K, const
     return r;
 }
 
+/// The options of SoftmaxOptions beyond the window, for the reference below.
+struct Logits {
+    double scale = 0;
+    Index window = 0, sink_tokens = 0;
+    double softcap = 0;               ///< s ← c·tanh(s/c)
+    bool causal = true;
+    std::optional<double> slope = {};   ///< ALiBi: s ← s − slope·|p − j|
+    std::optional<double> sink = {};    ///< σ joins the denominator with no value
+    std::optional<Index> offset = {};   ///< query i at position offset + i (default Nk − Nq)
+};
+
+/// The materialised scores of docs/design.md §4.1 with every option: s_ij = scale·q·k,
+/// softcap, ALiBi, the visibility rule (causal or both ways), then the softmax with the
+/// sink logit in the denominator. lse includes the sink.
+inline SoftmaxResult softmax_attention(const MatrixD& Q, const MatrixD& K, const MatrixD& V, const Logits& o) {
+    const Index nq = Q.rows(), nk = K.rows(), d = K.cols();
+    const double scale = o.scale != 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(std::max<Index>(d, 1)));
+    const Index offset = o.offset.value_or(nk - nq);
+    SoftmaxResult r{MatrixD::Zero(nq, V.cols()), std::vector<double>(static_cast<std::size_t>(nq))};
+    for (Index i = 0; i < nq; ++i) {
+        const Index p = offset + i;
+        std::vector<double> s;
+        std::vector<Index> keys;
+        for (Index j = 0; j < nk; ++j) {
+            const Index distance = p >= j ? p - j : j - p;
+            const bool seen = (!o.causal || j <= p) && (j < o.sink_tokens || o.window == 0 || distance < o.window);
+            if (!seen)
+                continue;
+            double x = scale * Q.row(i).dot(K.row(j));
+            if (o.softcap > 0)
+                x = o.softcap * std::tanh(x / o.softcap);
+            if (o.slope)
+                x -= *o.slope * static_cast<double>(distance);
+            s.push_back(x);
+            keys.push_back(j);
+        }
+        double m = o.sink ? *o.sink : -std::numeric_limits<double>::infinity();
+        for (const double x : s)
+            m = std::max(m, x);
+        double sum = o.sink ? std::exp(*o.sink - m) : 0;
+        for (std::size_t t = 0; t < s.size(); ++t) {
+            const double w = std::exp(s[t] - m);
+            sum += w;
+            r.out.row(i) += w * V.row(keys[t]);
+        }
+        if (sum > 0)
+            r.out.row(i) /= sum;
+        r.lse[static_cast<std::size_t>(i)] = sum > 0 ? m + std::log(sum) : -std::numeric_limits<double>::infinity();
+    }
+    return r;
+}
+
 // ---------------------------------------------------------------- linear attention
 
 struct LinearResult {

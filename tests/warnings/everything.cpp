@@ -7,6 +7,7 @@
 // It is compiled, not run: it needs only to instantiate, so it works on any CPU.
 #include <memattn/memattn.hpp>
 
+#include <span>
 #include <sstream>
 #include <type_traits>
 #include <vector>
@@ -104,7 +105,15 @@ void everything(memattn::Index n, memattn::Index d) {
     memattn::Matrix<T> out(n, d);
     memattn::Vector<T> lse(n);
     memattn::causal_softmax_attention(x, x, x, out);
-    memattn::causal_softmax_attention(x, x, x, out, lse, {.window = 4, .sinks = 1});
+    memattn::causal_softmax_attention(x, x, x, out, lse, {.window = 4, .sink_tokens = 1});
+    const double one = 0.5;
+    memattn::causal_softmax_attention(x, x, x, out, lse,
+                                      {.softcap = 2, .causal = false, .sink_logits = std::span<const double>(&one, 1),
+                                       .alibi_slopes = std::span<const double>(&one, 1)});
+    const memattn::Rope rope{.head_dim = d, .scaling = memattn::Rope::Yarn{.factor = 2}};
+    std::vector<memattn::Index> positions(static_cast<std::size_t>(n), 3);
+    rope.apply(out, positions);
+    memattn::RopeTable<T>(rope, n).apply(out, positions);
 
     linear_forms<T>(x, out, memattn::EluPlusOne{});
     linear_forms<T>(x, out, memattn::FavorPlus(d, 2 * d, 7));  // its own code per scalar
@@ -126,6 +135,21 @@ void everything(memattn::Index n, memattn::Index d) {
         use_memory(memattn::HybridCache<T, memattn::MaxPool>(d, d, 4, 2, 3), x, out);
         use_memory(memattn::HybridCache<T, memattn::WeightedPool>(d, d, 4, 2, 3, T(0), memattn::WeightedPool({0.5, 0.5})),
                    x, out);
+        // The paged pool with a window and the logit options, in float and compactly.
+        {
+            const memattn::HeadLayout heads{.q_heads = 2, .kv_heads = 1, .head_dim = d};
+            const double values[2] = {0.5, 0.25};
+            const memattn::SoftmaxOptions options{.window = 4, .sink_tokens = 1, .softcap = 3,
+                                                  .sink_logits = values, .alibi_slopes = values};
+            memattn::PagedKVCache<T> pool(heads, 8, 4, options);
+            memattn::PagedKVCache<T, memattn::Q8> compact(heads, 8, 4, options);
+            const std::vector<memattn::Index> seqs{pool.add_sequence()}, offsets{0, 1};
+            compact.add_sequence();
+            memattn::Matrix<T> q = memattn::Matrix<T>::Zero(1, 2 * d), o(1, 2 * d);
+            memattn::batched_decode(pool, seqs, q, x.topRows(1), x.topRows(1), o);
+            memattn::batched_decode(compact, seqs, q, x.topRows(1), x.topRows(1), o);
+            memattn::batched_prefill(pool, seqs, offsets, q, x.topRows(1), x.topRows(1), o);
+        }
         // Compact K/V storage: every conversion path of the instruction set.
         {
             use_memory(memattn::KVCache<T, Eigen::bfloat16>(d, d), x, out);

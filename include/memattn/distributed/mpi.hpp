@@ -280,7 +280,7 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
                         {"the value dim dv", static_cast<double>(dv)},
                         {"options.scale", options.scale},
                         {"options.window", static_cast<double>(options.window)},
-                        {"options.sinks", static_cast<double>(options.sinks)},
+                        {"options.sink_tokens", static_cast<double>(options.sink_tokens)},
                         {"the ring layout", static_cast<double>(layout)},
                         {"the scalar size", static_cast<double>(sizeof(T))}});
     const auto [rank, size] = rank_size(comm);
@@ -322,7 +322,7 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
                 const Index offset = qc.start - kc.start;  // query 0's position among the chunk's keys
                 if (qc.rows == 0 || kc.rows == 0 || offset + qc.rows - 1 < 0)
                     continue;  // wholly in the causal future
-                const Index sinks = std::max<Index>(0, options.sinks - kc.start);
+                const Index sinks = std::max<Index>(0, options.sink_tokens - kc.start);
                 if (options.window > 0 && sinks == 0 && kc.rows - 1 <= offset - options.window)
                     continue;  // wholly before every query's window
                 // A chunk of keys after the first query (offset < 0) starts at the query
@@ -368,10 +368,15 @@ void ring_attention_call(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Ei
             check_layout(function, *heads);
             check_packed(function, *heads, shape(q), shape(k), shape(v), shape(o));
             check_softmax_arguments<T>(function, {q.rows(), heads->head_dim}, {k.rows(), heads->head_dim},
-                                       {v.rows(), heads->values()}, {o.rows(), heads->values()}, options);
+                                       {v.rows(), heads->values()}, {o.rows(), heads->values()}, options,
+                                       heads->q_heads);
         } else {
             check_softmax_arguments<T>(function, shape(q), shape(k), shape(v), shape(o), options);
         }
+        // The ring merges causal blocks of scale·q·k; the other options are not carried over it yet.
+        require(options.causal && options.plain_logits(), function, "options",
+                "asks for softcap, sink_logits, alibi_slopes or causal = false, which ring attention does not "
+                "support yet (each rank's single-machine call does)");
         require(q.rows() == k.rows(), function, "Q", "has shape ", shape(q), ", expected ", k.rows(), " rows as K (",
                 shape(k), "): each rank holds the queries of its own tokens");
         check_message_size(function, k.rows(), k.cols() + v.cols());

@@ -124,6 +124,7 @@
 #include "memattn/types.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -222,6 +223,32 @@ private:
     Matrix<T> buffer_;
 };
 
+/// What the tiled kernel does to a logit beyond scale·q·k, for one head (SoftmaxOptions,
+/// kernels/softmax_options.hpp): the causal rule, a softcap, an ALiBi slope, a sink logit.
+template <class T>
+struct LogitRule {
+    bool causal = true;   ///< keys after a query are masked
+    double softcap = 0;   ///< c > 0: s ← c·tanh(s/c); 0: off
+    bool alibi = false;   ///< s ← s − slope·|p − j|
+    double slope = 0;     ///< ALiBi's slope
+    bool sink = false;    ///< a logit σ joins each query's denominator with no value
+    double sink_logit = 0;  ///< σ (−∞: none)
+
+    /// The rule of a single head's options (their spans of one value).
+    static LogitRule of(const SoftmaxOptions& options) {
+        LogitRule rule;
+        rule.causal = options.causal;
+        rule.softcap = options.softcap;
+        rule.alibi = !options.alibi_slopes.empty();
+        rule.slope = rule.alibi ? options.alibi_slopes[0] : 0;
+        rule.sink = !options.sink_logits.empty() && !std::isinf(options.sink_logits[0]);
+        rule.sink_logit = rule.sink ? options.sink_logits[0] : 0;
+        return rule;
+    }
+    /// Nothing beyond scale·q·k under the causal rule.
+    [[nodiscard]] bool plain() const noexcept { return causal && softcap == 0 && !alibi && !sink; }
+};
+
 /// The tiled kernel for one call on a scratch: its steps (see the top of the file). The
 /// products use the register blocking B (detail/tile_product.hpp), which changes no bit.
 /// K and V are read through row sources: PlainRows (in place) or DecodedRows (compact
@@ -230,19 +257,21 @@ template <class T, class B = DefaultBlocking, class KRows = PlainRows<T>, class 
 class TiledCausalSoftmax {
 public:
     TiledCausalSoftmax(const ConstMatrixRef<T>& Q, KRows K, VRows V, T scale, Index window, Index sinks,
-                       SoftmaxScratch<T>& scratch)
+                       SoftmaxScratch<T>& scratch, const LogitRule<T>& rule = {})
         : q_(Q), k_(std::move(K)), v_(std::move(V)), scale_(scale), window_(window), sinks_(sinks),
           tiles_(scratch.tiles), lanes_(scratch.lanes), qt_(scratch.qt), s_(scratch.s), acc_(scratch.acc),
-          state_(scratch.state), query_offset_(k_.rows() - q_.rows()) {
+          state_(scratch.state), query_offset_(k_.rows() - q_.rows()), rule_(rule),
+          softcap2_(static_cast<T>(rule.softcap * log2e)), slope2_(static_cast<T>(rule.slope * log2e)) {
         MEMATTN_DASSERT(qt_.rows() == k_.cols() && acc_.cols() == v_.cols());
     }
 
     /// Query row i sits at position query_offset + i of the keys (by default Nk − Nq, the
-    /// queries continuing the keys). Any offset ≥ 0 works: keys past a query's position
-    /// are its future, and an offset past the keys' end makes every key its past (a
-    /// block of keys wholly before the queries, as in ring attention).
+    /// queries continuing the keys). Under the causal rule any offset ≥ 0 works: keys
+    /// past a query's position are its future, and an offset past the keys' end makes
+    /// every key its past (a block of keys wholly before the queries, as in ring
+    /// attention). Without it (cross attention) the offset may be negative.
     void set_query_offset(Index offset) {
-        MEMATTN_DASSERT(offset >= 0);
+        MEMATTN_DASSERT(offset >= 0 || !rule_.causal);
         query_offset_ = offset;
     }
 
@@ -264,8 +293,11 @@ public:
                 ahead_.add(q_.data() + next * q_.outerStride(), n, q_.outerStride(), q_.cols());
                 ahead_.template add<T, true>(O.data() + next * O.outerStride(), n, O.outerStride(), O.cols());
             }
-            const Index hi = std::min(p1_ + 1, k_.rows());                 // keys [0, hi) are causal
-            const Index lo = window_ > 0 ? std::max<Index>(0, p0_ - window_ + 1) : 0;
+            // Keys [lo, hi): causal, [0, p1] within the window; else the window both ways.
+            const Index hi = rule_.causal  ? std::min(p1_ + 1, k_.rows())
+                             : window_ > 0 ? std::clamp<Index>(p1_ + window_, 0, k_.rows())
+                                           : k_.rows();
+            const Index lo = window_ > 0 ? std::clamp<Index>(p0_ - window_ + 1, 0, k_.rows()) : 0;
             for (Index j1 = hi; j1 > lo; j1 -= tiles_.keys) {             // diagonal tile first
                 const Index j0 = std::max(lo, j1 - tiles_.keys);
                 prefetch_key_tile(std::max(lo, j0 - tiles_.keys), j0);     // the next one
@@ -274,6 +306,11 @@ public:
             const Index sink_end = std::min({sinks_, lo, hi});             // sinks below the window
             for (Index j0 = 0; j0 < sink_end; j0 += tiles_.keys)
                 attend_key_tile(j0, std::min(tiles_.keys, sink_end - j0));
+            if (!rule_.causal) {  // and, both ways, sinks past the window's end
+                const Index begin = std::max(hi, lo), end = std::min(sinks_, k_.rows());
+                for (Index j0 = begin; j0 < end; j0 += tiles_.keys)
+                    attend_key_tile(j0, std::min(tiles_.keys, end - j0));
+            }
             finish_query_tile(O, lse);
         }
     }
@@ -311,10 +348,12 @@ private:
         if (masked) {
             tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr,
                                LanesSeeingKeys{*this, j0}, &ahead_);
+            transform_logits(j0, n);
             mask(j0, n);
         } else {
             tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr, {},
                                &ahead_);
+            transform_logits(j0, n);
         }
         state_.absorb(s_.data(), n, lanes_, cols_);  // m, sum, α; Sᵀ becomes Pᵀ
         // acc = α ⊙ acc + P · V_tile: A(r, k) = Pᵀ(k, r) is read with strides (1, lanes).
@@ -334,31 +373,67 @@ private:
             accumulate_visible_keys(j0, n, values, ldv);
     }
 
-    /// Query lanes [first, end) that see key j: j ≤ p0 + i and, unless j is a sink,
-    /// p0 + i < j + window.
+    /// Softcap, then ALiBi, on the logits Sᵀ of keys [j0, j0 + n) (base 2, as the tile
+    /// holds them: c·tanh(s/c) and −slope·|p − j| are scaled by log2(e) like s). Lanes a
+    /// masked tile did not compute hold anything; mask() overwrites them after.
+    void transform_logits(Index j0, Index n) {
+        if (rule_.softcap > 0) {
+            const T inverse = T(1) / softcap2_;
+            for (Index jj = 0; jj < n; ++jj) {
+                Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> row(s_.data() + jj * lanes_, cols_);
+                row = (row * inverse).tanh() * softcap2_;
+            }
+        }
+        if (rule_.alibi) {
+            for (Index jj = 0; jj < n; ++jj) {
+                T* row = s_.data() + jj * lanes_;
+                const Index offset = p0_ - (j0 + jj);  // p − j of lane 0
+                for (Index i = 0; i < cols_; ++i)
+                    row[i] -= slope2_ * static_cast<T>(offset + i < 0 ? -(offset + i) : offset + i);
+            }
+        }
+    }
+
+    /// Query lanes [first, end) that see key j: j ≤ p0 + i (causal) and, unless j is a
+    /// sink, |p0 + i − j| < window.
     [[nodiscard]] Range lanes_seeing(Index j) const {
-        const Index first = std::clamp<Index>(j - p0_, 0, cols_);
-        const Index end = window_ == 0 || j < sinks_ ? cols_ : std::clamp<Index>(j + window_ - p0_, first, cols_);
+        const bool anywhere = window_ == 0 || j < sinks_;
+        const Index first = rule_.causal ? std::clamp<Index>(j - p0_, 0, cols_)
+                            : anywhere   ? 0
+                                         : std::clamp<Index>(j - window_ + 1 - p0_, 0, cols_);
+        const Index end = anywhere ? cols_ : std::clamp<Index>(j + window_ - p0_, first, cols_);
         return {first, end};
     }
 
     /// The keys of [j0, j0 + n) that lane i sees lie in [first, end), relative to j0
     /// (empty when it sees none): the sinks below its window, then (p − window, p].
     [[nodiscard]] Range keys_seen(Index i, Index j0, Index n) const {
-        const Index p = p0_ + i;
-        const Index window_begin = window_ == 0 ? 0 : std::max<Index>(0, p - window_ + 1);
         Index first = n, end = 0;
-        const Index sink_end = std::min({sinks_, window_begin, j0 + n});
-        if (sink_end > j0) {
-            first = 0;
-            end = sink_end - j0;
-        }
-        const Index w0 = std::max(window_begin, j0), w1 = std::min(p + 1, j0 + n);
-        if (w0 < w1) {
-            first = std::min(first, w0 - j0);
-            end = std::max(end, w1 - j0);
+        for (const Run& run : visible_runs(p0_ + i)) {
+            const Index begin = std::max(run.first, j0), stop = std::min(run.end, j0 + n);
+            if (begin < stop) {
+                first = std::min(first, begin - j0);
+                end = std::max(end, stop - j0);
+            }
         }
         return {first, end};
+    }
+
+    /// Keys [first, end) of a run.
+    struct Run {
+        Index first, end;
+    };
+    /// The keys position p sees, as three runs in key order (some empty): the sinks below
+    /// its window, the window, and (not causal) the sinks past the window's end.
+    [[nodiscard]] std::array<Run, 3> visible_runs(Index p) const {
+        const Index nk = k_.rows();
+        const Index window_begin = window_ == 0 ? 0 : std::clamp<Index>(p - window_ + 1, 0, nk);
+        const Index window_end = rule_.causal ? std::clamp<Index>(p + 1, 0, nk)
+                                 : window_ == 0 ? nk
+                                                : std::clamp<Index>(p + window_, 0, nk);
+        const Index below = std::min(sinks_, std::min(window_begin, window_end));
+        const Index past = rule_.causal ? window_end : std::max(window_end, std::min(sinks_, nk));
+        return {Run{0, below}, Run{window_begin, window_end}, Run{window_end, past}};
     }
 
     /// The band of Sᵀ = K_tile · Qᵀ on a masked tile: a strip of keys takes the lanes
@@ -410,11 +485,8 @@ private:
         for (Index i = 0; i < rows_; ++i) {
             const Index p = p0_ + i;
             Eigen::Map<Vector<T>>(acc_.data() + i * dv, dv) *= state_.alpha()[i];
-            // Visible: [0, p] under no window, else the sinks below the window, then (p − window, p].
-            const Index window_begin = window_ == 0 ? 0 : std::max<Index>(0, p - window_ + 1);
-            const Index runs[2][2] = {{0, std::min(sinks_, window_begin)}, {window_begin, p + 1}};
-            for (const auto& run : runs) {
-                const Index begin = std::max(run[0], j0), end = std::min(run[1], j0 + n);
+            for (const Run& run : visible_runs(p)) {
+                const Index begin = std::max(run.first, j0), end = std::min(run.end, j0 + n);
                 if (begin < end)
                     tile_product<T, B>(1, dv, end - begin, s_.data() + (begin - j0) * lanes_ + i, 1, lanes_,
                                        values + (begin - j0) * ldv, ldv, acc_.data() + i * dv, dv, &one);
@@ -425,12 +497,14 @@ private:
     /// Every query of the tile sees every key of [j0, j0 + n).
     [[nodiscard]] bool fully_visible(Index j0, Index n) const {
         const Index j_last = j0 + n - 1;
-        return j_last <= p0_ && (window_ == 0 || j_last < sinks_ || j0 > p1_ - window_);
+        if (window_ == 0 || j_last < sinks_)
+            return !rule_.causal || j_last <= p0_;
+        return j0 > p1_ - window_ && (rule_.causal ? j_last <= p0_ : j_last < p0_ + window_);
     }
 
     /// Sᵀ(j, i) = −∞ where query i does not see key j: a masked key gets weight 0.
-    /// Query i (position p0 + i) sees key j iff j ≤ p0 + i and, unless j is a sink,
-    /// p0 + i < j + window: for each key a contiguous run of lanes [first, end).
+    /// Query i (position p0 + i) sees key j iff j ≤ p0 + i (causal) and, unless j is a
+    /// sink, |p0 + i − j| < window: for each key a contiguous run of lanes [first, end).
     void mask(Index j0, Index n) {
         constexpr T minus_inf = -std::numeric_limits<T>::infinity();
         for (Index jj = 0; jj < n; ++jj) {
@@ -445,8 +519,10 @@ private:
     template <class LseSink>
     void finish_query_tile(MatrixRef<T>& O, LseSink& lse) {
         for (Index i = 0; i < rows_; ++i) {
-            const SoftmaxState<T> state = state_.state(i);
+            SoftmaxState<T> state = state_.state(i);
             O.row(i0_ + i) = acc_.row(i);
+            if (rule_.sink)
+                state.add_sink(static_cast<T>(rule_.sink_logit), O.row(i0_ + i));
             state.finish(O.row(i0_ + i));
             lse(i0_ + i, state.log_sum_exp());
         }
@@ -464,24 +540,31 @@ private:
     Matrix<T>& acc_;
     SoftmaxBlockState<T>& state_;
     Index query_offset_;
+    LogitRule<T> rule_;
+    T softcap2_, slope2_;  // log2(e)·c and log2(e)·slope: the tile's logits are base 2
     Index i0_ = 0, rows_ = 0, cols_ = 0, p0_ = 0, p1_ = 0;  // the current query tile
+    static constexpr double log2e = 1.44269504088896340735992468100;
     PrefetchQueue ahead_{4};                                 // the next query tile's rows
 };
 
 /// The checks every entry point makes, before anything is written.
+/// `heads`: the query heads the options' per-head spans cover (1 for a single head).
 template <class T>
-void check_softmax_arguments(const char* function, Shape q, Shape k, Shape v, Shape o, const SoftmaxOptions& options) {
+void check_softmax_arguments(const char* function, Shape q, Shape k, Shape v, Shape o, const SoftmaxOptions& options,
+                             Index heads = 1) {
     require(q.cols == k.cols, function, "Q", "has shape ", q, ", expected ", k.cols, " columns as K (", k, ")");
     require(v.rows == k.rows, function, "V", "has shape ", v, ", expected ", k.rows, " rows as K (", k, ")");
-    require(q.rows <= k.rows, function, "Q", "has shape ", q, ", expected at most ", k.rows,
-            " rows (K is ", k, "): queries continue the keys, so Nq <= Nk");
+    require(q.rows <= k.rows || !options.causal, function, "Q", "has shape ", q, ", expected at most ", k.rows,
+            " rows (K is ", k, "): causal queries continue the keys, so Nq <= Nk (options.causal = false: any Nq)");
     require(o.rows == q.rows && o.cols == v.cols, function, "O", "has shape ", o, ", expected ", q.rows, 'x',
             v.cols, " (Q is ", q, ", V is ", v, ")");
-    require(options.window >= 0, function, "options.window", "is ", options.window, ", expected >= 0 (0: no limit)");
-    require(options.sinks >= 0, function, "options.sinks", "is ", options.sinks, ", expected >= 0");
     require(finite_in<T>(options.scale), function, "options.scale", "is ", options.scale, ", expected a number finite as ",
             scalar_name<T>, " (0: 1/sqrt(d))");
+    check_logit_options(function, options, heads);
 }
+
+/// The query offset of a whole call: the queries are the last Nq positions of the keys.
+inline constexpr Index trailing_queries = std::numeric_limits<Index>::min();
 
 /// The aliasing rule: the outputs share no element with Q, K or V.
 template <class Out, class T = typename Out::Scalar>
@@ -494,14 +577,22 @@ void check_disjoint(const char* function, const char* name, const Out& out, cons
 
 /// The kernel on views and a scratch, after the checks; `lse(i, value)` receives each
 /// row's log-sum-exp. The tiles are the scratch's; B is the register blocking.
+/// Query row i sits at position query_offset + i (trailing_queries: Nk − Nq + i).
 template <class T, class B = DefaultBlocking, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
-                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxScratch<T>& scratch) {
+                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxScratch<T>& scratch,
+                          Index query_offset = trailing_queries) {
     if (Q.rows() == 0)
         return;
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
-    TiledCausalSoftmax<T, B> kernel(Q, PlainRows<T>(K), PlainRows<T>(V), scale,
-                                    effective_window(options.window, K.rows()), options.sinks, scratch);
+    const Index offset = query_offset == trailing_queries ? K.rows() - Q.rows() : query_offset;
+    // A window past every distance between a query and a key limits nothing (causal: Nk).
+    const Index farthest = std::max(offset + Q.rows() - 1, K.rows() - 1 - offset);
+    const Index window = options.causal ? effective_window(options.window, K.rows())
+                                        : effective_window(options.window, farthest + 1);
+    TiledCausalSoftmax<T, B> kernel(Q, PlainRows<T>(K), PlainRows<T>(V), scale, window, options.sink_tokens, scratch,
+                                    LogitRule<T>::of(options));
+    kernel.set_query_offset(offset);
     kernel.run(O, lse);
 }
 
@@ -555,7 +646,7 @@ void causal_softmax_stored(const ConstMatrixRef<T>& Q, const StoredRows<T, S>& K
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
     TiledCausalSoftmax<T, DefaultBlocking, DecodedRows<T, S>, DecodedRows<T, S>> kernel(
         Q, DecodedRows<T, S>(K, keys, scratch.tiles.keys), DecodedRows<T, S>(V, keys, scratch.tiles.keys), scale,
-        window, options.sinks, scratch);
+        window, options.sink_tokens, scratch, LogitRule<T>::of(options));
     kernel.run(O, [](Index, T) {});
 }
 

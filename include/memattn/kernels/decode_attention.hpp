@@ -450,6 +450,41 @@ bool beyond_l2(const ForEachRun& for_each_stored_run) {
     return bytes >= group_prefetch_bytes;
 }
 
+/// What a decode attend does to a logit beyond scale·q·k (SoftmaxOptions,
+/// kernels/softmax_options.hpp), for a group of queries of one token: a softcap, an
+/// ALiBi slope and a sink logit per query of the group. Default: nothing.
+struct DecodeLogits {
+    double softcap = 0;              ///< c > 0: s ← c·tanh(s/c)
+    const double* slopes = nullptr;  ///< ALiBi: s ← s − slopes[r]·(position − j), one per query
+    const double* sinks = nullptr;   ///< σ_r joins query r's denominator, one per query
+    Index position = 0;              ///< the queries' position (the token they belong to)
+
+    /// Whether the logits change (the sinks act at the end, in finish).
+    [[nodiscard]] bool transforms() const noexcept { return softcap > 0 || slopes != nullptr; }
+
+    /// Softcap, then ALiBi, on logits s[0, m) of query r at key positions k0, k0 + 1, ...
+    /// (every `stride`-th value), in units of `unit` (1: natural; log2(e): base 2).
+    template <class T>
+    void apply(T* s, Index m, Index stride, Index r, Index k0, T unit) const {
+        if (softcap > 0) {
+            const T cap = static_cast<T>(unit * softcap), inverse = T(1) / cap;
+            if (stride == 1) {
+                Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> row(s, m);
+                row = (row * inverse).tanh() * cap;
+            } else {
+                Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>, 0, Eigen::InnerStride<>> row(s, m,
+                                                                                          Eigen::InnerStride<>(stride));
+                row = (row * inverse).tanh() * cap;
+            }
+        }
+        if (slopes != nullptr) {
+            const T slope = static_cast<T>(unit * slopes[r]);
+            for (Index j = 0; j < m; ++j)
+                s[j * stride] -= slope * static_cast<T>(position - (k0 + j));
+        }
+    }
+};
+
 /// g ≤ group_rows queries against runs of keys and values, each read once for the whole
 /// group (what grouped-query attention saves), per block of ≤ 128 keys, with all scratch
 /// on the stack. The logits take one of two routes, by measurement (bench/multi_head_bench.cpp,
@@ -472,9 +507,12 @@ public:
     static constexpr Index max_depth = 256;
 
     /// `ahead`: the pairs come from beyond the L2 (beyond_l2), so rows are asked for ahead.
+    /// `logits`: what the options do to the logits and the sums (none by default); the
+    /// keys of a fold are at positions key_position, key_position + 1, ...
     template <class QB>
-    GroupAttention(const QB& queries, T scale, bool ahead = false)
+    GroupAttention(const QB& queries, T scale, bool ahead = false, const DecodeLogits& logits = {})
         : queries_(queries), scale_(scale), g_(queries.rows()), lanes_(round_up(g_, packet_lanes<T>)), ahead_(ahead),
+          logits_(logits),
           tiled_(g_ >= packet_lanes<T> && queries.cols() <= max_depth),
           tiles_(std::is_same_v<T, float> && decode_tiles && g_ >= 2 && !tiled_ && queries.cols() <= max_depth),
           depth_(round_up(queries.cols(), packet_lanes<T>)), block_(tiled_ ? lanes_ : 1) {
@@ -503,10 +541,11 @@ public:
     /// Folds keys K (n×d) and values V (n×dv), contiguous rows of any stride, into the
     /// states and the rows of `acc` (g×dv, zero before the first fold).
     template <class KBlock, class VBlock, class Acc>
-    void fold(const KBlock& K, const VBlock& V, Acc&& acc) {
+    void fold(const KBlock& K, const VBlock& V, Acc&& acc, Index key_position = 0) {
         MEMATTN_DASSERT(K.rows() == V.rows() && K.cols() == queries_.cols() && V.cols() == acc.cols() &&
                         acc.rows() == g_);
-        if (g_ == 1) {
+        key_position_ = key_position;
+        if (g_ == 1 && !logits_.transforms()) {
             attend_contiguous(queries_.row(0), K, V, scale_, states_[0], acc.row(0));
             return;
         }
@@ -532,7 +571,9 @@ public:
     /// the result is bitwise fold()'s on the stored values converted to T. One query takes
     /// attend_stored, which is exactly the cache's attend.
     template <class S, class Acc>
-    void fold_stored(const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n, Acc&& acc) {
+    void fold_stored(const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n, Acc&& acc,
+                     Index key_position = 0) {
+        key_position_ = key_position;
         if constexpr (!StoredRows<T, S>::compact) {
             if constexpr (std::is_same_v<T, float> && decode_tiles) {
                 if (tiles_) {  // read in place, asked for ahead past the run
@@ -540,10 +581,10 @@ public:
                     return;
                 }
             }
-            fold(K.block(first, n), V.block(first, n), acc);
+            fold(K.block(first, n), V.block(first, n), acc, key_position);
         } else {
             MEMATTN_DASSERT(K.cols() == queries_.cols() && V.cols() == acc.cols() && acc.rows() == g_);
-            if (g_ == 1) {
+            if (g_ == 1 && !logits_.transforms()) {
                 attend_stored(queries_.row(0), K, V, first, n, scale_, states_[0], acc.row(0));
                 return;
             }
@@ -573,8 +614,22 @@ public:
                       std::clamp<Index>(buffered / dv, 1, group_keys), acc);
         }
     }
-    /// Query r's state (natural logarithms), to finish or merge its accumulator row.
+    /// Query r's state (natural logarithms), to finish or merge its accumulator row. The
+    /// sink logits are not in it (they join once, in finish, after any merge).
     [[nodiscard]] SoftmaxState<T> state(Index r) const { return tiled_ ? block_.state(r) : states_[r]; }
+
+    /// Query r's output: its sink logit, if any, joins the denominator, then acc / sum.
+    template <class Row>
+    void finish(Index r, Row&& acc) const {
+        finish_state(state(r), logits_, r, acc);
+    }
+    /// The same for a state merged from parts (a split attend): the sink joins once here.
+    template <class Row>
+    static void finish_state(SoftmaxState<T> state, const DecodeLogits& logits, Index r, Row&& acc) {
+        if (logits.sinks != nullptr)
+            state.add_sink(static_cast<T>(logits.sinks[r]), acc);
+        state.finish(acc);
+    }
 
 private:
     static constexpr Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
@@ -606,6 +661,15 @@ private:
                         for (Index r = 0; r < g_; ++r)
                             s_[r * group_keys + j + i] =
                                 scale_ * dot_in_order(queries_.data() + r * queries_.outerStride(), k.data + i * k.stride, d);
+                }
+            }
+            if (logits_.transforms()) {
+                const Index k0 = key_position_ + j0;
+                for (Index r = 0; r < g_; ++r) {
+                    if (tiled_)
+                        logits_.apply(s_ + r, block, lanes_, r, k0, T(1.44269504088896340735992468100));
+                    else
+                        logits_.apply(s_ + r * group_keys, block, 1, r, k0, T(1));
                 }
             }
             if (tiled_) {
@@ -648,6 +712,9 @@ private:
                 logit_tiles<GQ>(keys, values, first + j0, block, d, qt_ + r0 * depth_, depth_, s_ + r0 * group_keys,
                                 group_keys, r0 == 0 ? ahead : 0, prefetch_end);
             });
+            if (logits_.transforms())
+                for (Index r = 0; r < g_; ++r)
+                    logits_.apply(s_ + r * group_keys, block, 1, r, key_position_ + j0, 1.0f);
             for (Index r = 0; r < g_; ++r)
                 alpha_[r] = states_[r].absorb(s_ + r * group_keys, block);
             for_query_tiles(g_, [&]<int GQ>(Index r0) {
@@ -660,7 +727,10 @@ private:
     ConstMatrixRef<T> queries_;
     T scale_;
     Index g_, lanes_;
-    bool ahead_, tiled_, tiles_;
+    bool ahead_;
+    DecodeLogits logits_;
+    Index key_position_ = 0;  // of the current fold's first key
+    bool tiled_, tiles_;
     Index depth_;  // the head dim rounded up to whole packets
     SoftmaxBlockState<T, static_cast<int>(group_rows)> block_;  // tiled route
     SoftmaxState<T> states_[group_rows];                        // the other routes
@@ -686,7 +756,7 @@ void attend_group_runs(const ConstMatrixRef<T>& queries, MatrixRef<T>& out, T sc
             group.fold_stored(keys, values, first, n, acc);
         });
         for (Index r = 0; r < g; ++r)
-            group.state(r).finish(acc.row(r));
+            group.finish(r, acc.row(r));
     }
 }
 

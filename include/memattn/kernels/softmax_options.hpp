@@ -1,18 +1,79 @@
 #pragma once
 // SoftmaxOptions: what every softmax entry point takes beside its tensors (the kernels,
-// the softmax memories, the paged pool): the scale of q·k, a sliding window and its sink
-// tokens (docs/design.md, "Causal softmax attention"). A header of its own, so that a
-// caller who only names the options does not compile the tiled kernel.
+// the softmax memories, the paged pool), and their checks (docs/design.md, §4.1). A
+// header of its own, so that a caller who only names the options does not compile the
+// tiled kernel.
+//
+// The logit of query i (position p_i) and key j, in the order the options apply
+// (ONNX Runtime's and llama.cpp's order: scale, softcap, then the biases):
+//
+//   s_ij = scale · q_i·k_j
+//   s_ij ← c · tanh(s_ij / c)                    softcap = c > 0 (Gemma 2)
+//   s_ij ← s_ij − slope_h · |p_i − j|            alibi_slopes[h] (ALiBi; causal: p_i − j ≥ 0)
+//   key j visible iff (causal: j ≤ p_i) and (j < sink_tokens or window = 0 or |p_i − j| < window)
+//   o_i = Σ_j e^{s_ij} v_j / (e^{σ_h} + Σ_j e^{s_ij})   sink_logits[h] = σ_h (gpt-oss), else no e^{σ_h}
+//
+// Per-head values (sink_logits, alibi_slopes) are spans the caller keeps alive through
+// the call: one value for a single-head call, q_heads for a multi-head one.
 
 #include "memattn/types.hpp"
 
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string_view>
+
 namespace memattn {
 
-/// Options of causal_softmax_attention (docs/design.md).
+/// Options of the softmax attention calls (docs/design.md, §4.1); see the top of the file.
 struct SoftmaxOptions {
-    double scale = 0;  ///< multiplies q·k before the softmax; 0 means 1/sqrt(d)
-    Index window = 0;  ///< each query sees its last `window` keys, itself included; 0: no limit
-    Index sinks = 0;   ///< the first `sinks` tokens stay visible to every later query (StreamingLLM)
+    double scale = 0;    ///< multiplies q·k before the softmax; 0 means 1/sqrt(d)
+    Index window = 0;    ///< each query sees the keys less than `window` positions away (itself included); 0: no limit
+    Index sink_tokens = 0;  ///< the first `sink_tokens` tokens stay visible to every later query (StreamingLLM)
+    double softcap = 0;  ///< c > 0: s ← c·tanh(s/c) before the softmax (Gemma 2); 0: off
+    bool causal = true;  ///< false: every key, before and after the query (encoders, cross attention)
+    std::span<const double> sink_logits = {};   ///< σ_h per query head: joins the denominator with no value (gpt-oss)
+    std::span<const double> alibi_slopes = {};  ///< slope_h per query head: s ← s − slope_h·|p_i − j| (ALiBi)
+
+    /// True when the logits are scale·q·k and nothing else (softcap, ALiBi, sink logits off).
+    [[nodiscard]] bool plain_logits() const noexcept {
+        return softcap == 0 && sink_logits.empty() && alibi_slopes.empty();
+    }
 };
+
+namespace detail {
+
+/// The options' own checks, for a call over `heads` query heads (1 for a single head):
+/// finite values, a softcap ≥ 0, and spans of one value per head or none.
+inline void check_logit_options(std::string_view function, const SoftmaxOptions& options, Index heads) {
+    require(options.window >= 0, function, "options.window", "is ", options.window, ", expected >= 0 (0: no limit)");
+    require(options.sink_tokens >= 0, function, "options.sink_tokens", "is ", options.sink_tokens, ", expected >= 0");
+    require(std::isfinite(options.softcap) && options.softcap >= 0, function, "options.softcap", "is ",
+            options.softcap, ", expected a finite number >= 0 (0: off)");
+    const auto per_head = [&](std::span<const double> values, const char* name, bool allow_minus_inf) {
+        if (values.empty())
+            return;
+        require(static_cast<Index>(values.size()) == heads, function, name, "has ", values.size(),
+                " values, expected ", heads, heads == 1 ? " (a single head)" : " (one per query head)");
+        for (std::size_t h = 0; h < values.size(); ++h)
+            require(std::isfinite(values[h]) || (allow_minus_inf && values[h] < 0 && std::isinf(values[h])),
+                    function, name, "has ", values[h], " for head ", h,
+                    allow_minus_inf ? ", expected a finite number or −∞ (no sink)" : ", expected a finite number");
+    };
+    per_head(options.sink_logits, "options.sink_logits", true);
+    per_head(options.alibi_slopes, "options.alibi_slopes", false);
+}
+
+/// The options of query head h of a multi-head call: its own sink logit and slope.
+inline SoftmaxOptions head_options(const SoftmaxOptions& options, Index h) {
+    SoftmaxOptions one = options;
+    if (!options.sink_logits.empty())
+        one.sink_logits = options.sink_logits.subspan(static_cast<std::size_t>(h), 1);
+    if (!options.alibi_slopes.empty())
+        one.alibi_slopes = options.alibi_slopes.subspan(static_cast<std::size_t>(h), 1);
+    return one;
+}
+
+}  // namespace detail
 
 }  // namespace memattn

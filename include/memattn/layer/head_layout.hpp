@@ -87,10 +87,10 @@ inline void check_offsets(const char* function, const char* name, std::span<cons
 }
 
 /// The batch: offsets consistent with the buffers, and Nq_b ≤ Nk_b for every sequence.
-inline void check_varlen(const char* function, const VarLen& batch, Index q_rows, Index k_rows) {
+inline void check_varlen(const char* function, const VarLen& batch, Index q_rows, Index k_rows, bool causal = true) {
     if (batch.q_offsets.empty() && batch.k_offsets.empty()) {
-        require(q_rows <= k_rows, function, "Q", "has ", q_rows, " rows, expected at most ", k_rows,
-                " (K's rows): queries continue the keys, so Nq <= Nk");
+        require(q_rows <= k_rows || !causal, function, "Q", "has ", q_rows, " rows, expected at most ", k_rows,
+                " (K's rows): causal queries continue the keys, so Nq <= Nk");
         return;
     }
     check_offsets(function, "varlen.q_offsets", batch.q_offsets, q_rows, "Q");
@@ -99,8 +99,8 @@ inline void check_varlen(const char* function, const VarLen& batch, Index q_rows
             batch.k_offsets.size(), " offsets, expected ", batch.q_offsets.size(), " as varlen.q_offsets");
     for (std::size_t b = 0; b + 1 < batch.q_offsets.size(); ++b) {
         const Index nq = batch.q_offsets[b + 1] - batch.q_offsets[b], nk = batch.k_offsets[b + 1] - batch.k_offsets[b];
-        require(nq <= nk, function, "varlen", "gives sequence ", b, ' ', nq, " queries and ", nk,
-                " keys, expected Nq <= Nk");
+        require(nq <= nk || !causal, function, "varlen", "gives sequence ", b, ' ', nq, " queries and ", nk,
+                " keys, expected Nq <= Nk (causal)");
     }
 }
 

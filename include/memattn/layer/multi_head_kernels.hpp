@@ -68,9 +68,10 @@ inline std::vector<SoftmaxItem> softmax_items(const HeadLayout& layout, const Va
 inline double softmax_item_cost(const SoftmaxItem& item, const SequenceSpan& span, const SoftmaxOptions& options) {
     const Index window = effective_window(options.window, span.k_rows);
     const Index position = span.k_rows - span.q_rows + item.q_begin + item.rows / 2;
-    Index keys = position + 1;
+    Index keys = options.causal ? position + 1 : span.k_rows;
     if (window > 0)
-        keys = std::min(keys, window) + std::min(options.sinks, std::max<Index>(0, position + 1 - window));
+        keys = std::min(keys, options.causal ? window : 2 * window - 1) +
+               std::min(options.sink_tokens, std::max<Index>(0, position + 1 - window));
     return static_cast<double>(item.rows) * static_cast<double>(keys + 64);
 }
 
@@ -147,15 +148,18 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink
                 const Index kv = layout.kv_head_of(item.head);
                 const HeadKeys<T> source = head_keys(span, kv);
                 const auto [keys, values] = copy.contiguous(source, item.seq, kv);
-                // Keys up to the item's last query: its queries stay bottom-right aligned.
-                const Index visible = span.k_rows - span.q_rows + item.q_begin + item.rows;
+                // Causal: keys up to the item's last query, its queries bottom-right aligned.
+                // Both ways: every key, the item's queries at their positions in the sequence.
+                const Index first = span.k_rows - span.q_rows + item.q_begin;
+                const Index visible = options.causal ? first + item.rows : span.k_rows;
                 const Index row0 = span.q_begin + item.q_begin;
-                SoftmaxOptions head_options = options;
-                head_options.scale = source.scale;
+                SoftmaxOptions one = head_options(options, item.head);
+                one.scale = source.scale;
                 causal_softmax_views<T>(
                     Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible), values.topRows(visible),
                     O.block(row0, item.head * dv, item.rows, dv),
-                    [&](Index r, T value) { lse(row0 + r, item.head, value); }, head_options, *scratch);
+                    [&](Index r, T value) { lse(row0 + r, item.head, value); }, one, *scratch,
+                    options.causal ? trailing_queries : first);
             }
         },
         0, executor);
@@ -182,10 +186,10 @@ void check_softmax_layer(const char* function, const HeadLayout& layout, const C
                          const SoftmaxOptions& options, const VarLen& batch) {
     check_layout(function, layout);
     check_packed(function, layout, shape(q), shape(k), shape(v), shape(o));
-    check_varlen(function, batch, q.rows(), k.rows());
+    check_varlen(function, batch, q.rows(), k.rows(), options.causal);
     // The per-head checks on one head's shapes (options; Nq <= Nk was checked per sequence).
     check_softmax_arguments<T>(function, {0, layout.head_dim}, {0, layout.head_dim}, {0, layout.values()},
-                               {0, layout.values()}, options);
+                               {0, layout.values()}, options, layout.q_heads);
     check_disjoint(function, "O", o, q, k, v);
 }
 

@@ -9,7 +9,7 @@
 //   SlidingWindowCache<float> cache(64, 64, /*window=*/512, /*sinks=*/4);
 //   memattn::decode(cache, Q, K, V, O);  // row i of O sees tokens 0..3 and i−511..i
 //
-// State: the sinks are items 0..sinks−1 of one ring, token j >= sinks is item
+// State: the sinks are items 0..sink_tokens−1 of one ring, token j >= sinks is item
 // j − sinks of a ring of `window` rows; both are allocated at construction, so
 // update/attend never allocate. Everything else derives from length().
 
@@ -277,7 +277,7 @@ private:
     }
 
     [[nodiscard]] SoftmaxOptions kernel_options() const {
-        return {.scale = static_cast<double>(scale_), .window = window_, .sinks = sinks_};
+        return {.scale = static_cast<double>(scale_), .window = window_, .sink_tokens = sinks_};
     }
 
     /// prefill after a cached prefix, in chunks of max(window, prefill_chunk) queries.

@@ -23,7 +23,7 @@
 // sequence that writes into a block another sequence holds copies it first into a free
 // block (copy-on-write), so a fork costs one count per block.
 //
-// A pool built with SoftmaxOptions{.window = W, .sinks = s} is one sliding-window
+// A pool built with SoftmaxOptions{.window = W, .sink_tokens = s} is one sliding-window
 // layer's: the query at position p sees the tokens j ≤ p with j < s or j > p − W (as
 // causal_softmax_attention with those options), and after each call a sequence of length
 // L frees (unless another sequence holds it) every block past the first ceil(s / block)
@@ -98,16 +98,21 @@ public:
     PagedKVCache(const HeadLayout& layout, Index blocks, Index block_size = default_block_size, T scale = T(0))
         : PagedKVCache(layout, blocks, block_size, SoftmaxOptions{.scale = static_cast<double>(scale)}) {}
 
-    /// A pool of one sliding-window layer (see the top of the file): `options.window`
-    /// (0: none) and `options.sinks` as causal_softmax_attention takes them, and
-    /// `options.scale` as the scale above. Sinks without a window change nothing.
+    /// A pool of a layer with SoftmaxOptions: a sliding window (see the top of the file:
+    /// `options.window`, 0: none, and `options.sink_tokens`, which change nothing without
+    /// a window), `options.scale` as the scale above, and the logit options (softcap,
+    /// alibi_slopes and sink_logits, one per query head, copied) as
+    /// causal_softmax_attention takes them. `options.causal` must be true.
     PagedKVCache(const HeadLayout& layout, Index blocks, Index block_size, const SoftmaxOptions& options)
         : layout_(checked(layout)),
           blocks_(detail::at_least(blocks, 1, "PagedKVCache", "blocks")),
           block_size_(detail::at_least(block_size, 1, "PagedKVCache", "block_size")),
           scale_(detail::checked_scale(static_cast<T>(options.scale), layout.head_dim, "PagedKVCache")),
-          window_(detail::at_least(options.window, 0, "PagedKVCache", "options.window")),
-          sinks_(window_ > 0 ? detail::at_least(options.sinks, 0, "PagedKVCache", "options.sinks") : 0),
+          window_(checked_options(options, layout_).window),
+          sinks_(window_ > 0 ? options.sink_tokens : 0),
+          softcap_(options.softcap),
+          slopes_(options.alibi_slopes.begin(), options.alibi_slopes.end()),
+          sink_logits_(options.sink_logits.begin(), options.sink_logits.end()),
           keys_(pool_rows(), layout_.head_dim),
           values_(pool_rows(), layout_.values()),
           refs_(static_cast<std::size_t>(blocks_), 0) {
@@ -237,10 +242,15 @@ public:
     /// The latest tokens a query sees, itself included; 0: every token.
     [[nodiscard]] Index window() const noexcept { return window_; }
     /// The first tokens every query sees beside its window (0 without a window).
-    [[nodiscard]] Index sinks() const noexcept { return sinks_; }
-    /// The options the attends follow: scale, window and sinks.
+    [[nodiscard]] Index sink_tokens() const noexcept { return sinks_; }
+    /// The options the attends follow (its spans view the pool's own copies).
     [[nodiscard]] SoftmaxOptions options() const noexcept {
-        return {.scale = static_cast<double>(scale_), .window = window_, .sinks = sinks_};
+        return {.scale = static_cast<double>(scale_),
+                .window = window_,
+                .sink_tokens = sinks_,
+                .softcap = softcap_,
+                .sink_logits = sink_logits_,
+                .alibi_slopes = slopes_};
     }
     /// Width of a packed key row: kv_heads·head_dim.
     [[nodiscard]] Index key_dim() const noexcept { return layout_.kv_heads * layout_.head_dim; }
@@ -424,7 +434,7 @@ public:
         w.index(s.first);
         for (const bool values : {false, true})
             for (Index h = 0; h < layout_.kv_heads; ++h)
-                for_each_held_run(s, [&](Index block, Index offset, Index count) {
+                for_each_held_run(s, [&](Index block, Index offset, Index count, Index) {
                     (values ? values_ : keys_).write_rows(w, first_row(block, h) + offset, count);
                 });
     }
@@ -461,7 +471,7 @@ public:
             loaded.table.push_back(take_block());
         for (const bool values : {false, true})
             for (Index h = 0; h < layout_.kv_heads; ++h)
-                for_each_held_run(loaded, [&](Index block, Index offset, Index count) {
+                for_each_held_run(loaded, [&](Index block, Index offset, Index count, Index) {
                     (values ? values_ : keys_).read_rows(r, first_row(block, h) + offset, count);
                 });
         State& s = sequences_[static_cast<std::size_t>(seq)];
@@ -552,6 +562,12 @@ private:
         detail::check_layout("PagedKVCache", layout);
         return layout;
     }
+    static const SoftmaxOptions& checked_options(const SoftmaxOptions& options, const HeadLayout& layout) {
+        detail::check_logit_options("PagedKVCache", options, layout.q_heads);
+        detail::require(options.causal, "PagedKVCache", "options.causal", "is false, but a pool's queries come after "
+                        "its keys (each new token attends its past)");
+        return options;
+    }
 
     /// Rows of each of the two stores: blocks × kv_heads × block_size, checked.
     [[nodiscard]] Index pool_rows() const {
@@ -584,12 +600,13 @@ private:
     [[nodiscard]] Index held_tokens(const State& s) const noexcept {
         return std::min(sinks_, s.length) + std::max<Index>(0, s.length - s.first);
     }
-    /// f(block, offset, count) for the runs of tokens [begin, end) of s, block by block.
+    /// f(block, offset, count, token) for the runs of tokens [begin, end) of s, block by
+    /// block (`token`: the position of the run's first).
     template <class F>
     void for_each_run(const State& s, Index begin, Index end, F&& f) const {
         for (Index j = begin / block_size_; j * block_size_ < end; ++j) {
             const Index lo = std::max(begin, j * block_size_), hi = std::min(end, (j + 1) * block_size_);
-            f(block_of(s, j), lo - j * block_size_, hi - lo);
+            f(block_of(s, j), lo - j * block_size_, hi - lo, lo);
         }
     }
     /// The same over every held token, in order: the sinks, then [first, length).
@@ -764,9 +781,14 @@ private:
             const Index rows = std::min(detail::group_rows, g - r0);
             auto acc = outputs.middleRows(r0, rows);
             acc.setZero();
-            detail::GroupAttention<T> group(queries.middleRows(r0, rows), scale_, ahead);
-            const auto fold = [&](Index block, Index offset, Index count) {
-                group.fold_stored(keys_, values_, first_row(block, h) + offset, count, acc);
+            const detail::DecodeLogits logits{
+                .softcap = softcap_,
+                .slopes = slopes_.empty() ? nullptr : slopes_.data() + h * g + r0,
+                .sinks = sink_logits_.empty() ? nullptr : sink_logits_.data() + h * g + r0,
+                .position = length - 1};
+            detail::GroupAttention<T> group(queries.middleRows(r0, rows), scale_, ahead, logits);
+            const auto fold = [&](Index block, Index offset, Index count, Index token) {
+                group.fold_stored(keys_, values_, first_row(block, h) + offset, count, acc, token);
             };
             if (whole) {
                 for_each_run(s, 0, length, fold);
@@ -775,7 +797,7 @@ private:
                 for_each_run(s, window_begin, length, fold);
             }
             for (Index r = 0; r < rows; ++r)
-                group.state(r).finish(acc.row(r));
+                group.finish(r, acc.row(r));
         }
     }
 
@@ -783,6 +805,8 @@ private:
     Index blocks_, block_size_;
     T scale_;
     Index window_, sinks_;  // sinks_ is 0 without a window
+    double softcap_;
+    std::vector<double> slopes_, sink_logits_;  // per query head, or none
     detail::StoredRows<T, S> keys_, values_;
     std::vector<Index> refs_;  // sequences holding each block
     std::vector<Index> free_;  // blocks no one holds, taken from the back

@@ -1,0 +1,219 @@
+// The logit options of SoftmaxOptions (kernels/softmax_options.hpp) in the tiled kernel:
+// softcap, ALiBi, learned sink logits, non-causal and cross attention, alone and combined
+// with windows and sink tokens, against the double reference that materialises the
+// scores; per head in the multi-head layer and varlen; the options that change nothing
+// bit for bit the plain kernel; bad options refused.
+
+#include "support.hpp"
+
+#include <memattn/kernels/causal_softmax.hpp>
+#include <memattn/layer/multi_head_kernels.hpp>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+using namespace memattn;
+using namespace memattn::test;
+
+namespace {
+
+struct Case {
+    double softcap = 0;
+    std::optional<double> slope = {}, sink = {};
+    bool causal = true;
+    Index window = 0, sink_tokens = 0;
+};
+
+/// One head: the kernel with the case's options against the reference, O and lse.
+template <class T>
+void check_case(const Case& c, Index nq, Index nk, Index d, double tolerance) {
+    const Matrix<T> Q = random_matrix<T>(nq, d, 1, 2.0), K = random_matrix<T>(nk, d, 2, 2.0),
+                    V = random_matrix<T>(nk, d + 3, 3);
+    const double slope = c.slope.value_or(0), sink = c.sink.value_or(0);
+    SoftmaxOptions options{.window = c.window, .sink_tokens = c.sink_tokens, .softcap = c.softcap, .causal = c.causal};
+    if (c.slope)
+        options.alibi_slopes = std::span<const double>(&slope, 1);
+    if (c.sink)
+        options.sink_logits = std::span<const double>(&sink, 1);
+    Matrix<T> O(nq, d + 3);
+    Vector<T> lse(nq);
+    causal_softmax_attention(Q, K, V, O, lse, options);
+    const reference::SoftmaxResult expected = reference::softmax_attention(
+        Q.template cast<double>(), K.template cast<double>(), V.template cast<double>(),
+        reference::Logits{.window = c.window, .sink_tokens = c.sink_tokens, .softcap = c.softcap, .causal = c.causal,
+                          .slope = c.slope, .sink = c.sink});
+    check_close(O, expected.out, tolerance);
+    for (Index i = 0; i < nq; ++i) {
+        const double want = expected.lse[static_cast<std::size_t>(i)];
+        if (std::isinf(want))
+            CHECK(std::isinf(static_cast<double>(lse(i))));
+        else
+            CHECK(static_cast<double>(lse(i)) == Approx(want).epsilon(tolerance).margin(tolerance));
+    }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("SoftmaxOptions: softcap, ALiBi, sink logits and non-causal attention equal the materialised "
+                   "reference, alone and combined with windows and sink tokens",
+                   "[softmax][options]", float, double) {
+    using T = TestType;
+    const double tolerance = std::is_same_v<T, float> ? 2e-5 : 1e-11;
+    const std::vector<Case> cases{
+        {.softcap = 5},
+        {.softcap = 0.7},
+        {.slope = 0.125},
+        {.slope = 0.0078125, .window = 40},
+        {.sink = 0.5},
+        {.sink = 8},  // above every logit: the outputs shrink towards 0
+        {.sink = -30},
+        {.causal = false},
+        {.causal = false, .window = 17},
+        {.causal = false, .window = 9, .sink_tokens = 20},  // sinks past some queries' windows, both ways
+        {.softcap = 3, .slope = 0.25, .sink = 1, .window = 33, .sink_tokens = 4},
+        {.softcap = 2, .slope = 0.03, .sink = -1, .causal = false, .window = 50, .sink_tokens = 3},
+        {.window = 25, .sink_tokens = 7},
+    };
+    for (std::size_t k = 0; k < cases.size(); ++k)
+        for (const auto& [nq, nk] : {std::pair<Index, Index>{0, 0}, {1, 1}, {1, 300}, {37, 37}, {200, 250},
+                                     {130, 400}, {300, 300}})
+            for (const Index d : {1, 16, 64}) {
+                INFO("case " << k << ", Nq = " << nq << ", Nk = " << nk << ", d = " << d);
+                check_case<T>(cases[k], nq, nk, d, tolerance);
+            }
+}
+
+TEMPLATE_TEST_CASE("SoftmaxOptions: non-causal cross attention takes any Nq and Nk", "[softmax][options]", float,
+                   double) {
+    using T = TestType;
+    const double tolerance = std::is_same_v<T, float> ? 2e-5 : 1e-11;
+    for (const auto& [nq, nk] : {std::pair<Index, Index>{300, 7}, {1, 0}, {5, 1}, {250, 600}, {401, 200}})
+        for (const Case& c : {Case{.causal = false}, Case{.softcap = 4, .sink = 0.3, .causal = false},
+                              Case{.slope = 0.05, .causal = false, .window = 64, .sink_tokens = 2}}) {
+            INFO("Nq = " << nq << ", Nk = " << nk << ", window " << c.window);
+            check_case<T>(c, nq, nk, 32, tolerance);
+        }
+    // Causal queries still continue the keys.
+    const Matrix<T> Q = random_matrix<T>(5, 8, 4), K = random_matrix<T>(4, 8, 5);
+    Matrix<T> O(5, 8);
+    CHECK_THROWS_AS(causal_softmax_attention(Q, K, K, O), std::invalid_argument);
+}
+
+TEST_CASE("SoftmaxOptions: options that change nothing give the plain kernel's bits", "[softmax][options]") {
+    const Matrix<float> Q = random_matrix<float>(333, 64, 11, 2.0), K = random_matrix<float>(333, 64, 12, 2.0),
+                        V = random_matrix<float>(333, 64, 13);
+    Matrix<float> plain(333, 64), other(333, 64);
+    for (const Index window : {Index{0}, Index{100}}) {
+        const SoftmaxOptions base{.window = window, .sink_tokens = 3};
+        causal_softmax_attention(Q, K, V, plain, base);
+        const double zero = 0, none = -std::numeric_limits<double>::infinity();
+        SoftmaxOptions slope_zero = base, no_sink = base;
+        slope_zero.alibi_slopes = std::span<const double>(&zero, 1);  // s − 0·|p − j| is s
+        no_sink.sink_logits = std::span<const double>(&none, 1);      // e^−∞ adds nothing
+        for (const SoftmaxOptions& same : {slope_zero, no_sink}) {
+            causal_softmax_attention(Q, K, V, other, same);
+            CHECK((plain.array() == other.array()).all());
+        }
+    }
+    // The last query alone sees every key either way: non-causal is causal there.
+    Matrix<float> last(1, 64), both(1, 64);
+    causal_softmax_attention(Q.bottomRows(1), K, V, last);
+    causal_softmax_attention(Q.bottomRows(1), K, V, both, SoftmaxOptions{.causal = false});
+    CHECK((last.array() == both.array()).all());
+}
+
+TEST_CASE("SoftmaxOptions: learned sink logits follow gpt-oss and ONNX Runtime's head_sink", "[softmax][options]") {
+    // o = Σ_j e^{s_j} v_j / (e^σ + Σ_j e^{s_j}): a softmax over the logits and σ whose σ
+    // column is dropped. Checked on one query by hand.
+    const Matrix<double> q{{1.0, 0.0}}, K{{1.0, 0.0}, {0.0, 1.0}}, V{{2.0}, {4.0}};
+    const double sigma = 0.25;
+    Matrix<double> o(1, 1);
+    Vector<double> lse(1);
+    causal_softmax_attention(q, K, V, o, lse,
+                             SoftmaxOptions{.scale = 1, .causal = false,
+                                            .sink_logits = std::span<const double>(&sigma, 1)});
+    const double e0 = std::exp(1.0), e1 = std::exp(0.0), es = std::exp(sigma);
+    CHECK(o(0, 0) == Approx((2 * e0 + 4 * e1) / (e0 + e1 + es)).epsilon(1e-15));
+    CHECK(lse(0) == Approx(std::log(e0 + e1 + es)).epsilon(1e-15));
+    // A query that sees no key: zero output, log-sum-exp σ.
+    Matrix<double> none(1, 1);
+    Vector<double> none_lse(1);
+    causal_softmax_attention(q, K, V, none, none_lse,
+                             SoftmaxOptions{.window = 1, .causal = false,
+                                            .sink_logits = std::span<const double>(&sigma, 1)});
+    CHECK(none_lse(0) != -std::numeric_limits<double>::infinity());
+}
+
+TEST_CASE("SoftmaxOptions: the multi-head layer gives each query head its own sink logit and slope, varlen and "
+          "non-causal included, the same bits on any thread count",
+          "[softmax][options][multi_head]") {
+    const HeadLayout layout{8, 2, 16, 0};
+    const Index q_heads = 8;
+    std::vector<double> slopes, sinks;
+    for (Index h = 0; h < q_heads; ++h) {
+        slopes.push_back(std::pow(2.0, -8.0 * static_cast<double>(h + 1) / static_cast<double>(q_heads)));  // ALiBi's
+        sinks.push_back(0.3 * static_cast<double>(h) - 1);
+    }
+    const Matrix<float> Q = random_matrix<float>(230, 128, 21, 2.0), K = random_matrix<float>(260, 32, 22, 2.0),
+                        V = random_matrix<float>(260, 32, 23);
+    const std::vector<Index> q_all{0, 100, 100, 230}, k_all{0, 90, 120, 260};  // Nq > Nk in the first: non-causal only
+    const std::vector<Index> q_causal{0, 100, 130}, k_causal{0, 120, 260};
+    const VarLen batch{q_all, k_all};
+    for (const bool causal : {true, false}) {
+        const SoftmaxOptions options{.window = 50, .sink_tokens = 2, .softcap = 6, .causal = causal,
+                                     .sink_logits = sinks, .alibi_slopes = slopes};
+        const VarLen used = causal ? VarLen{q_causal, k_causal} : batch;
+        const Index rows = used.q_offsets.back();
+        Matrix<float> O(rows, 128), again(rows, 128);
+        multi_head_causal_softmax_attention(Q.topRows(rows), K, V, O, layout, options, used, OpenMPExecutor{.threads = 1});
+        multi_head_causal_softmax_attention(Q.topRows(rows), K, V, again, layout, options, used,
+                                            OpenMPExecutor{.threads = 2});
+        CHECK((O.array() == again.array()).all());
+        for (std::size_t b = 0; b + 1 < used.q_offsets.size(); ++b) {
+            const Index q0 = used.q_offsets[b], nq = used.q_offsets[b + 1] - q0;
+            const Index k0 = used.k_offsets[b], nk = used.k_offsets[b + 1] - k0;
+            for (Index h = 0; h < q_heads; ++h) {
+                INFO("causal " << causal << ", sequence " << b << ", head " << h);
+                const Index kv = h / 4;
+                // The head alone through the single-head kernel: the same bits.
+                Matrix<float> one(nq, 16);
+                causal_softmax_attention(Q.block(q0, h * 16, nq, 16), K.block(k0, kv * 16, nk, 16),
+                                         V.block(k0, kv * 16, nk, 16), one, detail::head_options(options, h));
+                CHECK((one.array() == O.block(q0, h * 16, nq, 16).array()).all());
+                const reference::SoftmaxResult expected = reference::softmax_attention(
+                    Q.block(q0, h * 16, nq, 16).cast<double>(), K.block(k0, kv * 16, nk, 16).cast<double>(),
+                    V.block(k0, kv * 16, nk, 16).cast<double>(),
+                    reference::Logits{.window = 50, .sink_tokens = 2, .softcap = 6, .causal = causal,
+                                      .slope = slopes[static_cast<std::size_t>(h)],
+                                      .sink = sinks[static_cast<std::size_t>(h)]});
+                check_close(one, expected.out, 2e-5);
+            }
+        }
+    }
+}
+
+TEST_CASE("SoftmaxOptions: bad options throw std::invalid_argument naming them, O unchanged", "[softmax][options][bad_input]") {
+    const Matrix<float> Q = random_matrix<float>(4, 8, 31), K = random_matrix<float>(4, 8, 32);
+    Matrix<float> O = Matrix<float>::Constant(4, 8, 7);
+    const std::vector<double> two{0.1, 0.2}, nan{std::nan("")}, inf{std::numeric_limits<double>::infinity()};
+    const auto refused = [&](const SoftmaxOptions& options, const char* name) {
+        INFO(name);
+        CHECK_THROWS_WITH(causal_softmax_attention(Q, K, K, O, options), Catch::Contains(name));
+        CHECK((O.array() == 7).all());
+    };
+    refused(SoftmaxOptions{.softcap = -1}, "options.softcap");
+    refused(SoftmaxOptions{.softcap = std::nan("")}, "options.softcap");
+    refused(SoftmaxOptions{.sink_logits = two}, "options.sink_logits");  // two values for one head
+    refused(SoftmaxOptions{.sink_logits = nan}, "options.sink_logits");
+    refused(SoftmaxOptions{.sink_logits = inf}, "options.sink_logits");  // +∞ would swallow every output
+    refused(SoftmaxOptions{.alibi_slopes = two}, "options.alibi_slopes");
+    refused(SoftmaxOptions{.alibi_slopes = inf}, "options.alibi_slopes");
+    // A layer of 8 query heads wants 8 values.
+    const HeadLayout layout{8, 2, 4, 0};
+    Matrix<float> Ol = Matrix<float>::Constant(4, 32, 7);
+    CHECK_THROWS_WITH(multi_head_causal_softmax_attention(random_matrix<float>(4, 32, 33), K, K, Ol, layout,
+                                                          SoftmaxOptions{.alibi_slopes = two}),
+                      Catch::Contains("options.alibi_slopes") && Catch::Contains("one per query head"));
+    CHECK((Ol.array() == 7).all());
+}
