@@ -9,10 +9,12 @@
 #include "bench_common.hpp"
 
 #include <memattn/kernels/causal_softmax.hpp>
+#include <memattn/memory/kv_cache.hpp>
 
 #include <algorithm>
 #include <limits>
 #include <span>
+#include <vector>
 
 namespace {
 
@@ -127,7 +129,9 @@ void BM_TileSweep(benchmark::State& state) {
 
 /// The logit options (SoftmaxOptions) against the plain call in the same run: option 0
 /// plain, 1 softcap 30, 2 ALiBi, 3 a sink logit, 4 all three, 5 non-causal (GFLOPS per
-/// visible pair: N² for non-causal, so equal rates mean equal cost per pair).
+/// visible pair: N² for non-causal, so equal rates mean equal cost per pair), 6 a dense
+/// additive bias (N × N, causal), 7 a dense boolean mask (the causal one, as a user
+/// would give it: every pair read).
 void BM_Options(benchmark::State& state) {
     const Index n = state.range(0), d = state.range(1), option = state.range(2);
     const Matrix<float> Q = random_matrix<float>(n, d, 1), K = random_matrix<float>(n, d, 2),
@@ -143,13 +147,69 @@ void BM_Options(benchmark::State& state) {
         options.sink_logits = std::span<const double>(&sink, 1);
     if (option == 5)
         options.causal = false;
+    Matrix<float> bias;
+    Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> mask;
+    if (option == 6)
+        bias = random_matrix<float>(n, n, 4);
+    if (option == 7) {
+        mask.resize(n, n);
+        for (Index i = 0; i < n; ++i)
+            for (Index j = 0; j < n; ++j)
+                mask(i, j) = j <= i;
+    }
     for (auto _ : state) {
-        memattn::causal_softmax_attention(Q, K, V, O, options);
+        if (option == 6)
+            memattn::causal_softmax_attention(Q, K, V, O, options, bias);
+        else if (option == 7)
+            memattn::causal_softmax_attention(Q, K, V, O, options, mask);
+        else
+            memattn::causal_softmax_attention(Q, K, V, O, options);
         benchmark::DoNotOptimize(O.data());
         benchmark::ClobberMemory();
     }
     const double pairs = option == 5 ? static_cast<double>(n) * static_cast<double>(n) : visible_pairs(n, 0);
     set_gflops(state, 2.0 * static_cast<double>(2 * d) * pairs);
+}
+
+/// Speculative decoding's verify step: 64 draft tokens (a binary tree) over a cache of
+/// `past` tokens in one call with options.parents (steps = 0), against 64 decode steps
+/// (steps = 1): each draft's attend over a KVCache of the cache and its ancestors.
+void BM_TreeVerify(benchmark::State& state) {
+    const Index past = state.range(0), d = state.range(1), drafts = 64;
+    const bool steps = state.range(2) != 0;
+    std::vector<Index> parents{-1};
+    for (Index i = 1; i < drafts; ++i)
+        parents.push_back((i - 1) / 2);
+    const Matrix<float> Q = random_matrix<float>(drafts, d, 1), K = random_matrix<float>(past + drafts, d, 2),
+                        V = random_matrix<float>(past + drafts, d, 3);
+    Matrix<float> O(drafts, d);
+    // A step's cache: the past and the draft's ancestors (depth ≤ 6), built once here.
+    std::vector<memattn::KVCache<float>> caches;
+    if (steps)
+        for (Index i = 0; i < drafts; ++i) {
+            std::vector<Index> chain;
+            for (Index a = i; a >= 0; a = parents[static_cast<std::size_t>(a)])
+                chain.insert(chain.begin(), a);
+            Matrix<float> k(past + static_cast<Index>(chain.size()), d), v(k.rows(), d);
+            k.topRows(past) = K.topRows(past);
+            v.topRows(past) = V.topRows(past);
+            for (std::size_t c = 0; c < chain.size(); ++c) {
+                k.row(past + static_cast<Index>(c)) = K.row(past + chain[c]);
+                v.row(past + static_cast<Index>(c)) = V.row(past + chain[c]);
+            }
+            caches.emplace_back(d, d);
+            memattn::extend(caches.back(), k, v);
+        }
+    const memattn::SoftmaxOptions tree{.parents = parents};
+    for (auto _ : state) {
+        if (steps)
+            for (Index i = 0; i < drafts; ++i)
+                caches[static_cast<std::size_t>(i)].attend(Q.row(i), O.row(i));
+        else
+            memattn::causal_softmax_attention(Q, K, V, O, tree);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
 }
 
 void cases(benchmark::internal::Benchmark* b, Index max_n) {
@@ -176,8 +236,10 @@ BENCHMARK(BM_EigenTileGemm)->Apply([](auto* b) { cases(b, 16384); });
 BENCHMARK(BM_Naive)->Apply([](auto* b) { cases(b, 16384); });
 BENCHMARK(BM_CausalSoftmax<float>)->Name("BM_CausalSoftmax_long")->ArgNames({"N", "d", "window"})->Args({131072, 64, 512})
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Options)->ArgNames({"N", "d", "option"})->ArgsProduct({{4096}, {64, 128}, {0, 1, 2, 3, 4, 5}})
+BENCHMARK(BM_Options)->ArgNames({"N", "d", "option"})->ArgsProduct({{4096}, {64, 128}, {0, 1, 2, 3, 4, 5, 6, 7}})
     ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_TreeVerify)->ArgNames({"past", "d", "steps"})->ArgsProduct({{4096}, {64, 128}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond);
 // One family per N and window (Google Benchmark warns above 100 cases in a family).
 BENCHMARK(BM_TileSweep)->Apply([](auto* b) { tile_sweep(b, 4096, 0); });
 BENCHMARK(BM_TileSweep)->Apply([](auto* b) { tile_sweep(b, 4096, 512); });

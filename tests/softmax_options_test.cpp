@@ -217,3 +217,134 @@ TEST_CASE("SoftmaxOptions: bad options throw std::invalid_argument naming them, 
                       Catch::Contains("options.alibi_slopes") && Catch::Contains("one per query head"));
     CHECK((Ol.array() == 7).all());
 }
+
+TEMPLATE_TEST_CASE("Dense biases and masks: any Eigen expression, against the reference, combined with the other "
+                   "options; wholly masked tiles skipped",
+                   "[softmax][options][mask]", float, double) {
+    using T = TestType;
+    const double tolerance = std::is_same_v<T, float> ? 2e-5 : 1e-11;
+    for (const auto& [nq, nk] : {std::pair<Index, Index>{1, 1}, {37, 37}, {200, 450}, {300, 300}}) {
+        const Matrix<T> Q = random_matrix<T>(nq, 32, 41, 2.0), K = random_matrix<T>(nk, 32, 42, 2.0),
+                        V = random_matrix<T>(nk, 24, 43);
+        const Matrix<T> B = random_matrix<T>(nq, nk, 44, 3.0);
+        // A mask that keeps every fifth key and, for each query, the keys far from it:
+        // whole key tiles of it are empty for a query tile.
+        Matrix<bool> M(nq, nk);
+        for (Index i = 0; i < nq; ++i)
+            for (Index j = 0; j < nk; ++j)
+                M(i, j) = j % 5 == 0 || (j > 200 && (i + j) % 3 == 0) || j == nk - nq + i;
+        const double slope = 0.02;
+        for (const SoftmaxOptions& base :
+             {SoftmaxOptions{}, SoftmaxOptions{.window = 64, .sink_tokens = 2, .softcap = 5,
+                                               .alibi_slopes = std::span<const double>(&slope, 1)},
+              SoftmaxOptions{.causal = false}}) {
+            INFO("Nq = " << nq << ", Nk = " << nk << ", window " << base.window << ", causal " << base.causal);
+            reference::Logits logits{.window = base.window, .sink_tokens = base.sink_tokens, .softcap = base.softcap,
+                                     .causal = base.causal};
+            if (!base.alibi_slopes.empty())
+                logits.slope = slope;
+            const MatrixD Qd = Q.template cast<double>(), Kd = K.template cast<double>(), Vd = V.template cast<double>();
+            // Additive, as an expression (0.5·B, never copied by the caller).
+            Matrix<T> O(nq, 24);
+            causal_softmax_attention(Q, K, V, O, base, T(0.5) * B);
+            const MatrixD half = 0.5 * B.template cast<double>();
+            logits.bias = &half;
+            check_close(O, reference::softmax_attention(Qd, Kd, Vd, logits).out, tolerance);
+            // Boolean.
+            causal_softmax_attention(Q, K, V, O, base, M);
+            MatrixD masked = MatrixD::Zero(nq, nk);
+            for (Index i = 0; i < nq; ++i)
+                for (Index j = 0; j < nk; ++j)
+                    if (!M(i, j))
+                        masked(i, j) = -std::numeric_limits<double>::infinity();
+            logits.bias = &masked;
+            check_close(O, reference::softmax_attention(Qd, Kd, Vd, logits).out, tolerance);
+            // A bias of −∞ where the mask is false: the same bits as the mask.
+            const Matrix<T> as_bias = masked.cast<T>();
+            Matrix<T> again(nq, 24);
+            causal_softmax_attention(Q, K, V, again, base, as_bias);
+            CHECK((again.array() == O.array()).all());
+        }
+        // An infinite value under the mask reaches no query.
+        Matrix<T> Vbad = V;
+        Matrix<bool> hide = Matrix<bool>::Constant(nq, nk, true);
+        hide.col(0).setConstant(false);
+        Vbad(0, 3) = std::numeric_limits<T>::infinity();
+        Matrix<T> O(nq, 24);
+        causal_softmax_attention(Q, K, Vbad, O, SoftmaxOptions{.causal = false}, hide);
+        CHECK(O.allFinite());
+    }
+}
+
+TEMPLATE_TEST_CASE("Tree masks: the verify step of speculative decoding equals the dense mask it stands for, bit "
+                   "for bit, and the reference",
+                   "[softmax][options][tree]", float, double) {
+    using T = TestType;
+    const double tolerance = std::is_same_v<T, float> ? 2e-5 : 1e-11;
+    // Trees of draft tokens: a chain, a star, a binary tree, two roots; 64 drafts over a
+    // cache of 4096 and small ones.
+    std::vector<std::vector<Index>> trees{{-1}, {-1, 0, 1, 2, 3}, {-1, 0, 0, 0, 0, 0}, {-1, -1, 0, 1, 2, 2}};
+    std::vector<Index> binary{-1};
+    for (Index i = 1; i < 64; ++i)
+        binary.push_back((i - 1) / 2);
+    trees.push_back(binary);
+    for (const std::vector<Index>& parents : trees)
+        for (const Index past : {Index{0}, Index{5}, Index{300}, Index{4096}}) {
+            const Index n = static_cast<Index>(parents.size()), nk = past + n;
+            INFO(n << " drafts over " << past << " cached tokens");
+            const Matrix<T> Q = random_matrix<T>(n, 64, 51, 2.0), K = random_matrix<T>(nk, 64, 52, 2.0),
+                            V = random_matrix<T>(nk, 64, 53);
+            const double sink = 0.5;
+            SoftmaxOptions options{.softcap = 20, .sink_logits = std::span<const double>(&sink, 1), .parents = parents};
+            Matrix<T> O(n, 64), dense(n, 64);
+            causal_softmax_attention(Q, K, V, O, options);
+            const MatrixD bias = reference::tree_bias(parents, nk);
+            options.parents = {};
+            causal_softmax_attention(Q, K, V, dense, options, bias.template cast<T>());
+            CHECK((O.array() == dense.array()).all());
+            check_close(O,
+                        reference::softmax_attention(Q.template cast<double>(), K.template cast<double>(),
+                                                     V.template cast<double>(),
+                                                     reference::Logits{.softcap = 20, .sink = sink, .bias = &bias})
+                            .out,
+                        tolerance);
+        }
+}
+
+TEST_CASE("Tree masks in the multi-head layer: each head as its own call, any thread count; bad trees refused",
+          "[softmax][options][tree][bad_input]") {
+    const HeadLayout layout{8, 2, 16, 0};
+    std::vector<Index> parents{-1};
+    for (Index i = 1; i < 40; ++i)
+        parents.push_back(i % 7 == 0 ? -1 : i - 1 - i % 3 / 2);
+    const Matrix<float> Q = random_matrix<float>(40, 128, 61, 2.0), K = random_matrix<float>(500, 32, 62, 2.0),
+                        V = random_matrix<float>(500, 32, 63);
+    const SoftmaxOptions options{.parents = parents};
+    Matrix<float> O(40, 128), again(40, 128);
+    multi_head_causal_softmax_attention(Q, K, V, O, layout, options, {}, OpenMPExecutor{.threads = 1});
+    multi_head_causal_softmax_attention(Q, K, V, again, layout, options, {}, OpenMPExecutor{.threads = 2});
+    CHECK((O.array() == again.array()).all());
+    for (Index h = 0; h < 8; ++h) {
+        Matrix<float> one(40, 16);
+        causal_softmax_attention(Q.middleCols(h * 16, 16), K.middleCols(h / 4 * 16, 16), V.middleCols(h / 4 * 16, 16),
+                                 one, options);
+        CHECK((one.array() == O.middleCols(h * 16, 16).array()).all());
+    }
+    // Bad trees and combinations: refused by name, O unchanged.
+    Matrix<float> out = Matrix<float>::Constant(3, 16, 7);
+    const Matrix<float> q = Q.topRows(3).leftCols(16), k = K.topRows(10).leftCols(16);
+    const std::vector<Index> forward{-1, 2, 1}, short_tree{-1, 0}, fine{-1, 0, 0};
+    const double slope = 0.1;
+    const auto refused = [&](const SoftmaxOptions& bad, const char* what) {
+        INFO(what);
+        CHECK_THROWS_WITH(causal_softmax_attention(q, k, k, out, bad), Catch::Contains("options.parents"));
+        CHECK((out.array() == 7).all());
+    };
+    refused(SoftmaxOptions{.parents = forward}, "a parent after its child");
+    refused(SoftmaxOptions{.parents = short_tree}, "two parents for three queries");
+    refused(SoftmaxOptions{.window = 4, .parents = fine}, "with a window");
+    refused(SoftmaxOptions{.alibi_slopes = std::span<const double>(&slope, 1), .parents = fine}, "with ALiBi");
+    refused(SoftmaxOptions{.causal = false, .parents = fine}, "non-causal");
+    CHECK_THROWS_WITH(causal_softmax_attention(q, k, k, out, SoftmaxOptions{.parents = fine}, Matrix<float>::Zero(3, 10)),
+                      Catch::Contains("bias"));
+}

@@ -77,6 +77,9 @@
     MEMATTN_COMPILED_SAVE_LOAD_ONE(SIGNATURE, __VA_ARGS__)                                                 \
     MEMATTN_COMPILED_SAVE_LOAD_ONE(SIGNATURE, MultiHead<__VA_ARGS__>)
 
+/// A comma inside a macro argument (a template's arguments), expanded after the split.
+#define MEMATTN_COMPILED_COMMA ,
+
 /// The explicit instantiations: CLASS(name) for a class template specialisation,
 /// FUNCTION(name) for a function template specialisation that its template arguments
 /// alone name (one overload), SIGNATURE(result, name, (parameters)) for one that needs
@@ -102,8 +105,14 @@
     FUNCTION(detail::delta_recurrent<float>)                                                               \
     /* The softmax kernels on matrices: the lse form, and the layer's (whose signature is */              \
     /* still growing: the declaration names only its template arguments). */                              \
-    FUNCTION(causal_softmax_attention<detail::compiled::Mat, detail::compiled::Mat, detail::compiled::Mat, \
-                                      detail::compiled::Mat&, detail::compiled::Vec&>)                     \
+    SIGNATURE(void,                                                                                        \
+              causal_softmax_attention<detail::compiled::Mat MEMATTN_COMPILED_COMMA detail::compiled::Mat    \
+                                           MEMATTN_COMPILED_COMMA detail::compiled::Mat                       \
+                                               MEMATTN_COMPILED_COMMA detail::compiled::Mat &                 \
+                                                   MEMATTN_COMPILED_COMMA detail::compiled::Vec &>,           \
+              (const Eigen::MatrixBase<detail::compiled::Mat>&, const Eigen::MatrixBase<detail::compiled::Mat>&, \
+               const Eigen::MatrixBase<detail::compiled::Mat>&, detail::compiled::Mat&, detail::compiled::Vec&, \
+               const SoftmaxOptions&))                                                                        \
     FUNCTION(multi_head_causal_softmax_attention<detail::compiled::Mat, detail::compiled::Mat,             \
                                                  detail::compiled::Mat, detail::compiled::Mat&>)           \
     FUNCTION(multi_head_causal_softmax_attention<detail::compiled::Mat, detail::compiled::Mat,             \

@@ -80,7 +80,24 @@ struct Logits {
     std::optional<double> slope = {};   ///< ALiBi: s ← s − slope·|p − j|
     std::optional<double> sink = {};    ///< σ joins the denominator with no value
     std::optional<Index> offset = {};   ///< query i at position offset + i (default Nk − Nq)
+    const MatrixD* bias = nullptr;      ///< Nq × Nk added after ALiBi; −∞ masks the key
 };
+
+/// The dense mask a tree of new tokens stands for: the last n = parents.size() of nk
+/// keys are the new tokens; new token i sees every earlier key and its ancestors.
+inline MatrixD tree_bias(const std::vector<Index>& parents, Index nk) {
+    const Index n = static_cast<Index>(parents.size()), past = nk - n;
+    MatrixD bias = MatrixD::Zero(n, nk);
+    for (Index i = 0; i < n; ++i)
+        for (Index j = 0; j < n; ++j) {
+            bool ancestor = false;
+            for (Index a = i; a >= 0; a = parents[static_cast<std::size_t>(a)])
+                ancestor = ancestor || a == j;
+            if (!ancestor)
+                bias(i, past + j) = -std::numeric_limits<double>::infinity();
+        }
+    return bias;
+}
 
 /// The materialised scores of docs/design.md §4.1 with every option: s_ij = scale·q·k,
 /// softcap, ALiBi, the visibility rule (causal or both ways), then the softmax with the
@@ -104,6 +121,11 @@ inline SoftmaxResult softmax_attention(const MatrixD& Q, const MatrixD& K, const
                 x = o.softcap * std::tanh(x / o.softcap);
             if (o.slope)
                 x -= *o.slope * static_cast<double>(distance);
+            if (o.bias != nullptr) {
+                if ((*o.bias)(i, j) == -std::numeric_limits<double>::infinity())
+                    continue;
+                x += (*o.bias)(i, j);
+            }
             s.push_back(x);
             keys.push_back(j);
         }

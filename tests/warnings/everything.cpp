@@ -110,6 +110,12 @@ void everything(memattn::Index n, memattn::Index d) {
     memattn::causal_softmax_attention(x, x, x, out, lse,
                                       {.softcap = 2, .causal = false, .sink_logits = std::span<const double>(&one, 1),
                                        .alibi_slopes = std::span<const double>(&one, 1)});
+    const std::vector<memattn::Index> tree(static_cast<std::size_t>(n), -1);
+    memattn::causal_softmax_attention(x, x, x, out, {.parents = tree});
+    memattn::causal_softmax_attention(x, x, x, out, {}, T(2) * x * x.transpose());  // a bias expression
+    const Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> mask =
+        Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>::Constant(n, n, true);
+    memattn::causal_softmax_attention(x, x, x, out, {.causal = false}, mask);
     const memattn::Rope rope{.head_dim = d, .scaling = memattn::Rope::Yarn{.factor = 2}};
     std::vector<memattn::Index> positions(static_cast<std::size_t>(n), 3);
     rope.apply(out, positions);

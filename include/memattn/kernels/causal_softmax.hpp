@@ -127,8 +127,12 @@
 #include <array>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
+#include <optional>
+#include <span>
 #include <utility>
+#include <vector>
 
 namespace memattn {
 
@@ -178,6 +182,63 @@ struct SoftmaxScratch {
     Index lanes;
     Matrix<T> qt, s, acc;
     SoftmaxBlockState<T> state;
+    Matrix<T> bias, bias_rows;  // a tile of a dense bias, mask or tree: keys × lanes, and as filled
+};
+
+/// A bias added to the logits tile by tile (a dense bias or boolean mask, a tree of
+/// draft tokens): fill(context, i0, rows, j0, n, out, ld) writes, for the queries
+/// [i0, i0 + rows) of the call and the keys [j0, j0 + n), out[i·ld + jj] = the bias of
+/// (i0 + i, j0 + jj) in natural units, −∞ where the key is masked (query-major, as the
+/// caller's matrix: the kernel transposes it in registers). A tile it masks wholly is
+/// skipped.
+template <class T>
+struct TileBias {
+    using Fill = void (*)(const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld);
+    Fill fill = nullptr;           ///< none: no bias
+    const void* context = nullptr;  ///< what fill reads
+    explicit operator bool() const noexcept { return fill != nullptr; }
+};
+
+/// Which of a tree's new tokens each new token sees: its ancestors and itself
+/// (SoftmaxOptions::parents), as one bit row per token.
+class TreeMask {
+public:
+    /// parents[i] < i (or −1) for each of the n new tokens; `past` keys come before them.
+    TreeMask(std::span<const Index> parents, Index past)
+        : n_(static_cast<Index>(parents.size())), words_((n_ + 63) / 64), past_(past),
+          bits_(static_cast<std::size_t>(n_ * words_), 0) {
+        for (Index i = 0; i < n_; ++i) {
+            std::uint64_t* row = bits_.data() + i * words_;
+            if (const Index p = parents[static_cast<std::size_t>(i)]; p >= 0)
+                std::copy(bits_.data() + p * words_, bits_.data() + (p + 1) * words_, row);
+            row[i / 64] |= std::uint64_t{1} << (i % 64);
+        }
+    }
+    /// New token i sees new token j.
+    [[nodiscard]] bool sees(Index i, Index j) const noexcept {
+        return (bits_[static_cast<std::size_t>(i * words_ + j / 64)] >> (j % 64)) & 1u;
+    }
+    /// The tile bias of the call's queries first, first + 1, ... (new tokens).
+    struct View {
+        const TreeMask* tree;
+        Index first;
+    };
+    template <class T>
+    static void fill(const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld) {
+        const View& view = *static_cast<const View*>(context);
+        const TreeMask& tree = *view.tree;
+        for (Index i = 0; i < rows; ++i) {
+            T* row = out + i * ld;
+            for (Index jj = 0; jj < n; ++jj) {
+                const Index j = j0 + jj - tree.past_;
+                row[jj] = j < 0 || tree.sees(view.first + i0 + i, j) ? T(0) : -std::numeric_limits<T>::infinity();
+            }
+        }
+    }
+
+private:
+    Index n_, words_, past_;
+    std::vector<std::uint64_t> bits_;
 };
 
 /// K or V read in place: a tile is rows of the matrix itself.
@@ -257,12 +318,16 @@ template <class T, class B = DefaultBlocking, class KRows = PlainRows<T>, class 
 class TiledCausalSoftmax {
 public:
     TiledCausalSoftmax(const ConstMatrixRef<T>& Q, KRows K, VRows V, T scale, Index window, Index sinks,
-                       SoftmaxScratch<T>& scratch, const LogitRule<T>& rule = {})
+                       SoftmaxScratch<T>& scratch, const LogitRule<T>& rule = {}, TileBias<T> bias = {})
         : q_(Q), k_(std::move(K)), v_(std::move(V)), scale_(scale), window_(window), sinks_(sinks),
           tiles_(scratch.tiles), lanes_(scratch.lanes), qt_(scratch.qt), s_(scratch.s), acc_(scratch.acc),
-          state_(scratch.state), query_offset_(k_.rows() - q_.rows()), rule_(rule),
-          softcap2_(static_cast<T>(rule.softcap * log2e)), slope2_(static_cast<T>(rule.slope * log2e)) {
+          state_(scratch.state), bias_tile_(scratch.bias), bias_rows_(scratch.bias_rows), query_offset_(k_.rows() - q_.rows()), rule_(rule),
+          bias_(bias), softcap2_(static_cast<T>(rule.softcap * log2e)), slope2_(static_cast<T>(rule.slope * log2e)) {
         MEMATTN_DASSERT(qt_.rows() == k_.cols() && acc_.cols() == v_.cols());
+        if (bias_ && (bias_tile_.rows() != tiles_.keys || bias_tile_.cols() != lanes_)) {
+            bias_tile_ = Matrix<T>::Zero(tiles_.keys, lanes_);
+            bias_rows_.resize(lanes_, tiles_.keys);
+        }
     }
 
     /// Query row i sits at position query_offset + i of the keys (by default Nk − Nq, the
@@ -343,6 +408,8 @@ private:
         // Sᵀ = K_tile · (log2(e)·scale·Q_tile)ᵀ, keys × queries.
         // A tile that crosses the diagonal or the window's edge computes, per strip of
         // keys, only the query lanes that see one of them (the rest is masked below).
+        if (bias_ && !fill_bias(j0, n))
+            return;  // the bias masks every key of the tile for every query
         const auto [keys, ldk] = k_.tile(j0, n);
         const bool masked = !fully_visible(j0, n);
         if (masked) {
@@ -361,6 +428,10 @@ private:
         // tile goes query by query over the keys each one sees (O(n·dv) to check, against
         // O(lanes·n·dv) for the product), so a bad value poisons only the queries that see it.
         const auto [values, ldv] = v_.tile(j0, n);
+        if (bias_ && !finite_values(values, ldv, n)) {  // weights the bias made 0 must not meet ∞
+            accumulate_weighted_keys(n, values, ldv);
+            return;
+        }
         // A masked tile's strips of queries skip the keys none of them sees: their weights
         // are 0, and x + 0·v is x.
         if (!masked)
@@ -371,6 +442,32 @@ private:
                                KeysSeenByLanes{*this, j0, n}, &ahead_);
         else
             accumulate_visible_keys(j0, n, values, ldv);
+    }
+
+    /// The bias tile of keys [j0, j0 + n) for the query tile (zero in the padding lanes);
+    /// false when it masks every (query, key) pair of it.
+    bool fill_bias(Index j0, Index n) {
+        const Index ld = bias_rows_.cols();
+        bias_.fill(bias_.context, i0_, rows_, j0, n, bias_rows_.data(), ld);
+        const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> filled(bias_rows_.data(), rows_, n,
+                                                                          Eigen::OuterStride<>(ld));
+        if (!(filled.array() != -std::numeric_limits<T>::infinity()).any())
+            return false;
+        transpose(bias_rows_.data(), rows_, n, ld, bias_tile_.data(), lanes_);  // key-major, as Sᵀ
+        return true;
+    }
+
+    /// acc_i = α_i·acc_i + Σ_j p_ji v_j over the keys with a weight p_ji ≠ 0 only: a
+    /// value row that is not finite reaches only the queries that see it.
+    void accumulate_weighted_keys(Index n, const T* values, Index ldv) {
+        const Index dv = v_.cols();
+        for (Index i = 0; i < rows_; ++i) {
+            Eigen::Map<Vector<T>> acc(acc_.data() + i * dv, dv);
+            acc *= state_.alpha()[i];
+            for (Index jj = 0; jj < n; ++jj)
+                if (const T p = s_(jj, i); p != T(0))
+                    acc += p * Eigen::Map<const Vector<T>>(values + jj * ldv, dv);
+        }
     }
 
     /// Softcap, then ALiBi, on the logits Sᵀ of keys [j0, j0 + n) (base 2, as the tile
@@ -390,6 +487,15 @@ private:
                 const Index offset = p0_ - (j0 + jj);  // p − j of lane 0
                 for (Index i = 0; i < cols_; ++i)
                     row[i] -= slope2_ * static_cast<T>(offset + i < 0 ? -(offset + i) : offset + i);
+            }
+        }
+        if (bias_) {  // the bias in base 2; −∞ stays −∞
+            const T factor = static_cast<T>(log2e);
+            for (Index jj = 0; jj < n; ++jj) {
+                T* row = s_.data() + jj * lanes_;
+                const T* b = bias_tile_.data() + jj * lanes_;
+                for (Index i = 0; i < cols_; ++i)
+                    row[i] += factor * b[i];
             }
         }
     }
@@ -539,8 +645,11 @@ private:
     Matrix<T>& s_;
     Matrix<T>& acc_;
     SoftmaxBlockState<T>& state_;
+    Matrix<T>& bias_tile_;  // keys × lanes (padding lanes hold zeros or an earlier tile's values)
+    Matrix<T>& bias_rows_;  // lanes × keys, as fill writes it
     Index query_offset_;
     LogitRule<T> rule_;
+    TileBias<T> bias_;
     T softcap2_, slope2_;  // log2(e)·c and log2(e)·slope: the tile's logits are base 2
     Index i0_ = 0, rows_ = 0, cols_ = 0, p0_ = 0, p1_ = 0;  // the current query tile
     static constexpr double log2e = 1.44269504088896340735992468100;
@@ -561,6 +670,9 @@ void check_softmax_arguments(const char* function, Shape q, Shape k, Shape v, Sh
     require(finite_in<T>(options.scale), function, "options.scale", "is ", options.scale, ", expected a number finite as ",
             scalar_name<T>, " (0: 1/sqrt(d))");
     check_logit_options(function, options, heads);
+    if (!options.parents.empty() && q.rows > 0)  // (a layer checks them per sequence)
+        require(static_cast<Index>(options.parents.size()) == q.rows, function, "options.parents", "has ",
+                options.parents.size(), " entries, expected ", q.rows, " (one per query: the new tokens)");
 }
 
 /// The query offset of a whole call: the queries are the last Nq positions of the keys.
@@ -578,20 +690,29 @@ void check_disjoint(const char* function, const char* name, const Out& out, cons
 /// The kernel on views and a scratch, after the checks; `lse(i, value)` receives each
 /// row's log-sum-exp. The tiles are the scratch's; B is the register blocking.
 /// Query row i sits at position query_offset + i (trailing_queries: Nk − Nq + i).
+/// `bias`: a dense bias or mask (the tree of options.parents takes its place).
 template <class T, class B = DefaultBlocking, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                           MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxScratch<T>& scratch,
-                          Index query_offset = trailing_queries) {
+                          Index query_offset = trailing_queries, TileBias<T> bias = {}) {
     if (Q.rows() == 0)
         return;
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
     const Index offset = query_offset == trailing_queries ? K.rows() - Q.rows() : query_offset;
+    std::optional<TreeMask> tree;  // the draft tokens of a speculative step: the last Nq of the keys
+    TreeMask::View tree_view{};
+    TileBias<T> tile_bias = bias;
+    if (!options.parents.empty()) {
+        tree.emplace(options.parents, K.rows() - static_cast<Index>(options.parents.size()));
+        tree_view = {&*tree, offset - (K.rows() - static_cast<Index>(options.parents.size()))};
+        tile_bias = {&TreeMask::fill<T>, &tree_view};
+    }
     // A window past every distance between a query and a key limits nothing (causal: Nk).
     const Index farthest = std::max(offset + Q.rows() - 1, K.rows() - 1 - offset);
     const Index window = options.causal ? effective_window(options.window, K.rows())
                                         : effective_window(options.window, farthest + 1);
     TiledCausalSoftmax<T, B> kernel(Q, PlainRows<T>(K), PlainRows<T>(V), scale, window, options.sink_tokens, scratch,
-                                    LogitRule<T>::of(options));
+                                    LogitRule<T>::of(options), tile_bias);
     kernel.set_query_offset(offset);
     kernel.run(O, lse);
 }
@@ -599,11 +720,12 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
 /// The kernel on views, after the checks; `lse(i, value)` receives each row's log-sum-exp.
 template <class T, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
-                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxTiles tiles) {
+                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxTiles tiles,
+                          TileBias<T> bias = {}) {
     if (Q.rows() == 0)
         return;
     SoftmaxScratch<T> scratch(K.cols(), V.cols(), tiles);
-    causal_softmax_views<T>(Q, K, V, O, lse, options, scratch);
+    causal_softmax_views<T>(Q, K, V, O, lse, options, scratch, trailing_queries, bias);
 }
 
 /// The same with the measured tiles for the call (default_tiles).
@@ -669,6 +791,59 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
                                        detail::shape(o), options);
     detail::check_disjoint(function, "O", o, q, k, v);
     detail::causal_softmax_views<T>(q, k, v, o, [](Index, T) {}, options);
+}
+
+/// As above with a dense `bias` (Nq × Nk, any Eigen expression, read tile by tile without
+/// a copy): of the scalar type, added to the logits after the softcap and ALiBi (−∞ masks
+/// a key); of bool, a mask (true: visible). It restricts the causal rule and the window
+/// further; a key tile it masks wholly is skipped.
+template <class DQ, class DK, class DV, detail::EigenMatrix DO, class DB>
+void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                              const Eigen::MatrixBase<DV>& V, DO&& O, const SoftmaxOptions& options,
+                              const Eigen::MatrixBase<DB>& bias) {
+    using T = typename DQ::Scalar;
+    using B = typename DB::Scalar;
+    static_assert(Scalar<T>, "memattn::causal_softmax_attention: the scalar type must be float or double.");
+    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
+                  "memattn::causal_softmax_attention: Q, K, V and O must have the same scalar type.");
+    static_assert(std::is_same_v<B, T> || std::is_same_v<B, bool>,
+                  "memattn::causal_softmax_attention: the bias must have the scalar type of Q (additive) or bool (a mask).");
+    constexpr const char* function = "causal_softmax_attention";
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    detail::check_softmax_arguments<T>(function, detail::shape(q), detail::shape(k), detail::shape(v),
+                                       detail::shape(o), options);
+    detail::require(bias.rows() == q.rows() && bias.cols() == k.rows(), function, "bias", "has shape ",
+                    detail::shape(bias), ", expected ", q.rows(), 'x', k.rows(), " (Nq x Nk)");
+    detail::require(options.parents.empty(), function, "bias",
+                    "is given with options.parents: a tree mask and a dense bias do not combine (give the tree as "
+                    "the mask)");
+    detail::check_disjoint(function, "O", o, q, k, v);
+    const auto fill = [](const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld) {
+        const DB& b = *static_cast<const DB*>(context);
+        if constexpr (std::is_same_v<B, bool>) {
+            // A plain loop: the compiler vectorises the select (Eigen has no bool packets).
+            constexpr T masked = -std::numeric_limits<T>::infinity();
+            if constexpr (bool(DB::Flags & Eigen::DirectAccessBit) && bool(DB::Flags & Eigen::RowMajorBit)) {
+                for (Index i = 0; i < rows; ++i) {  // rows in place: bytes to T, vectorised
+                    const bool* __restrict src = b.derived().data() + (i0 + i) * b.derived().outerStride() + j0;
+                    T* __restrict dst = out + i * ld;
+                    for (Index jj = 0; jj < n; ++jj)
+                        dst[jj] = src[jj] ? T(0) : masked;
+                }
+            } else {
+                for (Index i = 0; i < rows; ++i)
+                    for (Index jj = 0; jj < n; ++jj)
+                        out[i * ld + jj] = b.coeff(i0 + i, j0 + jj) ? T(0) : masked;
+            }
+        } else {
+            Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>(out, rows, n, Eigen::OuterStride<>(ld)) =
+                b.block(i0, j0, rows, n);
+        }
+    };
+    detail::causal_softmax_views<T>(q, k, v, o, [](Index, T) {}, options,
+                                    detail::default_tiles(detail::effective_window(options.window, k.rows())),
+                                    detail::TileBias<T>{fill, &bias.derived()});
 }
 
 /// As above, and writes lse_i = log Σ_{j visible} exp(scale · q_i·k_j) into the vector

@@ -13,6 +13,9 @@
 //   key j visible iff (causal: j ≤ p_i) and (j < sink_tokens or window = 0 or |p_i − j| < window)
 //   o_i = Σ_j e^{s_ij} v_j / (e^{σ_h} + Σ_j e^{s_ij})   sink_logits[h] = σ_h (gpt-oss), else no e^{σ_h}
 //
+// A tree (parents) or a dense bias or mask (causal_softmax_attention's bias argument)
+// restricts the visible keys further, after ALiBi: −∞ masks a key.
+//
 // Per-head values (sink_logits, alibi_slopes) are spans the caller keeps alive through
 // the call: one value for a single-head call, q_heads for a multi-head one.
 
@@ -34,10 +37,14 @@ struct SoftmaxOptions {
     bool causal = true;  ///< false: every key, before and after the query (encoders, cross attention)
     std::span<const double> sink_logits = {};   ///< σ_h per query head: joins the denominator with no value (gpt-oss)
     std::span<const double> alibi_slopes = {};  ///< slope_h per query head: s ← s − slope_h·|p_i − j| (ALiBi)
+    /// A tree of new tokens (speculative decoding's verify step): for each query, the
+    /// index of its parent among the queries (the last Nq keys), or −1; each sees the
+    /// keys before them and its ancestors among them, itself included. Empty: none.
+    std::span<const Index> parents = {};
 
-    /// True when the logits are scale·q·k and nothing else (softcap, ALiBi, sink logits off).
+    /// True when the logits are scale·q·k and nothing else (no softcap, ALiBi, sink logits or tree).
     [[nodiscard]] bool plain_logits() const noexcept {
-        return softcap == 0 && sink_logits.empty() && alibi_slopes.empty();
+        return softcap == 0 && sink_logits.empty() && alibi_slopes.empty() && parents.empty();
     }
 };
 
@@ -62,6 +69,18 @@ inline void check_logit_options(std::string_view function, const SoftmaxOptions&
     };
     per_head(options.sink_logits, "options.sink_logits", true);
     per_head(options.alibi_slopes, "options.alibi_slopes", false);
+    if (options.parents.empty())
+        return;
+    for (std::size_t i = 0; i < options.parents.size(); ++i)
+        require(options.parents[i] >= -1 && options.parents[i] < static_cast<Index>(i), function, "options.parents",
+                "has ", options.parents[i], " at ", i, ", expected -1 (a root) or an earlier query, 0 to ",
+                static_cast<Index>(i) - 1);
+    // A tree's positions are not the queries' rows: a window or ALiBi would count the wrong ones.
+    require(options.causal, function, "options.parents", "is given with options.causal = false: a tree is causal");
+    require(options.window == 0, function, "options.parents", "is given with options.window = ", options.window,
+            ": a window counts rows, not a tree's positions (give the tree a dense mask instead)");
+    require(options.alibi_slopes.empty(), function, "options.parents",
+            "is given with options.alibi_slopes: ALiBi counts rows, not a tree's positions (give a dense bias instead)");
 }
 
 /// The options of query head h of a multi-head call: its own sink logit and slope.

@@ -150,8 +150,10 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink
                 const auto [keys, values] = copy.contiguous(source, item.seq, kv);
                 // Causal: keys up to the item's last query, its queries bottom-right aligned.
                 // Both ways: every key, the item's queries at their positions in the sequence.
+                // A tree (parents) needs the whole sequence's keys to place its new tokens.
                 const Index first = span.k_rows - span.q_rows + item.q_begin;
-                const Index visible = options.causal ? first + item.rows : span.k_rows;
+                const bool trailing = options.causal && options.parents.empty();
+                const Index visible = trailing ? first + item.rows : span.k_rows;
                 const Index row0 = span.q_begin + item.q_begin;
                 SoftmaxOptions one = head_options(options, item.head);
                 one.scale = source.scale;
@@ -159,7 +161,7 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink
                     Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible), values.topRows(visible),
                     O.block(row0, item.head * dv, item.rows, dv),
                     [&](Index r, T value) { lse(row0 + r, item.head, value); }, one, *scratch,
-                    options.causal ? trailing_queries : first);
+                    trailing ? trailing_queries : first);
             }
         },
         0, executor);
@@ -190,6 +192,12 @@ void check_softmax_layer(const char* function, const HeadLayout& layout, const C
     // The per-head checks on one head's shapes (options; Nq <= Nk was checked per sequence).
     check_softmax_arguments<T>(function, {0, layout.head_dim}, {0, layout.head_dim}, {0, layout.values()},
                                {0, layout.values()}, options, layout.q_heads);
+    if (!options.parents.empty()) {
+        require(sequence_count(batch) == 1, function, "options.parents",
+                "is given with a varlen batch of ", sequence_count(batch), " sequences: a tree is one sequence's");
+        require(static_cast<Index>(options.parents.size()) == q.rows(), function, "options.parents", "has ",
+                options.parents.size(), " entries, expected ", q.rows(), " (one per row of Q: the new tokens)");
+    }
     check_disjoint(function, "O", o, q, k, v);
 }
 
