@@ -173,6 +173,40 @@ TEMPLATE_TEST_CASE("ring attention over a layer of heads equals each head's refe
     }
 }
 
+TEMPLATE_TEST_CASE("ring attention with softcap, ALiBi and sink logits equals each head's reference",
+                   "[mpi][softmax][options]", float, double) {
+    using T = TestType;
+    const RingLayout layout = GENERATE(RingLayout::contiguous, RingLayout::zigzag);
+    const Index window = GENERATE(Index(0), Index(23));
+    const std::vector<Index> lengths = shard_lengths(45, false);
+    const Index n = total(lengths);
+    const HeadLayout heads{4, 2, 8, 6};
+    const Matrix<T> Q = random_matrix<T>(n, 4 * 8, 31, 2.0), K = random_matrix<T>(n, 2 * 8, 32, 2.0),
+                    V = random_matrix<T>(n, 2 * 6, 33);
+    const std::vector<double> slopes{0.25, 0.0625, 0.015625, 0.00390625}, sinks{0.5, -1, 2, -30};
+    const std::vector<Index> mine = tokens_of(lengths, rank_of(), layout);
+    const SoftmaxOptions options{.window = window, .sink_tokens = 2, .softcap = 3, .sink_logits = sinks,
+                                 .alibi_slopes = slopes};
+    Matrix<T> O(static_cast<Index>(mine.size()), 4 * 6);
+    distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
+                                         heads, options, layout);
+    for (Index h = 0; h < 4; ++h) {
+        const Index g = h / 2;
+        const auto expected = reference::softmax_attention(
+            reference::to_double(Q.middleCols(h * 8, 8)), reference::to_double(K.middleCols(g * 8, 8)),
+            reference::to_double(V.middleCols(g * 6, 6)),
+            reference::Logits{.window = window, .sink_tokens = 2, .softcap = 3,
+                              .slope = slopes[static_cast<std::size_t>(h)], .sink = sinks[static_cast<std::size_t>(h)]});
+        CAPTURE(h, window, static_cast<int>(layout), rank_of());
+        check_close(O.middleCols(h * 6, 6), rows_of(expected.out, mine), tolerance<T>());
+    }
+    // Non-causal and tree calls are refused on every rank.
+    expect_all_throw("distributed_causal_softmax_attention", [&] {
+        distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
+                                             heads, SoftmaxOptions{.causal = false}, layout);
+    });
+}
+
 TEMPLATE_TEST_CASE("sequence-parallel linear attention equals the chunked form", "[mpi][linear]", float, double) {
     using T = TestType;
     const double decay = GENERATE(1.0, 0.97);

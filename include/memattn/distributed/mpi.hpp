@@ -14,7 +14,9 @@
 //   hop a non-blocking send and receive posted before the rank works on the block it
 //   holds, so the transfer overlaps the tile work. Every (query chunk, key chunk) pair
 //   wholly in the causal future, or wholly before every query's window (and holding no
-//   sink), is skipped. Layouts:
+//   sink), is skipped. The softcap and ALiBi apply per block (a block's positions keep
+//   the distances); each head's sink logit joins once, after the last block (a block of
+//   value 0 and log-sum-exp σ). Non-causal and tree calls are refused. Layouts:
 //     contiguous  rank r holds tokens [o_r, o_r + n_r): rank P−1 does the most work (its
 //                 queries see every earlier shard), rank 0 the least;
 //     zigzag      the sequence is cut into 2P chunks and rank r holds chunks r and
@@ -281,6 +283,9 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
                         {"options.scale", options.scale},
                         {"options.window", static_cast<double>(options.window)},
                         {"options.sink_tokens", static_cast<double>(options.sink_tokens)},
+                        {"options.softcap", options.softcap},
+                        {"options.alibi_slopes' count", static_cast<double>(options.alibi_slopes.size())},
+                        {"options.sink_logits' count", static_cast<double>(options.sink_logits.size())},
                         {"the ring layout", static_cast<double>(layout)},
                         {"the scalar size", static_cast<double>(sizeof(T))}});
     const auto [rank, size] = rank_size(comm);
@@ -332,10 +337,12 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
                 auto out = block_out.topRows(rows);
                 for (Index h = 0; h < heads.q_heads; ++h) {
                     const Index g = h / group;
+                    LogitRule<T> rule = LogitRule<T>::of(head_options(options, h));
+                    rule.sink = false;  // joins once, below, after every block
                     causal_softmax_block<T>(q.block(qc.row + skip, h * d, rows, d),
                                             held.block(kc.row, g * d, kc.rows, d),
                                             held.block(kc.row, kv * d + g * dv, kc.rows, dv), offset + skip, scale,
-                                            options.window, sinks, out, block_lse.data(), scratch);
+                                            options.window, sinks, out, block_lse.data(), scratch, rule);
                     auto target = o.block(qc.row + skip, h * dv, rows, dv);
                     merge_rows(target, &lse(h, qc.row + skip), out, block_lse.data());
                 }
@@ -343,6 +350,19 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
         }
         MPI_Waitall(2, requests.data(), MPI_STATUSES_IGNORE);
         held.swap(arriving);
+    }
+    // Learned sink logits: e^σ joins each row's denominator once (a block of value 0).
+    if (!options.sink_logits.empty()) {
+        const Matrix<T> zero = Matrix<T>::Zero(1, dv);
+        for (Index h = 0; h < heads.q_heads; ++h) {
+            const T sigma = static_cast<T>(options.sink_logits[static_cast<std::size_t>(h)]);
+            if (sigma == -std::numeric_limits<T>::infinity())
+                continue;
+            for (Index i = 0; i < q.rows(); ++i) {
+                auto target = o.block(i, h * dv, 1, dv);
+                merge_rows(target, &lse(h, i), zero, &sigma);
+            }
+        }
     }
 }
 
@@ -373,10 +393,11 @@ void ring_attention_call(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Ei
         } else {
             check_softmax_arguments<T>(function, shape(q), shape(k), shape(v), shape(o), options);
         }
-        // The ring merges causal blocks of scale·q·k; the other options are not carried over it yet.
-        require(options.causal && options.plain_logits(), function, "options",
-                "asks for softcap, sink_logits, alibi_slopes or causal = false, which ring attention does not "
-                "support yet (each rank's single-machine call does)");
+        // The ring merges causal blocks; a tree's rows are not the ring's positions.
+        require(options.causal, function, "options.causal",
+                "is false, which ring attention does not support yet (each rank's single-machine call does)");
+        require(options.parents.empty(), function, "options.parents",
+                "is given: a tree of draft tokens belongs to one rank's call, not to ring attention");
         require(q.rows() == k.rows(), function, "Q", "has shape ", shape(q), ", expected ", k.rows(), " rows as K (",
                 shape(k), "): each rank holds the queries of its own tokens");
         check_message_size(function, k.rows(), k.cols() + v.cols());

@@ -741,16 +741,19 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
 /// block's softmax-weighted outputs into O and each row's log-sum-exp into lse[i]
 /// (−∞ and a zero row where a query sees no key of the block), which merge with other
 /// blocks' exactly (SoftmaxState). After the checks; query_offset ≥ 0.
+/// `rule`: the softcap and ALiBi slope of the block's head (a sink logit joins once,
+/// after every block is merged, not here).
 template <class T>
 void causal_softmax_block(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                           Index query_offset, T scale, Index window, Index sinks, MatrixRef<T> O, T* lse,
-                          SoftmaxScratch<T>& scratch) {
+                          SoftmaxScratch<T>& scratch, const LogitRule<T>& rule = {}) {
     if (Q.rows() == 0)
         return;
+    MEMATTN_DASSERT(rule.causal && !rule.sink);
     // A window longer than the farthest distance in the block limits nothing.
     const Index span = query_offset + Q.rows();
     TiledCausalSoftmax<T> kernel(Q, PlainRows<T>(K), PlainRows<T>(V), scale, window >= span ? 0 : window,
-                                 std::min(sinks, K.rows()), scratch);
+                                 std::min(sinks, K.rows()), scratch, rule);
     kernel.set_query_offset(query_offset);
     kernel.run(O, [lse](Index i, T value) { lse[i] = value; });
 }
