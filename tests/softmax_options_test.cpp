@@ -348,3 +348,37 @@ TEST_CASE("Tree masks in the multi-head layer: each head as its own call, any th
     CHECK_THROWS_WITH(causal_softmax_attention(q, k, k, out, SoftmaxOptions{.parents = fine}, Matrix<float>::Zero(3, 10)),
                       Catch::Contains("bias"));
 }
+
+TEST_CASE("Dense biases in the multi-head layer: every head adds the same bias, as its own call would",
+          "[softmax][options][mask][multi_head]") {
+    const HeadLayout layout{8, 2, 16, 0};
+    const Matrix<float> Q = random_matrix<float>(230, 128, 71, 2.0), K = random_matrix<float>(260, 32, 72, 2.0),
+                        V = random_matrix<float>(260, 32, 73);
+    const Matrix<float> B = random_matrix<float>(230, 260, 74, 2.0);
+    Matrix<bool> M(230, 260);
+    for (Index i = 0; i < 230; ++i)
+        for (Index j = 0; j < 260; ++j)
+            M(i, j) = (i * 7 + j * 3) % 5 != 0;
+    const double sink = 0.3;
+    const std::vector<double> sinks(8, sink);
+    const SoftmaxOptions options{.window = 90, .sink_tokens = 1, .softcap = 7, .sink_logits = sinks};
+    Matrix<float> O(230, 128), with_mask(230, 128), two(230, 128);
+    multi_head_causal_softmax_attention(Q, K, V, O, layout, options, B, OpenMPExecutor{.threads = 1});
+    multi_head_causal_softmax_attention(Q, K, V, two, layout, options, B, OpenMPExecutor{.threads = 2});
+    CHECK((O.array() == two.array()).all());
+    multi_head_causal_softmax_attention(Q, K, V, with_mask, layout, options, M);
+    for (Index h = 0; h < 8; ++h) {
+        INFO("head " << h);
+        Matrix<float> one(230, 16);
+        causal_softmax_attention(Q.middleCols(h * 16, 16), K.middleCols(h / 4 * 16, 16), V.middleCols(h / 4 * 16, 16),
+                                 one, detail::head_options(options, h), B);
+        CHECK((one.array() == O.middleCols(h * 16, 16).array()).all());
+        causal_softmax_attention(Q.middleCols(h * 16, 16), K.middleCols(h / 4 * 16, 16), V.middleCols(h / 4 * 16, 16),
+                                 one, detail::head_options(options, h), M);
+        CHECK((one.array() == with_mask.middleCols(h * 16, 16).array()).all());
+    }
+    Matrix<float> untouched = Matrix<float>::Constant(230, 128, 7);
+    CHECK_THROWS_WITH(multi_head_causal_softmax_attention(Q, K, V, untouched, layout, options, B.leftCols(259)),
+                      Catch::Contains("bias"));
+    CHECK((untouched.array() == 7).all());
+}

@@ -115,9 +115,15 @@
                const SoftmaxOptions&))                                                                        \
     FUNCTION(multi_head_causal_softmax_attention<detail::compiled::Mat, detail::compiled::Mat,             \
                                                  detail::compiled::Mat, detail::compiled::Mat&>)           \
-    FUNCTION(multi_head_causal_softmax_attention<detail::compiled::Mat, detail::compiled::Mat,             \
-                                                 detail::compiled::Mat, detail::compiled::Mat&,            \
-                                                 detail::compiled::Mat&>)                                  \
+    SIGNATURE(void,                                                                                        \
+              multi_head_causal_softmax_attention<detail::compiled::Mat MEMATTN_COMPILED_COMMA                \
+                                                      detail::compiled::Mat MEMATTN_COMPILED_COMMA            \
+                                                          detail::compiled::Mat MEMATTN_COMPILED_COMMA        \
+                                                              detail::compiled::Mat & MEMATTN_COMPILED_COMMA  \
+                                                                  detail::compiled::Mat &>,                   \
+              (const Eigen::MatrixBase<detail::compiled::Mat>&, const Eigen::MatrixBase<detail::compiled::Mat>&, \
+               const Eigen::MatrixBase<detail::compiled::Mat>&, detail::compiled::Mat&, detail::compiled::Mat&, \
+               const HeadLayout&, const SoftmaxOptions&, const VarLen&, ExecutorRef))                         \
     FUNCTION(multi_head_chunked_linear_attention<detail::compiled::Mat, detail::compiled::Mat,             \
                                                  detail::compiled::Mat, detail::compiled::Mat&>)
 

@@ -155,6 +155,9 @@ void everything(memattn::Index n, memattn::Index d) {
             memattn::batched_decode(pool, seqs, q, x.topRows(1), x.topRows(1), o);
             memattn::batched_decode(compact, seqs, q, x.topRows(1), x.topRows(1), o);
             memattn::batched_prefill(pool, seqs, offsets, q, x.topRows(1), x.topRows(1), o);
+            const memattn::Matrix<T> wide = memattn::Matrix<T>::Zero(n, 2 * d);
+            memattn::Matrix<T> wide_out(n, 2 * d);
+            memattn::multi_head_causal_softmax_attention(wide, x, x, wide_out, heads, {}, x * x.transpose());
         }
         // Compact K/V storage: every conversion path of the instruction set.
         {

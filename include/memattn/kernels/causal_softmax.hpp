@@ -199,6 +199,54 @@ struct TileBias {
     explicit operator bool() const noexcept { return fill != nullptr; }
 };
 
+/// A dense bias of the scalar type or a bool mask (any Eigen expression), its row
+/// `row0` the call's query 0: TileBias's fill reads its blocks in place.
+template <class DB>
+struct DenseBias {
+    const DB* bias;
+    Index row0;
+
+    /// The TileBias reading this (which must outlive the call).
+    template <class T>
+    [[nodiscard]] TileBias<T> tile() const noexcept {
+        return {&fill<T>, this};
+    }
+
+    template <class T>
+    static void fill(const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld) {
+        const DenseBias& self = *static_cast<const DenseBias*>(context);
+        const DB& b = *self.bias;
+        i0 += self.row0;
+        if constexpr (std::is_same_v<typename DB::Scalar, bool>) {
+            constexpr T masked = -std::numeric_limits<T>::infinity();
+            if constexpr (bool(DB::Flags & Eigen::DirectAccessBit) && bool(DB::Flags & Eigen::RowMajorBit)) {
+                for (Index i = 0; i < rows; ++i) {  // rows in place
+                    const bool* __restrict src = b.data() + (i0 + i) * b.outerStride() + j0;
+                    T* __restrict dst = out + i * ld;
+                    for (Index jj = 0; jj < n; ++jj)
+                        dst[jj] = src[jj] ? T(0) : masked;
+                }
+            } else {
+                for (Index i = 0; i < rows; ++i)
+                    for (Index jj = 0; jj < n; ++jj)
+                        out[i * ld + jj] = b.coeff(i0 + i, j0 + jj) ? T(0) : masked;
+            }
+        } else {
+            Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>(out, rows, n, Eigen::OuterStride<>(ld)) =
+                b.block(i0, j0, rows, n);
+        }
+    }
+};
+
+/// No bias: for the calls that take one where they may.
+struct NoBias {
+    template <class T>
+    [[nodiscard]] TileBias<T> tile() const noexcept {
+        return {};
+    }
+    NoBias operator()(Index) const noexcept { return {}; }
+};
+
 /// Which of a tree's new tokens each new token sees: its ancestors and itself
 /// (SoftmaxOptions::parents), as one bit row per token.
 class TreeMask {
@@ -822,31 +870,10 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
                     "is given with options.parents: a tree mask and a dense bias do not combine (give the tree as "
                     "the mask)");
     detail::check_disjoint(function, "O", o, q, k, v);
-    const auto fill = [](const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld) {
-        const DB& b = *static_cast<const DB*>(context);
-        if constexpr (std::is_same_v<B, bool>) {
-            // A plain loop: the compiler vectorises the select (Eigen has no bool packets).
-            constexpr T masked = -std::numeric_limits<T>::infinity();
-            if constexpr (bool(DB::Flags & Eigen::DirectAccessBit) && bool(DB::Flags & Eigen::RowMajorBit)) {
-                for (Index i = 0; i < rows; ++i) {  // rows in place: bytes to T, vectorised
-                    const bool* __restrict src = b.derived().data() + (i0 + i) * b.derived().outerStride() + j0;
-                    T* __restrict dst = out + i * ld;
-                    for (Index jj = 0; jj < n; ++jj)
-                        dst[jj] = src[jj] ? T(0) : masked;
-                }
-            } else {
-                for (Index i = 0; i < rows; ++i)
-                    for (Index jj = 0; jj < n; ++jj)
-                        out[i * ld + jj] = b.coeff(i0 + i, j0 + jj) ? T(0) : masked;
-            }
-        } else {
-            Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>(out, rows, n, Eigen::OuterStride<>(ld)) =
-                b.block(i0, j0, rows, n);
-        }
-    };
+    const detail::DenseBias<DB> dense{&bias.derived(), 0};
     detail::causal_softmax_views<T>(q, k, v, o, [](Index, T) {}, options,
                                     detail::default_tiles(detail::effective_window(options.window, k.rows())),
-                                    detail::TileBias<T>{fill, &bias.derived()});
+                                    dense.template tile<T>());
 }
 
 /// As above, and writes lse_i = log Σ_{j visible} exp(scale · q_i·k_j) into the vector

@@ -122,10 +122,12 @@ private:
 /// The softmax layer after the checks, over any source of keys: `head_keys(span, kv)`
 /// gives KV head kv's HeadKeys for a sequence; lse(row, head, value) receives each
 /// log-sum-exp. `k_rows` is the keys' row count that the batch's offsets index.
-template <class T, class HeadKeysOf, class LseSink>
+/// `bias_at(row0)`: a dense bias (DenseBias, whose tile() the kernel reads) with its row
+/// row0 an item's query 0; none by default.
+template <class T, class HeadKeysOf, class LseSink, class BiasAt = NoBias>
 void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink&& lse, const HeadLayout& layout,
                             const SoftmaxOptions& options, const VarLen& batch, Index k_rows,
-                            const HeadKeysOf& head_keys, ExecutorRef executor = {}) {
+                            const HeadKeysOf& head_keys, ExecutorRef executor = {}, const BiasAt& bias_at = {}) {
     const Index d = layout.head_dim, dv = layout.values();
     const std::vector<SoftmaxItem> items = softmax_items(layout, batch, Q.rows(), k_rows, options);
     const auto span_of = [&](const SoftmaxItem& item) { return sequence_span(batch, item.seq, Q.rows(), k_rows); };
@@ -157,11 +159,12 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink
                 const Index row0 = span.q_begin + item.q_begin;
                 SoftmaxOptions one = head_options(options, item.head);
                 one.scale = source.scale;
+                const auto bias = bias_at(row0);  // read by the kernel below
                 causal_softmax_views<T>(
                     Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible), values.topRows(visible),
                     O.block(row0, item.head * dv, item.rows, dv),
                     [&](Index r, T value) { lse(row0 + r, item.head, value); }, one, *scratch,
-                    trailing ? trailing_queries : first);
+                    trailing ? trailing_queries : first, bias.template tile<T>());
             }
         },
         0, executor);
@@ -223,6 +226,38 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
     MatrixRef<T> o = detail::output(std::forward<DO>(O));
     detail::check_softmax_layer<T>(function, layout, q, k, v, o, options, batch);
     detail::multi_head_softmax_views<T>(q, k, v, o, [](Index, Index, T) {}, layout, options, batch, executor);
+}
+
+/// As above with a dense `bias` (Nq × Nk, any Eigen expression of the scalar type, or of
+/// bool as a mask) that every head adds to its logits, as causal_softmax_attention's;
+/// one sequence (no varlen).
+template <class DQ, class DK, class DV, detail::EigenMatrix DO, class DB>
+void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                                         const Eigen::MatrixBase<DV>& V, DO&& O, const HeadLayout& layout,
+                                         const SoftmaxOptions& options, const Eigen::MatrixBase<DB>& bias,
+                                         ExecutorRef executor = {}) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must be float or double.");
+    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
+                  "memattn::multi_head_causal_softmax_attention: Q, K, V and O must have the same scalar type.");
+    static_assert(std::is_same_v<typename DB::Scalar, T> || std::is_same_v<typename DB::Scalar, bool>,
+                  "memattn::multi_head_causal_softmax_attention: the bias must have Q's scalar type or bool.");
+    constexpr const char* function = "multi_head_causal_softmax_attention";
+    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    detail::check_softmax_layer<T>(function, layout, q, k, v, o, options, {});
+    detail::require(bias.rows() == q.rows() && bias.cols() == k.rows(), function, "bias", "has shape ",
+                    detail::shape(bias), ", expected ", q.rows(), 'x', k.rows(), " (Nq x Nk)");
+    detail::require(options.parents.empty(), function, "bias",
+                    "is given with options.parents: a tree mask and a dense bias do not combine");
+    const Index d = layout.head_dim, dv = layout.values();
+    detail::multi_head_softmax_run<T>(
+        q, o, [](Index, Index, T) {}, layout, options, {}, k.rows(),
+        [&](const detail::SequenceSpan& span, Index kv) {
+            return detail::HeadKeys<T>{k.block(span.k_begin, kv * d, span.k_rows, d),
+                                       v.block(span.k_begin, kv * dv, span.k_rows, dv), options.scale};
+        },
+        executor, [&bias](Index row0) { return detail::DenseBias<DB>{&bias.derived(), row0}; });
 }
 
 /// As above, and writes lse(i, h) = log Σ_{j visible} exp(scale · q_ih·k_j) into `lse`,
