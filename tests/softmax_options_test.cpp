@@ -136,13 +136,21 @@ TEST_CASE("SoftmaxOptions: learned sink logits follow gpt-oss and ONNX Runtime's
     const double e0 = std::exp(1.0), e1 = std::exp(0.0), es = std::exp(sigma);
     CHECK(o(0, 0) == Approx((2 * e0 + 4 * e1) / (e0 + e1 + es)).epsilon(1e-15));
     CHECK(lse(0) == Approx(std::log(e0 + e1 + es)).epsilon(1e-15));
-    // A query that sees no key: zero output, log-sum-exp σ.
-    Matrix<double> none(1, 1);
-    Vector<double> none_lse(1);
-    causal_softmax_attention(q, K, V, none, none_lse,
-                             SoftmaxOptions{.window = 1, .causal = false,
-                                            .sink_logits = std::span<const double>(&sigma, 1)});
-    CHECK(none_lse(0) != -std::numeric_limits<double>::infinity());
+    // A query that sees no key (a mask hides both): zero output, log-sum-exp σ.
+    const Eigen::Matrix<bool, 1, 2, Eigen::RowMajor> hidden(false, false);
+    Matrix<double> none = Matrix<double>::Constant(1, 1, 9);
+    causal_softmax_attention(q, K, V, none,
+                             SoftmaxOptions{.scale = 1, .causal = false,
+                                            .sink_logits = std::span<const double>(&sigma, 1)},
+                             hidden);
+    CHECK(none(0, 0) == 0);
+    // The empty state and a sink: log-sum-exp σ, output 0.
+    SoftmaxState<double> state;
+    Matrix<double> acc = Matrix<double>::Zero(1, 1);
+    state.add_sink(sigma, acc);
+    CHECK(state.log_sum_exp() == sigma);
+    state.finish(acc);
+    CHECK(acc(0, 0) == 0);
 }
 
 TEST_CASE("SoftmaxOptions: the multi-head layer gives each query head its own sink logit and slope, varlen and "

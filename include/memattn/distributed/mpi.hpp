@@ -337,7 +337,7 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
                 auto out = block_out.topRows(rows);
                 for (Index h = 0; h < heads.q_heads; ++h) {
                     const Index g = h / group;
-                    LogitRule<T> rule = LogitRule<T>::of(head_options(options, h));
+                    LogitRule rule = LogitRule::of(head_options(options, h));
                     rule.sink = false;  // joins once, below, after every block
                     causal_softmax_block<T>(q.block(qc.row + skip, h * d, rows, d),
                                             held.block(kc.row, g * d, kc.rows, d),

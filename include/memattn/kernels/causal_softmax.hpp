@@ -334,7 +334,6 @@ private:
 
 /// What the tiled kernel does to a logit beyond scale·q·k, for one head (SoftmaxOptions,
 /// kernels/softmax_options.hpp): the causal rule, a softcap, an ALiBi slope, a sink logit.
-template <class T>
 struct LogitRule {
     bool causal = true;   ///< keys after a query are masked
     double softcap = 0;   ///< c > 0: s ← c·tanh(s/c); 0: off
@@ -354,8 +353,6 @@ struct LogitRule {
         rule.sink_logit = rule.sink ? options.sink_logits[0] : 0;
         return rule;
     }
-    /// Nothing beyond scale·q·k under the causal rule.
-    [[nodiscard]] bool plain() const noexcept { return causal && softcap == 0 && !alibi && !sink; }
 };
 
 /// The tiled kernel for one call on a scratch: its steps (see the top of the file). The
@@ -366,7 +363,7 @@ template <class T, class B = DefaultBlocking, class KRows = PlainRows<T>, class 
 class TiledCausalSoftmax {
 public:
     TiledCausalSoftmax(const ConstMatrixRef<T>& Q, KRows K, VRows V, T scale, Index window, Index sinks,
-                       SoftmaxScratch<T>& scratch, const LogitRule<T>& rule = {}, TileBias<T> bias = {})
+                       SoftmaxScratch<T>& scratch, const LogitRule& rule = {}, TileBias<T> bias = {})
         : q_(Q), k_(std::move(K)), v_(std::move(V)), scale_(scale), window_(window), sinks_(sinks),
           tiles_(scratch.tiles), lanes_(scratch.lanes), qt_(scratch.qt), s_(scratch.s), acc_(scratch.acc),
           state_(scratch.state), bias_tile_(scratch.bias), bias_rows_(scratch.bias_rows), query_offset_(k_.rows() - q_.rows()), rule_(rule),
@@ -563,7 +560,7 @@ private:
     /// (empty when it sees none): the sinks below its window, then (p − window, p].
     [[nodiscard]] Range keys_seen(Index i, Index j0, Index n) const {
         Index first = n, end = 0;
-        for (const Run& run : visible_runs(p0_ + i)) {
+        for (const Range& run : visible_runs(p0_ + i)) {
             const Index begin = std::max(run.first, j0), stop = std::min(run.end, j0 + n);
             if (begin < stop) {
                 first = std::min(first, begin - j0);
@@ -573,13 +570,9 @@ private:
         return {first, end};
     }
 
-    /// Keys [first, end) of a run.
-    struct Run {
-        Index first, end;
-    };
     /// The keys position p sees, as three runs in key order (some empty): the sinks below
     /// its window, the window, and (not causal) the sinks past the window's end.
-    [[nodiscard]] std::array<Run, 3> visible_runs(Index p) const {
+    [[nodiscard]] std::array<Range, 3> visible_runs(Index p) const {
         const Index nk = k_.rows();
         const Index window_begin = window_ == 0 ? 0 : std::clamp<Index>(p - window_ + 1, 0, nk);
         const Index window_end = rule_.causal ? std::clamp<Index>(p + 1, 0, nk)
@@ -587,7 +580,7 @@ private:
                                                 : std::clamp<Index>(p + window_, 0, nk);
         const Index below = std::min(sinks_, std::min(window_begin, window_end));
         const Index past = rule_.causal ? window_end : std::max(window_end, std::min(sinks_, nk));
-        return {Run{0, below}, Run{window_begin, window_end}, Run{window_end, past}};
+        return {Range{0, below}, Range{window_begin, window_end}, Range{window_end, past}};
     }
 
     /// The band of Sᵀ = K_tile · Qᵀ on a masked tile: a strip of keys takes the lanes
@@ -639,7 +632,7 @@ private:
         for (Index i = 0; i < rows_; ++i) {
             const Index p = p0_ + i;
             Eigen::Map<Vector<T>>(acc_.data() + i * dv, dv) *= state_.alpha()[i];
-            for (const Run& run : visible_runs(p)) {
+            for (const Range& run : visible_runs(p)) {
                 const Index begin = std::max(run.first, j0), end = std::min(run.end, j0 + n);
                 if (begin < end)
                     tile_product<T, B>(1, dv, end - begin, s_.data() + (begin - j0) * lanes_ + i, 1, lanes_,
@@ -696,7 +689,7 @@ private:
     Matrix<T>& bias_tile_;  // keys × lanes (padding lanes hold zeros or an earlier tile's values)
     Matrix<T>& bias_rows_;  // lanes × keys, as fill writes it
     Index query_offset_;
-    LogitRule<T> rule_;
+    LogitRule rule_;
     TileBias<T> bias_;
     T softcap2_, slope2_;  // log2(e)·c and log2(e)·slope: the tile's logits are base 2
     Index i0_ = 0, rows_ = 0, cols_ = 0, p0_ = 0, p1_ = 0;  // the current query tile
@@ -760,7 +753,7 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
     const Index window = options.causal ? effective_window(options.window, K.rows())
                                         : effective_window(options.window, farthest + 1);
     TiledCausalSoftmax<T, B> kernel(Q, PlainRows<T>(K), PlainRows<T>(V), scale, window, options.sink_tokens, scratch,
-                                    LogitRule<T>::of(options), tile_bias);
+                                    LogitRule::of(options), tile_bias);
     kernel.set_query_offset(offset);
     kernel.run(O, lse);
 }
@@ -794,7 +787,7 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
 template <class T>
 void causal_softmax_block(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                           Index query_offset, T scale, Index window, Index sinks, MatrixRef<T> O, T* lse,
-                          SoftmaxScratch<T>& scratch, const LogitRule<T>& rule = {}) {
+                          SoftmaxScratch<T>& scratch, const LogitRule& rule = {}) {
     if (Q.rows() == 0)
         return;
     MEMATTN_DASSERT(rule.causal && !rule.sink);
@@ -819,7 +812,7 @@ void causal_softmax_stored(const ConstMatrixRef<T>& Q, const StoredRows<T, S>& K
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
     TiledCausalSoftmax<T, DefaultBlocking, DecodedRows<T, S>, DecodedRows<T, S>> kernel(
         Q, DecodedRows<T, S>(K, keys, scratch.tiles.keys), DecodedRows<T, S>(V, keys, scratch.tiles.keys), scale,
-        window, options.sink_tokens, scratch, LogitRule<T>::of(options));
+        window, options.sink_tokens, scratch, LogitRule::of(options));
     kernel.run(O, [](Index, T) {});
 }
 

@@ -41,11 +41,6 @@ struct SoftmaxOptions {
     /// index of its parent among the queries (the last Nq keys), or −1; each sees the
     /// keys before them and its ancestors among them, itself included. Empty: none.
     std::span<const Index> parents = {};
-
-    /// True when the logits are scale·q·k and nothing else (no softcap, ALiBi, sink logits or tree).
-    [[nodiscard]] bool plain_logits() const noexcept {
-        return softcap == 0 && sink_logits.empty() && alibi_slopes.empty() && parents.empty();
-    }
 };
 
 namespace detail {

@@ -121,6 +121,11 @@ struct Rope {
     /// ω_i for i < r/2, after the scaling (checks the configuration).
     [[nodiscard]] std::vector<double> frequencies() const {
         check("Rope::frequencies");
+        return scaled_frequencies();
+    }
+
+    /// frequencies() of a checked configuration.
+    [[nodiscard]] std::vector<double> scaled_frequencies() const {
         const Index r = rotated(), half = r / 2;
         std::vector<double> w(static_cast<std::size_t>(half));
         double base = theta;
@@ -169,7 +174,7 @@ struct Rope {
         static_assert(Scalar<T>, "memattn::Rope::apply: X must be float or double");
         MatrixRef<T> x = detail::output(std::forward<DX>(X));
         check_apply("Rope::apply", x.rows(), x.cols(), positions);
-        const std::vector<double> w = frequencies();
+        const std::vector<double> w = scaled_frequencies();
         for (Index row = 0; row < x.rows(); ++row)
             turn_computed(x.row(row).data(), x.cols(), w, attention_factor(), positions[static_cast<std::size_t>(row)]);
     }
@@ -239,7 +244,7 @@ template <Scalar T>
 class RopeTable {
 public:
     /// The table of `rope` (checked) for positions [0, length).
-    explicit RopeTable(const Rope& rope, Index length = 0) : rope_(checked(rope)), w_(rope_.frequencies()) {
+    explicit RopeTable(const Rope& rope, Index length = 0) : rope_(checked(rope)), w_(rope_.scaled_frequencies()) {
         reserve(length);
     }
 
