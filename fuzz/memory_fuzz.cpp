@@ -1,10 +1,13 @@
 // Differential fuzzing of the fixed-size memories: MovingAverageCache (windowed,
-// cumulative, exponential) and HybridCache (mean, max, weighted compressors) against
-// the double references, with decode, prefill and extend-then-decode agreeing.
+// cumulative, exponential), HybridCache (mean, max, weighted compressors) and
+// SlidingWindowCache with the logit options (softcap, ALiBi, a sink logit) against the
+// double references, with decode, prefill and extend-then-decode agreeing.
 #include "fuzz_input.hpp"
 
 #include <memattn/memattn.hpp>
 
+#include <optional>
+#include <span>
 #include <vector>
 
 namespace {
@@ -41,7 +44,26 @@ template <class T>
 void run(fuzz::FuzzInput& in) {
     const Index n = in.size(0, 200), d = in.size(1, 16), dv = in.size(1, 16);
     const Matrix<T> Q = in.matrix<T>(n, d, 1.0), K = in.matrix<T>(n, d, 1.0), V = in.matrix<T>(n, dv, 1.0);
-    switch (in.size(0, 2)) {
+    switch (in.size(0, 3)) {
+        case 3: {
+            const Index window = in.size(1, 40), sinks = in.size(0, 6);
+            const double softcap = in.flag() ? 0.0 : 0.5 + 10 * std::abs(in.value(1.0));
+            const double slope = std::abs(in.value(0.5)), sink = in.value(4.0);
+            const bool alibi = in.flag(), sinked = in.flag();
+            SoftmaxOptions options{.window = window, .sink_tokens = sinks, .softcap = softcap};
+            if (alibi)
+                options.alibi_slopes = std::span<const double>(&slope, 1);
+            if (sinked)
+                options.sink_logits = std::span<const double>(&sink, 1);
+            check(in, "SlidingWindowCache with logit options", SlidingWindowCache<T>(d, dv, options), Q, K, V,
+                  reference::softmax_attention(
+                      to_double(Q), to_double(K), to_double(V),
+                      reference::Logits{.window = window, .sink_tokens = sinks, .softcap = softcap,
+                                        .slope = alibi ? std::optional<double>(slope) : std::nullopt,
+                                        .sink = sinked ? std::optional<double>(sink) : std::nullopt})
+                      .out);
+            return;
+        }
         case 0: {
             const Index window = in.size(0, 40);
             check(in, "MovingAverageCache", MovingAverageCache<T>(d, dv, window), Q, K, V,

@@ -220,6 +220,23 @@ TEMPLATE_TEST_CASE("Fixed-size memories never allocate in update, attend or exte
         check_no_allocation(MultiHead<SlidingWindowCache<T, Q8>>(
             HeadLayout{8, 2, 8, 4}, [](Index) { return SlidingWindowCache<T, Q8>(8, 4, 32, 2); }));
     }
+    SECTION("Logit options and RoPE, the window's sinks and the hybrid's slots in the cache") {
+        const double value[1] = {0.5}, values[4] = {0.5, -0.25, 1, 0};
+        const Rope rope{.head_dim = 16};
+        check_no_allocation(SlidingWindowCache<T>(
+            16, 8, SoftmaxOptions{.window = 64, .sink_tokens = 4, .softcap = 5, .sink_logits = value, .alibi_slopes = value},
+            rope, RopePositions::cache));
+        check_no_allocation(SlidingWindowCache<T, Eigen::bfloat16>(
+            16, 8, SoftmaxOptions{.window = 8, .sink_tokens = 2, .sink_logits = value}, rope, RopePositions::cache));
+        check_no_allocation(HybridCache<T>(16, 8, 32, 4, 8, SoftmaxOptions{.softcap = 3, .sink_logits = value}, rope,
+                                           RopePositions::cache));
+        check_no_allocation(MultiHead<SlidingWindowCache<T>>(HeadLayout{8, 2, 16, 4}, [&](Index kv) {
+            return SlidingWindowCache<T>(16, 4, SoftmaxOptions{.window = 32, .sink_tokens = 2, .softcap = 4,
+                                                               .sink_logits = std::span(values).subspan(0, 4),
+                                                               .alibi_slopes = std::span(values).subspan(0, 4)},
+                                         Rope{.head_dim = 16, .rotary_dim = kv == 0 ? 16 : 8}, RopePositions::cache);
+        }));
+    }
     SECTION("MultiHead<HybridCache>, two heads") {
         check_no_allocation(
             MultiHead<HybridCache<T>>(HeadLayout{2, 2, 8, 4}, [](Index) { return HybridCache<T>(8, 4, 16, 4, 8); }));
@@ -262,9 +279,14 @@ TEMPLATE_TEST_CASE("MultiHead<KVCache>: split decode steps allocate nothing once
     const Index n = 9000, steps = 20;
     const Matrix<T> K = random_matrix<T>(n + steps, 32, 2), V = random_matrix<T>(n + steps, 32, 3),
                     Q = random_matrix<T>(steps, 128, 1);
-    for (const int threads : {1, 2}) {
-        INFO(threads << " threads");
-        MultiHead<KVCache<T>> mem(layout, [](Index) { return KVCache<T>(16, 16); });
+    const double values[4] = {0.5, -0.25, 1, 0};
+    const SoftmaxOptions options{.softcap = 4, .sink_logits = values, .alibi_slopes = values};
+    for (const auto& [threads, logits] : {std::pair{1, false}, {2, false}, {1, true}, {2, true}}) {
+        INFO(threads << " threads" << (logits ? ", with logit options and RoPE" : ""));
+        const bool with = logits;  // for the lambda (clang 14 cannot capture a binding)
+        MultiHead<KVCache<T>> mem(layout, [&](Index) {
+            return with ? KVCache<T>(16, 16, options, Rope{.head_dim = 16}) : KVCache<T>(16, 16);
+        });
         mem.reserve(n + steps);
         mem.extend(K.topRows(n), V.topRows(n));
         const OpenMPExecutor executor{.threads = threads};

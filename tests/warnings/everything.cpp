@@ -158,6 +158,20 @@ void everything(memattn::Index n, memattn::Index d) {
             const memattn::Matrix<T> wide = memattn::Matrix<T>::Zero(n, 2 * d);
             memattn::Matrix<T> wide_out(n, 2 * d);
             memattn::multi_head_causal_softmax_attention(wide, x, x, wide_out, heads, {}, x * x.transpose());
+            // The softmax memories with the logit options, alone and in a layer.
+            const double one_value[1] = {0.5};
+            const memattn::SoftmaxOptions single{.softcap = 3, .sink_logits = one_value, .alibi_slopes = one_value};
+            use_memory(memattn::KVCache<T>(d, d, single), x, out);
+            use_memory(memattn::KVCache<T, Eigen::bfloat16>(d, d, single), x, out);
+            memattn::SoftmaxOptions windowed = single;
+            windowed.window = 4;
+            windowed.sink_tokens = 1;
+            use_memory(memattn::SlidingWindowCache<T, memattn::Q8>(d, d, windowed), x, out);
+            use_memory(memattn::HybridCache<T>(d, d, 4, 2, 0, single), x, out);
+            const auto group = [&](memattn::Index) { return memattn::KVCache<T>(d, d, options); };
+            memattn::MultiHead<memattn::KVCache<T>> layer_of(heads, group);
+            memattn::prefill(layer_of, wide, x, x, wide_out);
+            memattn::decode(layer_of, wide, x, x, wide_out);
         }
         // Compact K/V storage: every conversion path of the instruction set.
         {

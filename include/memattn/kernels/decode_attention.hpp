@@ -12,7 +12,8 @@
 //                       Fewer queries than a packet's lanes (float, AVX2/AVX-512): tiles of
 //                       GQ queries × GK keys (logit_tiles, value_tiles), rows converted in
 //                       registers; a whole packet of queries: the tiled kernel's products
-//   attend_group_runs   g queries over a memory's for_each_stored_run(f)
+//   MemoryAttention     a group of a memory's queries over its runs, with its options
+//   attend_memory_group every query of a memory's attend_group
 //
 // A run is given as (keys, values, first, n): the rows [first, first + n) of two
 // detail::StoredRows. A split attend folds parts of the runs into partial softmax states
@@ -42,13 +43,17 @@
 #include "memattn/detail/assert.hpp"
 #include "memattn/detail/packet.hpp"
 #include "memattn/detail/tile_product.hpp"
+#include "memattn/kernels/softmax_options.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
+#include <limits>
+#include <new>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -462,6 +467,25 @@ struct DecodeLogits {
     /// Whether the logits change (the sinks act at the end, in finish).
     [[nodiscard]] bool transforms() const noexcept { return softcap > 0 || slopes != nullptr; }
 
+    /// The same for the queries from r0 on (a later group of group_rows of them).
+    [[nodiscard]] DecodeLogits from(Index r0) const noexcept {
+        DecodeLogits later = *this;
+        if (slopes != nullptr)
+            later.slopes += r0;
+        if (sinks != nullptr)
+            later.sinks += r0;
+        return later;
+    }
+
+    /// The logits of SoftmaxOptions for queries of one token at `position`: their softcap,
+    /// and the per-query spans (one value per query, or none).
+    [[nodiscard]] static DecodeLogits of(const SoftmaxOptions& options, Index position) noexcept {
+        return {.softcap = options.softcap,
+                .slopes = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data(),
+                .sinks = options.sink_logits.empty() ? nullptr : options.sink_logits.data(),
+                .position = position};
+    }
+
     /// Softcap, then ALiBi, on logits s[0, m) of query r at key positions k0, k0 + 1, ...
     /// (every `stride`-th value), in units of `unit` (1: natural; log2(e): base 2).
     template <class T>
@@ -511,31 +535,24 @@ public:
     /// keys of a fold are at positions key_position, key_position + 1, ...
     template <class QB>
     GroupAttention(const QB& queries, T scale, bool ahead = false, const DecodeLogits& logits = {})
-        : queries_(queries), scale_(scale), g_(queries.rows()), lanes_(round_up(g_, packet_lanes<T>)), ahead_(ahead),
-          logits_(logits),
+        : queries_(queries.data(), queries.rows(), queries.cols(), Eigen::OuterStride<>(queries.outerStride())),
+          scale_(scale), g_(queries.rows()), lanes_(round_up(g_, packet_lanes<T>)), ahead_(ahead), logits_(logits),
           tiled_(g_ >= packet_lanes<T> && queries.cols() <= max_depth),
           tiles_(std::is_same_v<T, float> && decode_tiles && g_ >= 2 && !tiled_ && queries.cols() <= max_depth),
           depth_(round_up(queries.cols(), packet_lanes<T>)), block_(tiled_ ? lanes_ : 1) {
         MEMATTN_DASSERT(g_ <= group_rows && lanes_ <= group_rows);
-        const Index d = queries.cols();
-        if (tiles_) {  // scale·Q_g, rows zero-padded to whole packets
-            for (Index r = 0; r < g_; ++r) {
-                for (Index k = 0; k < d; ++k)
-                    qt_[r * depth_ + k] = scale * queries(r, k);
-                for (Index k = d; k < depth_; ++k)
-                    qt_[r * depth_ + k] = T(0);
-            }
-            return;
-        }
-        if (!tiled_)
-            return;
-        const T factor = scale * T(1.44269504088896340735992468100);  // base-2 logits
-        for (Index k = 0; k < d; ++k) {
-            for (Index r = 0; r < g_; ++r)
-                qt_[k * lanes_ + r] = factor * queries(r, k);
-            for (Index r = g_; r < lanes_; ++r)
-                qt_[k * lanes_ + r] = T(0);
-        }
+        load_queries();
+    }
+
+    /// Takes other queries (as many, as wide, rows of any stride) for the folds that
+    /// follow; the states and the accumulators carry on. How a memory with RoPE reads
+    /// pairs it places elsewhere (the sinks of a cache at their positions in the cache)
+    /// with its queries turned to another position.
+    template <class QB>
+    void requery(const QB& queries) {
+        MEMATTN_DASSERT(queries.rows() == g_ && queries.cols() == queries_.cols());
+        new (&queries_) QueryMap(queries.data(), g_, queries.cols(), Eigen::OuterStride<>(queries.outerStride()));
+        load_queries();
     }
 
     /// Folds keys K (n×d) and values V (n×dv), contiguous rows of any stride, into the
@@ -632,7 +649,33 @@ public:
     }
 
 private:
+    using QueryMap = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
+
     static constexpr Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
+
+    /// The queries as the routes read them: scale·Q_g (tiles route), log2(e)·scale·Q_gᵀ
+    /// (tiled route), rows zero-padded to whole packets.
+    void load_queries() noexcept {
+        const Index d = queries_.cols();
+        if (tiles_) {
+            for (Index r = 0; r < g_; ++r) {
+                for (Index k = 0; k < d; ++k)
+                    qt_[r * depth_ + k] = scale_ * queries_(r, k);
+                for (Index k = d; k < depth_; ++k)
+                    qt_[r * depth_ + k] = T(0);
+            }
+            return;
+        }
+        if (!tiled_)
+            return;
+        const T factor = scale_ * T(1.44269504088896340735992468100);  // base-2 logits
+        for (Index k = 0; k < d; ++k) {
+            for (Index r = 0; r < g_; ++r)
+                qt_[k * lanes_ + r] = factor * queries_(r, k);
+            for (Index r = g_; r < lanes_; ++r)
+                qt_[k * lanes_ + r] = T(0);
+        }
+    }
 
     /// Rows of T: the first one and the distance between rows.
     struct Rows {
@@ -724,7 +767,7 @@ private:
         }
     }
 
-    ConstMatrixRef<T> queries_;
+    QueryMap queries_;
     T scale_;
     Index g_, lanes_;
     bool ahead_;
@@ -739,24 +782,131 @@ private:
     alignas(64) T s_[group_rows * group_keys];  // logits, then weights
 };
 
-/// out (g×dv) = softmax attention of each row of `queries` (g×d) over the pairs a memory
-/// reads, given as `for_each_stored_run(f)` calling f(keys, values, first, n) for each
-/// contiguous run of stored rows in order; rows with no visible pair get zero. Each
-/// stored row is read once per group of group_rows queries. Allocates nothing.
-template <class T, class ForEachRun>
-void attend_group_runs(const ConstMatrixRef<T>& queries, MatrixRef<T>& out, T scale,
-                       const ForEachRun& for_each_stored_run) {
-    const bool ahead = beyond_l2(for_each_stored_run);
+/// A memory with logit options (KVCache, SlidingWindowCache, HybridCache): options()
+/// (kernels/softmax_options.hpp) and pair_position(i), the token position ALiBi gives
+/// the i-th pair its attend reads (in for_each_stored_run's order).
+template <class M>
+concept PlacesPairs = requires(const M& m, Index i) {
+    { m.options() } -> std::convertible_to<SoftmaxOptions>;
+    { m.pair_position(i) } -> std::convertible_to<Index>;
+};
+
+/// A memory that may store its keys turned by RoPE (positional/rope.hpp): when
+/// turns_queries(), its attend turns the query to query_position(i) for the i-th pair,
+/// by turn_query(row, cols, position), in place.
+template <class M>
+concept TurnsQueries = requires(const M& m, typename M::Scalar* row, Index i) {
+    { m.turns_queries() } -> std::convertible_to<bool>;
+    { m.query_position(i) } -> std::convertible_to<Index>;
+    m.turn_query(row, i, i);
+};
+
+/// What GroupAttention does with a memory's logit options for its queries from r0 on, at
+/// its newest token (none for a memory without them).
+template <class M>
+DecodeLogits decode_logits(const M& m, Index r0) {
+    if constexpr (PlacesPairs<M>)
+        return DecodeLogits::of(m.options(), m.length() - 1).from(r0);
+    else
+        return {};
+}
+
+/// g ≤ group_rows queries of one attend of memory m (rows r0 .. r0 + g − 1 of the
+/// queries its attend_group takes) over its stored pairs: GroupAttention with the
+/// memory's logit options, each fold's keys at their pair_position (ALiBi), and, for a
+/// memory that turns queries (RoPE), the queries turned to each run's query_position,
+/// in a buffer of its own (on the stack up to group_rows × max_depth values).
+template <class T, class M>
+class MemoryAttention {
+public:
+    template <class QB>
+    MemoryAttention(const M& m, const QB& queries, Index r0, bool ahead)
+        : m_(m), queries_(queries.data(), queries.rows(), queries.cols(), Eigen::OuterStride<>(queries.outerStride())),
+          logits_(decode_logits(m, r0)), group_(queries, static_cast<T>(m.scale()), ahead, logits_) {}
+
+    /// Folds the pairs [begin, end) of the ones attend reads (for_each_stored_run's
+    /// order) into the states and `acc` (g × dv, zero before the first fold).
+    template <class Acc>
+    void fold(Index begin, Index end, Acc& acc) {
+        Index offset = 0;
+        m_.for_each_stored_run([&](const auto& keys, const auto& values, Index first, Index n) {
+            const Index b = std::max(begin, offset), e = std::min(end, offset + n);
+            if (b < e) {
+                if constexpr (TurnsQueries<M>)
+                    if (m_.turns_queries())
+                        turn_to(m_.query_position(b));
+                Index position = 0;
+                if constexpr (PlacesPairs<M>)
+                    position = logits_.slopes != nullptr ? m_.pair_position(b) : 0;
+                group_.fold_stored(keys, values, first + b - offset, e - b, acc, position);
+            }
+            offset += n;
+        });
+    }
+
+    /// Query r's state (its sink logit not yet in it: GroupAttention::state).
+    [[nodiscard]] SoftmaxState<T> state(Index r) const { return group_.state(r); }
+    /// Query r's output (GroupAttention::finish).
+    template <class Row>
+    void finish(Index r, Row&& acc) const {
+        group_.finish(r, acc);
+    }
+
+private:
+    using QueryMap = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
+    static constexpr Index stack_values = group_rows * GroupAttention<T>::max_depth;
+
+    /// The queries turned to position p (from the memory's own, each time anew).
+    void turn_to(Index p) {
+        if (p == turned_at_)
+            return;
+        const Index g = queries_.rows(), d = queries_.cols();
+        T* turned = turned_;
+        if (g * d > stack_values) {  // a head wider than max_depth: the one allocation
+            heap_.resize(static_cast<std::size_t>(g * d));
+            turned = heap_.data();
+        }
+        Eigen::Map<Matrix<T>> rows(turned, g, d);
+        rows = queries_;
+        for (Index r = 0; r < g; ++r)
+            m_.turn_query(turned + r * d, d, p);
+        group_.requery(rows);
+        turned_at_ = p;
+    }
+
+    const M& m_;
+    QueryMap queries_;
+    DecodeLogits logits_;
+    GroupAttention<T> group_;
+    Index turned_at_ = std::numeric_limits<Index>::min();
+    alignas(64) T turned_[stack_values];
+    std::vector<T> heap_;
+};
+
+/// Pairs a memory's attend reads: the sum of its runs.
+template <class M>
+Index stored_pairs(const M& m) {
+    Index n = 0;
+    m.for_each_stored_run([&n](const auto&, const auto&, Index, Index count) { n += count; });
+    return n;
+}
+
+/// out (g×dv) = a memory's grouped attend of the rows of `queries` (g×d) over every pair
+/// it reads (MemoryAttention, group_rows queries at a time); rows with no visible pair
+/// get zero. Each stored row is read once per group of group_rows queries. Allocates
+/// nothing (but for RoPE on heads wider than GroupAttention::max_depth).
+template <class T, class M>
+void attend_memory_group(const M& m, const ConstMatrixRef<T>& queries, MatrixRef<T>& out) {
+    const bool ahead = beyond_l2([&m](const auto& f) { m.for_each_stored_run(f); });
+    const Index pairs = stored_pairs(m);
     for (Index r0 = 0; r0 < queries.rows(); r0 += group_rows) {
         const Index g = std::min(group_rows, queries.rows() - r0);
         auto acc = out.middleRows(r0, g);
         acc.setZero();
-        GroupAttention<T> group(queries.middleRows(r0, g), scale, ahead);
-        for_each_stored_run([&](const auto& keys, const auto& values, Index first, Index n) {
-            group.fold_stored(keys, values, first, n, acc);
-        });
+        MemoryAttention<T, M> attention(m, queries.middleRows(r0, g), r0, ahead);
+        attention.fold(0, pairs, acc);
         for (Index r = 0; r < g; ++r)
-            group.finish(r, acc.row(r));
+            attention.finish(r, acc.row(r));
     }
 }
 

@@ -76,10 +76,14 @@ inline double softmax_item_cost(const SoftmaxItem& item, const SequenceSpan& spa
 }
 
 /// One KV head's keys and values for one sequence, and the scale its heads use.
+/// `group`: the logit options of its group of query heads (a memory's: spans of one
+/// value per query head of the group, or none), taking the place of the call's softcap,
+/// slopes and sink logits; absent: the call's.
 template <class T>
 struct HeadKeys {
     ConstMatrixRef<T> keys, values;
     double scale;
+    std::optional<SoftmaxOptions> group = std::nullopt;
 };
 
 /// One KV head's keys and values of one sequence, contiguous. A head's columns of a packed
@@ -158,6 +162,12 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink
                 const Index visible = trailing ? first + item.rows : span.k_rows;
                 const Index row0 = span.q_begin + item.q_begin;
                 SoftmaxOptions one = head_options(options, item.head);
+                if (source.group) {
+                    const SoftmaxOptions member = head_options(*source.group, item.head - kv * layout.group_size());
+                    one.softcap = member.softcap;
+                    one.alibi_slopes = member.alibi_slopes;
+                    one.sink_logits = member.sink_logits;
+                }
                 one.scale = source.scale;
                 const auto bias = bias_at(row0);  // read by the kernel below
                 causal_softmax_views<T>(

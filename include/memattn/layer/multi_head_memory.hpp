@@ -50,6 +50,7 @@
 #include <cstddef>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -147,6 +148,15 @@ public:
             if constexpr (detail::KnowsDims<M>)
                 detail::require(head.value_dim() == layout_.values(), "MultiHead", name.c_str(), "has value_dim ",
                                 head.value_dim(), ", expected the layout's value_dim ", layout_.values());
+            if constexpr (detail::PlacesPairs<M>) {
+                // Each KV head's memory holds its group's values: one per query head of the group.
+                const SoftmaxOptions options = head.options();
+                for (const auto& [values, what] : {std::pair{options.alibi_slopes, "options().alibi_slopes"},
+                                                   std::pair{options.sink_logits, "options().sink_logits"}})
+                    detail::require(values.empty() || static_cast<Index>(values.size()) == layout_.group_size(),
+                                    "MultiHead", name.c_str(), "has ", values.size(), " ", what,
+                                    ", expected none or one per query head of its group, ", layout_.group_size());
+            }
         }
         size_split_scratch();
     }
@@ -436,16 +446,10 @@ private:
         for (Index r0 = 0; r0 < q.rows(); r0 += detail::group_rows) {
             const Index g = std::min(detail::group_rows, q.rows() - r0);
             auto acc_rows = acc.middleRows(r0, g);
-            detail::GroupAttention<T> group(q.middleRows(r0, g), head.scale(), ahead);
-            Index offset = 0;
-            head.for_each_stored_run([&](const auto& keys, const auto& values, Index first, Index n) {
-                const Index begin = std::max(piece.first, offset), end = std::min(piece.last, offset + n);
-                if (begin < end)
-                    group.fold_stored(keys, values, first + begin - offset, end - begin, acc_rows);
-                offset += n;
-            });
+            detail::MemoryAttention<T, M> attention(head, q.middleRows(r0, g), r0, ahead);
+            attention.fold(piece.first, piece.last, acc_rows);
             for (Index r = 0; r < g; ++r)
-                states[r0 + r] = group.state(r);
+                states[r0 + r] = attention.state(r);
         }
     }
 
@@ -581,15 +585,16 @@ private:
                 }
             },
             threads, executor_);
-        // Merge each head's pieces in order, then normalise.
+        // Merge each head's pieces in order, then the sink logits join, then normalise.
         for (Index h = 0; h < layout_.kv_heads; ++h) {
             const Index p0 = first_piece[static_cast<std::size_t>(h)];
             GroupOut o = group_outputs(out, h);
+            const detail::DecodeLogits logits = detail::decode_logits(heads_[static_cast<std::size_t>(h)], 0);
             for (Index r = 0; r < g; ++r) {
                 SoftmaxState<T>& state = states[p0 * g + r];
                 for (Index p = p0 + 1; p < first_piece[static_cast<std::size_t>(h) + 1]; ++p)
                     state.merge(states[p * g + r], o.row(r), partial.row(p * g + r));
-                state.finish(o.row(r));
+                detail::GroupAttention<T>::finish_state(state, logits, r, o.row(r));
             }
         }
     }
@@ -598,15 +603,29 @@ private:
     /// a throw (no memory) takes every cache back to its length before the call.
     void prefill_caches(const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
                         const ConstMatrixRef<T>& values, MatrixRef<T>& out) {
-        const Index d = layout_.head_dim, dv = layout_.values();
+        const Index d = layout_.head_dim, dv = layout_.values(), g = layout_.group_size(), before = length();
+        // With RoPE the caches turn the keys they store; the kernel reads the queries turned
+        // by their KV head's RoPE to their positions.
+        std::optional<Matrix<T>> turned;
+        for (Index h = 0; h < layout_.kv_heads; ++h) {
+            const M& head = heads_[static_cast<std::size_t>(h)];
+            if (!head.turns_queries())
+                continue;
+            if (!turned)
+                turned.emplace(queries);
+            for (Index i = 0; i < turned->rows(); ++i)
+                head.turn_query(turned->row(i).data() + h * g * d, g * d, before + i);
+        }
+        const ConstMatrixRef<T> read = turned ? ConstMatrixRef<T>(*turned) : queries;
         all_or_nothing([&] {
             for (Index h = 0; h < layout_.kv_heads; ++h)
                 heads_[static_cast<std::size_t>(h)].extend(keys.middleCols(h * d, d), values.middleCols(h * dv, dv));
             detail::multi_head_softmax_run<T>(
-                queries, out, [](Index, Index, T) {}, layout_, SoftmaxOptions{}, VarLen{}, length(),
+                read, out, [](Index, Index, T) {}, layout_, SoftmaxOptions{}, VarLen{}, length(),
                 [this](const detail::SequenceSpan&, Index kv) {
                     const M& head = heads_[static_cast<std::size_t>(kv)];
-                    return detail::HeadKeys<T>{head.keys(), head.values(), static_cast<double>(head.scale())};
+                    return detail::HeadKeys<T>{head.keys(), head.values(), static_cast<double>(head.scale()),
+                                               head.options()};
                 },
                 executor_);
         });

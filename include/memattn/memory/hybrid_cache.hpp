@@ -22,6 +22,8 @@
 #include "memattn/kernels/decode_attention.hpp"
 #include "memattn/memory/compressor.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/held_logits.hpp"
+#include "memattn/memory/detail/held_rope.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/memory/detail/pair_ring.hpp"
 #include "memattn/persistence/stream.hpp"
@@ -84,12 +86,40 @@ public:
                                 ", expected weights finite as ", detail::scalar_name<T>);
     }
 
+    /// With the logit options (see KVCache's constructor): `options.scale` as `scale`, the
+    /// softcap and the sink logits, copied. ALiBi slopes only without compressed slots
+    /// (`slots` = 0): a slot pools many positions, so it has no distance to the query.
+    HybridCache(Index key_dim, Index value_dim, Index window, Index rate, Index slots, const SoftmaxOptions& options,
+                C compressor = C{})
+        : HybridCache(key_dim, value_dim, window, rate, slots, static_cast<T>(options.scale), std::move(compressor)) {
+        detail::require(options.alibi_slopes.empty() || slots_ == 0, "HybridCache", "options.alibi_slopes",
+                        "is given with slots = ", slots_,
+                        ": a compressed slot pools many positions, so ALiBi has no distance for it");
+        logits_ = detail::HeldLogits("HybridCache", options);
+    }
+
+    /// With the options and rotary position embeddings (see KVCache's): the window's keys
+    /// stored turned to their positions, queries turned at each attend. `positions`
+    /// (RopePositions): in the sequence, a slot pools the keys as the window held them
+    /// (each turned to its own position); in the cache (StreamingLLM's rule), the kept
+    /// slots are places 0, 1, ... before the window: slot g pools its keys turned to
+    /// position g, and attend turns the query for the slots to its own place in the
+    /// cache plus the first kept slot's number (memory/detail/held_rope.hpp), so the
+    /// slots move with the cache and nothing stored is turned again.
+    HybridCache(Index key_dim, Index value_dim, Index window, Index rate, Index slots, const SoftmaxOptions& options,
+                const Rope& rope, RopePositions positions = RopePositions::sequence, C compressor = C{})
+        : HybridCache(key_dim, value_dim, window, rate, slots, options, std::move(compressor)) {
+        rope_ = detail::HeldRope("HybridCache", rope, key_dim_, positions);
+        turned_.resize(key_dim_);
+        slot_key_.resize(key_dim_);
+    }
+
     /// Stores one pair; the pair it pushes out of the window goes into a compressed slot.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {"HybridCache::update", "key", "value"});
         if (length_ >= window_)
             compress_held(length_ - window_);
-        local_.put(length_, key, value);
+        put(length_, key, value);
         ++length_;
     }
 
@@ -110,8 +140,13 @@ public:
             }
         }
         const Index first = std::max(length_, end - window_);
-        local_.put_rows(first, keys.middleRows(first - length_, end - first),
-                        values.middleRows(first - length_, end - first));
+        if (rope_.on()) {  // row by row through the turned row: no allocation
+            for (Index p = first; p < end; ++p)
+                put(p, keys.row(p - length_), values.row(p - length_));
+        } else {
+            local_.put_rows(first, keys.middleRows(first - length_, end - first),
+                            values.middleRows(first - length_, end - first));
+        }
         length_ = end;
     }
 
@@ -124,12 +159,19 @@ public:
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim_, value_dim_, length_);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
+        rope_.check_turnable<T, S>(site, keys);
     }
 
     /// out = Σ_j softmax_j(scale · q·k_j) v_j over the kept compressed slots and the
-    /// window; zero when empty.
+    /// window; zero when empty. With logit options, the query is at position length() − 1.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
         detail::check_query("HybridCache::attend", query, out, key_dim_, value_dim_);
+        if (logits_.any() || rope_.on()) {
+            logits_.check_rows("HybridCache::attend", "query", 1);
+            Eigen::Map<Matrix<T>> row(out.data(), 1, value_dim_);
+            attend_group(Eigen::Map<const Matrix<T>>(query.data(), 1, key_dim_), row);
+            return;
+        }
         SoftmaxState<T> state;
         out.setZero();
         const Index e = evicted(length_), s = slot_count(e);
@@ -144,7 +186,38 @@ public:
     /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
     void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
         detail::check_group_query("HybridCache::attend_group", queries, out, key_dim_, value_dim_);
-        detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_stored_run(f); });
+        logits_.check_rows("HybridCache::attend_group", "queries", queries.rows());
+        detail::attend_memory_group<T>(*this, queries, out);
+    }
+
+    /// The token position of the i-th pair attend reads (for_each_stored_run's order):
+    /// a kept slot's first token's, then the window's tokens (ALiBi reads it only
+    /// without slots).
+    [[nodiscard]] Index pair_position(Index i) const noexcept {
+        const Index e = evicted(length_), s = slot_count(e), kept = slots_ > 0 ? s - first_slot(s) : 0;
+        return i < kept ? (first_slot(s) + i) * rate_ : e + (i - kept);
+    }
+    /// Whether the keys are stored turned by RoPE, so attends turn their queries.
+    [[nodiscard]] bool turns_queries() const noexcept { return rope_.on(); }
+    /// The position an attend turns its query to for the i-th pair: the newest token's,
+    /// or, with RopePositions::cache, for a slot S + (window pairs held) − 1, S the slots
+    /// opened (see the constructor).
+    [[nodiscard]] Index query_position(Index i) const noexcept {
+        const Index e = evicted(length_), s = slot_count(e), kept = slots_ > 0 ? s - first_slot(s) : 0;
+        if (rope_.in_cache() && i < kept)
+            return s + (length_ - e) - 1;
+        return length_ - 1;
+    }
+    /// Turns a query row (`cols` = key_dim values) to position p in place, as attend does.
+    void turn_query(T* row, Index cols, Index p) const noexcept { rope_.turn(row, cols, p); }
+    /// Its RoPE configuration, or nullptr.
+    [[nodiscard]] const Rope* rope() const noexcept { return rope_.rope(); }
+    /// Where its RoPE places the kept tokens.
+    [[nodiscard]] RopePositions rope_positions() const noexcept { return rope_.positions(); }
+    /// The options its attends follow: the scale and the logit options (the spans view
+    /// the cache's own copies; see KVCache::options).
+    [[nodiscard]] SoftmaxOptions options() const noexcept {
+        return logits_.into({.scale = static_cast<double>(scale_)});
     }
 
     /// Calls f(keys, values, first, n) for each contiguous run of the stored pairs `attend`
@@ -201,7 +274,8 @@ public:
     /// Snapshots (memattn/persistence/snapshot.hpp), for a compressor that names itself
     /// (detail::NamedForSnapshots; the library's do): key_dim, value_dim, window, rate,
     /// slots, scale, the compressor's name and weights, length, then the window's pairs
-    /// and the kept slots (an open slot as pooled so far), oldest first.
+    /// and the kept slots (an open slot as pooled so far), oldest first. The logit options
+    /// are not recorded (see KVCache); a RoPE configuration follows the scale.
     [[nodiscard]] static std::string snapshot_kind()
         requires detail::NamedForSnapshots<C>
     {
@@ -217,6 +291,7 @@ public:
         w.index(rate_);
         w.index(slots_);
         w.number(scale_);
+        rope_.write(w);
         if constexpr (detail::HasWeights<C>) {
             w.index(static_cast<Index>(compressor_.weights().size()));
             for (const double weight : compressor_.weights())
@@ -239,6 +314,7 @@ public:
         r.expect("rate", rate_);
         r.expect("slots", slots_);
         r.expect("scale", scale_);
+        rope_.read(r);
         if constexpr (detail::HasWeights<C>) {
             r.expect("the compressor's weight count", static_cast<Index>(compressor_.weights().size()));
             for (const double weight : compressor_.weights())
@@ -281,6 +357,16 @@ private:
     /// have held it (rounded to S), so extend equals updates one by one.
     template <class K, class V>
     void compress_input(Index e, const K& key, const V& value) {
+        if (rope_.on()) {  // turned to e as the window would have held it
+            turned_ = key;
+            rope_.turn(turned_.data(), key_dim_, e);
+            compress_unturned(e, turned_, value);
+        } else {
+            compress_unturned(e, key, value);
+        }
+    }
+    template <class K, class V>
+    void compress_unturned(Index e, const K& key, const V& value) {
         if constexpr (compact) {
             detail::round_trip(key, key_stored_, key_row_.data(), key_dim_);
             detail::round_trip(value, value_stored_, value_row_.data(), value_dim_);
@@ -290,12 +376,30 @@ private:
         }
     }
 
+    /// Stores the pair of the token at `position` in the window, its key turned with RoPE.
+    template <class K, class V>
+    void put(Index position, const K& key, const V& value) {
+        if (rope_.on()) {
+            turned_ = key;
+            rope_.turn(turned_.data(), key_dim_, position);
+            local_.put(position, turned_, value);
+        } else {
+            local_.put(position, key, value);
+        }
+    }
+
     template <class K, class V>
     void compress(Index e, const K& key, const V& value) {
         if (slots_ == 0)
             return;
         const Index slot = e / rate_, position = e % rate_;
-        compressor_.absorb(RowRef<T>(compressed_.key(slot)), ConstRowRef<T>(key), position);
+        if (rope_.in_cache()) {  // the key as turned to e, turned on to the slot's number
+            slot_key_ = key;
+            rope_.turn(slot_key_.data(), key_dim_, slot - e, false);
+            compressor_.absorb(RowRef<T>(compressed_.key(slot)), ConstRowRef<T>(slot_key_), position);
+        } else {
+            compressor_.absorb(RowRef<T>(compressed_.key(slot)), ConstRowRef<T>(key), position);
+        }
         compressor_.absorb(RowRef<T>(compressed_.value(slot)), ConstRowRef<T>(value), position);
     }
 
@@ -306,6 +410,10 @@ private:
     Index rate_;
     Index slots_;
     T scale_;
+    detail::HeldLogits logits_;
+    detail::HeldRope rope_;
+    Vector<T> turned_;    ///< a key turned to its position on its way to the window or a slot (RoPE)
+    Vector<T> slot_key_;  ///< a key turned to its slot's number (RopePositions::cache)
     C compressor_;
     detail::PairRing<T, S> local_;    ///< item j: token j, the last `window` of them
     detail::PairRing<T> compressed_;  ///< item g: compressed slot g, the last `slots` of them

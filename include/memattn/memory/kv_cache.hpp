@@ -6,6 +6,8 @@
 #include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/kernels/decode_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/held_logits.hpp"
+#include "memattn/memory/detail/held_rope.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/softmax_state.hpp"
@@ -40,17 +42,50 @@ public:
           keys_(0, key_dim_),
           values_(0, value_dim_) {}
 
+    /// With the logit options (kernels/softmax_options.hpp): `options.scale` as above, the
+    /// softcap, and the ALiBi slopes and sink logits of the queries its attends take
+    /// together: one value each for attend and prefill, or one per query head of the
+    /// group its attend_group takes (how memattn::MultiHead gives each KV head its group's
+    /// values). A window belongs to SlidingWindowCache, and `causal` must be true; both
+    /// are refused with std::invalid_argument otherwise. The cache copies the spans.
+    KVCache(Index key_dim, Index value_dim, const SoftmaxOptions& options)
+        : KVCache(key_dim, value_dim, static_cast<T>(options.scale)) {
+        logits_ = detail::HeldLogits("KVCache", options);
+    }
+
+    /// With the options and rotary position embeddings (positional/rope.hpp, for one head:
+    /// rope.head_dim = key_dim): each key is stored turned to its position, each query
+    /// turned to the newest token's at every attend, so a caller feeds keys and queries
+    /// as they come out of the projections (docs/design.md, "RoPE in the memories").
+    KVCache(Index key_dim, Index value_dim, const SoftmaxOptions& options, const Rope& rope)
+        : KVCache(key_dim, value_dim, options) {
+        rope_ = detail::HeldRope("KVCache", rope, key_dim_, RopePositions::sequence);
+        turned_.resize(key_dim_);
+    }
+
     /// Appends one pair. Storage grows geometrically (doubling), so n updates cost
     /// O(n) amortised copies; a throwing update leaves the cache unchanged. The pair may
     /// be a view of the cache's own pairs (`update(keys().row(0), values().row(0))`).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {"KVCache::update", "key", "value"});
+        if (rope_.on()) {
+            turned_ = key;
+            rope_.turn(turned_.data(), key_dim_, length_);
+            append(turned_, value);
+            return;
+        }
         append(key, value);
     }
 
     /// Appends many pairs with one copy per matrix; they may be views of the cache's own.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         validate(keys, values, {"KVCache::extend"});
+        if (rope_.on()) {
+            Matrix<T> turned = keys;
+            rope_.turn_rows<T>(turned, length_);
+            append(turned, values);
+            return;
+        }
         append(keys, values);
     }
 
@@ -64,6 +99,7 @@ public:
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim_, value_dim_, length_);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
+        rope_.check_turnable<T, S>(site, keys);
     }
 
     /// Appends the pairs K/V and attends with each row of Q as the token of the same row
@@ -76,43 +112,27 @@ public:
         constexpr const char* function = "KVCache::prefill";
         validate(keys, values, {function});
         detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
-        const Index n = keys.rows(), length = length_ + n;
-        const SoftmaxOptions options{.scale = static_cast<double>(scale_)};
-        if constexpr (Rows::compact) {
-            // The kernel reads the stored (rounded) pairs, tile by tile, as attend does.
-            const Index before = length_;
-            append(keys, values);
-            try {
-                detail::causal_softmax_stored<T, S>(queries, keys_, values_, length, out, options);
-            } catch (...) {
-                length_ = before;  // the scratch failed to allocate: the pairs were not added
-                throw;
-            }
+        logits_.check_rows(function, "options", 1);
+        if (rope_.on()) {  // the kernel reads turned queries and keys
+            Matrix<T> q = queries, k = keys;
+            rope_.turn_rows<T>(q, length_);
+            rope_.turn_rows<T>(k, length_);
+            prefill_turned(q, k, values, out);
             return;
-        } else {
-            const auto attend_all = [&](const Rows& all_keys, const Rows& all_values) {
-                detail::causal_softmax_views<T>(queries, all_keys.block(0, length), all_values.block(0, length), out,
-                                                [](Index, T) {}, options);
-            };
-            if (length > keys_.rows()) {
-                // The queries may be views of the current storage too: it is freed only after
-                // the kernel has read them. A throw (no memory) leaves the cache as it was.
-                Storage grown = grown_with(keys, values);
-                attend_all(grown.keys, grown.values);
-                keys_.swap(grown.keys);
-                values_.swap(grown.values);
-            } else {
-                keys_.put_rows(length_, keys);  // rows past length(): no input can view them
-                values_.put_rows(length_, values);
-                attend_all(keys_, values_);  // its scratch may fail to allocate: length_ not yet changed
-            }
-            length_ = length;
         }
+        prefill_turned(queries, keys, values, out);
     }
 
     /// out = Σ_j softmax_j(scale · q·k_j) v_j over every stored pair; zero when empty.
+    /// With logit options, the query is the newest token's (position length() − 1).
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
         detail::check_query("KVCache::attend", query, out, key_dim_, value_dim_);
+        if (logits_.any() || rope_.on()) {
+            logits_.check_rows("KVCache::attend", "query", 1);
+            Eigen::Map<Matrix<T>> row(out.data(), 1, value_dim_);
+            attend_group(Eigen::Map<const Matrix<T>>(query.data(), 1, key_dim_), row);
+            return;
+        }
         SoftmaxState<T> state;
         out.setZero();
         if constexpr (Rows::compact)
@@ -128,7 +148,24 @@ public:
     /// register-blocked products instead of g passes. Allocates nothing.
     void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
         detail::check_group_query("KVCache::attend_group", queries, out, key_dim_, value_dim_);
-        detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_stored_run(f); });
+        logits_.check_rows("KVCache::attend_group", "queries", queries.rows());
+        detail::attend_memory_group<T>(*this, queries, out);
+    }
+
+    /// The token position of the i-th pair attend reads (for_each_stored_run's order): i.
+    [[nodiscard]] Index pair_position(Index i) const noexcept { return i; }
+    /// Whether the keys are stored turned by RoPE, so attends turn their queries.
+    [[nodiscard]] bool turns_queries() const noexcept { return rope_.on(); }
+    /// The position an attend turns its query to for the i-th pair: the newest token's.
+    [[nodiscard]] Index query_position(Index) const noexcept { return length_ - 1; }
+    /// Turns a query row (`cols` = key_dim values) to position p in place, as attend does.
+    void turn_query(T* row, Index cols, Index p) const noexcept { rope_.turn(row, cols, p); }
+    /// Its RoPE configuration, or nullptr.
+    [[nodiscard]] const Rope* rope() const noexcept { return rope_.rope(); }
+    /// The options its attends follow: the scale and the logit options (the spans view
+    /// the cache's own copies, valid while it lives and is not assigned to).
+    [[nodiscard]] SoftmaxOptions options() const noexcept {
+        return logits_.into({.scale = static_cast<double>(scale_)});
     }
 
     /// Calls f(keys, values, first, n) for each contiguous run of the stored pairs `attend`
@@ -182,13 +219,16 @@ public:
 
     /// Snapshots (memattn/persistence/snapshot.hpp): key_dim, value_dim, scale, length,
     /// then the keys and the values, oldest first, as stored (S). Loading keeps the
-    /// allocation when the pairs fit in it.
+    /// allocation when the pairs fit in it. The logit options are not recorded: they
+    /// change no stored pair (memory/detail/held_logits.hpp). With RoPE, its
+    /// configuration follows the scale (memory/detail/held_rope.hpp).
     [[nodiscard]] static std::string snapshot_kind() { return "KVCache"; }
     /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
         w.index(key_dim_);
         w.index(value_dim_);
         w.number(scale_);
+        rope_.write(w);
         w.index(length_);
         keys_.write_rows(w, 0, length_);
         values_.write_rows(w, 0, length_);
@@ -199,6 +239,7 @@ public:
         r.expect("key_dim", key_dim_);
         r.expect("value_dim", value_dim_);
         r.expect("scale", scale_);
+        rope_.read(r);
         const std::size_t row = Rows::row_bytes(key_dim_) + Rows::row_bytes(value_dim_);
         const Index length = r.count("length", 0, static_cast<Index>(r.remaining() / row));
         r.expect_remaining(static_cast<std::size_t>(length) * row, "the pairs");
@@ -230,6 +271,44 @@ public:
 
 private:
     using Rows = detail::StoredRows<T, S>;
+
+    /// prefill after the checks, with the queries and keys as the kernel reads them
+    /// (turned, with RoPE): the pairs appended, then one call of the tiled kernel.
+    void prefill_turned(const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
+                        const ConstMatrixRef<T>& values, MatrixRef<T>& out) {
+        const Index n = keys.rows(), length = length_ + n;
+        const SoftmaxOptions options = this->options();
+        if constexpr (Rows::compact) {
+            // The kernel reads the stored (rounded) pairs, tile by tile, as attend does.
+            const Index before = length_;
+            append(keys, values);
+            try {
+                detail::causal_softmax_stored<T, S>(queries, keys_, values_, length, out, options);
+            } catch (...) {
+                length_ = before;  // the scratch failed to allocate: the pairs were not added
+                throw;
+            }
+            return;
+        } else {
+            const auto attend_all = [&](const Rows& all_keys, const Rows& all_values) {
+                detail::causal_softmax_views<T>(queries, all_keys.block(0, length), all_values.block(0, length), out,
+                                                [](Index, T) {}, options);
+            };
+            if (length > keys_.rows()) {
+                // The queries may be views of the current storage too: it is freed only after
+                // the kernel has read them. A throw (no memory) leaves the cache as it was.
+                Storage grown = grown_with(keys, values);
+                attend_all(grown.keys, grown.values);
+                keys_.swap(grown.keys);
+                values_.swap(grown.values);
+            } else {
+                keys_.put_rows(length_, keys);  // rows past length(): no input can view them
+                values_.put_rows(length_, values);
+                attend_all(keys_, values_);  // its scratch may fail to allocate: length_ not yet changed
+            }
+            length_ = length;
+        }
+    }
 
     struct Storage {
         Rows keys, values;
@@ -282,6 +361,9 @@ private:
     Index key_dim_;
     Index value_dim_;
     T scale_;
+    detail::HeldLogits logits_;
+    detail::HeldRope rope_;
+    Vector<T> turned_;  ///< update's key, turned (with RoPE)
     Rows keys_;
     Rows values_;
     Index length_ = 0;

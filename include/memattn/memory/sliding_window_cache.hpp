@@ -16,6 +16,8 @@
 #include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/kernels/decode_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/held_logits.hpp"
+#include "memattn/memory/detail/held_rope.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/memory/detail/pair_ring.hpp"
 #include "memattn/softmax_state.hpp"
@@ -51,13 +53,35 @@ public:
           sink_pairs_(sinks, key_dim, value_dim),
           window_pairs_(window, key_dim, value_dim) {}
 
+    /// With the options of causal_softmax_attention: `options.window` >= 1 and
+    /// `options.sink_tokens` as `window` and `sinks` above, `options.scale` as `scale`,
+    /// and the logit options (softcap; ALiBi slopes and sink logits, one value for attend
+    /// and prefill, or one per query head of the group attend_group and prefill_group
+    /// take), which the cache copies; see KVCache's constructor. ALiBi counts the
+    /// tokens' positions in the sequence (as the kernel does), so a sink token is as far
+    /// from the query as its position says.
+    SlidingWindowCache(Index key_dim, Index value_dim, const SoftmaxOptions& options)
+        : SlidingWindowCache(key_dim, value_dim, options.window, options.sink_tokens, static_cast<T>(options.scale)) {
+        logits_ = detail::HeldLogits("SlidingWindowCache", options, true);
+    }
+
+    /// With the options and rotary position embeddings (see KVCache's): keys stored
+    /// turned, queries turned at each attend. `positions`: where the kept tokens are
+    /// (RopePositions): in the sequence, or StreamingLLM's rule, in the cache — the sinks
+    /// 0 .. sinks − 1, the window after them, the query last; the window keeps its
+    /// distances either way, and the sinks are read with the query turned to its place
+    /// in the cache (memory/detail/held_rope.hpp gives the equation).
+    SlidingWindowCache(Index key_dim, Index value_dim, const SoftmaxOptions& options, const Rope& rope,
+                       RopePositions positions = RopePositions::sequence)
+        : SlidingWindowCache(key_dim, value_dim, options) {
+        rope_ = detail::HeldRope("SlidingWindowCache", rope, key_dim_, positions);
+        turned_.resize(key_dim_);
+    }
+
     /// Stores one pair; the pair `window` positions back (if not a sink) is forgotten.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {"SlidingWindowCache::update", "key", "value"});
-        if (length_ < sinks_)
-            sink_pairs_.put(length_, key, value);
-        else
-            window_pairs_.put(length_ - sinks_, key, value);
+        put(length_, key, value);
         ++length_;
     }
 
@@ -76,6 +100,7 @@ public:
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim_, value_dim_, length_);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
+        rope_.check_turnable<T, S>(site, keys);
     }
 
     /// Outputs for the queries at positions length() .. length() + n − 1, equal to
@@ -88,7 +113,8 @@ public:
         const char* function = "SlidingWindowCache::prefill";
         validate(keys, values, {function});
         detail::check_prefill(function, queries, keys, values, out, key_dim_, value_dim_);
-        prefill_members(queries, keys, values, out, 1);
+        logits_.check_rows(function, "options", 1);
+        prefill_turned(queries, keys, values, out, 1);
         store(keys, values);
     }
 
@@ -104,14 +130,21 @@ public:
         detail::require(members >= 1 && queries.cols() == members * key_dim_, function, "queries", "has shape ",
                         detail::shape(queries), ", expected a multiple of key_dim = ", key_dim_, " columns");
         detail::check_prefill(function, queries, keys, values, out, members * key_dim_, members * value_dim_);
-        prefill_members(queries, keys, values, out, members);
+        logits_.check_rows(function, "queries' members", members);
+        prefill_turned(queries, keys, values, out, members);
         store(keys, values);
     }
 
     /// out = Σ_{j visible} softmax_j(scale · q·k_j) v_j over the sinks and the window;
-    /// zero when empty.
+    /// zero when empty. With logit options, the query is at position length() − 1.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
         detail::check_query("SlidingWindowCache::attend", query, out, key_dim_, value_dim_);
+        if (logits_.any() || rope_.on()) {
+            logits_.check_rows("SlidingWindowCache::attend", "query", 1);
+            Eigen::Map<Matrix<T>> row(out.data(), 1, value_dim_);
+            attend_group(Eigen::Map<const Matrix<T>>(query.data(), 1, key_dim_), row);
+            return;
+        }
         SoftmaxState<T> state;
         out.setZero();
         sink_pairs_.attend(query, 0, held_sinks(), scale_, state, out);
@@ -124,8 +157,33 @@ public:
     /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
     void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
         detail::check_group_query("SlidingWindowCache::attend_group", queries, out, key_dim_, value_dim_);
-        detail::attend_group_runs<T>(queries, out, scale_, [&](const auto& f) { this->for_each_stored_run(f); });
+        logits_.check_rows("SlidingWindowCache::attend_group", "queries", queries.rows());
+        detail::attend_memory_group<T>(*this, queries, out);
     }
+
+    /// The token position of the i-th pair attend reads (for_each_stored_run's order: the
+    /// held sinks, then the window).
+    [[nodiscard]] Index pair_position(Index i) const noexcept {
+        return i < held_sinks() ? i : sinks_ + first_window_item() + (i - held_sinks());
+    }
+    /// Whether the keys are stored turned by RoPE, so attends turn their queries.
+    [[nodiscard]] bool turns_queries() const noexcept { return rope_.on(); }
+    /// The position an attend turns its query to for the i-th pair: the newest token's,
+    /// or, with RopePositions::cache, for a sink its place after the kept tokens.
+    [[nodiscard]] Index query_position(Index i) const noexcept {
+        if (rope_.in_cache() && i < held_sinks())
+            return held_sinks() + (window_items() - first_window_item()) - 1;
+        return length_ - 1;
+    }
+    /// Turns a query row (`cols` = key_dim values) to position p in place, as attend does.
+    void turn_query(T* row, Index cols, Index p) const noexcept { rope_.turn(row, cols, p); }
+    /// Its RoPE configuration, or nullptr.
+    [[nodiscard]] const Rope* rope() const noexcept { return rope_.rope(); }
+    /// Where its RoPE places the kept tokens.
+    [[nodiscard]] RopePositions rope_positions() const noexcept { return rope_.positions(); }
+    /// The options its attends follow: scale, window, sink tokens and the logit options
+    /// (the spans view the cache's own copies; see KVCache::options).
+    [[nodiscard]] SoftmaxOptions options() const noexcept { return logits_.into(kernel_options()); }
 
     /// Calls f(keys, values, first, n) for each contiguous run of the stored pairs `attend`
     /// reads, in order (the sinks, then the window), in any storage (see KVCache).
@@ -196,6 +254,7 @@ public:
     /// Snapshots (memattn/persistence/snapshot.hpp): key_dim, value_dim, window, sinks,
     /// scale, length, then the held sinks and the held window pairs, oldest first (keys,
     /// then values, of each). Loading writes into the rings allocated at construction.
+    /// The logit options are not recorded (see KVCache); a RoPE configuration follows the scale.
     [[nodiscard]] static std::string snapshot_kind() { return "SlidingWindowCache"; }
     /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
@@ -204,6 +263,7 @@ public:
         w.index(window_);
         w.index(sinks_);
         w.number(scale_);
+        rope_.write(w);
         w.index(length_);
         sink_pairs_.write_items(w, 0, held_sinks());
         window_pairs_.write_items(w, first_window_item(), window_items());
@@ -216,6 +276,7 @@ public:
         r.expect("window", window_);
         r.expect("sinks", sinks_);
         r.expect("scale", scale_);
+        rope_.read(r);
         const Index length = r.count("length", 0, max_length);
         const Index sinks = held_sinks(length), first = first_window_item(length), last = window_items(length);
         r.expect_remaining(sink_pairs_.bytes(sinks + last - first), "the held pairs");
@@ -237,8 +298,36 @@ private:
     [[nodiscard]] Index window_items() const noexcept { return window_items(length_); }
     [[nodiscard]] Index first_window_item() const noexcept { return first_window_item(length_); }
 
+    /// Stores the pair of the token at `position`, its key turned with RoPE.
+    template <class K, class V>
+    void put(Index position, const K& key, const V& value) {
+        if (rope_.on()) {
+            turned_ = key;
+            rope_.turn(turned_.data(), key_dim_, position);
+            put_turned(position, turned_, value);
+        } else {
+            put_turned(position, key, value);
+        }
+    }
+    template <class K, class V>
+    void put_turned(Index position, const K& key, const V& value) {
+        if (position < sinks_)
+            sink_pairs_.put(position, key, value);
+        else
+            window_pairs_.put(position - sinks_, key, value);
+    }
+
     void store(const ConstMatrixRef<T>& keys, const ConstMatrixRef<T>& values) {
         const Index n = keys.rows(), end = length_ + n;
+        if (rope_.on()) {  // row by row through the turned row: no allocation
+            const Index sink_end = std::min(sinks_, end), first = std::max({length_, sinks_, end - window_});
+            for (Index p = length_; p < sink_end; ++p)
+                put(p, keys.row(p - length_), values.row(p - length_));
+            for (Index p = first; p < end; ++p)
+                put(p, keys.row(p - length_), values.row(p - length_));
+            length_ = end;
+            return;
+        }
         // Sinks among the new tokens: positions [length, min(sinks, end)).
         const Index sink_end = std::min(sinks_, end);
         if (length_ < sink_end)
@@ -254,6 +343,30 @@ private:
     /// Queries of one kernel call when the prompt continues a cached prefix.
     static constexpr Index prefill_chunk = 256;
 
+    /// The outputs of prefill for `members` queries per token, before the pairs are stored,
+    /// from the queries and keys as given: turned first with RoPE; token by token when
+    /// RopePositions::cache places a query's sinks elsewhere than the kernel would.
+    void prefill_turned(const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
+                        const ConstMatrixRef<T>& values, MatrixRef<T>& out, Index members) const {
+        // Past sinks + window, some query's keys skip positions after the sinks: ALiBi
+        // counts them (in the kernel's gathered keys they are missing), and
+        // RopePositions::cache places the sinks closer than the kernel would.
+        const bool skips = sinks_ > 0 && length_ + queries.rows() > sinks_ + window_;
+        const bool gathered = length_ > 0 || detail::StoredRows<T, S>::compact;
+        if (skips && (rope_.in_cache() || (logits_.alibi() && gathered))) {
+            prefill_by_tokens(queries, keys, values, out, members);
+            return;
+        }
+        if (!rope_.on()) {
+            prefill_members(queries, keys, values, out, members);
+            return;
+        }
+        Matrix<T> q = queries, k = keys;
+        rope_.turn_rows<T>(q, length_);  // every member's head of a row: one position
+        rope_.turn_rows<T>(k, length_);
+        prefill_members(q, k, values, out, members);
+    }
+
     /// The outputs of prefill for `members` queries per token, before the pairs are stored.
     void prefill_members(const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
                          const ConstMatrixRef<T>& values, MatrixRef<T>& out, Index members) const {
@@ -268,7 +381,22 @@ private:
         for (Index m = 0; m < members; ++m)
             detail::causal_softmax_views<T>(queries.middleCols(m * key_dim_, key_dim_), keys, values,
                                             out.middleCols(m * value_dim_, value_dim_), [](Index, T) {},
-                                            kernel_options(), scratch);
+                                            logits_.member(kernel_options(), m), scratch);
+    }
+
+    /// The outputs of prefill as decode gives them: a copy of the cache takes each token,
+    /// then its members attend.
+    void prefill_by_tokens(const ConstMatrixRef<T>& queries, const ConstMatrixRef<T>& keys,
+                           const ConstMatrixRef<T>& values, MatrixRef<T>& out, Index members) const {
+        SlidingWindowCache copy = *this;
+        for (Index i = 0; i < keys.rows(); ++i) {
+            copy.update(keys.row(i), values.row(i));
+            const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> q(queries.row(i).data(), members, key_dim_,
+                                                                         Eigen::OuterStride<>(key_dim_));
+            Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> o(out.row(i).data(), members, value_dim_,
+                                                             Eigen::OuterStride<>(value_dim_));
+            copy.attend_group(q, o);
+        }
     }
 
     /// The kernel's tiles for `keys` keys under this cache's window (default_tiles).
@@ -326,7 +454,7 @@ private:
                 detail::causal_softmax_views<T>(queries.block(a, m * key_dim_, b - a, key_dim_),
                                                 chunk_keys.topRows(used), chunk_values.topRows(used),
                                                 out.block(a, m * value_dim_, b - a, value_dim_), [](Index, T) {},
-                                                kernel_options());
+                                                logits_.member(kernel_options(), m));
         }
     }
 
@@ -340,6 +468,9 @@ private:
     Index window_;
     Index sinks_;
     T scale_;
+    detail::HeldLogits logits_;
+    detail::HeldRope rope_;
+    Vector<T> turned_;  ///< a key on its way to the rings, turned (with RoPE)
     detail::PairRing<T, S> sink_pairs_;    ///< item j: token j < sinks
     detail::PairRing<T, S> window_pairs_;  ///< item j: token sinks + j
     Index length_ = 0;

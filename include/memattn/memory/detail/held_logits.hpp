@@ -1,0 +1,88 @@
+#pragma once
+// HeldLogits: a softmax memory's own copy of the logit options it was built with
+// (SoftmaxOptions, kernels/softmax_options.hpp): the softcap, and for the queries its
+// attends take together (1 for attend, the g query heads of a group for attend_group)
+// the ALiBi slopes and the learned sink logits. The options change no stored pair, so
+// snapshots do not record them (as the paged pool's): a snapshot loads into a memory
+// of other options, which then reads the same pairs its own way.
+
+#include "memattn/kernels/decode_attention.hpp"
+#include "memattn/kernels/softmax_options.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+namespace memattn::detail {
+
+/// A softmax memory's copy of its logit options; see the top of the file.
+class HeldLogits {
+public:
+    HeldLogits() = default;
+
+    /// Checks and copies the logit options of `options` for `memory` (its name): the
+    /// spans hold one value per query its attends take, the same count for both. The
+    /// memory's window and sink tokens are its own (`window_allowed`: SlidingWindowCache
+    /// takes them from the options); a memory's queries come after its keys, so
+    /// `causal` must be true and no tree is given.
+    HeldLogits(const char* memory, const SoftmaxOptions& options, bool window_allowed = false)
+        : softcap_(options.softcap),
+          slopes_(options.alibi_slopes.begin(), options.alibi_slopes.end()),
+          sinks_(options.sink_logits.begin(), options.sink_logits.end()) {
+        const Index heads = static_cast<Index>(std::max(slopes_.size(), sinks_.size()));
+        check_logit_options(memory, options, std::max<Index>(heads, 1));
+        require(options.causal, memory, "options.causal",
+                "is false, but a memory's queries come after its keys (for cross attention, extend() the memory "
+                "with the encoder's pairs and attend)");
+        require(options.parents.empty(), memory, "options.parents",
+                "is given, but a memory attends one token at a time (verify a tree with causal_softmax_attention "
+                "or the paged pool)");
+        if (!window_allowed) {
+            require(options.window == 0, memory, "options.window", "is ", options.window,
+                    ", expected 0: a window is SlidingWindowCache's (or this memory's own argument)");
+            require(options.sink_tokens == 0, memory, "options.sink_tokens", "is ", options.sink_tokens,
+                    ", expected 0: sink tokens are SlidingWindowCache's");
+        }
+        heads_ = slopes_.empty() && sinks_.empty() ? 0 : heads;
+    }
+
+    /// Whether any option is on (else the memory's plain attends run).
+    [[nodiscard]] bool any() const noexcept { return softcap_ > 0 || heads_ > 0; }
+    /// Queries per attend the per-query values are for: 0 when there are none.
+    [[nodiscard]] Index queries() const noexcept { return heads_; }
+    /// Whether ALiBi slopes are given.
+    [[nodiscard]] bool alibi() const noexcept { return !slopes_.empty(); }
+
+    /// `base` (the memory's scale, window and sinks) with the logit options, its spans
+    /// viewing this copy.
+    [[nodiscard]] SoftmaxOptions into(SoftmaxOptions base) const noexcept {
+        base.softcap = softcap_;
+        base.alibi_slopes = slopes_;
+        base.sink_logits = sinks_;
+        return base;
+    }
+    /// The options of query m of an attend of queries() queries (its own slope and sink).
+    [[nodiscard]] SoftmaxOptions member(SoftmaxOptions base, Index m) const noexcept {
+        return heads_ == 0 ? into(base) : head_options(into(base), m);
+    }
+    /// What GroupAttention does with them for queries at `position`.
+    [[nodiscard]] DecodeLogits decode(Index position) const noexcept {
+        return DecodeLogits::of(into({}), position);
+    }
+
+    /// Throws std::invalid_argument unless an attend of `rows` queries fits the
+    /// per-query values (one each, or none given).
+    void check_rows(const char* function, const char* argument, Index rows) const {
+        require(heads_ == 0 || rows == heads_, function, argument, "has ", rows, " rows, but the memory's "
+                "options give ", heads_, heads_ == 1 ? " value" : " values",
+                " per attend (options.alibi_slopes, options.sink_logits): one per query it attends with");
+    }
+
+private:
+    double softcap_ = 0;
+    std::vector<double> slopes_, sinks_;
+    Index heads_ = 0;
+};
+
+}  // namespace memattn::detail
