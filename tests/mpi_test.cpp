@@ -200,11 +200,33 @@ TEMPLATE_TEST_CASE("ring attention with softcap, ALiBi and sink logits equals ea
         CAPTURE(h, window, static_cast<int>(layout), rank_of());
         check_close(O.middleCols(h * 6, 6), rows_of(expected.out, mine), tolerance<T>());
     }
-    // Non-causal and tree calls are refused on every rank.
+    // Both ways (an encoder over the ring): every head against the non-causal reference,
+    // with the window both ways and the sinks past it.
+    SoftmaxOptions both = options;
+    both.causal = false;
+    distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
+                                         heads, both, layout);
+    for (Index h = 0; h < 4; ++h) {
+        const Index g = h / 2;
+        const auto expected = reference::softmax_attention(
+            reference::to_double(Q.middleCols(h * 8, 8)), reference::to_double(K.middleCols(g * 8, 8)),
+            reference::to_double(V.middleCols(g * 6, 6)),
+            reference::Logits{.window = window, .sink_tokens = 2, .softcap = 3, .causal = false,
+                              .slope = slopes[static_cast<std::size_t>(h)], .sink = sinks[static_cast<std::size_t>(h)]});
+        CAPTURE(h, window, static_cast<int>(layout), rank_of());
+        check_close(O.middleCols(h * 6, 6), rows_of(expected.out, mine), tolerance<T>());
+    }
+    // Tree calls are refused on every rank, and so are ranks that disagree on causal.
+    const std::vector<Index> parents(mine.size(), -1);
     expect_all_throw("distributed_causal_softmax_attention", [&] {
         distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
-                                             heads, SoftmaxOptions{.causal = false}, layout);
+                                             heads, SoftmaxOptions{.parents = parents}, layout);
     });
+    if (size_of() > 1)
+        expect_all_throw("distributed_causal_softmax_attention", [&] {
+            distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine),
+                                                 O, heads, SoftmaxOptions{.causal = rank_of() % 2 == 0}, layout);
+        });
 }
 
 TEMPLATE_TEST_CASE("sequence-parallel linear attention equals the chunked form", "[mpi][linear]", float, double) {

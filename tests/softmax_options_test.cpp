@@ -390,3 +390,57 @@ TEST_CASE("Dense biases in the multi-head layer: every head adds the same bias, 
                       Catch::Contains("bias"));
     CHECK((untouched.array() == 7).all());
 }
+
+TEST_CASE("Dense biases in the multi-head layer: one per query head, stacked, each head its own call's bits",
+          "[softmax][options][mask][multi_head]") {
+    const HeadLayout layout{6, 3, 16, 0};
+    const Index nq = 150, nk = 190, heads = layout.q_heads;
+    const Matrix<float> Q = random_matrix<float>(nq, heads * 16, 81, 2.0), K = random_matrix<float>(nk, 48, 82, 2.0),
+                        V = random_matrix<float>(nk, 48, 83);
+    const Matrix<float> B = random_matrix<float>(heads * nq, nk, 84, 2.0);
+    Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> M(heads * nq, nk);
+    for (Index i = 0; i < heads * nq; ++i)
+        for (Index j = 0; j < nk; ++j)
+            M(i, j) = (i * 5 + j * 11) % 7 != 0 && !(i / nq == 2 && j < 64);  // head 2 also masks its first 64 keys
+    const SoftmaxOptions options{.window = 70, .softcap = 5};
+    Matrix<float> O(nq, heads * 16), two(nq, heads * 16), masked(nq, heads * 16);
+    multi_head_causal_softmax_attention(Q, K, V, O, layout, options, B, OpenMPExecutor{.threads = 1});
+    multi_head_causal_softmax_attention(Q, K, V, two, layout, options, B, OpenMPExecutor{.threads = 2});
+    CHECK((O.array() == two.array()).all());
+    multi_head_causal_softmax_attention(Q, K, V, masked, layout, options, M);
+    for (Index h = 0; h < heads; ++h) {
+        INFO("head " << h);
+        const Index kv = layout.kv_head_of(h);
+        Matrix<float> one(nq, 16);
+        causal_softmax_attention(Q.middleCols(h * 16, 16), K.middleCols(kv * 16, 16), V.middleCols(kv * 16, 16), one,
+                                 options, B.middleRows(h * nq, nq));
+        CHECK((one.array() == O.middleCols(h * 16, 16).array()).all());
+        causal_softmax_attention(Q.middleCols(h * 16, 16), K.middleCols(kv * 16, 16), V.middleCols(kv * 16, 16), one,
+                                 options, M.middleRows(h * nq, nq));
+        CHECK((one.array() == masked.middleCols(h * 16, 16).array()).all());
+    }
+    Matrix<float> untouched = Matrix<float>::Constant(nq, heads * 16, 7);
+    CHECK_THROWS_WITH(multi_head_causal_softmax_attention(Q, K, V, untouched, layout, options, B.topRows(2 * nq)),
+                      Catch::Contains("bias") && Catch::Contains("one per query head"));
+    CHECK((untouched.array() == 7).all());
+}
+
+TEST_CASE("Dense biases: a row of a column-major matrix (strided in place) gives a copy's bits", "[softmax][options][mask]") {
+    const Index nk = 300, d = 16;
+    const Matrix<float> q = random_matrix<float>(1, d, 91), K = random_matrix<float>(nk, d, 92),
+                        V = random_matrix<float>(nk, d, 93);
+    const Eigen::MatrixXf column_major = random_matrix<float>(nk + 5, nk, 94);  // rows t .. t + nk read past row t otherwise
+    Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic> column_mask(nk, nk);
+    for (Index i = 0; i < nk; ++i)
+        for (Index j = 0; j < nk; ++j)
+            column_mask(i, j) = (i + 3 * j) % 4 != 0;
+    Matrix<float> strided(1, d), copied(1, d);
+    const SoftmaxOptions options{.causal = false};
+    causal_softmax_attention(q, K, V, strided, options, column_major.row(4));
+    causal_softmax_attention(q, K, V, copied, options, Matrix<float>(column_major.row(4)));
+    CHECK((strided.array() == copied.array()).all());
+    causal_softmax_attention(q, K, V, strided, options, column_mask.row(7));
+    const Eigen::Matrix<bool, 1, Eigen::Dynamic, Eigen::RowMajor> mask_row = column_mask.row(7);
+    causal_softmax_attention(q, K, V, copied, options, mask_row);
+    CHECK((strided.array() == copied.array()).all());
+}

@@ -16,7 +16,9 @@
 //   wholly in the causal future, or wholly before every query's window (and holding no
 //   sink), is skipped. The softcap and ALiBi apply per block (a block's positions keep
 //   the distances); each head's sink logit joins once, after the last block (a block of
-//   value 0 and log-sum-exp σ). Non-causal and tree calls are refused. Layouts:
+//   value 0 and log-sum-exp σ). Non-causal calls (options.causal = false) fold every
+//   block both ways, skipping only blocks outside every query's window; tree calls
+//   are refused. Layouts:
 //     contiguous  rank r holds tokens [o_r, o_r + n_r): rank P−1 does the most work (its
 //                 queries see every earlier shard), rank 0 the least;
 //     zigzag      the sequence is cut into 2P chunks and rank r holds chunks r and
@@ -284,6 +286,7 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
                         {"options.window", static_cast<double>(options.window)},
                         {"options.sink_tokens", static_cast<double>(options.sink_tokens)},
                         {"options.softcap", options.softcap},
+                        {"options.causal", options.causal ? 1.0 : 0.0},
                         {"options.alibi_slopes' count", static_cast<double>(options.alibi_slopes.size())},
                         {"options.sink_logits' count", static_cast<double>(options.sink_logits.size())},
                         {"the ring layout", static_cast<double>(layout)},
@@ -325,14 +328,16 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
         for (const auto& qc : mine) {
             for (const auto& kc : chunks[static_cast<std::size_t>(origin)]) {
                 const Index offset = qc.start - kc.start;  // query 0's position among the chunk's keys
-                if (qc.rows == 0 || kc.rows == 0 || offset + qc.rows - 1 < 0)
+                if (qc.rows == 0 || kc.rows == 0 || (options.causal && offset + qc.rows - 1 < 0))
                     continue;  // wholly in the causal future
                 const Index sinks = std::max<Index>(0, options.sink_tokens - kc.start);
-                if (options.window > 0 && sinks == 0 && kc.rows - 1 <= offset - options.window)
-                    continue;  // wholly before every query's window
-                // A chunk of keys after the first query (offset < 0) starts at the query
-                // that sits on its first key; the queries before it see none of it.
-                const Index skip = std::max<Index>(0, -offset);
+                if (options.window > 0 && sinks == 0 &&
+                    (kc.rows - 1 <= offset - options.window ||
+                     (!options.causal && offset + qc.rows - 1 <= -options.window)))
+                    continue;  // wholly before (or, both ways, after) every query's window
+                // Causal: a chunk of keys after the first query (offset < 0) starts at the
+                // query that sits on its first key; the queries before it see none of it.
+                const Index skip = options.causal ? std::max<Index>(0, -offset) : 0;
                 const Index rows = qc.rows - skip;
                 auto out = block_out.topRows(rows);
                 for (Index h = 0; h < heads.q_heads; ++h) {
@@ -393,9 +398,7 @@ void ring_attention_call(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Ei
         } else {
             check_softmax_arguments<T>(function, shape(q), shape(k), shape(v), shape(o), options);
         }
-        // The ring merges causal blocks; a tree's rows are not the ring's positions.
-        require(options.causal, function, "options.causal",
-                "is false, which ring attention does not support yet (each rank's single-machine call does)");
+        // A tree's rows are not the ring's positions.
         require(options.parents.empty(), function, "options.parents",
                 "is given: a tree of draft tokens belongs to one rank's call, not to ring attention");
         require(q.rows() == k.rows(), function, "Q", "has shape ", shape(q), ", expected ", k.rows(), " rows as K (",

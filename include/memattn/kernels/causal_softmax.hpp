@@ -128,6 +128,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <span>
@@ -189,13 +190,26 @@ struct SoftmaxScratch {
 /// draft tokens): fill(context, i0, rows, j0, n, out, ld) writes, for the queries
 /// [i0, i0 + rows) of the call and the keys [j0, j0 + n), out[i·ld + jj] = the bias of
 /// (i0 + i, j0 + jj) in natural units, −∞ where the key is masked (query-major, as the
-/// caller's matrix: the kernel transposes it in registers). A tile it masks wholly is
-/// skipped.
+/// caller's matrix: the kernel transposes it in registers), and says what the tile holds
+/// (TileCover): a tile it masks wholly is skipped, one it leaves open (a mask's tile of
+/// visible keys, the tree's past) is computed as without a bias; for those two it need
+/// write nothing.
+enum class TileCover {
+    open,    ///< every value 0: nothing to add
+    some,    ///< anything else
+    closed,  ///< every value −∞: every key masked for every query
+};
+
 template <class T>
 struct TileBias {
-    using Fill = void (*)(const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld);
+    using Fill = TileCover (*)(const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld);
     Fill fill = nullptr;           ///< none: no bias
     const void* context = nullptr;  ///< what fill reads
+    /// A bias of T stored row-major: its query 0's row and the row stride, which the
+    /// kernel transposes straight into its key-major tile (fill's copy skipped: it was
+    /// 13% of a call with a 4096² bias, d = 64); null otherwise.
+    const T* rows = nullptr;
+    Index stride = 0;
     explicit operator bool() const noexcept { return fill != nullptr; }
 };
 
@@ -209,31 +223,74 @@ struct DenseBias {
     /// The TileBias reading this (which must outlive the call).
     template <class T>
     [[nodiscard]] TileBias<T> tile() const noexcept {
+        if constexpr (std::is_same_v<typename DB::Scalar, T> && bool(DB::Flags & Eigen::DirectAccessBit) &&
+                      bool(DB::Flags & Eigen::RowMajorBit)) {
+            if (bias->innerStride() == 1)  // not a row of a column-major matrix, say
+                return {&fill<T>, this, bias->data() + row0 * bias->outerStride(), bias->outerStride()};
+        }
         return {&fill<T>, this};
     }
 
     template <class T>
-    static void fill(const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld) {
+    static TileCover fill(const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld) {
         const DenseBias& self = *static_cast<const DenseBias*>(context);
         const DB& b = *self.bias;
         i0 += self.row0;
         if constexpr (std::is_same_v<typename DB::Scalar, bool>) {
-            constexpr T masked = -std::numeric_limits<T>::infinity();
-            if constexpr (bool(DB::Flags & Eigen::DirectAccessBit) && bool(DB::Flags & Eigen::RowMajorBit)) {
-                for (Index i = 0; i < rows; ++i) {  // rows in place
-                    const bool* __restrict src = b.data() + (i0 + i) * b.outerStride() + j0;
-                    T* __restrict dst = out + i * ld;
-                    for (Index jj = 0; jj < n; ++jj)
-                        dst[jj] = src[jj] ? T(0) : masked;
+            // A mask's tile is written only when it masks some of its keys and not all:
+            // the visible count tells which, from the bools alone.
+            bool all = true, none = true;
+            bool counted = false;
+            if constexpr (bool(DB::Flags & Eigen::DirectAccessBit) && bool(DB::Flags & Eigen::RowMajorBit) &&
+                          sizeof(bool) == 1) {
+                if (b.innerStride() == 1) {  // not a row of a column-major matrix, say
+                    // Rows in place, eight bools a word (a bool is the byte 0 or 1): one
+                    // comparison per word instead of a branch per byte.
+                    constexpr std::uint64_t ones = 0x0101010101010101u;
+                    for (Index i = 0; i < rows; ++i) {
+                        const bool* src = b.data() + (i0 + i) * b.outerStride() + j0;
+                        // The next key tile's bools of this row, asked for now (the kernel
+                        // walks key tiles down from the diagonal): a mask's rows lie a row of
+                        // keys apart, too many streams for the hardware's prefetchers
+                        // (measured: fill was a third of a masked call, in load stalls).
+                        prefetch_rows(src - std::min(j0, n), 1, 0, std::min(j0, n));
+                        if (!(all || none))
+                            continue;
+                        Index jj = 0;
+                        for (; jj + 8 <= n; jj += 8) {
+                            std::uint64_t word;
+                            std::memcpy(&word, src + jj, 8);
+                            all &= word == ones;
+                            none &= word == 0;
+                        }
+                        for (; jj < n; ++jj) {
+                            all &= src[jj];
+                            none &= !src[jj];
+                        }
+                    }
+                    counted = true;
                 }
-            } else {
-                for (Index i = 0; i < rows; ++i)
-                    for (Index jj = 0; jj < n; ++jj)
-                        out[i * ld + jj] = b.coeff(i0 + i, j0 + jj) ? T(0) : masked;
             }
+            if (!counted)
+                for (Index i = 0; i < rows; ++i)
+                    for (Index jj = 0; jj < n; ++jj) {
+                        const bool seen = b.coeff(i0 + i, j0 + jj);
+                        all &= seen;
+                        none &= !seen;
+                    }
+            if (all)
+                return TileCover::open;
+            if (none)
+                return TileCover::closed;
+            constexpr T masked = -std::numeric_limits<T>::infinity();
+            for (Index i = 0; i < rows; ++i)
+                for (Index jj = 0; jj < n; ++jj)
+                    out[i * ld + jj] = b.coeff(i0 + i, j0 + jj) ? T(0) : masked;
+            return TileCover::some;
         } else {
             Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>(out, rows, n, Eigen::OuterStride<>(ld)) =
                 b.block(i0, j0, rows, n);
+            return TileCover::some;
         }
     }
 };
@@ -244,7 +301,7 @@ struct NoBias {
     [[nodiscard]] TileBias<T> tile() const noexcept {
         return {};
     }
-    NoBias operator()(Index) const noexcept { return {}; }
+    NoBias operator()(Index, Index) const noexcept { return {}; }
 };
 
 /// Which of a tree's new tokens each new token sees: its ancestors and itself
@@ -272,9 +329,11 @@ public:
         Index first;
     };
     template <class T>
-    static void fill(const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld) {
+    static TileCover fill(const void* context, Index i0, Index rows, Index j0, Index n, T* out, Index ld) {
         const View& view = *static_cast<const View*>(context);
         const TreeMask& tree = *view.tree;
+        if (j0 + n <= tree.past_)
+            return TileCover::open;  // the cached past: every new token sees it
         for (Index i = 0; i < rows; ++i) {
             T* row = out + i * ld;
             for (Index jj = 0; jj < n; ++jj) {
@@ -282,6 +341,7 @@ public:
                 row[jj] = j < 0 || tree.sees(view.first + i0 + i, j) ? T(0) : -std::numeric_limits<T>::infinity();
             }
         }
+        return TileCover::some;
     }
 
 private:
@@ -453,6 +513,7 @@ private:
         // Sᵀ = K_tile · (log2(e)·scale·Q_tile)ᵀ, keys × queries.
         // A tile that crosses the diagonal or the window's edge computes, per strip of
         // keys, only the query lanes that see one of them (the rest is masked below).
+        biased_ = false;
         if (bias_ && !fill_bias(j0, n))
             return;  // the bias masks every key of the tile for every query
         const auto [keys, ldk] = k_.tile(j0, n);
@@ -473,7 +534,7 @@ private:
         // tile goes query by query over the keys each one sees (O(n·dv) to check, against
         // O(lanes·n·dv) for the product), so a bad value poisons only the queries that see it.
         const auto [values, ldv] = v_.tile(j0, n);
-        if (bias_ && !finite_values(values, ldv, n)) {  // weights the bias made 0 must not meet ∞
+        if (biased_ && !finite_values(values, ldv, n)) {  // weights the bias made 0 must not meet ∞
             accumulate_weighted_keys(n, values, ldv);
             return;
         }
@@ -489,16 +550,32 @@ private:
             accumulate_visible_keys(j0, n, values, ldv);
     }
 
-    /// The bias tile of keys [j0, j0 + n) for the query tile (zero in the padding lanes);
-    /// false when it masks every (query, key) pair of it.
+    /// The bias tile of keys [j0, j0 + n) for the query tile (zero in the padding lanes),
+    /// biased_ when it adds anything; false when it masks every (query, key) pair of it.
     bool fill_bias(Index j0, Index n) {
+        if (bias_.rows != nullptr) {  // in place: transposed from the caller's rows
+            const T* src = bias_.rows + i0_ * bias_.stride + j0;
+            prefetch_rows(src - std::min(j0, n), rows_, bias_.stride, std::min(j0, n));  // the next key tile's
+            transpose(src, rows_, n, bias_.stride, bias_tile_.data(), lanes_);
+            const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> tile(bias_tile_.data(), n, rows_,
+                                                                            Eigen::OuterStride<>(lanes_));
+            if (!(tile.array() != -std::numeric_limits<T>::infinity()).any())
+                return false;
+            biased_ = true;
+            return true;
+        }
         const Index ld = bias_rows_.cols();
-        bias_.fill(bias_.context, i0_, rows_, j0, n, bias_rows_.data(), ld);
+        const TileCover cover = bias_.fill(bias_.context, i0_, rows_, j0, n, bias_rows_.data(), ld);
+        if (cover == TileCover::open)
+            return true;
+        if (cover == TileCover::closed)
+            return false;
         const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> filled(bias_rows_.data(), rows_, n,
                                                                           Eigen::OuterStride<>(ld));
         if (!(filled.array() != -std::numeric_limits<T>::infinity()).any())
             return false;
         transpose(bias_rows_.data(), rows_, n, ld, bias_tile_.data(), lanes_);  // key-major, as Sᵀ
+        biased_ = true;
         return true;
     }
 
@@ -534,7 +611,7 @@ private:
                     row[i] -= slope2_ * static_cast<T>(offset + i < 0 ? -(offset + i) : offset + i);
             }
         }
-        if (bias_) {  // the bias in base 2; −∞ stays −∞
+        if (biased_) {  // the bias in base 2; −∞ stays −∞
             const T factor = static_cast<T>(log2e);
             for (Index jj = 0; jj < n; ++jj) {
                 T* row = s_.data() + jj * lanes_;
@@ -691,6 +768,7 @@ private:
     Index query_offset_;
     LogitRule rule_;
     TileBias<T> bias_;
+    bool biased_ = false;  // the current key tile's bias adds something (TileCover::some)
     T softcap2_, slope2_;  // log2(e)·c and log2(e)·slope: the tile's logits are base 2
     Index i0_ = 0, rows_ = 0, cols_ = 0, p0_ = 0, p1_ = 0;  // the current query tile
     static constexpr double log2e = 1.44269504088896340735992468100;
@@ -777,11 +855,12 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
 }
 
 /// Queries Q at positions query_offset + i against keys K/V at positions 0, 1, ..., with
-/// the causal rule, the window and the sinks counted in those positions: one block of a
+/// the causal rule (or none), the window and the sinks counted in those positions: one block of a
 /// longer sequence (ring attention: Q a shard, K/V another shard's pairs). Writes the
 /// block's softmax-weighted outputs into O and each row's log-sum-exp into lse[i]
 /// (−∞ and a zero row where a query sees no key of the block), which merge with other
-/// blocks' exactly (SoftmaxState). After the checks; query_offset ≥ 0.
+/// blocks' exactly (SoftmaxState). After the checks; query_offset ≥ 0 under the causal
+/// rule, any offset without it (rule.causal false: every key of the block both ways).
 /// `rule`: the softcap and ALiBi slope of the block's head (a sink logit joins once,
 /// after every block is merged, not here).
 template <class T>
@@ -790,9 +869,10 @@ void causal_softmax_block(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
                           SoftmaxScratch<T>& scratch, const LogitRule& rule = {}) {
     if (Q.rows() == 0)
         return;
-    MEMATTN_DASSERT(rule.causal && !rule.sink);
+    MEMATTN_DASSERT(!rule.sink && (query_offset >= 0 || !rule.causal));
     // A window longer than the farthest distance in the block limits nothing.
-    const Index span = query_offset + Q.rows();
+    const Index span = rule.causal ? query_offset + Q.rows()
+                                   : std::max(query_offset + Q.rows() - 1, K.rows() - 1 - query_offset) + 1;
     TiledCausalSoftmax<T> kernel(Q, PlainRows<T>(K), PlainRows<T>(V), scale, window >= span ? 0 : window,
                                  std::min(sinks, K.rows()), scratch, rule);
     kernel.set_query_offset(query_offset);

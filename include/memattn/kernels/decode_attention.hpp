@@ -868,8 +868,7 @@ private:
         }
         Eigen::Map<Matrix<T>> rows(turned, g, d);
         rows = queries_;
-        for (Index r = 0; r < g; ++r)
-            m_.turn_query(turned + r * d, d, p);
+        m_.turn_query(turned, g * d, p);  // one packed row of g heads: the angles once
         group_.requery(rows);
         turned_at_ = p;
     }

@@ -126,8 +126,8 @@ private:
 /// The softmax layer after the checks, over any source of keys: `head_keys(span, kv)`
 /// gives KV head kv's HeadKeys for a sequence; lse(row, head, value) receives each
 /// log-sum-exp. `k_rows` is the keys' row count that the batch's offsets index.
-/// `bias_at(row0)`: a dense bias (DenseBias, whose tile() the kernel reads) with its row
-/// row0 an item's query 0; none by default.
+/// `bias_at(row0, head)`: a dense bias (DenseBias, whose tile() the kernel reads) with its
+/// row row0 query head `head`'s item's query 0; none by default.
 template <class T, class HeadKeysOf, class LseSink, class BiasAt = NoBias>
 void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink&& lse, const HeadLayout& layout,
                             const SoftmaxOptions& options, const VarLen& batch, Index k_rows,
@@ -169,7 +169,7 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink
                     one.sink_logits = member.sink_logits;
                 }
                 one.scale = source.scale;
-                const auto bias = bias_at(row0);  // read by the kernel below
+                const auto bias = bias_at(row0, item.head);  // read by the kernel below
                 causal_softmax_views<T>(
                     Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible), values.topRows(visible),
                     O.block(row0, item.head * dv, item.rows, dv),
@@ -238,9 +238,11 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
     detail::multi_head_softmax_views<T>(q, k, v, o, [](Index, Index, T) {}, layout, options, batch, executor);
 }
 
-/// As above with a dense `bias` (Nq × Nk, any Eigen expression of the scalar type, or of
-/// bool as a mask) that every head adds to its logits, as causal_softmax_attention's;
-/// one sequence (no varlen).
+/// As above with a dense `bias` (any Eigen expression of the scalar type, or of bool as a
+/// mask) added to the logits as causal_softmax_attention adds it: Nq × Nk for every head,
+/// or q_heads·Nq × Nk for one of its own per query head (head h's in rows h·Nq ..
+/// (h + 1)·Nq − 1: PyTorch's attn_mask of shape (H, L, S), flattened); one sequence (no
+/// varlen).
 template <class DQ, class DK, class DV, detail::EigenMatrix DO, class DB>
 void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                          const Eigen::MatrixBase<DV>& V, DO&& O, const HeadLayout& layout,
@@ -256,8 +258,12 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
     const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
     MatrixRef<T> o = detail::output(std::forward<DO>(O));
     detail::check_softmax_layer<T>(function, layout, q, k, v, o, options, {});
-    detail::require(bias.rows() == q.rows() && bias.cols() == k.rows(), function, "bias", "has shape ",
-                    detail::shape(bias), ", expected ", q.rows(), 'x', k.rows(), " (Nq x Nk)");
+    const Index per_head_rows =
+        detail::checked_product(function, "Q", layout.q_heads, q.rows(), "q_heads x Nq, the rows of a per-head bias,");
+    const bool per_head = bias.rows() == per_head_rows && layout.q_heads > 1;
+    detail::require((bias.rows() == q.rows() || per_head) && bias.cols() == k.rows(), function, "bias", "has shape ",
+                    detail::shape(bias), ", expected ", q.rows(), 'x', k.rows(), " (Nq x Nk, every head) or ",
+                    per_head_rows, 'x', k.rows(), " (q_heads·Nq x Nk, one per query head)");
     detail::require(options.parents.empty(), function, "bias",
                     "is given with options.parents: a tree mask and a dense bias do not combine");
     const Index d = layout.head_dim, dv = layout.values();
@@ -267,7 +273,9 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
             return detail::HeadKeys<T>{k.block(span.k_begin, kv * d, span.k_rows, d),
                                        v.block(span.k_begin, kv * dv, span.k_rows, dv), options.scale};
         },
-        executor, [&bias](Index row0) { return detail::DenseBias<DB>{&bias.derived(), row0}; });
+        executor, [&bias, per_head, nq = q.rows()](Index row0, Index head) {
+            return detail::DenseBias<DB>{&bias.derived(), per_head ? head * nq + row0 : row0};
+        });
 }
 
 /// As above, and writes lse(i, h) = log Σ_{j visible} exp(scale · q_ih·k_j) into `lse`,

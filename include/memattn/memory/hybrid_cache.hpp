@@ -183,7 +183,8 @@ public:
 
     /// Row r of `out` = attend(row r of `queries`), to rounding, for g queries at once:
     /// the pairs are read once for the group (grouped-query attention), the logits and
-    /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing.
+    /// the weighted values are small GEMMs instead of g GEMVs. Allocates nothing (but with
+    /// RoPE for a head dim past 256).
     void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
         detail::check_group_query("HybridCache::attend_group", queries, out, key_dim_, value_dim_);
         logits_.check_rows("HybridCache::attend_group", "queries", queries.rows());
@@ -208,7 +209,8 @@ public:
             return s + (length_ - e) - 1;
         return length_ - 1;
     }
-    /// Turns a query row (`cols` = key_dim values) to position p in place, as attend does.
+    /// Turns the heads of a packed query row (`cols`: a multiple of key_dim) to position p
+    /// in place, as attend does.
     void turn_query(T* row, Index cols, Index p) const noexcept { rope_.turn(row, cols, p); }
     /// Its RoPE configuration, or nullptr.
     [[nodiscard]] const Rope* rope() const noexcept { return rope_.rope(); }
@@ -232,7 +234,9 @@ public:
 
     /// Calls f(keys, values) for each contiguous run of the pairs `attend` reads, in the
     /// order it reads them, as read-only row blocks: how a caller splits one attend
-    /// across threads (memattn::MultiHead's split-KV decode) and merges the parts.
+    /// across threads and merges the parts (MultiHead reads for_each_stored_run through
+    /// detail::MemoryAttention instead). With logit options or RoPE the parts' logits
+    /// are not scale·q·k: use attend_group, or MemoryAttention.
     template <class F>
         requires std::same_as<S, T>
     void for_each_run(F&& f) const {

@@ -52,7 +52,7 @@ namespace memattn {
 /// Where a softmax memory with RoPE places the tokens it keeps (docs/design.md, "RoPE in
 /// the memories"): at their positions in the sequence, or, StreamingLLM's rule (Xiao et
 /// al. 2023, §3.2), at their positions in the cache — the kept tokens numbered
-/// 0, 1, 2, ... in the order attend reads them, the query after the last.
+/// 0, 1, 2, ... in the order attend reads them, the query at the last (its own token's).
 enum class RopePositions {
     sequence,  ///< each key turned to its token's position; the query to its own
     cache,     ///< each kept token at its place in the cache (SlidingWindowCache with sinks, HybridCache)

@@ -7,13 +7,14 @@
 // Keys are stored turned (the turn, then the rounding to S), queries are turned at each
 // attend: for key k_t at position t and query q at position p the logit is
 // (R_p q)·(R_t k_t) = q·R_{t−p} k_t, a function of t − p (Su et al. 2021, §3.4.2).
-// RopePositions::cache gives each kept token its place c in the cache and the query
-// the place after the last, c_q. A cache's window is contiguous in the sequence, so its
+// RopePositions::cache gives each kept token its place c in the cache, the query's
+// own token (the newest, kept) the last place, c_q. A cache's window is contiguous in the sequence, so its
 // distances are the same either way: its keys stay turned to their positions t and the
 // query to p. Only the tokens before the window move (a SlidingWindowCache's sinks, a
 // HybridCache's slots); the memory turns the query to c_q − (c − t') for them instead,
 // t' being where their keys are turned (the sinks: c = t' = their position; a slot g:
-// turned to g, its number, so c − t' = first kept slot), which is the re-rotation of
+// turned to g, its number, at c = g − F, F the first kept slot, so the query turns to
+// c_q + F), which is the re-rotation of
 // StreamingLLM done once on the query rather than on every kept key at every step:
 // exact in exact arithmetic, and nothing stored changes as the window moves.
 
@@ -53,8 +54,9 @@ public:
     /// Where it places the tokens.
     [[nodiscard]] RopePositions positions() const noexcept { return positions_; }
 
-    /// Turns one row of `cols` = key_dim values to position p (any sign), in place, with
-    /// the attention factor (`scaled`) or without it (a turn of a turned key).
+    /// Turns a row of `cols` values, a multiple of key_dim (packed heads, each turned), to
+    /// position p (any sign), in place, with the attention factor (`scaled`) or without
+    /// it (a turn of a turned key).
     template <class T>
     void turn(T* row, Index cols, Index p, bool scaled = true) const noexcept {
         rope_->turn_computed(row, cols, w_, scaled ? a_ : 1.0, p);
