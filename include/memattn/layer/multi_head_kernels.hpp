@@ -240,9 +240,9 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
 
 /// As above with a dense `bias` (any Eigen expression of the scalar type, or of bool as a
 /// mask) added to the logits as causal_softmax_attention adds it: Nq × Nk for every head,
-/// or q_heads·Nq × Nk for one of its own per query head (head h's in rows h·Nq ..
-/// (h + 1)·Nq − 1: PyTorch's attn_mask of shape (H, L, S), flattened); one sequence (no
-/// varlen).
+/// or q_heads·Nq × Nk for one of its own per query head (head h's in the Nq rows from
+/// row h·Nq on: PyTorch's attn_mask of shape (H, L, S), flattened); one sequence, no
+/// varlen.
 template <class DQ, class DK, class DV, detail::EigenMatrix DO, class DB>
 void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                          const Eigen::MatrixBase<DV>& V, DO&& O, const HeadLayout& layout,
