@@ -185,36 +185,25 @@ TEMPLATE_TEST_CASE("ring attention with softcap, ALiBi and sink logits equals ea
                     V = random_matrix<T>(n, 2 * 6, 33);
     const std::vector<double> slopes{0.25, 0.0625, 0.015625, 0.00390625}, sinks{0.5, -1, 2, -30};
     const std::vector<Index> mine = tokens_of(lengths, rank_of(), layout);
-    const SoftmaxOptions options{.window = window, .sink_tokens = 2, .softcap = 3, .sink_logits = sinks,
-                                 .alibi_slopes = slopes};
     Matrix<T> O(static_cast<Index>(mine.size()), 4 * 6);
-    distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
-                                         heads, options, layout);
-    for (Index h = 0; h < 4; ++h) {
-        const Index g = h / 2;
-        const auto expected = reference::softmax_attention(
-            reference::to_double(Q.middleCols(h * 8, 8)), reference::to_double(K.middleCols(g * 8, 8)),
-            reference::to_double(V.middleCols(g * 6, 6)),
-            reference::Logits{.window = window, .sink_tokens = 2, .softcap = 3,
-                              .slope = slopes[static_cast<std::size_t>(h)], .sink = sinks[static_cast<std::size_t>(h)]});
-        CAPTURE(h, window, static_cast<int>(layout), rank_of());
-        check_close(O.middleCols(h * 6, 6), rows_of(expected.out, mine), tolerance<T>());
-    }
-    // Both ways (an encoder over the ring): every head against the non-causal reference,
-    // with the window both ways and the sinks past it.
-    SoftmaxOptions both = options;
-    both.causal = false;
-    distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
-                                         heads, both, layout);
-    for (Index h = 0; h < 4; ++h) {
-        const Index g = h / 2;
-        const auto expected = reference::softmax_attention(
-            reference::to_double(Q.middleCols(h * 8, 8)), reference::to_double(K.middleCols(g * 8, 8)),
-            reference::to_double(V.middleCols(g * 6, 6)),
-            reference::Logits{.window = window, .sink_tokens = 2, .softcap = 3, .causal = false,
-                              .slope = slopes[static_cast<std::size_t>(h)], .sink = sinks[static_cast<std::size_t>(h)]});
-        CAPTURE(h, window, static_cast<int>(layout), rank_of());
-        check_close(O.middleCols(h * 6, 6), rows_of(expected.out, mine), tolerance<T>());
+    // Causal, then both ways (an encoder over the ring: the window both ways, the sinks
+    // past it): every head against the reference.
+    for (const bool causal : {true, false}) {
+        const SoftmaxOptions options{.window = window, .sink_tokens = 2, .softcap = 3, .causal = causal,
+                                     .sink_logits = sinks, .alibi_slopes = slopes};
+        distributed_causal_softmax_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine), O,
+                                             heads, options, layout);
+        for (Index h = 0; h < 4; ++h) {
+            const Index g = h / 2;
+            const auto expected = reference::softmax_attention(
+                reference::to_double(Q.middleCols(h * 8, 8)), reference::to_double(K.middleCols(g * 8, 8)),
+                reference::to_double(V.middleCols(g * 6, 6)),
+                reference::Logits{.window = window, .sink_tokens = 2, .softcap = 3, .causal = causal,
+                                  .slope = slopes[static_cast<std::size_t>(h)],
+                                  .sink = sinks[static_cast<std::size_t>(h)]});
+            CAPTURE(h, window, causal, static_cast<int>(layout), rank_of());
+            check_close(O.middleCols(h * 6, 6), rows_of(expected.out, mine), tolerance<T>());
+        }
     }
     // Tree calls are refused on every rank, and so are ranks that disagree on causal.
     const std::vector<Index> parents(mine.size(), -1);
