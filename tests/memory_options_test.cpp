@@ -104,7 +104,8 @@ void check_memories(double tolerance) {
         check_memory<T, S>([](Index d, const SoftmaxOptions& o) { return KVCache<T, S>(d, d + 2, o); }, 0, 0,
                            tolerance);
     }
-    for (const auto& [window, sinks] : {std::pair<Index, Index>{13, 0}, {13, 3}, {30, 1}, {200, 2}}) {
+    for (const auto& shape : {std::pair<Index, Index>{13, 0}, {13, 3}, {30, 1}, {200, 2}}) {
+        const Index window = shape.first, sinks = shape.second;  // locals: clang 14 captures no binding
         INFO("SlidingWindowCache, window " << window << ", sinks " << sinks);
         check_memory<T, S>(
             [window, sinks](Index d, SoftmaxOptions o) {
@@ -467,7 +468,8 @@ void check_rope_memories(double tolerance) {
         }
         for (const RopePositions where : {RopePositions::sequence, RopePositions::cache}) {
             INFO("positions " << static_cast<int>(where));
-            for (const auto& [window, sinks] : {std::pair<Index, Index>{12, 0}, {12, 3}, {100, 2}}) {
+            for (const auto& shape : {std::pair<Index, Index>{12, 0}, {12, 3}, {100, 2}}) {
+                const Index window = shape.first, sinks = shape.second;
                 INFO("SlidingWindowCache, window " << window << ", sinks " << sinks);
                 check_rope_memory<T, S>(
                     [&] {
@@ -479,7 +481,9 @@ void check_rope_memories(double tolerance) {
                     },
                     n, d, tol);
             }
-            for (const auto& [window, rate, slots] : {std::tuple<Index, Index, Index>{9, 3, 4}, {9, 1, 6}, {20, 4, 50}}) {
+            for (const auto& shape : {std::tuple<Index, Index, Index>{9, 3, 4}, {9, 1, 6}, {20, 4, 50}}) {
+                const auto [w, r, k] = shape;
+                const Index window = w, rate = r, slots = k;
                 INFO("HybridCache, window " << window << ", rate " << rate << ", slots " << slots);
                 check_rope_memory<T, S>(
                     [&] { return HybridCache<T, MeanPool, S>(d, d, window, rate, slots, SoftmaxOptions{}, rope, where); },

@@ -460,7 +460,8 @@ void distributed_chunked_linear_attention(MPI_Comm comm, const Eigen::MatrixBase
     constexpr const char* function = "distributed_chunked_linear_attention";
     const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
     MatrixRef<T> o = detail::output(std::forward<DO>(O));
-    const auto [rank, size] = detail::mpi::rank_size(comm);
+    const auto ranks = detail::mpi::rank_size(comm);
+    const int rank = ranks.first, size = ranks.second;  // not a binding: clang 14 cannot capture one
     Index features = 0;
     const std::string error = detail::mpi::local_error([&] {
         // Only rank 0's state is read: the others' shapes do not matter on the way in.
