@@ -26,6 +26,12 @@
 // over step_ms). Step, read and FMA passes all run in real time on the cell's threads, so
 // on a shared machine each gets the same share of the cores. (That a step allocates nothing is tests/allocation_test.cpp's.)
 //
+//   BM_DecodeVariants/length:L/variant:V      the step of BM_DecodeStep<float> (32/8 × 128,
+//       one thread) with the attention variants of the memories: V = 0 plain, 1 the
+//       logit options (softcap 30, ALiBi, a sink logit per query head), 2 RoPE (keys
+//       stored turned, each step's query and key turned), 3 both; what they cost is
+//       the difference to variant 0 in the same run
+//
 // The figure and the table: scripts/plot.py (decode_roofline.png; `plot.py decode-table
 // decode_bench.json` prints the table of docs/performance.md). On a shared machine run
 //   decode_bench --benchmark_filter=BM_DecodeStep --benchmark_repetitions=5
@@ -36,6 +42,7 @@
 #include <memattn/execution/executor.hpp>
 #include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/kv_cache.hpp>
+#include <memattn/positional/rope.hpp>
 #include <memattn/serving/batched.hpp>
 #include <memattn/serving/paged_kv_cache.hpp>
 
@@ -43,10 +50,12 @@
 #include <array>
 #include <chrono>
 #include <cstddef>
+#include <cmath>
 #include <cstdint>
 #include <ctime>
 #include <fstream>
 #include <memory>
+#include <span>
 #include <string>
 #include <typeinfo>
 #include <vector>
@@ -319,6 +328,54 @@ void BM_DecodeAttend(benchmark::State& state) {
     decode_cell<S>(state, false);
 }
 
+void BM_DecodeVariants(benchmark::State& state) {
+    const HeadLayout layout{32, 8, head_dim};
+    const Index length = state.range(0), variant = state.range(1), g = layout.group_size();
+    const memattn::OpenMPExecutor executor{.threads = 1};
+    std::vector<double> slopes, sinks;
+    for (Index h = 0; h < layout.q_heads; ++h) {
+        slopes.push_back(std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(layout.q_heads)));
+        sinks.push_back(0.5);
+    }
+    const memattn::Rope rope{.theta = 500000, .head_dim = head_dim};
+    using Cache = memattn::KVCache<float>;
+    memattn::MultiHead<Cache> mem(layout, [&](Index kv) {
+        memattn::SoftmaxOptions options;
+        if (variant == 1 || variant == 3) {
+            options.softcap = 30;
+            options.alibi_slopes = std::span<const double>(slopes).subspan(static_cast<std::size_t>(kv * g),
+                                                                           static_cast<std::size_t>(g));
+            options.sink_logits = std::span<const double>(sinks).subspan(static_cast<std::size_t>(kv * g),
+                                                                          static_cast<std::size_t>(g));
+        }
+        return variant >= 2 ? Cache(head_dim, head_dim, options, rope) : Cache(head_dim, head_dim, options);
+    });
+    const Index kv_cols = layout.kv_heads * head_dim, q_cols = layout.q_heads * head_dim;
+    const Matrix<float>& keys = pool(kv_cols, 2);
+    const Matrix<float>& values = pool(kv_cols, 3);
+    mem.reserve(length + 1);
+    for (Index filled = 0; filled < length; filled += pool_tokens) {
+        const Index n = std::min(pool_tokens, length - filled);
+        mem.extend(keys.topRows(n), values.topRows(n));
+    }
+    mem.set_executor(executor);
+    const std::size_t bytes = mem.footprint();
+    const Matrix<float>& queries = pool(q_cols, 1);
+    Matrix<float> out(1, q_cols);
+    Index t = 0;
+    const double step_seconds = median_step_seconds(state, [&] {
+        const Index row = t++ % pool_tokens;
+        mem.update(keys.row(row), values.row(row));
+        mem.attend(queries.row(row), out.row(0));
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        mem.truncate(length);
+    });
+    const double flops = 2.0 * static_cast<double>(layout.q_heads) * static_cast<double>(length) *
+                         static_cast<double>(head_dim + head_dim);
+    report_roofline(state, step_seconds, bytes, flops, executor);
+}
+
 void cells(benchmark::internal::Benchmark* b) {
     b->ArgNames({"q", "kv", "length", "t"});
     for (auto [q, kv] : {std::pair<Index, Index>{32, 8}, {8, 1}})
@@ -505,6 +562,11 @@ BENCHMARK(BM_DecodeAttend<Eigen::bfloat16>)->Name("BM_DecodeAttend<bfloat16>")->
 BENCHMARK(BM_DecodeAttend<Eigen::half>)->Name("BM_DecodeAttend<half>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<memattn::Q8>)->Name("BM_DecodeAttend<Q8>")->Apply(cells);
 
+BENCHMARK(BM_DecodeVariants)
+    ->ArgNames({"length", "variant"})
+    ->ArgsProduct({{4096, 32768}, {0, 1, 2, 3}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_BatchedDecode<float>)->Name("BM_BatchedDecode<float>")->Apply(serving_cells);
 BENCHMARK(BM_BatchedDecode<Eigen::bfloat16>)->Name("BM_BatchedDecode<bfloat16>")->Apply(serving_cells);
 BENCHMARK(BM_SeparateDecode<float>)->Name("BM_SeparateDecode<float>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
