@@ -909,4 +909,14 @@ void attend_memory_group(const M& m, const ConstMatrixRef<T>& queries, MatrixRef
     }
 }
 
+/// One query of a memory's attend through attend_memory_group (a 1 × d group): how a
+/// memory with logit options or RoPE attends.
+template <class T, class M>
+void attend_memory_one(const M& m, const ConstRowRef<T>& query, RowRef<T>& out) {
+    const Eigen::Map<const Matrix<T>> q(query.data(), 1, query.size());
+    Eigen::Map<Matrix<T>> o(out.data(), 1, out.size());
+    MatrixRef<T> rows(o);
+    attend_memory_group<T>(m, q, rows);
+}
+
 }  // namespace memattn::detail

@@ -168,8 +168,7 @@ public:
         detail::check_query("HybridCache::attend", query, out, key_dim_, value_dim_);
         if (logits_.any() || rope_.on()) {
             logits_.check_rows("HybridCache::attend", "query", 1);
-            Eigen::Map<Matrix<T>> row(out.data(), 1, value_dim_);
-            attend_group(Eigen::Map<const Matrix<T>>(query.data(), 1, key_dim_), row);
+            detail::attend_memory_one<T>(*this, query, out);
             return;
         }
         SoftmaxState<T> state;
@@ -195,8 +194,8 @@ public:
     /// a kept slot's first token's, then the window's tokens (ALiBi reads it only
     /// without slots).
     [[nodiscard]] Index pair_position(Index i) const noexcept {
-        const Index e = evicted(length_), s = slot_count(e), kept = slots_ > 0 ? s - first_slot(s) : 0;
-        return i < kept ? (first_slot(s) + i) * rate_ : e + (i - kept);
+        const Index e = evicted(length_), kept = kept_slots();
+        return i < kept ? (first_slot(slot_count(e)) + i) * rate_ : e + (i - kept);
     }
     /// Whether the keys are stored turned by RoPE, so attends turn their queries.
     [[nodiscard]] bool turns_queries() const noexcept { return rope_.on(); }
@@ -204,9 +203,9 @@ public:
     /// or, with RopePositions::cache, for a slot S + (window pairs held) − 1, S the slots
     /// opened (see the constructor).
     [[nodiscard]] Index query_position(Index i) const noexcept {
-        const Index e = evicted(length_), s = slot_count(e), kept = slots_ > 0 ? s - first_slot(s) : 0;
-        if (rope_.in_cache() && i < kept)
-            return s + (length_ - e) - 1;
+        const Index e = evicted(length_);
+        if (rope_.in_cache() && i < kept_slots())
+            return slot_count(e) + (length_ - e) - 1;
         return length_ - 1;
     }
     /// Turns the heads of a packed query row (`cols`: a multiple of key_dim) to position p
@@ -342,6 +341,11 @@ private:
     }
     /// The oldest slot kept when `count` have been opened.
     [[nodiscard]] Index first_slot(Index count) const noexcept { return std::max<Index>(0, count - slots_); }
+    /// Slots attend reads now (the first pairs of for_each_stored_run).
+    [[nodiscard]] Index kept_slots() const noexcept {
+        const Index s = slot_count(evicted(length_));
+        return slots_ > 0 ? s - first_slot(s) : 0;
+    }
 
     /// Evicted token e joins slot e / rate at position e % rate; position 0 opens the
     /// slot in the ring row of slot e / rate − slots, which is thereby dropped.
@@ -361,35 +365,21 @@ private:
     /// have held it (rounded to S), so extend equals updates one by one.
     template <class K, class V>
     void compress_input(Index e, const K& key, const V& value) {
-        if (rope_.on()) {  // turned to e as the window would have held it
-            turned_ = key;
-            rope_.turn(turned_.data(), key_dim_, e);
-            compress_unturned(e, turned_, value);
-        } else {
-            compress_unturned(e, key, value);
-        }
-    }
-    template <class K, class V>
-    void compress_unturned(Index e, const K& key, const V& value) {
-        if constexpr (compact) {
-            detail::round_trip(key, key_stored_, key_row_.data(), key_dim_);
-            detail::round_trip(value, value_stored_, value_row_.data(), value_dim_);
-            compress(e, key_row_, value_row_);
-        } else {
-            compress(e, key, value);
-        }
+        rope_.with_turned(key, e, turned_, [&](const auto& k) {  // turned to e, as the window would hold it
+            if constexpr (compact) {
+                detail::round_trip(k, key_stored_, key_row_.data(), key_dim_);
+                detail::round_trip(value, value_stored_, value_row_.data(), value_dim_);
+                compress(e, key_row_, value_row_);
+            } else {
+                compress(e, k, value);
+            }
+        });
     }
 
     /// Stores the pair of the token at `position` in the window, its key turned with RoPE.
     template <class K, class V>
     void put(Index position, const K& key, const V& value) {
-        if (rope_.on()) {
-            turned_ = key;
-            rope_.turn(turned_.data(), key_dim_, position);
-            local_.put(position, turned_, value);
-        } else {
-            local_.put(position, key, value);
-        }
+        rope_.with_turned(key, position, turned_, [&](const auto& k) { local_.put(position, k, value); });
     }
 
     template <class K, class V>
@@ -398,9 +388,10 @@ private:
             return;
         const Index slot = e / rate_, position = e % rate_;
         if (rope_.in_cache()) {  // the key as turned to e, turned on to the slot's number
-            slot_key_ = key;
-            rope_.turn(slot_key_.data(), key_dim_, slot - e, false);
-            compressor_.absorb(RowRef<T>(compressed_.key(slot)), ConstRowRef<T>(slot_key_), position);
+            rope_.with_turned(
+                key, slot - e, slot_key_,
+                [&](const auto& k) { compressor_.absorb(RowRef<T>(compressed_.key(slot)), ConstRowRef<T>(k), position); },
+                false);
         } else {
             compressor_.absorb(RowRef<T>(compressed_.key(slot)), ConstRowRef<T>(key), position);
         }

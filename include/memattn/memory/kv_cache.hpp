@@ -68,13 +68,7 @@ public:
     /// be a view of the cache's own pairs (`update(keys().row(0), values().row(0))`).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {"KVCache::update", "key", "value"});
-        if (rope_.on()) {
-            turned_ = key;
-            rope_.turn(turned_.data(), key_dim_, length_);
-            append(turned_, value);
-            return;
-        }
-        append(key, value);
+        rope_.with_turned(key, length_, turned_, [&](const auto& k) { append(k, value); });
     }
 
     /// Appends many pairs with one copy per matrix; they may be views of the cache's own.
@@ -129,8 +123,7 @@ public:
         detail::check_query("KVCache::attend", query, out, key_dim_, value_dim_);
         if (logits_.any() || rope_.on()) {
             logits_.check_rows("KVCache::attend", "query", 1);
-            Eigen::Map<Matrix<T>> row(out.data(), 1, value_dim_);
-            attend_group(Eigen::Map<const Matrix<T>>(query.data(), 1, key_dim_), row);
+            detail::attend_memory_one<T>(*this, query, out);
             return;
         }
         SoftmaxState<T> state;

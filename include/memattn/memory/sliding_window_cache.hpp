@@ -141,8 +141,7 @@ public:
         detail::check_query("SlidingWindowCache::attend", query, out, key_dim_, value_dim_);
         if (logits_.any() || rope_.on()) {
             logits_.check_rows("SlidingWindowCache::attend", "query", 1);
-            Eigen::Map<Matrix<T>> row(out.data(), 1, value_dim_);
-            attend_group(Eigen::Map<const Matrix<T>>(query.data(), 1, key_dim_), row);
+            detail::attend_memory_one<T>(*this, query, out);
             return;
         }
         SoftmaxState<T> state;
@@ -305,20 +304,12 @@ private:
     /// Stores the pair of the token at `position`, its key turned with RoPE.
     template <class K, class V>
     void put(Index position, const K& key, const V& value) {
-        if (rope_.on()) {
-            turned_ = key;
-            rope_.turn(turned_.data(), key_dim_, position);
-            put_turned(position, turned_, value);
-        } else {
-            put_turned(position, key, value);
-        }
-    }
-    template <class K, class V>
-    void put_turned(Index position, const K& key, const V& value) {
-        if (position < sinks_)
-            sink_pairs_.put(position, key, value);
-        else
-            window_pairs_.put(position - sinks_, key, value);
+        rope_.with_turned(key, position, turned_, [&](const auto& k) {
+            if (position < sinks_)
+                sink_pairs_.put(position, k, value);
+            else
+                window_pairs_.put(position - sinks_, k, value);
+        });
     }
 
     void store(const ConstMatrixRef<T>& keys, const ConstMatrixRef<T>& values) {

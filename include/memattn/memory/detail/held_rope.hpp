@@ -27,6 +27,7 @@
 #include <cmath>
 #include <numbers>
 #include <optional>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -61,6 +62,20 @@ public:
     void turn(T* row, Index cols, Index p, bool scaled = true) const noexcept {
         rope_->turn_computed(row, cols, w_, scaled ? a_ : 1.0, p);
     }
+    /// Calls use(key) with `key` turned to position p through `buffer` (a row of
+    /// key_dim, sized by the memory), or as given without RoPE: how a memory stores or
+    /// pools one key. `scaled`: as turn().
+    template <class T, class K, class Use>
+    void with_turned(const K& key, Index p, Vector<T>& buffer, Use&& use, bool scaled = true) const {
+        if (!on()) {
+            use(key);
+            return;
+        }
+        buffer = key;
+        turn(buffer.data(), buffer.cols(), p, scaled);
+        use(std::as_const(buffer));
+    }
+
     /// Turns the rows of X to positions first, first + 1, ... in place.
     template <class T>
     void turn_rows(MatrixRef<T> X, Index first) const noexcept {
