@@ -9,7 +9,7 @@
 //   BM_DecodeAttend<S>/...                     the attend alone, the same cells: what the
 //       update costs is the difference
 //
-// S is float, bfloat16 (Eigen::bfloat16), half (Eigen::half) or Q8 (memattn::Q8). Every
+// S is float, bfloat16 (Eigen::bfloat16), half (Eigen::half), Q8, Q4 or Q4Affine. Every
 // cell also measures, after its timed loop and on the same T threads:
 //   read_ms    a streaming read of exactly the bytes the step must read (the footprint()
 //              of every KV head's stored K and V at length L, in storage S), from one
@@ -557,10 +557,14 @@ BENCHMARK(BM_DecodeStep<float>)->Name("BM_DecodeStep<float>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<Eigen::half>)->Name("BM_DecodeStep<half>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q8>)->Name("BM_DecodeStep<Q8>")->Apply(cells);
+BENCHMARK(BM_DecodeStep<memattn::Q4>)->Name("BM_DecodeStep<Q4>")->Apply(cells);
+BENCHMARK(BM_DecodeStep<memattn::Q4Affine>)->Name("BM_DecodeStep<Q4Affine>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<float>)->Name("BM_DecodeAttend<float>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<Eigen::bfloat16>)->Name("BM_DecodeAttend<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<Eigen::half>)->Name("BM_DecodeAttend<half>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<memattn::Q8>)->Name("BM_DecodeAttend<Q8>")->Apply(cells);
+BENCHMARK(BM_DecodeAttend<memattn::Q4>)->Name("BM_DecodeAttend<Q4>")->Apply(cells);
+BENCHMARK(BM_DecodeAttend<memattn::Q4Affine>)->Name("BM_DecodeAttend<Q4Affine>")->Apply(cells);
 
 BENCHMARK(BM_DecodeVariants)
     ->ArgNames({"length", "variant"})

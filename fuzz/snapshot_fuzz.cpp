@@ -53,7 +53,7 @@ M fed(M memory, Index tokens) {
 /// Calls f(memory) with target number `which` (the seeds use every one).
 template <class F>
 void with_target(unsigned which, F&& f) {
-    switch (which % 14) {
+    switch (which % 16) {
         case 0: return f(fed(KVCache<float>(d, dv), 3));
         case 1: return f(fed(KVCache<double>(d, dv), 0));
         case 2: return f(fed(SlidingWindowCache<float>(d, dv, 4, 1), 7));
@@ -66,6 +66,8 @@ void with_target(unsigned which, F&& f) {
         case 9: return f(fed(LinearAttentionMemory<double, FavorPlus>(d, dv, FavorPlus(d, 4, 1)), 3));
         case 12: return f(fed(KVCache<float, Q8>(d, dv), 4));
         case 13: return f(fed(SlidingWindowCache<double, Eigen::bfloat16>(d, dv, 3, 1), 6));
+        case 14: return f(fed(KVCache<float, Q4>(d, dv), 5));
+        case 15: return f(fed(SlidingWindowCache<float, Q4Affine>(d, dv, 4, 1), 7));
         case 10:
             return f(fed(MultiHead<KVCache<float>>({.q_heads = 2, .kv_heads = 2, .head_dim = d, .value_dim = dv},
                                                     [](Index) { return KVCache<float>(d, dv); }),

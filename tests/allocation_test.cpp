@@ -198,6 +198,10 @@ TEMPLATE_TEST_CASE("Fixed-size memories never allocate in update, attend or exte
         check_no_allocation(SlidingWindowCache<T, Eigen::half>(16, 8, 64, 4));
         check_no_allocation(SlidingWindowCache<T, Q8>(16, 8, 64, 4));
     }
+    SECTION("HybridCache and SlidingWindowCache, Q4 and Q4Affine") {
+        check_no_allocation(HybridCache<T, MeanPool, Q4>(16, 8, 32, 4, 8));
+        check_no_allocation(SlidingWindowCache<T, Q4Affine>(16, 8, 64, 4));
+    }
     SECTION("LinearAttentionMemory") { check_no_allocation(LinearAttentionMemory<T>(16, 8)); }
     SECTION("LinearAttentionMemory, decay, Taylor2") {
         check_no_allocation(LinearAttentionMemory<T, Taylor2>(16, 8, {}, {.decay = 0.9}));
@@ -305,7 +309,7 @@ TEMPLATE_TEST_CASE("MultiHead<KVCache>: split decode steps allocate nothing once
 }
 
 TEMPLATE_TEST_CASE("PagedKVCache: steps allocate nothing, through new blocks, copy-on-write and truncate",
-                   "[serving][allocation]", float, Eigen::bfloat16, Q8) {
+                   "[serving][allocation]", float, Eigen::bfloat16, Q8, Q4) {
     using S = TestType;
     const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};
     const Index n = 3000, steps = 40;

@@ -25,6 +25,10 @@ constexpr double storage_tolerance() {
         return 1e-2;
     else if constexpr (std::is_same_v<S, Eigen::half>)
         return 2e-3;
+    else if constexpr (std::is_same_v<S, Q4>)
+        return 1e-1;
+    else if constexpr (std::is_same_v<S, Q4Affine>)
+        return 1e-1;
     else
         return 2e-2;
 }
@@ -48,7 +52,9 @@ std::string snapshot_of(const M& memory) {
 
 #define MEMATTN_STORAGE_PAIRS                                                                                  \
     (std::pair<float, Eigen::bfloat16>), (std::pair<float, Eigen::half>), (std::pair<float, Q8>),             \
-        (std::pair<double, Eigen::bfloat16>), (std::pair<double, Eigen::half>), (std::pair<double, Q8>)
+        (std::pair<float, Q4>), (std::pair<float, Q4Affine>), (std::pair<double, Eigen::bfloat16>),           \
+        (std::pair<double, Eigen::half>), (std::pair<double, Q8>), (std::pair<double, Q4>),                   \
+        (std::pair<double, Q4Affine>)
 
 TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of the input", "[storage]",
                    MEMATTN_STORAGE_PAIRS) {
@@ -63,21 +69,48 @@ TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of th
                 INFO(detail::storage_name<S> << ", cols " << cols << ", x = " << x << ", stored " << y);
                 // A double is rounded to float first: one more rounding of 2^-24 relative.
                 const double via_float = std::is_same_v<T, double> ? 0x1p-24 * std::abs(x) : 0.0;
+                const Index b0 = c / 32 * 32;
+                const auto block = X.row(r).segment(b0, std::min<Index>(32, cols - b0));
+                const double amax = double(block.cwiseAbs().maxCoeff());
                 if constexpr (std::is_same_v<S, Q8>) {  // ≤ half a step of the block's scale max|x| / 127
-                    const Index b0 = c / Q8::block * Q8::block;
-                    const double amax =
-                        double(X.row(r).segment(b0, std::min(Q8::block, cols - b0)).cwiseAbs().maxCoeff());
                     REQUIRE(std::abs(x - y) <= amax / 254.0 * (1 + 1e-5) + via_float);
+                } else if constexpr (std::is_same_v<S, Q4>) {  // ≤ half a step of max|x| / 7
+                    REQUIRE(std::abs(x - y) <= amax / 14.0 * (1 + 1e-5) + via_float);
+                } else if constexpr (std::is_same_v<S, Q4Affine>) {  // ≤ half a step of (max − min) / 15
+                    const double range = double(block.maxCoeff()) - double(block.minCoeff());
+                    REQUIRE(std::abs(x - y) <= range / 30.0 * (1 + 1e-5) + 0x1p-23 * amax + via_float);
                 } else {  // round to nearest: half an ulp of 8 (bfloat16) or 11 (half) significant bits
                     const double half_ulp = std::is_same_v<S, Eigen::half> ? 0x1p-11 : 0x1p-8;
                     REQUIRE(std::abs(x - y) <= half_ulp * std::abs(x) + via_float + 0x1p-25);
                 }
             }
     }
-    // Values every storage holds exactly come back exactly (Q8: a block with max|x| = 127 has scale 1).
+    // Values every storage holds exactly come back exactly (Q8: a block with max|x| = 127
+    // has scale 1; Q4: max|x| = 7; Q4Affine: min 0, max 15).
     Matrix<T> exact(1, 4);
-    exact << T(0), T(-127), T(127), T(5);
+    if constexpr (std::is_same_v<S, Q4>)
+        exact << T(0), T(-7), T(7), T(5);
+    else if constexpr (std::is_same_v<S, Q4Affine>)
+        exact << T(0), T(15), T(3), T(5);
+    else
+        exact << T(0), T(-127), T(127), T(5);
     CHECK(stored<T, S>(exact) == exact);
+    // Q4 keeps a block's largest magnitude, Q4Affine its smallest value, exactly.
+    if constexpr (Q4Storage<S>) {
+        const Matrix<T> X = random_matrix<T>(3, 64, 9, 3.0);
+        const Matrix<T> Y = stored<T, S>(X);
+        for (Index r = 0; r < 3; ++r)
+            for (Index b = 0; b < 2; ++b) {
+                const auto x = X.row(r).segment(32 * b, 32), y = Y.row(r).segment(32 * b, 32);
+                Index at = 0;
+                if constexpr (std::is_same_v<S, Q4>)
+                    x.cwiseAbs().maxCoeff(&at);
+                else
+                    x.minCoeff(&at);
+                const double scale = std::is_same_v<T, double> ? 0x1p-22 * std::abs(double(x(at))) : 0x1p-23 * std::abs(double(x(at)));
+                CHECK(std::abs(double(y(at)) - double(x(at))) <= scale);
+            }
+    }
 }
 
 TEMPLATE_TEST_CASE("Compact storage: every cache equals the plain one fed the stored values, and prefill equals decode",
@@ -142,15 +175,24 @@ TEMPLATE_TEST_CASE("Compact storage: footprint counts the stored bytes", "[stora
     KVCache<T, Eigen::bfloat16> bf16(d, d);
     KVCache<T, Eigen::half> f16(d, d);
     KVCache<T, Q8> q8(d, d);
+    KVCache<T, Q4> q4(d, d);
+    KVCache<T, Q4Affine> q4_affine(d, d);
     memattn::extend(plain, K, K);
     memattn::extend(bf16, K, K);
     memattn::extend(f16, K, K);
     memattn::extend(q8, K, K);
+    memattn::extend(q4, K, K);
+    memattn::extend(q4_affine, K, K);
     const auto pairs = static_cast<std::size_t>(n);
     CHECK(plain.footprint() == pairs * 2 * d * sizeof(T));
     CHECK(bf16.footprint() == pairs * 2 * d * 2);
     CHECK(f16.footprint() == pairs * 2 * d * 2);
     CHECK(q8.footprint() == pairs * 2 * (d + 4 * d / 32));  // 0.28 of float's
+    CHECK(q4.footprint() == pairs * 2 * (d / 2 + 4 * d / 32));  // 0.156 of float's
+    CHECK(q4_affine.footprint() == pairs * 2 * (d / 2 + 8 * d / 32));  // 0.19 of float's
+    SlidingWindowCache<T, Q4Affine> window4(33, 33, 10, 1);  // the short last block takes 16 bytes too
+    memattn::extend(window4, random_matrix<T>(20, 33, 2), random_matrix<T>(20, 33, 3));
+    CHECK(window4.footprint() == 11u * 2 * (2 * 16 + 2 * 8));
     SlidingWindowCache<T, Q8> window(33, 33, 10, 1);
     memattn::extend(window, random_matrix<T>(20, 33, 2), random_matrix<T>(20, 33, 3));
     CHECK(window.footprint() == 11u * 2 * (33 + 2 * 4));  // 33 values in two blocks
@@ -184,9 +226,12 @@ TEMPLATE_TEST_CASE("Compact storage: float16 refuses finite values past its rang
     CHECK_FALSE(out.allFinite());
 }
 
-TEMPLATE_TEST_CASE("Compact storage: a Q8 block holding NaN or infinity reads as NaN", "[storage]", float, double) {
-    using T = TestType;
-    KVCache<T, Q8> cache(40, 3);
+TEMPLATE_TEST_CASE("Compact storage: a Q8 or Q4 block holding NaN or infinity reads as NaN", "[storage]",
+                   (std::pair<float, Q8>), (std::pair<double, Q8>), (std::pair<float, Q4>), (std::pair<double, Q4>),
+                   (std::pair<float, Q4Affine>), (std::pair<double, Q4Affine>)) {
+    using T = typename TestType::first_type;
+    using S = typename TestType::second_type;
+    KVCache<T, S> cache(40, 3);
     Matrix<T> K = random_matrix<T>(2, 40, 1), V = random_matrix<T>(2, 3, 2);
     K(1, 35) = std::numeric_limits<T>::quiet_NaN();  // in the second block of the row
     memattn::extend(cache, K.topRows(1), V.topRows(1));
@@ -219,6 +264,10 @@ TEMPLATE_TEST_CASE("Compact storage: snapshots resume bitwise and name the stora
     resume([] { return SlidingWindowCache<T, Q8>(6, 5, 7, 2); });
     resume([] { return HybridCache<T, MeanPool, Eigen::bfloat16>(6, 5, 7, 3, 2); });
     resume([] { return HybridCache<T, WeightedPool, Q8>(6, 5, 7, 2, 2, T(0), WeightedPool({0.5, 0.5})); });
+    resume([] { return KVCache<T, Q4>(6, 5); });
+    resume([] { return KVCache<T, Q4Affine>(6, 5); });
+    resume([] { return SlidingWindowCache<T, Q4>(6, 5, 7, 2); });
+    resume([] { return HybridCache<T, MeanPool, Q4Affine>(6, 5, 7, 3, 2); });
 
     KVCache<T, Eigen::bfloat16> bf16(6, 5);
     KVCache<T> plain(6, 5);
@@ -226,6 +275,10 @@ TEMPLATE_TEST_CASE("Compact storage: snapshots resume bitwise and name the stora
     const std::string scalar = std::is_same_v<T, float> ? "float32" : "float64";
     CHECK_THROWS_WITH(load(plain, in), Catch::Matchers::Contains("the storage is bfloat16 in the stream, " + scalar +
                                                                  " in the memory"));
+    KVCache<T, Q4> q4(6, 5);
+    KVCache<T, Q4Affine> q4_affine(6, 5);
+    std::istringstream in4(snapshot_of(q4), std::ios::binary);
+    CHECK_THROWS_WITH(load(q4_affine, in4), Catch::Matchers::Contains("the storage is q4 in the stream, q4_affine in the memory"));
 }
 
 TEMPLATE_TEST_CASE("Compact storage: truncate rolls a compact cache back", "[storage][truncate]", float, double) {
@@ -266,7 +319,7 @@ TEST_CASE("Compact storage: MultiHead over compact caches equals its heads", "[s
 }
 
 TEMPLATE_TEST_CASE("Compact storage: rows added in registers equal row-by-row adds, bit for bit", "[storage]",
-                   Eigen::bfloat16, Eigen::half, Q8) {
+                   Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine) {
     if constexpr (detail::fused_storage) {
         using S = TestType;
         for (const Index cols : {1, 15, 16, 33, 100, 130, 200}) {
@@ -324,7 +377,7 @@ TEMPLATE_TEST_CASE("Compact storage: grouped attend equals the plain cache's fed
 }
 
 TEMPLATE_TEST_CASE("Grouped attend: a query's output is the same bits in every group it is in, for every storage",
-                   "[storage][group]", float, Eigen::bfloat16, Eigen::half, Q8) {
+                   "[storage][group]", float, Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine) {
     using S = TestType;
     // Groups below a packet's lanes take tiles of GQ queries × GK keys (decode_attention.hpp);
     // every logit adds its lanes by the same tree, so query r's output must not depend on
@@ -365,7 +418,7 @@ TEMPLATE_TEST_CASE("Grouped attend: a query's output is the same bits in every g
 }
 
 TEMPLATE_TEST_CASE("Compact storage: MultiHead splits compact caches over threads, the same bits for any executor",
-                   "[storage][multihead][split]", Eigen::bfloat16, Eigen::half, Q8) {
+                   "[storage][multihead][split]", Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine) {
     using S = TestType;
     const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 16};
     const Index n = 2 * MultiHead<KVCache<float>>::split_keys + 333;  // three pieces per head

@@ -685,6 +685,36 @@ TEST_CASE("Q8: blocks of tiny values quantise without overflow", "[regression][s
     }
 }
 
+TEMPLATE_TEST_CASE("Q4: blocks of tiny and of huge values quantise without overflow", "[regression][storage]", Q4,
+                   Q4Affine) {
+    using S = TestType;
+    // The scale's inverse is taken in double: no overflow for subnormal blocks.
+    for (const float amax : {3.0e-37f, 1.0e-38f, 1.0e-40f, 1.0e-44f}) {
+        INFO("amax " << amax);
+        KVCache<float, S> cache(32, 32);
+        Vector<float> value(32);
+        for (Index c = 0; c < 32; ++c)
+            value(c) = amax * static_cast<float>(c - 16) / 16.0f;
+        cache.update(Vector<float>::Zero(32), value);
+        Vector<float> out(32);
+        cache.attend(Vector<float>::Ones(32), out);  // one pair: out = its stored value
+        REQUIRE(out.allFinite());
+        // Half a step (Q4: amax / 7; Q4Affine: 2 amax / 15), plus the subnormal scale's rounding.
+        const double bound = static_cast<double>(amax) / 14.0 * 1.01 + 1.5e-45 * 16;
+        CHECK((out - value).cwiseAbs().maxCoeff() <= bound);
+    }
+    // A block spanning float's whole range (Q4Affine: max − min = 2·FLT_MAX) reads back finite.
+    KVCache<float, S> cache(4, 4);
+    Vector<float> value(4);
+    value << FLT_MAX, -FLT_MAX, 0.0f, FLT_MAX / 2;
+    cache.update(Vector<float>::Zero(4), value);
+    Vector<float> out(4);
+    cache.attend(Vector<float>::Ones(4), out);
+    REQUIRE(out.allFinite());
+    CHECK(std::abs(out(0) - FLT_MAX) <= FLT_MAX / 14.0f);
+    CHECK(std::abs(out(1) + FLT_MAX) <= FLT_MAX / 14.0f);
+}
+
 TEMPLATE_TEST_CASE("Compact storage: one policy, a finite value the type would lose is refused", "[regression][storage]",
                    float, double) {
     using T = TestType;
@@ -725,7 +755,11 @@ TEMPLATE_TEST_CASE("Compact storage: one policy, a finite value the type would l
         refused(KVCache<T, Q8>(4, 4), T(1e300), "Q8");
         refused(KVCache<T, Eigen::bfloat16>(4, 4), T(1e300), "bfloat16");
         refused(SlidingWindowCache<T, Q8>(4, 4, 2), T(-1e39), "Q8");
+        refused(KVCache<T, Q4>(4, 4), T(1e39), "Q4");
+        refused(HybridCache<T, MeanPool, Q4Affine>(4, 4, 2, 2, 2), T(-1e300), "Q4Affine");
     }
+    CHECK(std::isfinite(kept(KVCache<T, Q4>(4, 4), T(FLT_MAX))));
+    CHECK(std::isfinite(kept(KVCache<T, Q4Affine>(4, 4), T(-FLT_MAX))));
     // ±∞ and NaN are stored as they are, in every type: they poison as in T.
     const Vector<T> infinite = Vector<T>::Constant(4, std::numeric_limits<T>::infinity());
     KVCache<T, Eigen::bfloat16> bf16(4, 4);

@@ -58,7 +58,7 @@ MatrixD paged_reference(const HeadLayout& layout, const MatrixD& q, const Matrix
 }  // namespace
 
 TEMPLATE_TEST_CASE("PagedKVCache: a sequence equals the double reference and a private cache, in every storage",
-                   "[serving]", float, Eigen::bfloat16, Eigen::half, Q8) {
+                   "[serving]", float, Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine) {
     using S = TestType;
     for (const auto& [layout, block] :
          {std::tuple<HeadLayout, Index>{{4, 2, 16, 0}, 16}, {{8, 1, 17, 9}, 3}, {{2, 2, 1, 0}, 1}, {{32, 8, 32, 0}, 128},
@@ -329,7 +329,7 @@ TEST_CASE("PagedKVCache: attend is bitwise the same on every executor and thread
 }
 
 TEMPLATE_TEST_CASE("PagedKVCache: blocks of a multiple of 128 tokens give a KVCache's grouped attend, bit for bit",
-                   "[serving][group]", float, Eigen::bfloat16, Q8) {
+                   "[serving][group]", float, Eigen::bfloat16, Q8, Q4) {
     using S = TestType;
     const HeadLayout layout{8, 2, 24, 0};  // groups of 4
     for (const Index block : {128, 256}) {
@@ -489,7 +489,7 @@ TEST_CASE("batched_decode over a span of memories equals one decode step per mem
 }
 
 TEMPLATE_TEST_CASE("PagedKVCache: one sequence saves and loads on its own, into a pool of any block size",
-                   "[serving][snapshot]", float, Eigen::bfloat16, Q8) {
+                   "[serving][snapshot]", float, Eigen::bfloat16, Q8, Q4Affine) {
     using S = TestType;
     const HeadLayout layout{4, 2, 16, 0};
     PagedKVCache<float, S> pool(layout, 32, 16);

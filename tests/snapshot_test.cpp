@@ -352,6 +352,9 @@ void for_each_span_memory(Check&& check) {
           SpanExtra::none);
     check("GatedLinearAttentionMemory", [] { return GatedLinearAttentionMemory<T>(d, dv); }, SpanExtra::log_gate);
     check("DeltaRuleMemory", [] { return DeltaRuleMemory<T>(d, dv); }, SpanExtra::beta);
+    check("SlidingWindowCache<T, Q4Affine>", [] { return SlidingWindowCache<T, Q4Affine>(d, dv, window, 2); },
+          SpanExtra::none);
+    check("KVCache<T, Q4>", [] { return KVCache<T, Q4>(d, dv); }, SpanExtra::none);
     check("MultiHead<KVCache<T, Q8>>", [] {
         return MultiHead<KVCache<T, Q8>>({.q_heads = 4, .kv_heads = 2, .head_dim = d, .value_dim = dv},
                                          [](Index) { return KVCache<T, Q8>(d, dv); });

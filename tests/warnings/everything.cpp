@@ -178,6 +178,8 @@ void everything(memattn::Index n, memattn::Index d) {
             use_memory(memattn::KVCache<T, Eigen::bfloat16>(d, d), x, out);
             use_memory(memattn::KVCache<T, Eigen::half>(d, d), x, out);
             use_memory(memattn::KVCache<T, memattn::Q8>(d, d), x, out);
+            use_memory(memattn::KVCache<T, memattn::Q4>(d, d), x, out);
+            use_memory(memattn::SlidingWindowCache<T, memattn::Q4Affine>(d, d, 4, 1), x, out);
             use_memory(memattn::SlidingWindowCache<T, Eigen::half>(d, d, 4, 1), x, out);
             use_memory(memattn::HybridCache<T, memattn::MeanPool, memattn::Q8>(d, d, 4, 2, 3), x, out);
             // The gated and delta-rule recurrences: both forms through their memories' decode

@@ -82,7 +82,7 @@ inline constexpr std::uint32_t format_version = 1;
 /// The longest kind name a snapshot may hold.
 inline constexpr std::uint32_t max_kind_bytes = 255;
 
-/// A type code's name in messages: float32, float64, bfloat16, float16 or q8.
+/// A type code's name in messages: float32, float64, bfloat16, float16, q8, q4 or q4_affine.
 inline std::string type_name(std::uint8_t code) {
     switch (code) {
         case 1: return "float32";
@@ -90,6 +90,8 @@ inline std::string type_name(std::uint8_t code) {
         case 3: return "bfloat16";
         case 4: return "float16";
         case 5: return "q8";
+        case 6: return "q4";
+        case 7: return "q4_affine";
         default: return "unknown type " + std::to_string(code);
     }
 }

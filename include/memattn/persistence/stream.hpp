@@ -159,6 +159,8 @@ enum class TypeCode : std::uint8_t {
     bfloat16 = 3,
     float16 = 4,
     q8 = 5,
+    q4 = 6,
+    q4_affine = 7,
 };
 
 /// The type code of the scalar T: float32 or float64.

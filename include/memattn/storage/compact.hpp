@@ -19,6 +19,17 @@
 //                    d + 4·⌈d/32⌉ bytes. Rounding ≤ max|x|/254 per block; outputs within
 //                    2e-2. A block holding ±∞ or NaN stores a NaN scale: the whole block
 //                    reads as NaN.
+//   memattn::Q4      like llama.cpp's q4_0: blocks of 32 values of a row as 4-bit
+//                    n_i ∈ [−7, 7] with one float scale s = max|x_i| / 7, value = s·n_i
+//                    (the largest magnitude is kept exactly); 16 bytes and a scale per
+//                    block (0.625 bytes a value). Rounding ≤ max|x| / 14 per block;
+//                    outputs within 1e-1 (0.07 measured) on unit-scale inputs.
+//   memattn::Q4Affine  like q4_1: 4-bit u_i ∈ [0, 15], a float scale s = (max − min) / 15
+//                    and a float zero point m = min per block, value = m + s·u_i
+//                    (0.75 bytes a value). Rounding ≤ (max − min) / 30 per block: a block
+//                    of one sign, or off-centre, keeps twice the resolution of Q4's.
+//                    Outputs within 1e-1 on unit-scale inputs.
+//                    For both, a block holding ±∞ or NaN reads as NaN, as Q8's.
 //
 // One policy for every type (check_storable): a finite value that S would store as ±∞
 // or NaN (float16 from 65520 on, bfloat16 from ~3.3962e38, a double past float's range)
@@ -53,9 +64,28 @@ struct Q8 {
     static constexpr Index block = 32;  ///< values of a row that share one float scale
 };
 
+/// 4-bit K/V storage, symmetric: 4-bit values n_i ∈ [−7, 7] with one float scale
+/// s = max|x_i| / 7 per block of 32 (see above).
+struct Q4 {
+    static constexpr Index block = 32;         ///< values of a row that share one scale
+    static constexpr bool zero_point = false;  ///< value = s·n_i
+};
+
+/// 4-bit K/V storage, affine: 4-bit values u_i ∈ [0, 15] with one float scale
+/// s = (max − min) / 15 and one float zero point min per block of 32 (see above).
+struct Q4Affine {
+    static constexpr Index block = 32;        ///< values of a row that share one scale and zero point
+    static constexpr bool zero_point = true;  ///< value = min + s·u_i
+};
+
+/// The two 4-bit storage types.
+template <class S>
+concept Q4Storage = std::same_as<S, Q4> || std::same_as<S, Q4Affine>;
+
 /// The element types a cache can store keys and values in besides its scalar.
 template <class S>
-concept CompactStorage = std::same_as<S, Eigen::bfloat16> || std::same_as<S, Eigen::half> || std::same_as<S, Q8>;
+concept CompactStorage =
+    std::same_as<S, Eigen::bfloat16> || std::same_as<S, Eigen::half> || std::same_as<S, Q8> || Q4Storage<S>;
 
 /// A cache of scalar T can store its pairs as S: T itself or a compact type.
 template <class S, class T>
@@ -67,6 +97,8 @@ template <class S>
 inline constexpr const char* storage_name = std::is_same_v<S, Eigen::bfloat16> ? "bfloat16"
                                             : std::is_same_v<S, Eigen::half>   ? "float16"
                                             : std::is_same_v<S, Q8>            ? "Q8"
+                                            : std::is_same_v<S, Q4>            ? "Q4"
+                                            : std::is_same_v<S, Q4Affine>      ? "Q4Affine"
                                             : std::is_same_v<S, float>         ? "float"
                                                                                : "double";
 
@@ -79,12 +111,21 @@ constexpr snapshot::TypeCode storage_code() {
         return snapshot::TypeCode::float16;
     else if constexpr (std::is_same_v<S, Q8>)
         return snapshot::TypeCode::q8;
+    else if constexpr (std::is_same_v<S, Q4>)
+        return snapshot::TypeCode::q4;
+    else if constexpr (std::is_same_v<S, Q4Affine>)
+        return snapshot::TypeCode::q4_affine;
     else
         return snapshot::type_code<T>();
 }
 
 /// Q8 blocks in a row of `cols` values.
 constexpr Index q8_blocks(Index cols) { return (cols + Q8::block - 1) / Q8::block; }
+
+/// Whether S keeps float scales per block (Q8, Q4, Q4Affine): it holds float's whole
+/// range, and only a double past it is lost.
+template <class S>
+inline constexpr bool scaled_storage = std::is_same_v<S, Q8> || Q4Storage<S>;
 
 /// The smallest magnitude of float that storage S rounds to ±∞ (to nearest, ties to
 /// even, as Eigen's scalar and vector conversions do): the midpoint between S's largest
@@ -106,7 +147,7 @@ inline constexpr float storage_overflow<Eigen::bfloat16> = std::bit_cast<float>(
 template <class T, class S, class D>
 void check_storable([[maybe_unused]] const PairSite& site, [[maybe_unused]] const D& rows,
                     [[maybe_unused]] bool values) {
-    if constexpr (!std::is_same_v<S, T> && !(std::is_same_v<S, Q8> && std::is_same_v<T, float>)) {
+    if constexpr (!std::is_same_v<S, T> && !(scaled_storage<S> && std::is_same_v<T, float>)) {
         const std::string_view argument = values ? site.value_name : site.key_name;
         const float limit = storage_overflow<S>;
         bool lost = false;
@@ -121,10 +162,10 @@ void check_storable([[maybe_unused]] const PairSite& site, [[maybe_unused]] cons
             for (Index c = 0; c < rows.cols(); ++c) {
                 const T x = rows(r, c);
                 const bool kept = !(std::isfinite(x) && !(std::abs(static_cast<float>(x)) < limit));
-                if constexpr (std::is_same_v<S, Q8>)
+                if constexpr (scaled_storage<S>)
                     require(kept, site.function, argument, "has the finite value ", x, " in row ", r, ", column ",
-                            SiteColumn{site, c, values}, ", past float's range (Q8 scales are float: its block ",
-                            "would be stored as NaN)");
+                            SiteColumn{site, c, values}, ", past float's range (", storage_name<S>,
+                            " scales are float: its block would be stored as NaN)");
                 else
                     require(kept, site.function, argument, "has the finite value ", x, " in row ", r, ", column ",
                             SiteColumn{site, c, values}, ", which ", storage_name<S>, " storage would hold as ",
@@ -150,6 +191,14 @@ inline Packet<float> load_floats(const Eigen::half* p) {
 inline Packet<float> load_floats(const std::int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+/// A packet of 4-bit values as float: the low (high = false) or high nibbles of as many
+/// bytes.
+inline Packet<float> load_nibbles(const std::uint8_t* p, bool high) {
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if (high)
+        b = _mm_srli_epi16(b, 4);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
+}
 #elif defined(__AVX2__) && defined(__F16C__)
 inline constexpr bool fused_storage = true;
 inline Packet<float> load_floats(const Eigen::bfloat16* p) {
@@ -162,6 +211,12 @@ inline Packet<float> load_floats(const Eigen::half* p) {
 inline Packet<float> load_floats(const std::int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+inline Packet<float> load_nibbles(const std::uint8_t* p, bool high) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    if (high)
+        b = _mm_srli_epi16(b, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
+}
 #else
 inline constexpr bool fused_storage = false;
 #endif
@@ -171,6 +226,10 @@ inline constexpr bool fused_storage = false;
 template <class E>
 Packet<float> load_packet(const E* p) {
     return load_floats(p);
+}
+template <class E>
+Packet<float> load_nibble_packet(const E* p, bool high) {
+    return load_nibbles(p, high);
 }
 
 /// One stored value as float.
@@ -567,6 +626,232 @@ public:
 private:
     Eigen::Matrix<std::int8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> q_;
     Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> scales_;
+};
+
+/// A 4-bit value as float: the one formula every reader of Q4 and Q4Affine storage
+/// uses, packet or scalar, so all give the same bits. Q4: s·(u − 8) (u − 8 is exact);
+/// Q4Affine: u·s + m in one rounding where the target has FMA, as Eigen's pmadd.
+template <class S>
+inline float q4_value(float u, float s, float m) {
+    if constexpr (S::zero_point) {
+#if defined(__FMA__)
+        return std::fma(u, s, m);
+#else
+        return u * s + m;  // no FMA instruction to contract into: two roundings, as pmadd
+#endif
+    } else {
+        return s * (u - 8.0f);
+    }
+}
+
+/// Q4 and Q4Affine: per row, blocks of 32 values as 16 bytes (value i of a block in the
+/// low nibble of byte i for i < 16, in the high nibble of byte i − 16 after: a packet
+/// of 8 or 16 values is one load, a shift for the high half, a mask, a widening), one
+/// float scale per block and, for Q4Affine, one float zero point. The last block of a
+/// row shorter than 32 keeps the same layout, its unused nibbles zero.
+template <class T, class S>
+    requires Q4Storage<S>
+class StoredRows<T, S> {
+public:
+    static constexpr bool compact = true;
+    static constexpr Index block = S::block;
+    static constexpr Index block_bytes = block / 2;
+    StoredRows(Index rows, Index cols)
+        : cols_(cols),
+          u_(rows, block_bytes * q8_blocks(cols)),
+          scales_(rows, q8_blocks(cols)),
+          zeros_(rows, S::zero_point ? q8_blocks(cols) : 0) {}
+
+    [[nodiscard]] Index rows() const noexcept { return u_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return cols_; }
+    void swap(StoredRows& other) noexcept {
+        std::swap(cols_, other.cols_);
+        u_.swap(other.u_);
+        scales_.swap(other.scales_);
+        zeros_.swap(other.zeros_);
+    }
+
+    template <class D>
+    void put_rows(Index first, const D& rows) {
+        for (Index r = 0; r < rows.rows(); ++r)
+            for (Index b = 0; b < scales_.cols(); ++b) {
+                const Index c0 = b * block, n = std::min(block, cols_ - c0);
+                float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+                bool finite = true;
+                for (Index c = c0; c < c0 + n; ++c) {
+                    const auto x = static_cast<float>(rows(r, c));
+                    finite = finite && std::isfinite(x);
+                    lo = std::min(lo, x);
+                    hi = std::max(hi, x);
+                }
+                std::uint8_t* bytes = &u_(first + r, b * block_bytes);
+                std::fill(bytes, bytes + block_bytes, std::uint8_t{0});
+                float s = 0, m = 0;
+                double inverse = 0;  // the quantisation in double: no overflow, one rounding
+                if (!finite) {
+                    s = m = std::numeric_limits<float>::quiet_NaN();
+                } else if constexpr (S::zero_point) {
+                    m = lo;
+                    const double range = static_cast<double>(hi) - static_cast<double>(lo);
+                    s = static_cast<float>(range / 15.0);
+                    // The largest code must read back finite: near FLT_MAX, s may round up past it.
+                    while (!std::isfinite(q4_value<S>(15.0f, s, m)))
+                        s = std::nextafter(s, 0.0f);
+                    inverse = s > 0 ? 1.0 / static_cast<double>(s) : 0.0;
+                } else {
+                    const double amax = std::max(-static_cast<double>(lo), static_cast<double>(hi));
+                    s = static_cast<float>(amax / 7.0);
+                    inverse = s > 0 ? 1.0 / static_cast<double>(s) : 0.0;
+                }
+                scales_(first + r, b) = s;
+                if constexpr (S::zero_point)
+                    zeros_(first + r, b) = m;
+                if (!finite)
+                    continue;
+                for (Index c = c0; c < c0 + n; ++c) {
+                    const double x = static_cast<double>(static_cast<float>(rows(r, c)));
+                    int u;
+                    if constexpr (S::zero_point)
+                        u = std::clamp(static_cast<int>(std::nearbyint((x - static_cast<double>(m)) * inverse)), 0, 15);
+                    else
+                        u = std::clamp(static_cast<int>(std::nearbyint(x * inverse)), -7, 7) + 8;
+                    const Index i = c - c0;
+                    bytes[i % block_bytes] |= static_cast<std::uint8_t>(u << (i / block_bytes * 4));
+                }
+            }
+    }
+    void copy_rows_from(const StoredRows& other, Index n) {
+        u_.topRows(n) = other.u_.topRows(n);
+        scales_.topRows(n) = other.scales_.topRows(n);
+        zeros_.topRows(n) = other.zeros_.topRows(n);
+    }
+    /// Rows [to, to + n) = rows [from, from + n), the two ranges apart.
+    void copy_within(Index from, Index to, Index n) {
+        u_.middleRows(to, n) = u_.middleRows(from, n);
+        scales_.middleRows(to, n) = scales_.middleRows(from, n);
+        zeros_.middleRows(to, n) = zeros_.middleRows(from, n);
+    }
+    void decode_rows(Index first, Index n, T* out, Index ld) const {
+        for (Index r = 0; r < n; ++r) {
+            T* row = out + r * ld;
+            Index c = 0;
+            if constexpr (fused_storage && std::is_same_v<T, float>) {
+                for (; c + packet_lanes<float> <= cols_; c += packet_lanes<float>)
+                    Eigen::internal::pstoreu(row + c, stored_packet(first + r, c));
+            }
+            for (; c < cols_; ++c)
+                row[c] = static_cast<T>(stored_value(first + r, c));
+        }
+    }
+
+    /// Asks for a row towards the cache ahead of its use.
+    void prefetch_row(Index row) const {
+        prefetch_rows(&u_(row, 0), 1, 0, u_.cols());
+        prefetch_rows(&scales_(row, 0), 1, 0, scales_.cols());
+        if constexpr (S::zero_point)
+            prefetch_rows(&zeros_(row, 0), 1, 0, zeros_.cols());
+    }
+
+    /// q·row in float, converted in registers (fused_storage): per block, Σ q_i·u_i and
+    /// Σ q_i as packets, then s·Σ q_i·u_i + m·Σ q_i (Q4Affine) or s·(Σ q_i·u_i − 8·Σ q_i) (Q4).
+    [[nodiscard]] float dot(Index row, const float* q) const {
+        using namespace Eigen::internal;
+        using P = Packet<float>;
+        constexpr Index lanes = packet_lanes<float>;
+        static_assert(block % (2 * lanes) == 0, "a Q4 block is a whole number of packet pairs");
+        const std::uint8_t* x = &u_(row, 0);
+        const float* s = &scales_(row, 0);
+        const Index whole = cols_ / block;
+        P qu = pset1<P>(0.0f), qz = qu;
+        for (Index b = 0; b < whole; ++b) {
+            const float* qb = q + b * block;
+            const std::uint8_t* xb = x + b * block_bytes;
+            P a = pset1<P>(0.0f), sum = a;
+            for (Index c = 0; c < block; c += lanes) {
+                const P qp = ploadu<P>(qb + c);
+                a = pmadd(qp, load_nibble_packet(xb + c % block_bytes, c >= block_bytes), a);
+                sum = padd(sum, qp);
+            }
+            if constexpr (S::zero_point) {
+                qu = pmadd(pset1<P>(s[b]), a, qu);
+                qz = pmadd(pset1<P>(zeros_(row, b)), sum, qz);
+            } else {  // s·(Σ q_i·u_i − 8·Σ q_i): no −8s to overflow
+                qu = pmadd(pset1<P>(s[b]), psub(a, pmul(pset1<P>(8.0f), sum)), qu);
+            }
+        }
+        float total = predux(padd(qu, qz));
+        for (Index c = whole * block; c < cols_; ++c)  // the last, shorter block
+            total += q[c] * stored_value(row, c);
+        return total;
+    }
+    /// acc += w · row in float, converted in registers.
+    void add_scaled(Index row, float w, float* acc) const {
+        using namespace Eigen::internal;
+        using P = Packet<float>;
+        constexpr Index lanes = packet_lanes<float>;
+        const P weight = pset1<P>(w);
+        Index c = 0;
+        for (; c + lanes <= cols_; c += lanes)
+            pstoreu(acc + c, pmadd(weight, stored_packet(row, c), ploadu<P>(acc + c)));
+        for (; c < cols_; ++c)
+            acc[c] += w * stored_value(row, c);
+    }
+    /// add_scaled for rows [first, first + n) with weights w, acc in registers
+    /// (add_rows_in_registers; fused_storage).
+    void add_rows(Index first, Index n, const float* w, float* acc, Index ahead, Index prefetch_end) const {
+        add_rows_in_registers(*this, first, n, w, acc, ahead, prefetch_end);
+    }
+    [[nodiscard]] Packet<float> packet(Index r, Index c) const { return stored_packet(r, c); }
+    [[nodiscard]] float scalar(Index r, Index c) const { return stored_value(r, c); }
+    [[nodiscard]] static float weight(Index, Index, float w) { return w; }
+    /// The stored values as float, exactly as decode_rows gives them (q4_value): a packet
+    /// from column c (c + lanes ≤ cols, c a multiple of the lanes; fused_storage), and one value.
+    [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const {
+        using namespace Eigen::internal;
+        using P = Packet<float>;
+        const Index b = c / block, i = c % block;
+        const P u = load_nibble_packet(&u_(r, b * block_bytes + i % block_bytes), i >= block_bytes);
+        const P s = pset1<P>(scales_(r, b));
+        if constexpr (S::zero_point)
+            return pmadd(u, s, pset1<P>(zeros_(r, b)));
+        else
+            return pmul(s, psub(u, pset1<P>(8.0f)));
+    }
+    [[nodiscard]] float stored_value(Index r, Index c) const {
+        const Index b = c / block, i = c % block;
+        const unsigned u = (u_(r, b * block_bytes + i % block_bytes) >> (i / block_bytes * 4)) & 0x0Fu;
+        return q4_value<S>(static_cast<float>(u), scales_(r, b), S::zero_point ? zeros_(r, b) : 0.0f);
+    }
+
+    [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
+    [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept {
+        const auto blocks = static_cast<std::size_t>(q8_blocks(cols));
+        return blocks * (static_cast<std::size_t>(block_bytes) + sizeof(float) * (S::zero_point ? 2 : 1));
+    }
+
+    /// Each row as its scales, its zero points (Q4Affine), then its bytes.
+    void write_rows(snapshot::Writer& w, Index first, Index n) const {
+        for (Index r = first; r < first + n; ++r) {
+            w.matrix(scales_.row(r));
+            if constexpr (S::zero_point)
+                w.matrix(zeros_.row(r));
+            w.matrix(u_.row(r));
+        }
+    }
+    void read_rows(snapshot::Reader& rd, Index first, Index n) {
+        for (Index r = first; r < first + n; ++r) {
+            rd.matrix(scales_.row(r), "rows");
+            if constexpr (S::zero_point)
+                rd.matrix(zeros_.row(r), "rows");
+            rd.matrix(u_.row(r), "rows");
+        }
+    }
+
+private:
+    Index cols_;
+    Eigen::Matrix<std::uint8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> u_;
+    Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> scales_;
+    Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> zeros_;
 };
 
 /// The rows as storage S would give them back: encoded into a scratch of their size, then

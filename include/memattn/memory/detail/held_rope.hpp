@@ -92,7 +92,7 @@ public:
     /// compact type with a limit: float16, bfloat16). Nothing without RoPE.
     template <class T, class S, class D>
     void check_turnable(const PairSite& site, const D& keys) const {
-        if constexpr (!std::is_same_v<S, T> && !std::is_same_v<S, Q8>) {
+        if constexpr (!std::is_same_v<S, T> && !scaled_storage<S>) {
             if (!on())
                 return;
             const double limit = static_cast<double>(storage_overflow<S>) / growth();
