@@ -45,7 +45,7 @@ namespace memattn {
 /// \tparam S how the window's pairs are stored, T itself or a compact type (storage/compact.hpp);
 /// the compressed slots stay in T, since the compressor pools into them in place.
 template <Scalar T, class C = MeanPool, class S = T>
-    requires StorageFor<S, T>
+    requires StorageFor<S, T> && (!detail::is_rotated<S>)  // a slot pools keys; the rotation is the window's
 class HybridCache {
     static_assert(Compressor<C, T>,
                   "HybridCache<T, C>: C must be a compressor, a copyable struct with a const member "

@@ -24,7 +24,9 @@ namespace memattn {
 /// Every (key, value) pair seen, so `attend` is exact causal softmax attention over the
 /// whole past; see the top of the file.
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp:
-/// Eigen::bfloat16, Eigen::half, memattn::Q8); arithmetic is in T either way.
+/// Eigen::bfloat16, Eigen::half, memattn::Q8, memattn::Q4, memattn::Q4Affine, or
+/// `memattn::Rotated<S>` of the last three: keys rotated, see there); arithmetic is in T
+/// either way.
 template <Scalar T, class S = T>
     requires StorageFor<S, T>
 class KVCache {
@@ -40,7 +42,12 @@ public:
           value_dim_(detail::at_least(value_dim, 1, "KVCache", "value_dim")),
           scale_(detail::checked_scale(scale, key_dim, "KVCache")),
           keys_(0, key_dim_),
-          values_(0, value_dim_) {}
+          values_(0, value_dim_) {
+        if constexpr (detail::is_rotated<S>) {
+            rope_ = detail::HeldRope::rotation(key_dim_);
+            turned_.resize(key_dim_);
+        }
+    }
 
     /// With the logit options (kernels/softmax_options.hpp): `options.scale` as above, the
     /// softcap, and the ALiBi slopes and sink logits of the queries its attends take
@@ -59,7 +66,7 @@ public:
     /// as they come out of the projections (docs/design.md, "RoPE in the memories").
     KVCache(Index key_dim, Index value_dim, const SoftmaxOptions& options, const Rope& rope)
         : KVCache(key_dim, value_dim, options) {
-        rope_ = detail::HeldRope("KVCache", rope, key_dim_, RopePositions::sequence);
+        rope_ = detail::HeldRope("KVCache", rope, key_dim_, RopePositions::sequence, detail::is_rotated<S>);
         turned_.resize(key_dim_);
     }
 
@@ -148,7 +155,8 @@ public:
 
     /// The token position of the i-th pair attend reads (for_each_stored_run's order): i.
     [[nodiscard]] Index pair_position(Index i) const noexcept { return i; }
-    /// Whether the keys are stored turned by RoPE, so attends turn their queries.
+    /// Whether the keys are stored turned by RoPE or rotated (`Rotated<S>`), so attends turn
+    /// their queries.
     [[nodiscard]] bool turns_queries() const noexcept { return rope_.on(); }
     /// The position an attend turns its query to for the i-th pair: the newest token's.
     [[nodiscard]] Index query_position(Index) const noexcept { return length_ - 1; }

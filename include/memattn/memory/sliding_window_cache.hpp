@@ -51,7 +51,12 @@ public:
           sinks_(checked(sinks, 0, "sinks")),
           scale_(detail::checked_scale(scale, key_dim, "SlidingWindowCache")),
           sink_pairs_(sinks, key_dim, value_dim),
-          window_pairs_(window, key_dim, value_dim) {}
+          window_pairs_(window, key_dim, value_dim) {
+        if constexpr (detail::is_rotated<S>) {
+            rope_ = detail::HeldRope::rotation(key_dim_);
+            turned_.resize(key_dim_);
+        }
+    }
 
     /// With the options of causal_softmax_attention: `options.window` >= 1 and
     /// `options.sink_tokens` as `window` and `sinks` above, `options.scale` as `scale`,
@@ -74,7 +79,7 @@ public:
     SlidingWindowCache(Index key_dim, Index value_dim, const SoftmaxOptions& options, const Rope& rope,
                        RopePositions positions = RopePositions::sequence)
         : SlidingWindowCache(key_dim, value_dim, options) {
-        rope_ = detail::HeldRope("SlidingWindowCache", rope, key_dim_, positions);
+        rope_ = detail::HeldRope("SlidingWindowCache", rope, key_dim_, positions, detail::is_rotated<S>);
         turned_.resize(key_dim_);
     }
 

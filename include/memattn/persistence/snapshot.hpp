@@ -82,7 +82,7 @@ inline constexpr std::uint32_t format_version = 1;
 /// The longest kind name a snapshot may hold.
 inline constexpr std::uint32_t max_kind_bytes = 255;
 
-/// A type code's name in messages: float32, float64, bfloat16, float16, q8, q4 or q4_affine.
+/// A type code's name in messages: float32, float64, bfloat16, float16, q8, q4, q4_affine, or one of the three rotated.
 inline std::string type_name(std::uint8_t code) {
     switch (code) {
         case 1: return "float32";
@@ -92,6 +92,9 @@ inline std::string type_name(std::uint8_t code) {
         case 5: return "q8";
         case 6: return "q4";
         case 7: return "q4_affine";
+        case 8: return "q8_rotated";
+        case 9: return "q4_rotated";
+        case 10: return "q4_affine_rotated";
         default: return "unknown type " + std::to_string(code);
     }
 }

@@ -161,6 +161,9 @@ enum class TypeCode : std::uint8_t {
     q8 = 5,
     q4 = 6,
     q4_affine = 7,
+    q8_rotated = 8,
+    q4_rotated = 9,
+    q4_affine_rotated = 10,
 };
 
 /// The type code of the scalar T: float32 or float64.

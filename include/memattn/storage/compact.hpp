@@ -82,10 +82,32 @@ struct Q4Affine {
 template <class S>
 concept Q4Storage = std::same_as<S, Q4> || std::same_as<S, Q4Affine>;
 
+/// Keys rotated before they are stored as S (Q8, Q4 or Q4Affine), queries rotated at
+/// every attend by the same orthonormal Walsh–Hadamard transform, so q·k is unchanged in
+/// exact arithmetic while a key's outlier channels spread over its block and share its
+/// scale with the rest (QuaRot, Ashkboos et al. 2024; ik_llama.cpp's K-cache Hadamard).
+/// Values are stored as S unrotated. For KVCache and SlidingWindowCache.
+template <class S>
+struct Rotated {
+    using storage = S;                    ///< how the rotated keys, and the values, are stored
+    static constexpr Index block = S::block;  ///< S's block
+};
+
+namespace detail {
+template <class S>
+inline constexpr bool is_rotated = false;
+template <class S>
+inline constexpr bool is_rotated<Rotated<S>> = true;
+}  // namespace detail
+
+/// `Rotated<S>` over a block-scaled S.
+template <class S>
+concept RotatedStorage = detail::is_rotated<S> && (std::same_as<typename S::storage, Q8> || Q4Storage<typename S::storage>);
+
 /// The element types a cache can store keys and values in besides its scalar.
 template <class S>
-concept CompactStorage =
-    std::same_as<S, Eigen::bfloat16> || std::same_as<S, Eigen::half> || std::same_as<S, Q8> || Q4Storage<S>;
+concept CompactStorage = std::same_as<S, Eigen::bfloat16> || std::same_as<S, Eigen::half> || std::same_as<S, Q8> ||
+                         Q4Storage<S> || RotatedStorage<S>;
 
 /// A cache of scalar T can store its pairs as S: T itself or a compact type.
 template <class S, class T>
@@ -94,13 +116,16 @@ concept StorageFor = Scalar<T> && (std::same_as<S, T> || CompactStorage<S>);
 namespace detail {
 
 template <class S>
-inline constexpr const char* storage_name = std::is_same_v<S, Eigen::bfloat16> ? "bfloat16"
-                                            : std::is_same_v<S, Eigen::half>   ? "float16"
-                                            : std::is_same_v<S, Q8>            ? "Q8"
-                                            : std::is_same_v<S, Q4>            ? "Q4"
-                                            : std::is_same_v<S, Q4Affine>      ? "Q4Affine"
-                                            : std::is_same_v<S, float>         ? "float"
-                                                                               : "double";
+inline constexpr const char* storage_name = std::is_same_v<S, Eigen::bfloat16>     ? "bfloat16"
+                                            : std::is_same_v<S, Eigen::half>       ? "float16"
+                                            : std::is_same_v<S, Q8>                ? "Q8"
+                                            : std::is_same_v<S, Q4>                ? "Q4"
+                                            : std::is_same_v<S, Q4Affine>          ? "Q4Affine"
+                                            : std::is_same_v<S, Rotated<Q8>>       ? "Rotated<Q8>"
+                                            : std::is_same_v<S, Rotated<Q4>>       ? "Rotated<Q4>"
+                                            : std::is_same_v<S, Rotated<Q4Affine>> ? "Rotated<Q4Affine>"
+                                            : std::is_same_v<S, float>             ? "float"
+                                                                                   : "double";
 
 /// The snapshot type code of storage S for a cache of scalar T.
 template <class T, class S>
@@ -115,6 +140,12 @@ constexpr snapshot::TypeCode storage_code() {
         return snapshot::TypeCode::q4;
     else if constexpr (std::is_same_v<S, Q4Affine>)
         return snapshot::TypeCode::q4_affine;
+    else if constexpr (std::is_same_v<S, Rotated<Q8>>)
+        return snapshot::TypeCode::q8_rotated;
+    else if constexpr (std::is_same_v<S, Rotated<Q4>>)
+        return snapshot::TypeCode::q4_rotated;
+    else if constexpr (std::is_same_v<S, Rotated<Q4Affine>>)
+        return snapshot::TypeCode::q4_affine_rotated;
     else
         return snapshot::type_code<T>();
 }
@@ -125,7 +156,38 @@ constexpr Index q8_blocks(Index cols) { return (cols + Q8::block - 1) / Q8::bloc
 /// Whether S keeps float scales per block (Q8, Q4, Q4Affine): it holds float's whole
 /// range, and only a double past it is lost.
 template <class S>
-inline constexpr bool scaled_storage = std::is_same_v<S, Q8> || Q4Storage<S>;
+inline constexpr bool scaled_storage = std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S>;
+
+/// The rotation of `Rotated<S>` storage on one head's row of n values, in place: the
+/// normalised Walsh–Hadamard transform H_m/√m on consecutive segments of m values, each
+/// m the largest power of two left (n = 128: one H_128; n = 96: H_64, then H_32; n = 1:
+/// nothing). Orthonormal and its own inverse, so (Hq)·(Hk) = q·k in exact arithmetic.
+template <class T>
+void hadamard_rotate(T* x, Index n) noexcept {
+    for (Index at = 0; at < n;) {
+        const auto m = static_cast<Index>(std::bit_floor(static_cast<std::size_t>(n - at)));
+        T* y = x + at;
+        for (Index h = 1; h < m; h *= 2)
+            for (Index i = 0; i < m; i += 2 * h)
+                for (Index j = i; j < i + h; ++j) {
+                    const T a = y[j], b = y[j + h];
+                    y[j] = a + b;
+                    y[j + h] = a - b;
+                }
+        if (m > 1) {
+            const T norm = T(1) / std::sqrt(static_cast<T>(m));
+            for (Index j = 0; j < m; ++j)
+                y[j] *= norm;
+        }
+        at += m;
+    }
+}
+
+/// The most hadamard_rotate multiplies a row's largest magnitude by: √m for its widest
+/// segment m (|(H_m x)_i| / √m ≤ Σ|x_j| / √m ≤ √m · max|x_j|).
+inline double hadamard_growth(Index n) noexcept {
+    return n > 0 ? std::sqrt(static_cast<double>(std::bit_floor(static_cast<std::size_t>(n)))) : 1.0;
+}
 
 /// The smallest magnitude of float that storage S rounds to ±∞ (to nearest, ties to
 /// even, as Eigen's scalar and vector conversions do): the midpoint between S's largest
@@ -852,6 +914,14 @@ private:
     Eigen::Matrix<std::uint8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> u_;
     Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> scales_;
     Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> zeros_;
+};
+
+/// `Rotated<S>`: the rows of S (the memory rotates its keys before it stores them and its
+/// queries before it reads them; the stored rows are S's).
+template <class T, class S>
+class StoredRows<T, Rotated<S>> : public StoredRows<T, S> {
+public:
+    using StoredRows<T, S>::StoredRows;
 };
 
 /// The rows as storage S would give them back: encoded into a scratch of their size, then

@@ -17,6 +17,13 @@
 // c_q + F), which is the re-rotation of
 // StreamingLLM done once on the query rather than on every kept key at every step:
 // exact in exact arithmetic, and nothing stored changes as the window moves.
+//
+// A memory whose storage is Rotated<S> (storage/compact.hpp) also rotates: after the
+// turn (or alone, without RoPE), each head of a key or query row is rotated by the
+// orthonormal Walsh–Hadamard transform H, so (H R_p q)·(H R_t k) = (R_p q)·(R_t k). The
+// turn and the rotation are one step of the key's way into storage and of the query's
+// into an attend, so every path that turns (update, extend, prefill, the attends, the
+// split layer) rotates too.
 
 #include "memattn/detail/assert.hpp"
 #include "memattn/persistence/stream.hpp"
@@ -25,6 +32,7 @@
 #include "memattn/types.hpp"
 
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <optional>
 #include <utility>
@@ -40,14 +48,25 @@ public:
 
     /// `rope` (checked) for a memory of keys and queries `key_dim` wide: one head, so
     /// rope.head_dim must be key_dim.
-    HeldRope(const char* memory, const Rope& rope, Index key_dim, RopePositions positions)
+    /// `rotate`: the memory's storage is `Rotated<S>`, so a turn also rotates each head.
+    HeldRope(const char* memory, const Rope& rope, Index key_dim, RopePositions positions, bool rotate = false)
         : rope_(checked(memory, rope, key_dim)),
           w_(rope.scaled_frequencies()),
           a_(rope.attention_factor()),
-          positions_(positions) {}
+          positions_(positions),
+          head_(rotate ? key_dim : 0) {}
 
-    /// Whether the memory has one.
-    [[nodiscard]] bool on() const noexcept { return rope_.has_value(); }
+    /// No RoPE, the Hadamard rotation of `Rotated<S>` storage alone, for heads of key_dim.
+    [[nodiscard]] static HeldRope rotation(Index key_dim) {
+        HeldRope held;
+        held.head_ = key_dim;
+        return held;
+    }
+
+    /// Whether keys are stored turned or rotated (and queries turned at each attend).
+    [[nodiscard]] bool on() const noexcept { return rope_.has_value() || rotates(); }
+    /// Whether each head is rotated after its turn (`Rotated<S>` storage).
+    [[nodiscard]] bool rotates() const noexcept { return head_ > 0; }
     /// Whether tokens are placed in the cache (RopePositions::cache).
     [[nodiscard]] bool in_cache() const noexcept { return on() && positions_ == RopePositions::cache; }
     /// The configuration, or nullptr.
@@ -58,9 +77,16 @@ public:
     /// Turns a row of `cols` values, a multiple of key_dim (packed heads, each turned), to
     /// position p (any sign), in place, with the attention factor (`scaled`) or without
     /// it (a turn of a turned key).
+    /// Then, with `Rotated<S>` storage, rotates each head (a turn of a turned key too: the
+    /// rotation belongs to a memory that does not turn twice, KVCache or
+    /// SlidingWindowCache).
     template <class T>
     void turn(T* row, Index cols, Index p, bool scaled = true) const noexcept {
-        rope_->turn_computed(row, cols, w_, scaled ? a_ : 1.0, p);
+        if (rope_)
+            rope_->turn_computed(row, cols, w_, scaled ? a_ : 1.0, p);
+        if (rotates())
+            for (Index c = 0; c < cols; c += head_)
+                hadamard_rotate(row + c, head_);
     }
     /// Calls use(key) with `key` turned to position p through `buffer` (a row of
     /// key_dim, sized by the memory), or as given without RoPE: how a memory stores or
@@ -85,24 +111,32 @@ public:
     /// The most a turn multiplies a value by: √2 times the attention factor, so a key
     /// whose values stay under a storage type's limit divided by it is stored finite
     /// however it turns (validate's bound for compact storage).
-    [[nodiscard]] double growth() const noexcept { return on() ? std::numbers::sqrt2 * a_ : 1.0; }
+    /// With the rotation, times √m for the widest power of two m of a head
+    /// (hadamard_growth).
+    [[nodiscard]] double growth() const noexcept {
+        return (rope_ ? std::numbers::sqrt2 * a_ : 1.0) * (rotates() ? hadamard_growth(head_) : 1.0);
+    }
 
     /// Throws std::invalid_argument, as check_storable words it, for a finite key value
     /// that S could hold as ±∞ once turned: from storage_overflow<S> / growth() on (a
-    /// compact type with a limit: float16, bfloat16). Nothing without RoPE.
+    /// compact type with a limit: float16, bfloat16; for the block-scaled types, float's
+    /// range, past which a block would be stored as NaN). Nothing without RoPE or rotation.
     template <class T, class S, class D>
     void check_turnable(const PairSite& site, const D& keys) const {
-        if constexpr (!std::is_same_v<S, T> && !scaled_storage<S>) {
+        if constexpr (!std::is_same_v<S, T>) {
             if (!on())
                 return;
-            const double limit = static_cast<double>(storage_overflow<S>) / growth();
+            const double range = scaled_storage<S> ? static_cast<double>(std::numeric_limits<float>::max())
+                                                   : static_cast<double>(storage_overflow<S>);
+            const double limit = range / growth();
             for (Index r = 0; r < keys.rows(); ++r)
                 for (Index c = 0; c < keys.cols(); ++c) {
                     const double x = static_cast<double>(keys(r, c));
                     require(!(std::isfinite(x) && std::abs(x) >= limit), site.function, site.key_name,
                             "has the finite value ", x, " in row ", r, ", column ", SiteColumn{site, c, false},
-                            ", which RoPE may turn into up to ", growth(), " times as much: ", storage_name<S>,
-                            " storage would hold it as infinity (with RoPE, magnitudes below ", limit, " are kept)");
+                            ", which ", rotates() ? (rope_ ? "RoPE and the rotation" : "the rotation") : "RoPE",
+                            " may turn into up to ", growth(), " times as much: ", storage_name<S>, " storage would hold it as ",
+                            scaled_storage<S> ? "NaN" : "infinity", " (magnitudes below ", limit, " are kept)");
                 }
         }
     }
@@ -163,6 +197,7 @@ private:
     std::vector<double> w_;
     double a_ = 1;
     RopePositions positions_ = RopePositions::sequence;
+    Index head_ = 0;  ///< the rotation's head width (key_dim), 0 without one
 };
 
 }  // namespace memattn::detail
