@@ -5,6 +5,9 @@
   plot.py demo CSV OUT_PNG            streaming_decode --csv output (scripts/demo --plot) -> one PNG
   plot.py decode-table JSON           bench/decode_bench.cpp's JSON -> the Markdown table of
                                       docs/performance.md ("Decode at the roofline")
+  plot.py kv-quality JSON [OUT_PNG]   bench/kv_quality_bench.cpp's JSON -> the Markdown table of
+                                      docs/performance.md ("K/V storage: error against bytes"),
+                                      and with OUT_PNG its figure
 
 Every figure names the CPU, the SIMD level and the date of the run it shows. Repeated
 runs are reduced to their median (Google Benchmark's aggregates when present).
@@ -312,7 +315,8 @@ def threads(results, out):
     save(fig, context, os.path.join(out, "threads.png"), "Multi-head layer, N = 4096: two threads against one")
 
 
-DECODE_STORAGES = [("float", "tab:blue"), ("bfloat16", "tab:orange"), ("half", "tab:green"), ("Q8", "tab:red")]
+DECODE_STORAGES = [("float", "tab:blue"), ("bfloat16", "tab:orange"), ("half", "tab:green"), ("Q8", "tab:red"),
+                   ("Q4", "tab:purple"), ("Q4Affine", "tab:brown")]
 DECODE_LAYOUTS = [(32, 8), (8, 1)]
 
 
@@ -411,6 +415,63 @@ def decode_table(path):
     return 0
 
 
+KEY_KINDS = {0: "Gaussian keys", 1: "keys with outlier channels"}
+
+
+def kv_quality_cells(runs):
+    """{(storage, keys): run} of bench/kv_quality_bench.cpp, storages in the binary's order."""
+    cells = {}
+    for name, run in runs.items():
+        base, named, _ = args_of(name)
+        m = re.fullmatch(r"BM_KvQuality<(.+)>", base)
+        if m and "kl" in run:
+            cells[(m.group(1), named["keys"])] = run
+    return cells
+
+
+def kv_quality(path, out_png=None):
+    """Prints the table of each storage's error, bytes and step; draws the figure."""
+    runs, context = load(path)
+    cells = kv_quality_cells(runs)
+    order = sorted({s for s, _ in cells},
+                   key=lambda s: -(cells.get((s, 0)) or cells.get((s, 1)))["bytes_per_token"])
+    print(caption(context))
+    note = contention(context)
+    if note:
+        print(note)
+    print()
+    print("| storage | bytes per token (K + V, d = 128) | Gaussian keys: output error / KL / top-1 "
+          "| outlier keys: output error / KL / top-1 | step, µs (Gaussian / outlier keys) |")
+    print("|---|---|---|---|---|")
+    for storage in order:
+        parts = []
+        for keys in (0, 1):
+            r = cells.get((storage, keys))
+            parts.append("–" if not r else f"{r['rel_error']:.2g} / {r['kl']:.2g} / {r['top1']:.2f}")
+        first = cells.get((storage, 0)) or cells.get((storage, 1))
+        steps = "/".join(f"{cells[(storage, k)]['ns'] / 1e3:.0f}" for k in (0, 1) if (storage, k) in cells)
+        print(f"| {storage} | {first['bytes_per_token']:.0f} | {parts[0]} | {parts[1]} | {steps} |")
+    if out_png is None:
+        return 0
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, keys in zip(axes, (0, 1)):
+        for storage in order:
+            r = cells.get((storage, keys))
+            if not r or r["rel_error"] <= 0:
+                continue
+            ax.scatter(r["bytes_per_token"], r["rel_error"], s=30)
+            ax.annotate(storage, (r["bytes_per_token"], r["rel_error"]), xytext=(4, -9 if "Rotated" in storage else 3),
+                        textcoords="offset points", fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(KEY_KINDS[keys], fontsize=9)
+        ax.set_xlabel("bytes per token (one head's K and V, d = 128)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("attention output's relative error against double")
+    save(fig, context, out_png, "K/V storage: the attention's error against the bytes it keeps")
+    return 0
+
+
 def demo(csv_path, out_png):
     data = {}
     with open(csv_path) as f:
@@ -447,6 +508,9 @@ def main(argv):
         os.makedirs(argv[3], exist_ok=True)
         for figure in (causal_softmax, memories, linear_forms, threads, decode_roofline):
             figure(argv[2], argv[3])
+        quality = os.path.join(argv[2], "kv_quality_bench.json")
+        if os.path.exists(quality):
+            kv_quality(quality, os.path.join(argv[3], "kv_quality.png"))
         marker = os.path.join(argv[3], "CONTENDED")
         if contended_figures:
             with open(marker, "w") as f:
@@ -456,6 +520,8 @@ def main(argv):
         return 0
     if len(argv) == 3 and argv[1] == "decode-table":
         return decode_table(argv[2])
+    if len(argv) in (3, 4) and argv[1] == "kv-quality":
+        return kv_quality(argv[2], argv[3] if len(argv) == 4 else None)
     if len(argv) == 4 and argv[1] == "demo":
         demo(argv[2], argv[3])
         return 0
