@@ -294,6 +294,32 @@ Packet<float> load_nibble_packet(const E* p, bool high) {
     return load_nibbles(p, high);
 }
 
+/// AVX-512: a 4-bit block decodes by table. Its 16 possible values, q4_value(u) for
+/// u = 0 … 15, fill one packet (one multiply-add per block), and a packet of codes is
+/// looked up in it by one permute (vpermps reads only an index's low 4 bits, so a code
+/// needs no mask): the conversion leaves the floating-point ports to the products, which
+/// share them with it on AVX-512 cores (the integer convert and the scale multiply-add it
+/// replaces both ran there). The table's lanes are computed by the same pmadd, pmul and
+/// psub as the packet path's, so both give q4_value's bits.
+#if defined(__AVX512F__)
+inline constexpr bool nibble_tables = true;
+template <class S>
+inline Packet<float> q4_table(float s, float m);
+/// The values of the low (high = false) or high nibbles of 16 bytes, looked up in `table`.
+inline Packet<float> lookup_nibbles(const std::uint8_t* p, bool high, Packet<float> table) {
+    __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if (high)
+        code = _mm512_srli_epi32(code, 4);
+    return _mm512_permutexvar_ps(code, table);
+}
+#else
+inline constexpr bool nibble_tables = false;
+// Declared only, for code that names them where nibble_tables is false (never called).
+template <class S>
+Packet<float> q4_table(float s, float m);
+Packet<float> lookup_nibbles(const std::uint8_t* p, bool high, Packet<float> table);
+#endif
+
 /// One stored value as float.
 inline float to_float(Eigen::bfloat16 x) { return static_cast<float>(x); }
 inline float to_float(Eigen::half x) { return static_cast<float>(x); }
@@ -692,19 +718,50 @@ private:
 
 /// A 4-bit value as float: the one formula every reader of Q4 and Q4Affine storage
 /// uses, packet or scalar, so all give the same bits. Q4: s·(u − 8) (u − 8 is exact);
-/// Q4Affine: u·s + m in one rounding where the target has FMA, as Eigen's pmadd.
+/// Q4Affine: u·s + m in one rounding where the target has FMA (as Eigen's pmadd); without
+/// it, in double and then rounded to float (u·s is exact there, and cannot overflow on
+/// its way as float's u·s would for a block spanning more than FLT_MAX).
 template <class S>
 inline float q4_value(float u, float s, float m) {
     if constexpr (S::zero_point) {
 #if defined(__FMA__)
         return std::fma(u, s, m);
 #else
-        return u * s + m;  // no FMA instruction to contract into: two roundings, as pmadd
+        return static_cast<float>(static_cast<double>(u) * static_cast<double>(s) + static_cast<double>(m));
 #endif
     } else {
         return s * (u - 8.0f);
     }
 }
+
+/// Whether the packet paths compute q4_value<S> themselves (pmadd is one rounding, as
+/// std::fma): always for Q4, for Q4Affine only with FMA; else they read q4_value lane by lane.
+template <class S>
+inline constexpr bool q4_packets =
+#if defined(__FMA__)
+    true;
+#else
+    !S::zero_point;
+#endif
+
+#if defined(__AVX512F__)
+template <class S>
+inline Packet<float> q4_table(float s, float m) {
+    using namespace Eigen::internal;
+    if constexpr (q4_packets<S>) {
+        const Packet<float> u = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        if constexpr (S::zero_point)
+            return pmadd(u, pset1<Packet<float>>(s), pset1<Packet<float>>(m));
+        else
+            return pmul(pset1<Packet<float>>(s), psub(u, pset1<Packet<float>>(8.0f)));
+    } else {
+        alignas(64) float table[16];
+        for (int u = 0; u < 16; ++u)
+            table[u] = q4_value<S>(static_cast<float>(u), s, m);
+        return pload<Packet<float>>(table);
+    }
+}
+#endif
 
 /// Q4 and Q4Affine: per row, blocks of 32 values as 16 bytes (value i of a block in the
 /// low nibble of byte i for i < 16, in the high nibble of byte i − 16 after: a packet
@@ -814,8 +871,9 @@ public:
             prefetch_rows(&zeros_(row, 0), 1, 0, zeros_.cols());
     }
 
-    /// q·row in float, converted in registers (fused_storage): per block, Σ q_i·u_i and
-    /// Σ q_i as packets, then s·Σ q_i·u_i + m·Σ q_i (Q4Affine) or s·(Σ q_i·u_i − 8·Σ q_i) (Q4).
+    /// q·row in float, converted in registers (fused_storage): with AVX-512, Σ q_i·v_i of
+    /// the values looked up in each block's table; elsewhere per block Σ q_i·u_i and Σ q_i
+    /// as packets, then s·Σ q_i·u_i + m·Σ q_i (Q4Affine) or s·(Σ q_i·u_i − 8·Σ q_i) (Q4).
     [[nodiscard]] float dot(Index row, const float* q) const {
         using namespace Eigen::internal;
         using P = Packet<float>;
@@ -824,8 +882,19 @@ public:
         const std::uint8_t* x = &u_(row, 0);
         const float* s = &scales_(row, 0);
         const Index whole = cols_ / block;
+        Index whole_blocks = whole;  // those the packet loop below takes
         P qu = pset1<P>(0.0f), qz = qu;
-        for (Index b = 0; b < whole; ++b) {
+        if constexpr (nibble_tables) {  // a block is two packets: its low nibbles, then its high
+            static_assert(block == 2 * lanes);
+            for (Index b = 0; b < whole; ++b) {
+                const P table = q4_table<S>(s[b], S::zero_point ? zeros_(row, b) : 0.0f);
+                const std::uint8_t* xb = x + b * block_bytes;
+                qu = pmadd(ploadu<P>(q + b * block), lookup_nibbles(xb, false, table), qu);
+                qz = pmadd(ploadu<P>(q + b * block + lanes), lookup_nibbles(xb, true, table), qz);
+            }
+            whole_blocks = 0;
+        }
+        for (Index b = 0; b < whole_blocks; ++b) {
             const float* qb = q + b * block;
             const std::uint8_t* xb = x + b * block_bytes;
             P a = pset1<P>(0.0f), sum = a;
@@ -872,6 +941,15 @@ public:
         using namespace Eigen::internal;
         using P = Packet<float>;
         const Index b = c / block, i = c % block;
+        if constexpr (nibble_tables)
+            return lookup_nibbles(&u_(r, b * block_bytes + i % block_bytes), i >= block_bytes,
+                                  q4_table<S>(scales_(r, b), S::zero_point ? zeros_(r, b) : 0.0f));
+        if constexpr (!q4_packets<S>) {
+            alignas(64) float v[packet_lanes<float>];
+            for (Index l = 0; l < packet_lanes<float>; ++l)
+                v[l] = stored_value(r, c + l);
+            return pload<P>(v);
+        }
         const P u = load_nibble_packet(&u_(r, b * block_bytes + i % block_bytes), i >= block_bytes);
         const P s = pset1<P>(scales_(r, b));
         if constexpr (S::zero_point)
