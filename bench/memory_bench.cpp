@@ -97,6 +97,8 @@ BENCHMARK(BM_KVCacheAttend)->ArgNames({"position", "d"})->ArgsProduct({{512, 409
 BENCHMARK(BM_KVCacheAttend<Eigen::bfloat16>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
 BENCHMARK(BM_KVCacheAttend<Eigen::half>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
 BENCHMARK(BM_KVCacheAttend<memattn::Q8>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
+BENCHMARK(BM_KVCacheAttend<memattn::Q4>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
+BENCHMARK(BM_KVCacheAttend<memattn::Q4Affine>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
 
 // The naive decode step the issue compares with: one GEMV for the logits, a softmax,
 // one GEMV for the output, on a KVCache's stored pairs (its scratch allocated once).
