@@ -4,9 +4,12 @@
 // ratios are taken within one run on a noisy machine.
 
 #include <benchmark/benchmark.h>
+#include <memattn/detail/bf16_product.hpp>
 #include <memattn/detail/packet.hpp>
 #include <memattn/types.hpp>
 
+#include <bit>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <string>
@@ -85,6 +88,39 @@ void fma_peak(benchmark::State& state) {
         benchmark::DoNotOptimize(acc);
     }
     set_gflops(state, 2.0 * chains * detail::packet_lanes<T> * static_cast<double>(steps));
+}
+
+/// MEMATTN_BENCH_ERRORS=1 in the environment: the kernels' benchmarks also measure their
+/// error against double (once per case, outside the timed loop; seconds at N = 16384).
+inline bool measure_error() {
+    const char* flag = std::getenv("MEMATTN_BENCH_ERRORS");
+    return flag != nullptr && std::string(flag) == "1";
+}
+
+/// One core's bfloat16 dot-product peak: 16 independent chains of vdpbf16ps (4 FLOPs per
+/// float lane: two multiply-adds), in registers only; an error where the target lacks
+/// AVX512-BF16.
+inline void bf16_dot_peak(benchmark::State& state) {
+#if defined(MEMATTN_BF16_DOT)
+    constexpr int chains = 16;
+    constexpr Index steps = 1 << 20;
+    __m512 acc[chains];
+    for (int i = 0; i < chains; ++i)
+        acc[i] = _mm512_set1_ps(0.001f * static_cast<float>(i));
+    const __m512bh a = std::bit_cast<__m512bh>(_mm512_set1_epi32(0x3F803F80)),  // the pairs (1, 1)
+        b = std::bit_cast<__m512bh>(_mm512_set1_epi32(0x33D633D6));            // (1e-7, 1e-7)
+    for (auto _ : state) {
+        for (Index s = 0; s < steps; ++s)
+            for (int i = 0; i < chains; ++i)
+                acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+        benchmark::DoNotOptimize(acc);
+    }
+    set_gflops(state, 4.0 * chains * 16 * static_cast<double>(steps));
+#else
+    state.SkipWithError("this target has no AVX512-BF16 (vdpbf16ps)");
+    for (auto _ : state) {
+    }
+#endif
 }
 
 }  // namespace memattn::bench

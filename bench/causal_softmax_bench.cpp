@@ -12,7 +12,10 @@
 #include <memattn/memory/kv_cache.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
+#include <map>
+#include <tuple>
 #include <span>
 #include <vector>
 
@@ -38,8 +41,49 @@ struct Case {
     [[nodiscard]] double useful_flops() const { return 2.0 * static_cast<double>(2 * d) * visible_pairs(n, window); }
 };
 
+/// The kernel's error against causal softmax attention in double on the same inputs (a
+/// window of w: the keys (p − w, p]): its largest and its rms difference, computed once per
+/// case (rows of queries at a time, so nothing of N² is held) and kept for the repetitions.
+template <class T>
+std::pair<double, double> error_against_double(const Matrix<T>& Q, const Matrix<T>& K, const Matrix<T>& V,
+                                               const Matrix<T>& O, Index window) {
+    using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    static std::map<std::tuple<Index, Index, Index, std::size_t>, std::pair<double, double>> done;
+    const auto key = std::make_tuple(Q.rows(), Q.cols(), window, sizeof(T));
+    if (const auto it = done.find(key); it != done.end())
+        return it->second;
+    const MatrixD Qd = Q.template cast<float>().template cast<double>(),
+                  Kd = K.template cast<float>().template cast<double>(),
+                  Vd = V.template cast<float>().template cast<double>();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(Q.cols()));
+    const Index n = Q.rows(), rows = 256;
+    double largest = 0, squares = 0;
+    for (Index i0 = 0; i0 < n; i0 += rows) {
+        const Index m = std::min(rows, n - i0), j0 = window > 0 ? std::max<Index>(0, i0 - window + 1) : 0,
+                    keys = i0 + m - j0;
+        MatrixD s = scale * Qd.middleRows(i0, m) * Kd.middleRows(j0, keys).transpose();
+        for (Index i = 0; i < m; ++i) {
+            const Index p = i0 + i;
+            for (Index jj = 0; jj < keys; ++jj)
+                if (j0 + jj > p || (window > 0 && j0 + jj <= p - window))
+                    s(i, jj) = -std::numeric_limits<double>::infinity();
+            s.row(i) = (s.row(i).array() - s.row(i).maxCoeff()).exp().matrix();
+            s.row(i) /= s.row(i).sum();
+        }
+        const MatrixD expected = s * Vd.middleRows(j0, keys);
+        const MatrixD diff = O.middleRows(i0, m).template cast<float>().template cast<double>() - expected;
+        largest = std::max(largest, diff.cwiseAbs().maxCoeff());
+        squares += diff.squaredNorm();
+    }
+    return done[key] = {largest, std::sqrt(squares / static_cast<double>(O.size()))};
+}
+
+/// T = Eigen::bfloat16: Q, K, V and O in bfloat16 (vdpbf16ps products on AVX512-BF16).
+/// Counters: the output's largest and rms error against double on the same inputs
+/// (values uniform in [−1, 1]).
 template <class T = float>
 void BM_CausalSoftmax(benchmark::State& state) {
+    using A = memattn::arithmetic_t<T>;
     const Case c(state);
     const Matrix<T> Q = random_matrix<T>(c.n, c.d, 1), K = random_matrix<T>(c.n, c.d, 2),
                     V = random_matrix<T>(c.n, c.d, 3);
@@ -50,8 +94,13 @@ void BM_CausalSoftmax(benchmark::State& state) {
         benchmark::ClobberMemory();
     }
     set_gflops(state, c.useful_flops());
+    if (memattn::bench::measure_error()) {
+        const auto [largest, rms] = error_against_double(Q, K, V, O, c.window);
+        state.counters["max_error"] = largest;
+        state.counters["rms_error"] = rms;
+    }
     state.counters["scratch_KiB"] =
-        static_cast<double>(memattn::detail::TiledCausalSoftmax<T>::scratch_bytes(
+        static_cast<double>(memattn::detail::TiledCausalSoftmax<A>::scratch_bytes(
             c.d, c.d, memattn::detail::default_tiles(c.window))) /
         1024.0;
 }
@@ -109,6 +158,7 @@ void BM_EigenTileGemm(benchmark::State& state) {
 
 /// One core's FMA peak (bench_common.hpp).
 void BM_FmaPeak(benchmark::State& state) { memattn::bench::fma_peak<float>(state); }
+void BM_Bf16DotPeak(benchmark::State& state) { memattn::bench::bf16_dot_peak(state); }
 
 /// Tile sizes: query tile × key tile at N = 4096 and 16384, full causal and a window of 512
 /// (384 cases: run a subset with --benchmark_filter, e.g. BM_TileSweep/N:16384/d:64/qtile:64/).
@@ -229,7 +279,9 @@ void tile_sweep(benchmark::internal::Benchmark* b, Index n, Index window) {
 }
 
 BENCHMARK(BM_FmaPeak);
+BENCHMARK(BM_Bf16DotPeak);
 BENCHMARK(BM_CausalSoftmax<float>)->Name("BM_CausalSoftmax")->Apply([](auto* b) { cases(b, 16384); });
+BENCHMARK(BM_CausalSoftmax<Eigen::bfloat16>)->Name("BM_CausalSoftmaxBf16")->Apply([](auto* b) { cases(b, 16384); });
 // Double: half the lanes per packet, so half the float rate is the FMA count's limit.
 BENCHMARK(BM_CausalSoftmax<double>)->Name("BM_CausalSoftmaxDouble")->Apply([](auto* b) { cases(b, 4096); });
 BENCHMARK(BM_EigenTileGemm)->Apply([](auto* b) { cases(b, 16384); });

@@ -496,3 +496,233 @@ TEST_CASE("causal softmax: bad input throws naming function, argument and shapes
     CHECK_THROWS_AS(cache.prefill(Q, K.topRows(4), V.topRows(3), O), std::invalid_argument);
     CHECK(cache.length() == 5);
 }
+
+// ------------------------------------------------ bfloat16 and float16 inputs (§4.7c)
+
+namespace {
+
+/// The bound of docs/design.md §4.7c for an output of the kernel on 16-bit inputs against
+/// the double reference on the same (exactly converted) inputs, per element: bfloat16
+/// arithmetic rounds the weights (2⁻⁸/(1 − 2⁻⁸) of the range of the values, per column),
+/// float arithmetic (float16 inputs, or bfloat16 where the target lacks AVX512-BF16) only
+/// float's error; an output of 16 bits adds its own rounding.
+template <class E, class Out>
+void check_low_precision(const Matrix<E>& Q, const Matrix<E>& K, const Matrix<E>& V, const SoftmaxOptions& options,
+                         const reference::MatrixD& expected) {
+    Matrix<Out> O(Q.rows(), V.cols());
+    causal_softmax_attention(Q, K, V, O, options);
+    const reference::MatrixD Vd = reference::to_double(V.template cast<float>());
+    const double u = std::is_same_v<E, Eigen::bfloat16> && detail::bf16_dot ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+    const double out_u = std::is_same_v<Out, float> ? 0.0 : std::is_same_v<Out, Eigen::half> ? 0x1p-11 : 0x1p-8;
+    const double scale = expected.size() > 0 ? std::max(1.0, expected.cwiseAbs().maxCoeff()) : 1.0;
+    for (Index c = 0; c < V.cols(); ++c) {
+        const double range = V.rows() > 0 ? Vd.col(c).maxCoeff() - Vd.col(c).minCoeff() : 0.0;
+        for (Index i = 0; i < Q.rows(); ++i) {
+            const double e = expected(i, c), a = static_cast<double>(static_cast<float>(O(i, c)));
+            CAPTURE(i, c, e, a, range);
+            REQUIRE(std::abs(a - e) <= u * range + out_u * std::abs(e) + 2e-5 * scale);
+        }
+    }
+}
+
+template <class E>
+Matrix<E> random_low(Index rows, Index cols, std::uint64_t seed, double scale = 1.0) {
+    return random_matrix<float>(rows, cols, seed, scale).cast<E>();
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("causal softmax on bfloat16 and float16: within the bound of the double reference, sizes around "
+                   "the tiles, windows and sinks",
+                   "[softmax][kernel][low_precision]", Eigen::bfloat16, Eigen::half) {
+    using E = TestType;
+    const Index n = GENERATE(Index(0), Index(1), Index(2), window_tile + 1, key_tile - 1, key_tile + 1, tile + 1,
+                             3 * key_tile + 2);
+    const Index d = GENERATE(Index(1), Index(3), Index(64)), dv = GENERATE(Index(5), Index(17), Index(64));
+    const Index window = GENERATE(Index(0), Index(17), Index(1001));
+    const Index sinks = GENERATE(Index(0), Index(4));
+    CAPTURE(n, d, dv, window, sinks);
+    const Matrix<E> Q = random_low<E>(n, d, 1, 2.0), K = random_low<E>(n, d, 2, 2.0), V = random_low<E>(n, dv, 3);
+    const SoftmaxOptions options{.scale = 0, .window = window, .sink_tokens = sinks};
+    const auto expected = reference::softmax_attention(reference::to_double(Q.template cast<float>()),
+                                                       reference::to_double(K.template cast<float>()),
+                                                       reference::to_double(V.template cast<float>()), 0, window, sinks);
+    check_low_precision<E, float>(Q, K, V, options, expected.out);
+    check_low_precision<E, E>(Q, K, V, options, expected.out);
+    // lse in float: the logits are float's dot products of the exact inputs; the sum of
+    // weights rounded to bfloat16 is off by a factor within 1 ± 2⁻⁸, its log by 2⁻⁸/(1 − 2⁻⁸).
+    Matrix<float> O(n, dv);
+    Vector<float> lse(n);
+    causal_softmax_attention(Q, K, V, O, lse, options);
+    const double u = std::is_same_v<E, Eigen::bfloat16> && detail::bf16_dot ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+    for (Index i = 0; i < n; ++i) {
+        const double e = expected.lse[static_cast<std::size_t>(i)];
+        CAPTURE(i);
+        REQUIRE_THAT(static_cast<double>(lse(i)),
+                     Catch::Matchers::WithinAbs(e, u + 2e-5 * std::max(1.0, std::abs(e))));
+    }
+}
+
+TEMPLATE_TEST_CASE("causal softmax on bfloat16 and float16: the logit options, non-causal, a dense bias and a mask",
+                   "[softmax][kernel][low_precision]", Eigen::bfloat16, Eigen::half) {
+    using E = TestType;
+    const Index n = 300, d = 64, dv = 48;
+    const Matrix<E> Q = random_low<E>(n, d, 4, 2.0), K = random_low<E>(n, d, 5, 2.0), V = random_low<E>(n, dv, 6, 3.0);
+    const std::vector<double> slope{0.05}, sink{0.5};
+    const int option = GENERATE(0, 1, 2, 3);
+    CAPTURE(option);
+    SoftmaxOptions options{.scale = 0.2, .window = 100, .sink_tokens = 2};
+    reference::Logits logits{.scale = 0.2, .window = 100, .sink_tokens = 2};
+    if (option == 0) {
+        options.softcap = logits.softcap = 1.5;
+    } else if (option == 1) {
+        options.alibi_slopes = slope;
+        logits.slope = 0.05;
+        options.sink_logits = sink;
+        logits.sink = 0.5;
+    } else if (option == 2) {
+        options.causal = logits.causal = false;
+    }
+    const reference::MatrixD Qd = reference::to_double(Q.template cast<float>()),
+                             Kd = reference::to_double(K.template cast<float>()),
+                             Vd = reference::to_double(V.template cast<float>());
+    if (option < 3) {
+        check_low_precision<E, float>(Q, K, V, options, reference::softmax_attention(Qd, Kd, Vd, logits).out);
+        return;
+    }
+    // option 3: an additive float bias and a bool mask (a third of the pairs hidden)
+    const Matrix<float> bias = random_matrix<float>(n, n, 7);
+    Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> mask(n, n);
+    reference::MatrixD masked(n, n);
+    for (Index i = 0; i < n; ++i)
+        for (Index j = 0; j < n; ++j) {
+            mask(i, j) = (i * 7 + j * 3) % 3 != 0;
+            masked(i, j) = mask(i, j) ? 0.0 : -std::numeric_limits<double>::infinity();
+        }
+    const reference::MatrixD bias_d = bias.cast<double>();
+    Matrix<float> O(n, dv);
+    causal_softmax_attention(Q, K, V, O, options, bias);
+    logits.bias = &bias_d;
+    const reference::MatrixD with_bias = reference::softmax_attention(Qd, Kd, Vd, logits).out;
+    const double u = std::is_same_v<E, Eigen::bfloat16> && detail::bf16_dot ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+    const double range = Vd.maxCoeff() - Vd.minCoeff();
+    REQUIRE((O.cast<double>() - with_bias).cwiseAbs().maxCoeff() <= u * range + 1e-4);
+    causal_softmax_attention(Q, K, V, O, options, mask);
+    logits.bias = &masked;
+    const reference::MatrixD with_mask = reference::softmax_attention(Qd, Kd, Vd, logits).out;
+    REQUIRE((O.cast<double>() - with_mask).cwiseAbs().maxCoeff() <= u * range + 1e-4);
+}
+
+TEST_CASE("causal softmax on bfloat16: the output stays a convex combination (equal values come back)",
+          "[softmax][kernel][low_precision]") {
+    // The denominator sums the weights as P·V multiplies them (rounded to bfloat16): with
+    // every value row equal, the output is that row to float's rounding, not to 2⁻⁸.
+    const Index n = 777, d = 128, dv = 40;
+    const Matrix<Eigen::bfloat16> Q = random_low<Eigen::bfloat16>(n, d, 8, 3.0),
+                                  K = random_low<Eigen::bfloat16>(n, d, 9, 3.0);
+    const Vector<float> row = random_matrix<float>(1, dv, 10, 5.0);
+    const Matrix<Eigen::bfloat16> V = row.cast<Eigen::bfloat16>().replicate(n, 1);
+    const Vector<float> exact = row.cast<Eigen::bfloat16>().cast<float>();
+    Matrix<float> O(n, dv);
+    causal_softmax_attention(Q, K, V, O, {.scale = 0, .window = GENERATE(Index(0), Index(300))});
+    for (Index i = 0; i < n; ++i) {
+        CAPTURE(i);
+        REQUIRE((O.row(i) - exact).cwiseAbs().maxCoeff() <= 1e-5 * exact.cwiseAbs().maxCoeff());
+    }
+}
+
+TEST_CASE("causal softmax on bfloat16: a long sequence against the float kernel on the same inputs, d = 128",
+          "[softmax][kernel][low_precision]") {
+    const Index n = 1200, d = 128;
+    const Matrix<Eigen::bfloat16> Q = random_low<Eigen::bfloat16>(n, d, 11, 2.0),
+                                  K = random_low<Eigen::bfloat16>(n, d, 12, 2.0),
+                                  V = random_low<Eigen::bfloat16>(n, d, 13);
+    const Matrix<float> Qf = Q.cast<float>(), Kf = K.cast<float>(), Vf = V.cast<float>();
+    const SoftmaxOptions options{.scale = 0, .window = GENERATE(Index(0), Index(512)), .sink_tokens = 3};
+    Matrix<float> twin(n, d), O(n, d);
+    causal_softmax_attention(Qf, Kf, Vf, twin, options);
+    causal_softmax_attention(Q, K, V, O, options);
+    const double u = detail::bf16_dot ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+    const double range = static_cast<double>(Vf.maxCoeff() - Vf.minCoeff());
+    REQUIRE((O - twin).cwiseAbs().maxCoeff() <= u * range + 1e-5);
+    // Measured, not bounded: the weights' rounding errors average out over many keys.
+    const double rms = std::sqrt((O - twin).squaredNorm() / static_cast<double>(O.size()));
+    CHECK(rms <= 0.05 * u * range + 1e-6);
+}
+
+TEST_CASE("causal softmax on bfloat16: a non-finite value poisons only the queries that see it",
+          "[softmax][kernel][low_precision]") {
+    const Index n = 150, bad = GENERATE(Index(1), Index(70));
+    const float poison = GENERATE(std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity());
+    const SoftmaxOptions options{.scale = 0, .window = GENERATE(Index(0), Index(9)), .sink_tokens = GENERATE(0, 2)};
+    CAPTURE(bad, poison, options.window, options.sink_tokens);
+    const Matrix<Eigen::bfloat16> Q = random_low<Eigen::bfloat16>(n, 4, 22), K = random_low<Eigen::bfloat16>(n, 4, 23);
+    Matrix<Eigen::bfloat16> V = random_low<Eigen::bfloat16>(n, 3, 24);
+    V(bad, 1) = Eigen::bfloat16(poison);
+    Matrix<float> O(n, 3);
+    causal_softmax_attention(Q, K, V, O, options);
+    for (Index i = 0; i < n; ++i) {
+        CAPTURE(i);
+        CHECK(O.row(i).allFinite() == !reference::visible(bad, i, options.window, options.sink_tokens));
+    }
+}
+
+#if defined(MEMATTN_BF16_DOT)
+TEST_CASE("bf16_product: every leftover of rows, packets, lanes and depth, banded, against the double product",
+          "[softmax][tile][low_precision]") {
+    // A (rows × depth) in place with row stride depth (an odd depth's last term is read
+    // alone), B packed in pairs; C = α ⊙ C + A·B and C = post·A·B. The products of two
+    // bfloat16 are exact in float, so the double product bounds the float sums' rounding.
+    const Index rows = GENERATE(Index(1), Index(5), Index(6), Index(13)), depth = GENERATE(Index(1), Index(2), Index(7), Index(64));
+    const Index cols = GENERATE(Index(1), Index(15), Index(16), Index(47), Index(64), Index(100));
+    CAPTURE(rows, depth, cols);
+    const Matrix<Eigen::bfloat16> A = random_low<Eigen::bfloat16>(rows, depth, 30),
+                                  Bm = random_low<Eigen::bfloat16>(depth, cols, 31);
+    const Index ldb = detail::round_up(cols, 16);
+    std::vector<std::uint32_t> packed(static_cast<std::size_t>((depth + 1) / 2 * ldb));
+    REQUIRE(detail::pack_row_pairs(reinterpret_cast<const std::uint16_t*>(Bm.data()), depth, cols, cols, packed.data(),
+                                   ldb));
+    const reference::MatrixD exact = A.cast<double>() * Bm.cast<double>();
+    const reference::MatrixD magnitude = A.cast<double>().cwiseAbs() * Bm.cast<double>().cwiseAbs();
+    const Matrix<float> C0 = random_matrix<float>(rows, cols, 32);
+    std::vector<float> alpha(static_cast<std::size_t>(rows));
+    for (Index r = 0; r < rows; ++r)
+        alpha[static_cast<std::size_t>(r)] = 0.5f + 0.125f * static_cast<float>(r % 4);
+    Matrix<float> scaled = C0, plain = C0;
+    const auto* a = reinterpret_cast<const std::uint16_t*>(A.data());
+    detail::bf16_product(rows, cols, depth, a, depth, 2, packed.data(), ldb, scaled.data(), cols, alpha.data(), 1.0f);
+    detail::bf16_product(rows, cols, depth, a, depth, 2, packed.data(), ldb, plain.data(), cols, nullptr, 0.25f);
+    for (Index r = 0; r < rows; ++r)
+        for (Index c = 0; c < cols; ++c) {
+            CAPTURE(r, c);
+            const double tol = 1e-6 * (magnitude(r, c) + std::abs(C0(r, c))) + 1e-30;
+            REQUIRE(std::abs(scaled(r, c) - (alpha[static_cast<std::size_t>(r)] * C0(r, c) + exact(r, c))) <= tol);
+            REQUIRE(std::abs(plain(r, c) - 0.25 * exact(r, c)) <= tol);
+        }
+    // A band: a strip computes its hull of columns, rounded out to whole packets, over the
+    // pairs holding its hull of terms (A is zero outside a row's terms), and leaves every
+    // other column as it was.
+    const TestBand band{depth, cols, 16};
+    Matrix<Eigen::bfloat16> Ab = A;
+    for (Index r = 0; r < rows; ++r)
+        for (Index k = 0; k < depth; ++k)
+            if (k < band.terms_of(r).first || k >= band.terms_of(r).end)
+                Ab(r, k) = Eigen::bfloat16(0.0f);
+    const reference::MatrixD exact_band = Ab.cast<double>() * Bm.cast<double>();
+    Matrix<float> banded = C0;
+    detail::bf16_product(rows, cols, depth, reinterpret_cast<const std::uint16_t*>(Ab.data()), depth, 2,
+                         packed.data(), ldb, banded.data(), cols, nullptr, 1.0f, band);
+    constexpr Index strip = detail::DefaultBlocking::rows;
+    for (Index r = 0; r < rows; ++r) {
+        const Index s0 = r / strip * strip, s1 = std::min(s0 + strip, rows);
+        const detail::Range written = band.columns(s0, s1 - s0, cols);
+        for (Index c = 0; c < cols; ++c) {
+            CAPTURE(r, c);
+            if (c >= written.first / 16 * 16 && c < detail::round_up(written.end, 16))
+                REQUIRE(std::abs(banded(r, c) - exact_band(r, c)) <= 1e-6 * magnitude(r, c) + 1e-30);
+            else
+                REQUIRE(banded(r, c) == C0(r, c));
+        }
+    }
+}
+#endif

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <functional>
 #include <limits>
 
 namespace memattn {
@@ -140,14 +141,18 @@ public:
     ///   m_new = max(m_old, max_j s_j),  sum = α·sum + Σ_j p_j,  acc = α·acc + Σ_j p_j v_j.
     /// A lane that has seen only −∞ stays empty with α = 0 (its accumulator is zero). A NaN
     /// logit, whatever its payload, makes its weight and so its lane's sum NaN.
-    void absorb(T* s, Index keys, Index ld, Index n) {
+    /// `round` maps each weight (a packet or a scalar) before it is stored and summed: the
+    /// weights a caller multiplies in a narrower type (bfloat16) then sum to the
+    /// denominator exactly as they are used, so the output stays a convex combination.
+    template <class Round = std::identity>
+    void absorb(T* s, Index keys, Index ld, Index n, Round round = {}) {
         MEMATTN_DASSERT(n <= lanes() && ld >= n);
         constexpr Index width = detail::packet_lanes<T>;
         Index i = 0;
         for (; i + width <= n; i += width)
-            absorb_lanes<detail::Packet<T>>(s + i, keys, ld, i);
+            absorb_lanes<detail::Packet<T>>(s + i, keys, ld, i, round);
         for (; i < n; ++i)
-            absorb_lanes<T>(s + i, keys, ld, i);
+            absorb_lanes<T>(s + i, keys, ld, i, round);
     }
 
     /// α per lane from the last absorb.
@@ -162,8 +167,8 @@ private:
     static constexpr Index max_row = 0, sum_row = 1, alpha_row = 2;
 
     /// absorb() for the lanes of one packet P starting at lane `first`.
-    template <class P>
-    void absorb_lanes(T* s, Index keys, Index ld, Index first) {
+    template <class P, class Round>
+    void absorb_lanes(T* s, Index keys, Index ld, Index first, const Round& round) {
         using namespace Eigen::internal;
         const P minus_inf = pset1<P>(SoftmaxState<T>::minus_inf);
         T* max = &lanes_(max_row, first);
@@ -180,7 +185,7 @@ private:
         for (Index j = 0; j < keys; ++j) {
             // p = 2^(s₂ − m₂): exactly 0 for a masked logit (−∞) or one too small to matter,
             // NaN for a NaN logit (pmax above may have dropped it from the maximum).
-            const P weight = detail::exp2_nonpositive(psub(ploadu<P>(s + j * ld), shift));
+            const P weight = round(detail::exp2_nonpositive(psub(ploadu<P>(s + j * ld), shift)));
             pstoreu(s + j * ld, weight);
             block_sum = padd(block_sum, weight);
         }

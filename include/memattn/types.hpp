@@ -50,6 +50,16 @@ inline constexpr Index max_length = Index{1} << 62;
 template <class T>
 concept Scalar = std::same_as<T, float> || std::same_as<T, double>;
 
+/// The 16-bit scalars a kernel takes as inputs and outputs (Eigen::bfloat16,
+/// Eigen::half), computing in float: docs/design.md §4.7c.
+template <class T>
+concept LowPrecision = std::same_as<T, Eigen::bfloat16> || std::same_as<T, Eigen::half>;
+
+/// The scalar a call on inputs of T computes and accumulates in: float for the 16-bit
+/// scalars, T itself otherwise.
+template <class T>
+using arithmetic_t = std::conditional_t<LowPrecision<T>, float, T>;
+
 namespace detail {
 
 /// "RxC" for a message.
@@ -255,7 +265,18 @@ bool overlap(Extent a, Extent b) {
 template <class O, class I>
 void require_disjoint(std::string_view function, std::string_view output_name, const O& out,
                       std::string_view input_name, const I& in) {
-    require(!overlap<typename O::Scalar>(extent(out), extent(in)), function, output_name, "(", shape(out),
+    bool shared;
+    if constexpr (std::is_same_v<typename O::Scalar, typename I::Scalar>) {
+        shared = overlap<typename O::Scalar>(extent(out), extent(in));
+    } else {  // elements of two sizes (a float output of 16-bit inputs): their address ranges meet
+        const Extent a = extent(out), b = extent(in);
+        const auto end = [](const Extent& e, std::size_t size) {
+            return e.address + size * static_cast<std::uintptr_t>((e.rows - 1) * e.stride + e.cols);
+        };
+        shared = a.rows > 0 && a.cols > 0 && b.rows > 0 && b.cols > 0 &&
+                 end(a, sizeof(typename O::Scalar)) > b.address && end(b, sizeof(typename I::Scalar)) > a.address;
+    }
+    require(!shared, function, output_name, "(", shape(out),
             ") shares memory with argument '", input_name, "' (", shape(in),
             "): an output must not overlap an input; write it to separate storage");
 }

@@ -116,6 +116,15 @@ void everything(memattn::Index n, memattn::Index d) {
     const Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> mask =
         Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>::Constant(n, n, true);
     memattn::causal_softmax_attention(x, x, x, out, {.causal = false}, mask);
+    if constexpr (std::is_same_v<T, float>) {  // 16-bit inputs (bfloat16 products where the target has them)
+        const memattn::Matrix<Eigen::bfloat16> b = x.template cast<Eigen::bfloat16>();
+        const memattn::Matrix<Eigen::half> h = x.template cast<Eigen::half>();
+        memattn::Matrix<Eigen::bfloat16> out_b(n, d);
+        memattn::causal_softmax_attention(b, b, b, out_b, {.window = 4, .sink_tokens = 1});
+        memattn::causal_softmax_attention(b, b, b, out, lse, {.softcap = 2});
+        memattn::causal_softmax_attention(b, b, b, out, {.causal = false}, mask);
+        memattn::causal_softmax_attention(h, h, h, out, {}, T(2) * x * x.transpose());
+    }
     const memattn::Rope rope{.head_dim = d, .scaling = memattn::Rope::Yarn{.factor = 2}};
     std::vector<memattn::Index> positions(static_cast<std::size_t>(n), 3);
     rope.apply(out, positions);

@@ -117,6 +117,7 @@
 // a masked tile whose V rows are not all finite is multiplied query by query over the
 // visible keys only (the tile product would give the masked ones 0 · ∞ = NaN).
 
+#include "memattn/detail/bf16_product.hpp"
 #include "memattn/detail/tile_product.hpp"
 #include "memattn/kernels/softmax_options.hpp"
 #include "memattn/softmax_state.hpp"
@@ -184,6 +185,9 @@ struct SoftmaxScratch {
     Matrix<T> qt, s, acc;
     SoftmaxBlockState<T> state;
     Matrix<T> bias, bias_rows;  // a tile of a dense bias, mask or tree: keys × lanes, and as filled
+    // bfloat16 products (detail/bf16_product.hpp), sized by the kernel that uses them:
+    // the query tile's transpose, the weights and the value tile as pairs of bfloat16.
+    std::vector<std::uint32_t> query_pairs, weight_pairs, value_pairs;
 };
 
 /// A bias added to the logits tile by tile (a dense bias or boolean mask, a tree of
@@ -356,6 +360,9 @@ public:
     explicit PlainRows(const ConstMatrixRef<T>& m) : m_(m) {}
     [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return m_.cols(); }
+    static constexpr bool pairs = false;
+    [[nodiscard]] const T* row(Index j) const noexcept { return m_.data() + j * m_.outerStride(); }
+    [[nodiscard]] Index stride() const noexcept { return m_.outerStride(); }
     /// Rows [j0, j0 + n): their first coefficient and the row stride.
     [[nodiscard]] std::pair<const T*, Index> tile(Index j0, Index) const {
         return {m_.data() + j0 * m_.outerStride(), m_.outerStride()};
@@ -369,6 +376,41 @@ private:
     ConstMatrixRef<T> m_;
 };
 
+/// Q, K or V of bfloat16 or float16 read in place by a float kernel. With Pairs (bfloat16
+/// where the target has AVX512-BF16) the kernel multiplies the bits themselves (bits());
+/// otherwise, and for the values where a tile holds a value that is not finite, a tile is
+/// converted to float into a buffer of one tile's rows (tile()), exactly: every bfloat16
+/// and float16 is a float.
+template <class E>
+class ConvertedRows {
+public:
+    static constexpr bool pairs = bf16_dot && std::is_same_v<E, Eigen::bfloat16>;
+    ConvertedRows(const ConstMatrixRef<E>& m, Index tile_rows) : m_(m), tile_rows_(tile_rows) {}
+    [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return m_.cols(); }
+    [[nodiscard]] const E* row(Index j) const noexcept { return m_.data() + j * m_.outerStride(); }
+    [[nodiscard]] Index stride() const noexcept { return m_.outerStride(); }
+    /// Row j's bits and the row stride (in elements).
+    [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j) const noexcept {
+        return {reinterpret_cast<const std::uint16_t*>(row(j)), m_.outerStride()};
+    }
+    /// Rows [j0, j0 + n) as float.
+    [[nodiscard]] std::pair<const float*, Index> tile(Index j0, Index n) {
+        MEMATTN_DASSERT(n <= tile_rows_);
+        if (buffer_.rows() != tile_rows_ || buffer_.cols() != m_.cols())
+            buffer_.resize(tile_rows_, m_.cols());  // on first use: the bfloat16 products may need none
+        for (Index r = 0; r < n; ++r)
+            decode_span(row(j0 + r), m_.cols(), 1.0f, buffer_.data() + r * buffer_.cols());
+        return {buffer_.data(), buffer_.cols()};
+    }
+    void prefetch(Index j0, Index j1) const { prefetch_rows(row(j0), j1 - j0, m_.outerStride(), m_.cols()); }
+
+private:
+    ConstMatrixRef<E> m_;
+    Index tile_rows_;
+    Matrix<float> buffer_;
+};
+
 /// K or V in compact storage (storage/compact.hpp): each tile is converted to T into a
 /// buffer of one tile's rows when the kernel reaches it, so the kernel never holds more
 /// than a tile of T, whatever the length.
@@ -377,6 +419,7 @@ class DecodedRows {
 public:
     DecodedRows(const StoredRows<T, S>& stored, Index rows, Index tile_rows)
         : stored_(stored), rows_(rows), buffer_(tile_rows, stored.cols()) {}
+    static constexpr bool pairs = false;
     [[nodiscard]] Index rows() const noexcept { return rows_; }
     [[nodiscard]] Index cols() const noexcept { return stored_.cols(); }
     [[nodiscard]] std::pair<const T*, Index> tile(Index j0, Index n) {
@@ -417,14 +460,20 @@ struct LogitRule {
 
 /// The tiled kernel for one call on a scratch: its steps (see the top of the file). The
 /// products use the register blocking B (detail/tile_product.hpp), which changes no bit.
-/// K and V are read through row sources: PlainRows (in place) or DecodedRows (compact
-/// storage, converted tile by tile).
-template <class T, class B = DefaultBlocking, class KRows = PlainRows<T>, class VRows = PlainRows<T>>
+/// Q, K and V are read through row sources: PlainRows (in place), DecodedRows (compact
+/// storage, converted tile by tile) or ConvertedRows (bfloat16 or float16 inputs). When
+/// all three hold bfloat16 pairs (ConvertedRows<Eigen::bfloat16> on AVX512-BF16) both
+/// products run in bfloat16 arithmetic (detail/bf16_product.hpp), the softmax in float.
+template <class T, class B = DefaultBlocking, class KRows = PlainRows<T>, class VRows = PlainRows<T>,
+          class QRows = PlainRows<T>>
 class TiledCausalSoftmax {
+    static constexpr bool pairs = QRows::pairs && KRows::pairs && VRows::pairs;
+    static_assert(!pairs || std::is_same_v<T, float>);
+
 public:
-    TiledCausalSoftmax(const ConstMatrixRef<T>& Q, KRows K, VRows V, T scale, Index window, Index sinks,
-                       SoftmaxScratch<T>& scratch, const LogitRule& rule = {}, TileBias<T> bias = {})
-        : q_(Q), k_(std::move(K)), v_(std::move(V)), scale_(scale), window_(window), sinks_(sinks),
+    TiledCausalSoftmax(QRows Q, KRows K, VRows V, T scale, Index window, Index sinks, SoftmaxScratch<T>& scratch,
+                       const LogitRule& rule = {}, TileBias<T> bias = {})
+        : q_(std::move(Q)), k_(std::move(K)), v_(std::move(V)), scale_(scale), window_(window), sinks_(sinks),
           tiles_(scratch.tiles), lanes_(scratch.lanes), qt_(scratch.qt), s_(scratch.s), acc_(scratch.acc),
           state_(scratch.state), bias_tile_(scratch.bias), bias_rows_(scratch.bias_rows), query_offset_(k_.rows() - q_.rows()), rule_(rule),
           bias_(bias), softcap2_(static_cast<T>(rule.softcap * log2e)), slope2_(static_cast<T>(rule.slope * log2e)) {
@@ -432,6 +481,12 @@ public:
         if (bias_ && (bias_tile_.rows() != tiles_.keys || bias_tile_.cols() != lanes_)) {
             bias_tile_ = Matrix<T>::Zero(tiles_.keys, lanes_);
             bias_rows_.resize(lanes_, tiles_.keys);
+        }
+        if constexpr (pairs) {
+            value_stride_ = round_up(v_.cols(), 16);
+            resize(scratch.query_pairs, (k_.cols() + 1) / 2 * lanes_, query_pairs_);
+            resize(scratch.weight_pairs, (tiles_.keys + 1) / 2 * lanes_, weight_pairs_);
+            resize(scratch.value_pairs, (tiles_.keys + 1) / 2 * value_stride_, value_pairs_);
         }
     }
 
@@ -450,9 +505,10 @@ public:
         return SoftmaxScratch<T>::bytes(d, dv, tiles);
     }
 
-    /// Writes O and calls lse(i, lse_i) for every query row i.
-    template <class LseSink>
-    void run(MatrixRef<T> O, LseSink&& lse) {
+    /// Writes O (of T, or of the inputs' bfloat16 or float16) and calls lse(i, lse_i) for
+    /// every query row i.
+    template <class E, class LseSink>
+    void run(MatrixRef<E> O, LseSink&& lse) {
         for (Index i0 = 0; i0 < q_.rows(); i0 += tiles_.queries) {
             start_query_tile(i0, std::min(tiles_.queries, q_.rows() - i0));
             // The next query tile's rows of Q and O towards L2, a few lines per strip of
@@ -460,8 +516,8 @@ public:
             // what it reads and writes (0.1 read them as they came: 7% of a windowed call).
             ahead_.clear();
             if (const Index next = i0 + tiles_.queries, n = std::min(tiles_.queries, q_.rows() - next); n > 0) {
-                ahead_.add(q_.data() + next * q_.outerStride(), n, q_.outerStride(), q_.cols());
-                ahead_.template add<T, true>(O.data() + next * O.outerStride(), n, O.outerStride(), O.cols());
+                ahead_.add(q_.row(next), n, q_.stride(), q_.cols());
+                ahead_.template add<E, true>(O.data() + next * O.outerStride(), n, O.outerStride(), O.cols());
             }
             // Keys [lo, hi): causal, [0, p1] within the window; else the window both ways.
             const Index hi = rule_.causal  ? std::min(p1_ + 1, k_.rows())
@@ -486,17 +542,42 @@ public:
     }
 
 private:
+    /// A scratch vector of at least n words: its data.
+    static void resize(std::vector<std::uint32_t>& v, Index n, std::uint32_t*& data) {
+        if (static_cast<Index>(v.size()) < n)
+            v.resize(static_cast<std::size_t>(n));
+        data = v.data();
+    }
+
     /// Loads log2(e)·scale·Q_tileᵀ (base-2 logits, see SoftmaxBlockState) and empties the
-    /// accumulators for queries [i0, i0 + rows).
+    /// accumulators for queries [i0, i0 + rows). bfloat16 pairs: Q_tileᵀ as they are, pairs
+    /// along d (the factor multiplies the logits as the product stores them).
     void start_query_tile(Index i0, Index rows) {
         i0_ = i0;
         rows_ = rows;
         cols_ = std::min(lanes_, round_up(rows, 2 * packet_lanes<T>));
         p0_ = query_offset_ + i0;
         p1_ = p0_ + rows - 1;
-        transpose(q_.data() + i0 * q_.outerStride(), rows, q_.cols(), q_.outerStride(), qt_.data(), lanes_);
-        qt_.leftCols(rows) *= scale_ * T(1.44269504088896340735992468100);
-        qt_.middleCols(rows, cols_ - rows).setZero();
+        if constexpr (pairs) {
+            const Index d = q_.cols(), whole = d / 2;
+            for (Index i = 0; i < cols_; ++i) {
+                if (i >= rows) {
+                    for (Index k = 0; k < (d + 1) / 2; ++k)
+                        query_pairs_[k * lanes_ + i] = 0;
+                    continue;
+                }
+                const std::uint16_t* row = q_.bits(i0 + i).first;
+                for (Index k = 0; k < whole; ++k)
+                    query_pairs_[k * lanes_ + i] = load_pair(row + 2 * k);
+                if (d % 2 == 1)
+                    query_pairs_[whole * lanes_ + i] = row[d - 1];
+            }
+        } else {
+            const auto [q, ldq] = q_.tile(i0, rows);
+            transpose(q, rows, q_.cols(), ldq, qt_.data(), lanes_);
+            qt_.leftCols(rows) *= scale_ * T(log2e);
+            qt_.middleCols(rows, cols_ - rows).setZero();
+        }
         acc_.topRows(cols_).setZero();
         state_.reset();
     }
@@ -516,8 +597,12 @@ private:
         biased_ = false;
         if (bias_ && !fill_bias(j0, n))
             return;  // the bias masks every key of the tile for every query
-        const auto [keys, ldk] = k_.tile(j0, n);
         const bool masked = !fully_visible(j0, n);
+        if constexpr (pairs) {
+            attend_key_pairs(j0, n, masked);
+            return;
+        }
+        const auto [keys, ldk] = k_.tile(j0, n);
         if (masked) {
             tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr,
                                LanesSeeingKeys{*this, j0}, &ahead_);
@@ -548,6 +633,51 @@ private:
                                KeysSeenByLanes{*this, j0, n}, &ahead_);
         else
             accumulate_visible_keys(j0, n, values, ldv);
+    }
+
+    /// attend_key_tile in bfloat16 arithmetic: both products by vdpbf16ps on the bits of K
+    /// and V (banded on masked tiles as the float ones), the softmax in float, the weights
+    /// rounded to bfloat16 for P·V. A value tile that is not all finite goes the float way
+    /// (converted, query by query where weights are masked), so a masked weight of 0 never
+    /// meets ∞.
+    void attend_key_pairs(Index j0, Index n, bool masked) {
+        if constexpr (pairs) {
+            const Index d = k_.cols(), dv = v_.cols();
+            const auto [keys, ldk] = k_.bits(j0);
+            const float post = scale_ * T(log2e);
+            if (masked) {
+                bf16_product<B>(n, cols_, d, keys, ldk, 2, query_pairs_, lanes_, s_.data(), lanes_, nullptr, post,
+                                LanesSeeingKeys{*this, j0}, &ahead_);
+                transform_logits(j0, n);
+                mask(j0, n);
+            } else {
+                bf16_product<B>(n, cols_, d, keys, ldk, 2, query_pairs_, lanes_, s_.data(), lanes_, nullptr, post,
+                                WholeStrip{}, &ahead_);
+                transform_logits(j0, n);
+            }
+            state_.absorb(s_.data(), n, lanes_, cols_, RoundToBf16{});
+            const auto [values, ldv] = v_.bits(j0);
+            if (pack_row_pairs(values, n, dv, ldv, value_pairs_, value_stride_)) {
+                pack_weight_pairs(s_.data(), n, cols_, lanes_, weight_pairs_);
+                const auto* weights = reinterpret_cast<const std::uint16_t*>(weight_pairs_);
+                if (masked)
+                    bf16_product<B, true>(cols_, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_,
+                                          acc_.data(), dv, state_.alpha(), 1.0f, KeysSeenByLanes{*this, j0, n},
+                                          &ahead_);
+                else
+                    bf16_product<B, true>(cols_, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_,
+                                          acc_.data(), dv, state_.alpha(), 1.0f, WholeStrip{}, &ahead_);
+                return;
+            }
+            const auto [converted, ldc] = v_.tile(j0, n);
+            if (biased_)
+                accumulate_weighted_keys(n, converted, ldc);
+            else if (masked)
+                accumulate_visible_keys(j0, n, converted, ldc);
+            else
+                tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, converted, ldc, acc_.data(), dv,
+                                   state_.alpha(), {}, &ahead_);
+        }
     }
 
     /// The bias tile of keys [j0, j0 + n) for the query tile (zero in the padding lanes),
@@ -744,19 +874,28 @@ private:
     }
 
     /// o_i = acc_i / sum_i, lse_i = m_i + log(sum_i); a query with no visible key gets 0 and −∞.
-    template <class LseSink>
-    void finish_query_tile(MatrixRef<T>& O, LseSink& lse) {
+    /// An output of bfloat16 or float16 is finished in T, then rounded (nearest even).
+    template <class E, class LseSink>
+    void finish_query_tile(MatrixRef<E>& O, LseSink& lse) {
         for (Index i = 0; i < rows_; ++i) {
             SoftmaxState<T> state = state_.state(i);
-            O.row(i0_ + i) = acc_.row(i);
-            if (rule_.sink)
-                state.add_sink(static_cast<T>(rule_.sink_logit), O.row(i0_ + i));
-            state.finish(O.row(i0_ + i));
+            if constexpr (std::is_same_v<E, T>) {
+                O.row(i0_ + i) = acc_.row(i);
+                if (rule_.sink)
+                    state.add_sink(static_cast<T>(rule_.sink_logit), O.row(i0_ + i));
+                state.finish(O.row(i0_ + i));
+            } else {
+                auto row = acc_.row(i);
+                if (rule_.sink)
+                    state.add_sink(static_cast<T>(rule_.sink_logit), row);
+                state.finish(row);
+                O.row(i0_ + i) = row.template cast<E>();
+            }
             lse(i0_ + i, state.log_sum_exp());
         }
     }
 
-    ConstMatrixRef<T> q_;
+    QRows q_;
     KRows k_;
     VRows v_;
     T scale_;
@@ -777,6 +916,11 @@ private:
     Index i0_ = 0, rows_ = 0, cols_ = 0, p0_ = 0, p1_ = 0;  // the current query tile
     static constexpr double log2e = 1.44269504088896340735992468100;
     PrefetchQueue ahead_{4};                                 // the next query tile's rows
+    // bfloat16 products: the scratch's pair buffers, the value tile's row stride in words
+    std::uint32_t* query_pairs_ = nullptr;
+    std::uint32_t* weight_pairs_ = nullptr;
+    std::uint32_t* value_pairs_ = nullptr;
+    Index value_stride_ = 0;
 };
 
 /// The checks every entry point makes, before anything is written.
@@ -814,10 +958,10 @@ void check_disjoint(const char* function, const char* name, const Out& out, cons
 /// row's log-sum-exp. The tiles are the scratch's; B is the register blocking.
 /// Query row i sits at position query_offset + i (trailing_queries: Nk − Nq + i).
 /// `bias`: a dense bias or mask (the tree of options.parents takes its place).
-template <class T, class B = DefaultBlocking, class LseSink>
-void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
-                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxScratch<T>& scratch,
-                          Index query_offset = trailing_queries, TileBias<T> bias = {}) {
+/// The same on row sources (TiledCausalSoftmax), O of T or of the inputs' 16-bit scalar.
+template <class T, class B = DefaultBlocking, class QRows, class KRows, class VRows, class E, class LseSink>
+void causal_softmax_rows(QRows Q, KRows K, VRows V, MatrixRef<E> O, LseSink&& lse, const SoftmaxOptions& options,
+                         SoftmaxScratch<T>& scratch, Index query_offset, TileBias<T> bias) {
     if (Q.rows() == 0)
         return;
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
@@ -834,10 +978,34 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
     const Index farthest = std::max(offset + Q.rows() - 1, K.rows() - 1 - offset);
     const Index window = options.causal ? effective_window(options.window, K.rows())
                                         : effective_window(options.window, farthest + 1);
-    TiledCausalSoftmax<T, B> kernel(Q, PlainRows<T>(K), PlainRows<T>(V), scale, window, options.sink_tokens, scratch,
-                                    LogitRule::of(options), tile_bias);
+    TiledCausalSoftmax<T, B, KRows, VRows, QRows> kernel(std::move(Q), std::move(K), std::move(V), scale, window,
+                                                         options.sink_tokens, scratch, LogitRule::of(options),
+                                                         tile_bias);
     kernel.set_query_offset(offset);
     kernel.run(O, lse);
+}
+
+template <class T, class B = DefaultBlocking, class LseSink>
+void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                          MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxScratch<T>& scratch,
+                          Index query_offset = trailing_queries, TileBias<T> bias = {}) {
+    causal_softmax_rows<T, B>(PlainRows<T>(Q), PlainRows<T>(K), PlainRows<T>(V), O, lse, options, scratch,
+                              query_offset, bias);
+}
+
+/// The kernel on bfloat16 or float16 views, O of E or float, after the checks: Q, K and V
+/// read in place through ConvertedRows (bfloat16 products on AVX512-BF16, tiles converted
+/// to float elsewhere), the softmax and the accumulators in float.
+template <LowPrecision E, class Out, class LseSink>
+void causal_softmax_converted(const ConstMatrixRef<E>& Q, const ConstMatrixRef<E>& K, const ConstMatrixRef<E>& V,
+                              MatrixRef<Out> O, LseSink&& lse, const SoftmaxOptions& options,
+                              TileBias<float> bias = {}) {
+    if (Q.rows() == 0)
+        return;
+    SoftmaxScratch<float> scratch(K.cols(), V.cols(), default_tiles(effective_window(options.window, K.rows())));
+    causal_softmax_rows<float>(ConvertedRows<E>(Q, scratch.tiles.queries), ConvertedRows<E>(K, scratch.tiles.keys),
+                               ConvertedRows<E>(V, scratch.tiles.keys), O, lse, options, scratch, trailing_queries,
+                               bias);
 }
 
 /// The kernel on views, after the checks; `lse(i, value)` receives each row's log-sum-exp.
@@ -877,7 +1045,7 @@ void causal_softmax_block(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
     // A window longer than the farthest distance in the block limits nothing.
     const Index span = rule.causal ? query_offset + Q.rows()
                                    : std::max(query_offset + Q.rows() - 1, K.rows() - 1 - query_offset) + 1;
-    TiledCausalSoftmax<T> kernel(Q, PlainRows<T>(K), PlainRows<T>(V), scale, window >= span ? 0 : window,
+    TiledCausalSoftmax<T> kernel(PlainRows<T>(Q), PlainRows<T>(K), PlainRows<T>(V), scale, window >= span ? 0 : window,
                                  std::min(sinks, K.rows()), scratch, rule);
     kernel.set_query_offset(query_offset);
     kernel.run(O, [lse](Index i, T value) { lse[i] = value; });
@@ -895,7 +1063,7 @@ void causal_softmax_stored(const ConstMatrixRef<T>& Q, const StoredRows<T, S>& K
     SoftmaxScratch<T> scratch(K.cols(), V.cols(), default_tiles(window));
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
     TiledCausalSoftmax<T, DefaultBlocking, DecodedRows<T, S>, DecodedRows<T, S>> kernel(
-        Q, DecodedRows<T, S>(K, keys, scratch.tiles.keys), DecodedRows<T, S>(V, keys, scratch.tiles.keys), scale,
+        PlainRows<T>(Q), DecodedRows<T, S>(K, keys, scratch.tiles.keys), DecodedRows<T, S>(V, keys, scratch.tiles.keys), scale,
         window, options.sink_tokens, scratch, LogitRule::of(options));
     kernel.run(O, [](Index, T) {});
 }
@@ -904,42 +1072,60 @@ void causal_softmax_stored(const ConstMatrixRef<T>& Q, const StoredRows<T, S>& K
 
 /// O = causal softmax attention of Q over K/V (see the top of the file and docs/design.md).
 /// Any row-major Eigen expressions of one scalar type, e.g. one head's columns of a wider
-/// buffer; O is written in place and must not overlap Q, K or V.
+/// buffer; O is written in place and must not overlap Q, K or V. Q, K and V of
+/// Eigen::bfloat16 or Eigen::half compute in float (bfloat16 products on AVX512-BF16,
+/// docs/design.md §4.7c), O of the same 16-bit type or of float.
 template <class DQ, class DK, class DV, detail::EigenMatrix DO>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, DO&& O, const SoftmaxOptions& options = {}) {
     using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn::causal_softmax_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
-                  "memattn::causal_softmax_attention: Q, K, V and O must have the same scalar type.");
+    using A = arithmetic_t<T>;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
+    static_assert(Scalar<T> || LowPrecision<T>, "memattn::causal_softmax_attention: the scalar type must be float, "
+                                                "double, Eigen::bfloat16 or Eigen::half.");
+    static_assert(detail::same_scalar<DQ, DK, DV>,
+                  "memattn::causal_softmax_attention: Q, K and V must have the same scalar type.");
+    static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, A>,
+                  "memattn::causal_softmax_attention: O must have the scalar type of Q (of bfloat16 or half: or "
+                  "float).");
     constexpr const char* function = "causal_softmax_attention";
     const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
-    MatrixRef<T> o = detail::output(std::forward<DO>(O));
-    detail::check_softmax_arguments<T>(function, detail::shape(q), detail::shape(k), detail::shape(v),
+    MatrixRef<Out> o = detail::output(std::forward<DO>(O));
+    detail::check_softmax_arguments<A>(function, detail::shape(q), detail::shape(k), detail::shape(v),
                                        detail::shape(o), options);
     detail::check_disjoint(function, "O", o, q, k, v);
-    detail::causal_softmax_views<T>(q, k, v, o, [](Index, T) {}, options);
+    if constexpr (LowPrecision<T>)
+        detail::causal_softmax_converted<T>(q, k, v, o, [](Index, float) {}, options);
+    else
+        detail::causal_softmax_views<T>(q, k, v, o, [](Index, T) {}, options);
 }
 
 /// As above with a dense `bias` (Nq × Nk, any Eigen expression, read tile by tile without
-/// a copy): of the scalar type, added to the logits after the softcap and ALiBi (−∞ masks
-/// a key); of bool, a mask (true: visible). It restricts the causal rule and the window
-/// further; a key tile it masks wholly is skipped.
+/// a copy): of the scalar type (float for bfloat16 or half inputs), added to the logits
+/// after the softcap and ALiBi (−∞ masks a key); of bool, a mask (true: visible). It
+/// restricts the causal rule and the window further; a key tile it masks wholly is skipped.
 template <class DQ, class DK, class DV, detail::EigenMatrix DO, class DB>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, DO&& O, const SoftmaxOptions& options,
                               const Eigen::MatrixBase<DB>& bias) {
     using T = typename DQ::Scalar;
+    using A = arithmetic_t<T>;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
     using B = typename DB::Scalar;
-    static_assert(Scalar<T>, "memattn::causal_softmax_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
-                  "memattn::causal_softmax_attention: Q, K, V and O must have the same scalar type.");
-    static_assert(std::is_same_v<B, T> || std::is_same_v<B, bool>,
-                  "memattn::causal_softmax_attention: the bias must have the scalar type of Q (additive) or bool (a mask).");
+    static_assert(Scalar<T> || LowPrecision<T>, "memattn::causal_softmax_attention: the scalar type must be float, "
+                                                "double, Eigen::bfloat16 or Eigen::half.");
+    static_assert(detail::same_scalar<DQ, DK, DV>,
+                  "memattn::causal_softmax_attention: Q, K and V must have the same scalar type.");
+    static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, A>,
+                  "memattn::causal_softmax_attention: O must have the scalar type of Q (of bfloat16 or half: or "
+                  "float).");
+    static_assert(std::is_same_v<B, A> || std::is_same_v<B, bool>,
+                  "memattn::causal_softmax_attention: the bias must have the scalar type of Q (additive; float for "
+                  "bfloat16 or half) or bool (a mask).");
     constexpr const char* function = "causal_softmax_attention";
     const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
-    MatrixRef<T> o = detail::output(std::forward<DO>(O));
-    detail::check_softmax_arguments<T>(function, detail::shape(q), detail::shape(k), detail::shape(v),
+    MatrixRef<Out> o = detail::output(std::forward<DO>(O));
+    detail::check_softmax_arguments<A>(function, detail::shape(q), detail::shape(k), detail::shape(v),
                                        detail::shape(o), options);
     detail::require(bias.rows() == q.rows() && bias.cols() == k.rows(), function, "bias", "has shape ",
                     detail::shape(bias), ", expected ", q.rows(), 'x', k.rows(), " (Nq x Nk)");
@@ -948,25 +1134,36 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
                     "the mask)");
     detail::check_disjoint(function, "O", o, q, k, v);
     const detail::DenseBias<DB> dense{&bias.derived(), 0};
-    detail::causal_softmax_views<T>(q, k, v, o, [](Index, T) {}, options,
-                                    detail::default_tiles(detail::effective_window(options.window, k.rows())),
-                                    dense.template tile<T>());
+    if constexpr (LowPrecision<T>)
+        detail::causal_softmax_converted<T>(q, k, v, o, [](Index, float) {}, options, dense.template tile<float>());
+    else
+        detail::causal_softmax_views<T>(q, k, v, o, [](Index, T) {}, options,
+                                        detail::default_tiles(detail::effective_window(options.window, k.rows())),
+                                        dense.template tile<T>());
 }
 
 /// As above, and writes lse_i = log Σ_{j visible} exp(scale · q_i·k_j) into the vector
-/// `lse` (Nq coefficients of the scalar type, row or column, e.g. a memattn::Vector<T>);
-/// −∞ for a row that sees no key.
+/// `lse` (Nq coefficients of the scalar type, float for bfloat16 or half inputs, row or
+/// column, e.g. a memattn::Vector<T>); −∞ for a row that sees no key.
 template <class DQ, class DK, class DV, detail::EigenMatrix DO, detail::EigenMatrix DL>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, DO&& O, DL&& lse, const SoftmaxOptions& options = {}) {
     using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn::causal_softmax_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>, std::remove_cvref_t<DL>>,
-                  "memattn::causal_softmax_attention: Q, K, V, O and lse must have the same scalar type.");
+    using A = arithmetic_t<T>;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
+    static_assert(Scalar<T> || LowPrecision<T>, "memattn::causal_softmax_attention: the scalar type must be float, "
+                                                "double, Eigen::bfloat16 or Eigen::half.");
+    static_assert(detail::same_scalar<DQ, DK, DV>,
+                  "memattn::causal_softmax_attention: Q, K and V must have the same scalar type.");
+    static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, A>,
+                  "memattn::causal_softmax_attention: O must have the scalar type of Q (of bfloat16 or half: or "
+                  "float).");
+    static_assert(std::is_same_v<typename std::remove_cvref_t<DL>::Scalar, A>,
+                  "memattn::causal_softmax_attention: lse must have the scalar type of Q (float for bfloat16 or half).");
     constexpr const char* function = "causal_softmax_attention";
     const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
-    MatrixRef<T> o = detail::output(std::forward<DO>(O));
-    detail::check_softmax_arguments<T>(function, detail::shape(q), detail::shape(k), detail::shape(v),
+    MatrixRef<Out> o = detail::output(std::forward<DO>(O));
+    detail::check_softmax_arguments<A>(function, detail::shape(q), detail::shape(k), detail::shape(v),
                                        detail::shape(o), options);
     detail::require((lse.rows() == 1 || lse.cols() == 1) && lse.size() == Q.rows(), function, "lse", "has shape ",
                     detail::shape(lse), ", expected a vector of ", Q.rows(), " coefficients (Q is ", detail::shape(Q),
@@ -975,7 +1172,11 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
     if constexpr (detail::check_output<DL, false>()) {
         detail::check_disjoint(function, "lse", lse, q, k, v);
         detail::require_disjoint(function, "lse", lse, "O", o);
-        detail::causal_softmax_views<T>(q, k, v, o, [&lse](Index i, T value) { lse.coeffRef(i) = value; }, options);
+        const auto sink = [&lse](Index i, A value) { lse.coeffRef(i) = value; };
+        if constexpr (LowPrecision<T>)
+            detail::causal_softmax_converted<T>(q, k, v, o, sink, options);
+        else
+            detail::causal_softmax_views<T>(q, k, v, o, sink, options);
     }
 }
 
