@@ -3,6 +3,8 @@
 // itself on 1 and 2 threads, and, for decoding, a step whose KV heads are not shared.
 //
 //   BM_SoftmaxLayer/threads/q_heads/kv_heads/d     N = 4096, GFLOPS of useful work
+//   BM_SoftmaxLayerBf16/...                       the same in bfloat16 (Q, K, V and O),
+//                                                 beside the float layer at 32/8
 //   BM_SoftmaxHead/d                              one head of the same, single-head kernel
 //   BM_SoftmaxHeadPerThread/d/threads:t           t independent single-head kernels at once,
 //                                                 one per thread: the machine's own scaling
@@ -56,14 +58,14 @@ HeadLayout layout_of(const benchmark::State& state) {
 
 /// Times call(Q, K, V, O) on random packed inputs of `n` tokens for `layout` and sets
 /// GFLOPS from `flops` per call. `seed` gives each benchmark thread its own inputs.
-template <class Call>
+template <class T = float, class Call>
 void time_layer(benchmark::State& state, const HeadLayout& layout, double flops, Call&& call, Index n = tokens,
                 unsigned seed = 0) {
     const Index d = layout.head_dim;
-    const Matrix<float> Q = random_matrix<float>(n, layout.q_heads * d, 1 + seed),
-                        K = random_matrix<float>(n, layout.kv_heads * d, 2 + seed),
-                        V = random_matrix<float>(n, layout.kv_heads * d, 3 + seed);
-    Matrix<float> O(n, layout.q_heads * d);
+    const Matrix<T> Q = random_matrix<T>(n, layout.q_heads * d, 1 + seed),
+                    K = random_matrix<T>(n, layout.kv_heads * d, 2 + seed),
+                    V = random_matrix<T>(n, layout.kv_heads * d, 3 + seed);
+    Matrix<T> O(n, layout.q_heads * d);
     for (auto _ : state) {
         call(Q, K, V, O);
         benchmark::DoNotOptimize(O.data());
@@ -80,12 +82,14 @@ double linear_flops(Index heads, Index d) {
     return static_cast<double>(heads) * 4.0 * static_cast<double>(d * d) * static_cast<double>(tokens);
 }
 
+template <class T = float>
 void BM_SoftmaxLayer(benchmark::State& state) {
     use_threads(state, state.range(0));
     const HeadLayout layout = layout_of(state);
-    time_layer(state, layout, softmax_flops(layout.q_heads, layout.head_dim), [&](auto& Q, auto& K, auto& V, auto& O) {
-        memattn::multi_head_causal_softmax_attention(Q, K, V, O, layout);
-    });
+    time_layer<T>(state, layout, softmax_flops(layout.q_heads, layout.head_dim),
+                  [&](auto& Q, auto& K, auto& V, auto& O) {
+                      memattn::multi_head_causal_softmax_attention(Q, K, V, O, layout);
+                  });
 }
 
 void BM_SoftmaxHead(benchmark::State& state) {
@@ -179,7 +183,17 @@ void layer_args(benchmark::internal::Benchmark* b) {
 
 }  // namespace
 
-BENCHMARK(BM_SoftmaxLayer)->Apply(layer_args)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SoftmaxLayer<float>)->Name("BM_SoftmaxLayer")->Apply(layer_args)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SoftmaxLayer<float>)
+    ->Name("BM_SoftmaxLayer")
+    ->ArgsProduct({{1, 2}, {32}, {8}, {64, 128}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SoftmaxLayer<Eigen::bfloat16>)
+    ->Name("BM_SoftmaxLayerBf16")
+    ->ArgsProduct({{1, 2}, {32}, {8}, {64, 128}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SoftmaxHead)->Arg(64)->Arg(128)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SoftmaxHeadPerThread)->Arg(64)->Arg(128)->Threads(1)->Threads(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LinearLayer)->Apply(layer_args)->UseRealTime()->Unit(benchmark::kMillisecond);

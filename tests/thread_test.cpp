@@ -98,6 +98,14 @@ TEST_CASE("threads: the multi-head kernels give the same bits for 1 to 4 threads
         both << O, lse;
         return both;
     });
+    same_bits_for_any_thread_count([&] {  // bfloat16 in, float out (bfloat16 products on AVX512-BF16)
+        const Matrix<Eigen::bfloat16> Qb = Q.cast<Eigen::bfloat16>(), Kb = K.cast<Eigen::bfloat16>(),
+                                      Vb = V.cast<Eigen::bfloat16>();
+        Matrix<float> O(333, 128);
+        multi_head_causal_softmax_attention(Qb, Kb, Vb, O, layout, {.window = 70, .sink_tokens = 2},
+                                            VarLen{offsets, offsets});
+        return O;
+    });
     same_bits_for_any_thread_count([&] {
         Matrix<float> O(333, 128);
         std::vector<LinearState<float>> states(4 * 2);

@@ -188,6 +188,8 @@ struct SoftmaxScratch {
     // bfloat16 products (detail/bf16_product.hpp), sized by the kernel that uses them:
     // the query tile's transpose, the weights and the value tile as pairs of bfloat16.
     std::vector<std::uint32_t> query_pairs, weight_pairs, value_pairs;
+    // 16-bit inputs converted to float, a tile of Q, K and V (ConvertedRows), on first use
+    Matrix<float> converted_q, converted_k, converted_v;
 };
 
 /// A bias added to the logits tile by tile (a dense bias or boolean mask, a tree of
@@ -376,16 +378,17 @@ private:
     ConstMatrixRef<T> m_;
 };
 
-/// Q, K or V of bfloat16 or float16 read in place by a float kernel. With Pairs (bfloat16
+/// Q, K or V of bfloat16 or float16 read in place by a float kernel. With pairs (bfloat16
 /// where the target has AVX512-BF16) the kernel multiplies the bits themselves (bits());
 /// otherwise, and for the values where a tile holds a value that is not finite, a tile is
-/// converted to float into a buffer of one tile's rows (tile()), exactly: every bfloat16
-/// and float16 is a float.
+/// converted to float into `buffer` (one tile's rows of the scratch, sized on first use:
+/// the bfloat16 products may need none), exactly: every bfloat16 and float16 is a float.
 template <class E>
 class ConvertedRows {
 public:
     static constexpr bool pairs = bf16_dot && std::is_same_v<E, Eigen::bfloat16>;
-    ConvertedRows(const ConstMatrixRef<E>& m, Index tile_rows) : m_(m), tile_rows_(tile_rows) {}
+    ConvertedRows(const ConstMatrixRef<E>& m, Index tile_rows, Matrix<float>& buffer)
+        : m_(m), tile_rows_(tile_rows), buffer_(buffer) {}
     [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return m_.cols(); }
     [[nodiscard]] const E* row(Index j) const noexcept { return m_.data() + j * m_.outerStride(); }
@@ -397,8 +400,8 @@ public:
     /// Rows [j0, j0 + n) as float.
     [[nodiscard]] std::pair<const float*, Index> tile(Index j0, Index n) {
         MEMATTN_DASSERT(n <= tile_rows_);
-        if (buffer_.rows() != tile_rows_ || buffer_.cols() != m_.cols())
-            buffer_.resize(tile_rows_, m_.cols());  // on first use: the bfloat16 products may need none
+        if (buffer_.rows() < tile_rows_ || buffer_.cols() != m_.cols())
+            buffer_.resize(tile_rows_, m_.cols());
         for (Index r = 0; r < n; ++r)
             decode_span(row(j0 + r), m_.cols(), 1.0f, buffer_.data() + r * buffer_.cols());
         return {buffer_.data(), buffer_.cols()};
@@ -408,7 +411,7 @@ public:
 private:
     ConstMatrixRef<E> m_;
     Index tile_rows_;
-    Matrix<float> buffer_;
+    Matrix<float>& buffer_;
 };
 
 /// K or V in compact storage (storage/compact.hpp): each tile is converted to T into a
@@ -993,9 +996,21 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
                               query_offset, bias);
 }
 
-/// The kernel on bfloat16 or float16 views, O of E or float, after the checks: Q, K and V
-/// read in place through ConvertedRows (bfloat16 products on AVX512-BF16, tiles converted
-/// to float elsewhere), the softmax and the accumulators in float.
+/// The kernel on bfloat16 or float16 views and a scratch, O of E or float, after the
+/// checks: Q, K and V read in place through ConvertedRows (bfloat16 products on
+/// AVX512-BF16, tiles converted to float elsewhere), the softmax and the accumulators in
+/// float. Query row i sits at position query_offset + i (trailing_queries: Nk − Nq + i).
+template <LowPrecision E, class Out, class LseSink>
+void causal_softmax_converted(const ConstMatrixRef<E>& Q, const ConstMatrixRef<E>& K, const ConstMatrixRef<E>& V,
+                              MatrixRef<Out> O, LseSink&& lse, const SoftmaxOptions& options,
+                              SoftmaxScratch<float>& scratch, Index query_offset, TileBias<float> bias) {
+    causal_softmax_rows<float>(ConvertedRows<E>(Q, scratch.tiles.queries, scratch.converted_q),
+                               ConvertedRows<E>(K, scratch.tiles.keys, scratch.converted_k),
+                               ConvertedRows<E>(V, scratch.tiles.keys, scratch.converted_v), O, lse, options, scratch,
+                               query_offset, bias);
+}
+
+/// The same with a scratch of the measured tiles for the call.
 template <LowPrecision E, class Out, class LseSink>
 void causal_softmax_converted(const ConstMatrixRef<E>& Q, const ConstMatrixRef<E>& K, const ConstMatrixRef<E>& V,
                               MatrixRef<Out> O, LseSink&& lse, const SoftmaxOptions& options,
@@ -1003,9 +1018,7 @@ void causal_softmax_converted(const ConstMatrixRef<E>& Q, const ConstMatrixRef<E
     if (Q.rows() == 0)
         return;
     SoftmaxScratch<float> scratch(K.cols(), V.cols(), default_tiles(effective_window(options.window, K.rows())));
-    causal_softmax_rows<float>(ConvertedRows<E>(Q, scratch.tiles.queries), ConvertedRows<E>(K, scratch.tiles.keys),
-                               ConvertedRows<E>(V, scratch.tiles.keys), O, lse, options, scratch, trailing_queries,
-                               bias);
+    causal_softmax_converted<E>(Q, K, V, O, lse, options, scratch, trailing_queries, bias);
 }
 
 /// The kernel on views, after the checks; `lse(i, value)` receives each row's log-sum-exp.

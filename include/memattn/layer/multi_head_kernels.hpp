@@ -128,10 +128,13 @@ private:
 /// log-sum-exp. `k_rows` is the keys' row count that the batch's offsets index.
 /// `bias_at(row0, head)`: a dense bias (DenseBias, whose tile() the kernel reads) with its
 /// row row0 query head `head`'s item's query 0; none by default.
-template <class T, class HeadKeysOf, class LseSink, class BiasAt = NoBias>
-void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink&& lse, const HeadLayout& layout,
+/// Q, K and V of bfloat16 or float16 compute in float (causal_softmax_converted), O of
+/// that type or float.
+template <class T, class HeadKeysOf, class LseSink, class Out = T, class BiasAt = NoBias>
+void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<Out>& O, LseSink&& lse, const HeadLayout& layout,
                             const SoftmaxOptions& options, const VarLen& batch, Index k_rows,
                             const HeadKeysOf& head_keys, ExecutorRef executor = {}, const BiasAt& bias_at = {}) {
+    using A = arithmetic_t<T>;
     const Index d = layout.head_dim, dv = layout.values();
     const std::vector<SoftmaxItem> items = softmax_items(layout, batch, Q.rows(), k_rows, options);
     const auto span_of = [&](const SoftmaxItem& item) { return sequence_span(batch, item.seq, Q.rows(), k_rows); };
@@ -142,13 +145,13 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink
             return softmax_item_cost(item, span_of(item), options);
         },
         [&](Index first, Index last) {
-            std::optional<SoftmaxScratch<T>> full, windowed;  // one per tile shape, made on first use
+            std::optional<SoftmaxScratch<A>> full, windowed;  // one per tile shape, made on first use
             HeadCopy<T> copy;
             for (Index i = first; i < last; ++i) {
                 const SoftmaxItem& item = items[static_cast<std::size_t>(i)];
                 const SequenceSpan span = span_of(item);
                 const SoftmaxTiles tiles = default_tiles(effective_window(options.window, span.k_rows));
-                std::optional<SoftmaxScratch<T>>& scratch = tiles == SoftmaxTiles{} ? full : windowed;
+                std::optional<SoftmaxScratch<A>>& scratch = tiles == SoftmaxTiles{} ? full : windowed;
                 if (!scratch)
                     scratch.emplace(d, dv, tiles);
                 const Index kv = layout.kv_head_of(item.head);
@@ -170,20 +173,26 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<T>& O, LseSink
                 }
                 one.scale = source.scale;
                 const auto bias = bias_at(row0, item.head);  // read by the kernel below
-                causal_softmax_views<T>(
-                    Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible), values.topRows(visible),
-                    O.block(row0, item.head * dv, item.rows, dv),
-                    [&](Index r, T value) { lse(row0 + r, item.head, value); }, one, *scratch,
-                    trailing ? trailing_queries : first, bias.template tile<T>());
+                const auto sink = [&](Index r, A value) { lse(row0 + r, item.head, value); };
+                if constexpr (LowPrecision<T>)
+                    causal_softmax_converted<T, Out>(
+                        Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible), values.topRows(visible),
+                        O.block(row0, item.head * dv, item.rows, dv), sink, one, *scratch,
+                        trailing ? trailing_queries : first, bias.template tile<A>());
+                else
+                    causal_softmax_views<T>(Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible),
+                                            values.topRows(visible), O.block(row0, item.head * dv, item.rows, dv),
+                                            sink, one, *scratch, trailing ? trailing_queries : first,
+                                            bias.template tile<T>());
             }
         },
         0, executor);
 }
 
 /// The softmax layer on packed K/V buffers, after the checks.
-template <class T, class LseSink>
+template <class T, class Out, class LseSink>
 void multi_head_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
-                              MatrixRef<T> O, LseSink&& lse, const HeadLayout& layout, const SoftmaxOptions& options,
+                              MatrixRef<Out> O, LseSink&& lse, const HeadLayout& layout, const SoftmaxOptions& options,
                               const VarLen& batch, ExecutorRef executor) {
     const Index d = layout.head_dim, dv = layout.values();
     multi_head_softmax_run<T>(
@@ -195,16 +204,16 @@ void multi_head_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T
         executor);
 }
 
-template <class T>
+template <class T, class Out>
 void check_softmax_layer(const char* function, const HeadLayout& layout, const ConstMatrixRef<T>& q,
-                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const MatrixRef<T>& o,
+                         const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const MatrixRef<Out>& o,
                          const SoftmaxOptions& options, const VarLen& batch) {
     check_layout(function, layout);
     check_packed(function, layout, shape(q), shape(k), shape(v), shape(o));
     check_varlen(function, batch, q.rows(), k.rows(), options.causal);
     // The per-head checks on one head's shapes (options; Nq <= Nk was checked per sequence).
-    check_softmax_arguments<T>(function, {0, layout.head_dim}, {0, layout.head_dim}, {0, layout.values()},
-                               {0, layout.values()}, options, layout.q_heads);
+    check_softmax_arguments<arithmetic_t<T>>(function, {0, layout.head_dim}, {0, layout.head_dim},
+                                             {0, layout.values()}, {0, layout.values()}, options, layout.q_heads);
     if (!options.parents.empty()) {
         require(sequence_count(batch) == 1, function, "options.parents",
                 "is given with a varlen batch of ", sequence_count(batch), " sequences: a tree is one sequence's");
@@ -228,14 +237,20 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
                                          const SoftmaxOptions& options = {}, const VarLen& batch = {},
                                          ExecutorRef executor = {}) {
     using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
-                  "memattn::multi_head_causal_softmax_attention: Q, K, V and O must have the same scalar type.");
+    using A = arithmetic_t<T>;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
+    static_assert(Scalar<T> || LowPrecision<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must "
+                                                "be float, double, Eigen::bfloat16 or Eigen::half.");
+    static_assert(detail::same_scalar<DQ, DK, DV>,
+                  "memattn::multi_head_causal_softmax_attention: Q, K and V must have the same scalar type.");
+    static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, A>,
+                  "memattn::multi_head_causal_softmax_attention: O must have the scalar type of Q (of bfloat16 or "
+                  "half: or float).");
     constexpr const char* function = "multi_head_causal_softmax_attention";
     const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
-    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    MatrixRef<Out> o = detail::output(std::forward<DO>(O));
     detail::check_softmax_layer<T>(function, layout, q, k, v, o, options, batch);
-    detail::multi_head_softmax_views<T>(q, k, v, o, [](Index, Index, T) {}, layout, options, batch, executor);
+    detail::multi_head_softmax_views<T>(q, k, v, o, [](Index, Index, A) {}, layout, options, batch, executor);
 }
 
 /// As above with a dense `bias` (any Eigen expression of the scalar type, or of bool as a
@@ -249,14 +264,21 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
                                          const SoftmaxOptions& options, const Eigen::MatrixBase<DB>& bias,
                                          ExecutorRef executor = {}) {
     using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
-                  "memattn::multi_head_causal_softmax_attention: Q, K, V and O must have the same scalar type.");
-    static_assert(std::is_same_v<typename DB::Scalar, T> || std::is_same_v<typename DB::Scalar, bool>,
-                  "memattn::multi_head_causal_softmax_attention: the bias must have Q's scalar type or bool.");
+    using A = arithmetic_t<T>;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
+    static_assert(Scalar<T> || LowPrecision<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must "
+                                                "be float, double, Eigen::bfloat16 or Eigen::half.");
+    static_assert(detail::same_scalar<DQ, DK, DV>,
+                  "memattn::multi_head_causal_softmax_attention: Q, K and V must have the same scalar type.");
+    static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, A>,
+                  "memattn::multi_head_causal_softmax_attention: O must have the scalar type of Q (of bfloat16 or "
+                  "half: or float).");
+    static_assert(std::is_same_v<typename DB::Scalar, A> || std::is_same_v<typename DB::Scalar, bool>,
+                  "memattn::multi_head_causal_softmax_attention: the bias must have Q's scalar type (float for "
+                  "bfloat16 or half) or bool.");
     constexpr const char* function = "multi_head_causal_softmax_attention";
     const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
-    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    MatrixRef<Out> o = detail::output(std::forward<DO>(O));
     detail::check_softmax_layer<T>(function, layout, q, k, v, o, options, {});
     const Index per_head_rows =
         detail::checked_product(function, "Q", layout.q_heads, q.rows(), "q_heads x Nq, the rows of a per-head bias,");
@@ -268,7 +290,7 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
                     "is given with options.parents: a tree mask and a dense bias do not combine");
     const Index d = layout.head_dim, dv = layout.values();
     detail::multi_head_softmax_run<T>(
-        q, o, [](Index, Index, T) {}, layout, options, {}, k.rows(),
+        q, o, [](Index, Index, A) {}, layout, options, {}, k.rows(),
         [&](const detail::SequenceSpan& span, Index kv) {
             return detail::HeadKeys<T>{k.block(span.k_begin, kv * d, span.k_rows, d),
                                        v.block(span.k_begin, kv * dv, span.k_rows, dv), options.scale};
@@ -286,12 +308,21 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
                                          const SoftmaxOptions& options = {}, const VarLen& batch = {},
                                          ExecutorRef executor = {}) {
     using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>, std::remove_cvref_t<DL>>,
-                  "memattn::multi_head_causal_softmax_attention: Q, K, V, O and lse must have the same scalar type.");
+    using A = arithmetic_t<T>;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
+    static_assert(Scalar<T> || LowPrecision<T>, "memattn::multi_head_causal_softmax_attention: the scalar type must "
+                                                "be float, double, Eigen::bfloat16 or Eigen::half.");
+    static_assert(detail::same_scalar<DQ, DK, DV>,
+                  "memattn::multi_head_causal_softmax_attention: Q, K and V must have the same scalar type.");
+    static_assert(std::is_same_v<Out, T> || std::is_same_v<Out, A>,
+                  "memattn::multi_head_causal_softmax_attention: O must have the scalar type of Q (of bfloat16 or "
+                  "half: or float).");
+    static_assert(std::is_same_v<typename std::remove_cvref_t<DL>::Scalar, A>,
+                  "memattn::multi_head_causal_softmax_attention: lse must have Q's scalar type (float for bfloat16 "
+                  "or half).");
     constexpr const char* function = "multi_head_causal_softmax_attention";
     const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
-    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    MatrixRef<Out> o = detail::output(std::forward<DO>(O));
     detail::check_softmax_layer<T>(function, layout, q, k, v, o, options, batch);
     detail::require(lse.rows() == Q.rows() && lse.cols() == layout.q_heads, function, "lse", "has shape ",
                     detail::shape(lse), ", expected ", Q.rows(), 'x', layout.q_heads, " (Q's rows x q_heads)");
@@ -299,7 +330,7 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
         detail::check_disjoint(function, "lse", lse, q, k, v);
         detail::require_disjoint(function, "lse", lse, "O", o);
         detail::multi_head_softmax_views<T>(
-            q, k, v, o, [&lse](Index i, Index h, T value) { lse.coeffRef(i, h) = value; }, layout, options, batch,
+            q, k, v, o, [&lse](Index i, Index h, A value) { lse.coeffRef(i, h) = value; }, layout, options, batch,
             executor);
     }
 }
