@@ -359,3 +359,93 @@ TEST_CASE("Gated and delta memories in a MultiHead layer: gates per head", "[gat
     CHECK_THROWS_WITH((MultiHead<DeltaRuleMemory<float>>(layout, [](Index h) { return DeltaRuleMemory<float>(d, dv, {}, h == 1); })),
                       Catch::Matchers::Contains("has key_dim 6, expected 5 as make(0)"));
 }
+
+// ------------------------------------------------ bfloat16 and float16 inputs (§4.7c)
+
+namespace {
+
+template <class T>
+bool same_bits(const Eigen::MatrixBase<T>& a, const Eigen::MatrixBase<T>& b) {
+    return a.rows() == b.rows() && a.cols() == b.cols() && (a.array() == b.array()).all();
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Gated and delta kernels on bfloat16 and float16 equal the float kernels on the same inputs, bit "
+                   "for bit, state carried",
+                   "[gated][delta][low_precision]", Eigen::bfloat16, Eigen::half) {
+    using E = TestType;
+    // Lengths around the spans (256 rows for chunks of 16, 252 for chunks of 7), an
+    // initial state, gates and beta of float and of the 16-bit type.
+    const Index n = GENERATE(Index(0), Index(1), Index(251), Index(256), Index(257), Index(600));
+    const Index chunk = GENERATE(Index(16), Index(7));
+    const Index d = 12, dv = 9;
+    CAPTURE(n, chunk);
+    const Matrix<float> Qf = random_matrix<float>(n, d, 1), Kf = random_matrix<float>(n, d, 2),
+                        Vf = random_matrix<float>(n, dv, 3);
+    const Matrix<E> Q = Qf.cast<E>(), K = (0.3f * Kf).cast<E>(), V = Vf.cast<E>();
+    const Matrix<float> q = Q.template cast<float>(), k = K.template cast<float>(), v = V.template cast<float>();
+    Matrix<float> gates = -0.2f * random_matrix<float>(n, d, 4).cwiseAbs(), gate = gates.col(0);
+    const Matrix<E> gates16 = gates.cast<E>();
+    const Matrix<float> gates_e = gates16.template cast<float>();
+    Matrix<float> beta = random_matrix<float>(n, 1, 5).cwiseAbs();
+    const Matrix<E> beta16 = beta.cast<E>();
+    const Matrix<float> beta_e = beta16.template cast<float>();
+    LinearState<float> start;
+    start.mu = random_matrix<float>(d, dv, 6);
+    start.nu = random_matrix<float>(1, d, 7).cwiseAbs();
+    const LinearOptions lo{.chunk_size = chunk, .normalize = false};
+    const DeltaOptions deltas{.chunk_size = chunk, .normalize_keys = true};
+
+    // Each call: 16-bit inputs with float O, with 16-bit O, against the float twin.
+    const auto check = [&](auto low, auto twin) {
+        LinearState<float> s16 = start, s32 = start, s16b = start;
+        Matrix<float> O16(n, dv), O32(n, dv);
+        Matrix<E> Ob(n, dv);
+        low(O16, s16);
+        low(Ob, s16b);
+        twin(O32, s32);
+        CHECK(same_bits(O16, O32));
+        CHECK(same_bits(Ob, Matrix<E>(O32.cast<E>())));
+        CHECK(same_bits(s16.mu, s32.mu));
+        CHECK(same_bits(s16.nu, s32.nu));
+        CHECK(same_bits(s16b.mu, s32.mu));
+    };
+    SECTION("gated linear attention, channel gates of the 16-bit type, chunked and recurrent") {
+        check([&](auto& O, LinearState<float>& s) { chunked_gated_linear_attention(Q, K, V, gates16, O, lo, &s); },
+              [&](auto& O, LinearState<float>& s) { chunked_gated_linear_attention(q, k, v, gates_e, O, lo, &s); });
+        check([&](auto& O, LinearState<float>& s) { recurrent_gated_linear_attention(Q, K, V, gates16, O, lo, &s); },
+              [&](auto& O, LinearState<float>& s) { recurrent_gated_linear_attention(q, k, v, gates_e, O, lo, &s); });
+    }
+    SECTION("gated linear attention, scalar gates of float") {
+        check([&](auto& O, LinearState<float>& s) { chunked_gated_linear_attention(Q, K, V, gate, O, lo, &s); },
+              [&](auto& O, LinearState<float>& s) { chunked_gated_linear_attention(q, k, v, gate, O, lo, &s); });
+    }
+    SECTION("the delta rule, beta of the 16-bit type; the gated delta rule, beta and gates of float") {
+        check([&](auto& O, LinearState<float>& s) { chunked_delta_rule_attention(Q, K, V, beta16, O, deltas, &s); },
+              [&](auto& O, LinearState<float>& s) { chunked_delta_rule_attention(q, k, v, beta_e, O, deltas, &s); });
+        check([&](auto& O, LinearState<float>& s) { recurrent_delta_rule_attention(Q, K, V, beta16, O, deltas, &s); },
+              [&](auto& O, LinearState<float>& s) { recurrent_delta_rule_attention(q, k, v, beta_e, O, deltas, &s); });
+        check([&](auto& O, LinearState<float>& s) { chunked_delta_rule_attention(Q, K, V, beta, gate, O, deltas, &s); },
+              [&](auto& O, LinearState<float>& s) { chunked_delta_rule_attention(q, k, v, beta, gate, O, deltas, &s); });
+    }
+}
+
+TEST_CASE("Gated and delta kernels on bfloat16: bad gates and beta throw before anything is written",
+          "[gated][delta][low_precision]") {
+    const Index n = 300, d = 8;
+    const Matrix<Eigen::bfloat16> X = random_matrix<float>(n, d, 1).cast<Eigen::bfloat16>();
+    Matrix<Eigen::bfloat16> gates = Matrix<Eigen::bfloat16>::Constant(n, 1, Eigen::bfloat16(-0.5f));
+    gates(280, 0) = Eigen::bfloat16(0.25f);  // a positive log-gate, in the second span
+    Matrix<float> beta = Matrix<float>::Constant(n, 1, 0.5f);
+    Matrix<float> O = Matrix<float>::Constant(n, d, 7.0f);
+    LinearState<float> state;
+    REQUIRE_THROWS_WITH(chunked_gated_linear_attention(X, X, X, gates, O, {}, &state),
+                        Catch::Matchers::Contains("chunked_gated_linear_attention") &&
+                            Catch::Matchers::Contains("log_gates") && Catch::Matchers::Contains("(280, 0)"));
+    beta(290, 0) = 1.5f;
+    REQUIRE_THROWS_WITH(chunked_delta_rule_attention(X, X, X, beta, O, {}, &state),
+                        Catch::Matchers::Contains("beta") && Catch::Matchers::Contains("row 290"));
+    CHECK((O.array() == 7.0f).all());
+    CHECK(state.mu.size() == 0);
+}

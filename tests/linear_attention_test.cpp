@@ -417,3 +417,41 @@ TEMPLATE_TEST_CASE("LinearAttentionMemory: bulk extend over several blocks equal
     check_close(bulk.state().nu, expected.nu, linear_tolerance<T>());
     check_close(stepped.state().mu, expected.mu, linear_tolerance<T>());
 }
+
+TEMPLATE_TEST_CASE("Linear attention on bfloat16 and float16 equals the float forms on the same inputs, state carried",
+                   "[linear][low_precision]", Eigen::bfloat16, Eigen::half) {
+    using E = TestType;
+    const Index n = GENERATE(Index(0), Index(1), Index(255), Index(256), Index(257), Index(700));
+    const Index chunk = GENERATE(Index(16), Index(5));
+    const Index d = 10, dv = 6;
+    CAPTURE(n, chunk);
+    const Matrix<E> Q = random_matrix<float>(n, d, 1).cast<E>(), K = random_matrix<float>(n, d, 2).cast<E>(),
+                    V = random_matrix<float>(n, dv, 3).cast<E>();
+    const Matrix<float> q = Q.template cast<float>(), k = K.template cast<float>(), v = V.template cast<float>();
+    const LinearOptions options{.chunk_size = chunk, .decay = 0.97};
+    const auto same = [](const auto& a, const auto& b) {
+        return a.rows() == b.rows() && a.cols() == b.cols() && (a.array() == b.array()).all();
+    };
+    Matrix<float> O16(n, dv), O32(n, dv);
+    Matrix<E> Ob(n, dv);
+    // Chunked and recurrent: bit for bit (the spans cut only between chunks).
+    LinearState<float> s16, s32;
+    chunked_linear_attention(Q, K, V, O16, EluPlusOne{}, options, &s16);
+    chunked_linear_attention(q, k, v, O32, EluPlusOne{}, options, &s32);
+    CHECK(same(O16, O32));
+    CHECK(same(s16.mu, s32.mu));
+    CHECK(same(s16.nu, s32.nu));
+    chunked_linear_attention(Q, K, V, Ob, EluPlusOne{}, options);
+    CHECK(same(Ob, Matrix<E>(O32.cast<E>())));
+    recurrent_linear_attention(Q, K, V, O16, Relu{}, options, &s16);
+    recurrent_linear_attention(q, k, v, O32, Relu{}, options, &s32);
+    CHECK(same(O16, O32));
+    CHECK(same(s16.mu, s32.mu));
+    // Quadratic: the past of each span through the state, within float's tolerance.
+    LinearState<float> a, b;
+    quadratic_linear_attention(Q, K, V, O16, EluPlusOne{}, options, &a);
+    quadratic_linear_attention(q, k, v, O32, EluPlusOne{}, options, &b);
+    check_close(O16, O32.cast<double>(), tolerance<float>());
+    if (n > 0)
+        check_close(a.mu, b.mu.cast<double>(), tolerance<float>());
+}

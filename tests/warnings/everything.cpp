@@ -124,6 +124,17 @@ void everything(memattn::Index n, memattn::Index d) {
         memattn::causal_softmax_attention(b, b, b, out, lse, {.softcap = 2});
         memattn::causal_softmax_attention(b, b, b, out, {.causal = false}, mask);
         memattn::causal_softmax_attention(h, h, h, out, {}, T(2) * x * x.transpose());
+        memattn::LinearState<float> state;
+        memattn::chunked_linear_attention(b, b, b, out_b, memattn::EluPlusOne{}, {}, &state);
+        memattn::recurrent_linear_attention(h, h, h, out);
+        memattn::quadratic_linear_attention(b, b, b, out);
+        const memattn::Matrix<float> gates = memattn::Matrix<float>::Constant(n, 1, -0.5f);
+        const memattn::Matrix<Eigen::bfloat16> beta = memattn::Matrix<Eigen::bfloat16>::Constant(n, 1, Eigen::bfloat16(0.5f));
+        memattn::chunked_gated_linear_attention(b, b, b, gates, out, {}, &state);
+        memattn::recurrent_gated_linear_attention(h, h, h, gates.template cast<Eigen::half>(), out);
+        memattn::chunked_delta_rule_attention(b, b, b, beta, out_b);
+        memattn::recurrent_delta_rule_attention(b, b, b, beta, gates, out);
+        memattn::multi_head_causal_softmax_attention(b, b, b, out_b, memattn::HeadLayout{1, 1, d});
     }
     const memattn::Rope rope{.head_dim = d, .scaling = memattn::Rope::Yarn{.factor = 2}};
     std::vector<memattn::Index> positions(static_cast<std::size_t>(n), 3);

@@ -56,6 +56,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 namespace memattn {
 
@@ -67,9 +68,10 @@ struct DeltaOptions {
 
 namespace detail {
 
-template <class T>
-void check_delta_arguments(const char* function, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                           const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& beta, const ConstMatrixRef<T>* gates,
+/// T: the scalar the call computes in; E the inputs', B beta's and G the log-gates' (E or T).
+template <class T, class E, class B, class G>
+void check_delta_arguments(const char* function, const ConstMatrixRef<E>& q, const ConstMatrixRef<E>& k,
+                           const ConstMatrixRef<E>& v, const ConstMatrixRef<B>& beta, const ConstMatrixRef<G>* gates,
                            Shape o, const DeltaOptions& options, const LinearState<T>* state) {
     require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
     require(k.rows() == q.rows() && k.cols() == q.cols(), function, "K", "has shape ", shape(k),
@@ -80,15 +82,18 @@ void check_delta_arguments(const char* function, const ConstMatrixRef<T>& q, con
             v.cols(), " (Q is ", shape(q), ", V is ", shape(v), ")");
     require(beta.rows() == q.rows() && beta.cols() == 1, function, "beta", "has shape ", shape(beta), ", expected ",
             q.rows(), "x1");
-    for (Index i = 0; i < beta.rows(); ++i)
-        require(beta(i, 0) >= 0 && beta(i, 0) <= 1, function, "beta", "has ", beta(i, 0), " at row ", i,
-                ", expected a value in [0, 1]");
+    for (Index i = 0; i < beta.rows(); ++i) {
+        const T x = static_cast<T>(beta(i, 0));
+        require(x >= 0 && x <= 1, function, "beta", "has ", x, " at row ", i, ", expected a value in [0, 1]");
+    }
     if (gates != nullptr) {
         require(gates->rows() == q.rows() && gates->cols() == 1, function, "log_gates", "has shape ",
                 shape(*gates), ", expected ", q.rows(), "x1");
-        for (Index i = 0; i < gates->rows(); ++i)
-            require(std::isfinite((*gates)(i, 0)) && (*gates)(i, 0) <= 0, function, "log_gates", "has ",
-                    (*gates)(i, 0), " at row ", i, ", expected a finite log-gate <= 0 (a gate in (0, 1])");
+        for (Index i = 0; i < gates->rows(); ++i) {
+            const T x = static_cast<T>((*gates)(i, 0));
+            require(std::isfinite(x) && x <= 0, function, "log_gates", "has ", x, " at row ", i,
+                    ", expected a finite log-gate <= 0 (a gate in (0, 1])");
+        }
     }
     if (state != nullptr && state->mu.size() != 0)
         require(state->mu.rows() == q.cols() && state->mu.cols() == v.cols(), function, "state->mu", "has shape ",
@@ -230,17 +235,29 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
 
 enum class DeltaForm { recurrent, chunked };
 
-template <DeltaForm form, class DQ, class DK, class DV, class DB, class DO>
+/// Q, K and V of bfloat16 or float16 (beta and log_gates of that type or float, O of that
+/// type or float, the state float) run the same form in float, span by span
+/// (detail/float_spans.hpp).
+template <DeltaForm form, class DQ, class DK, class DV, class DB, class G, class DO>
 void delta_rule_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                           const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
-                          const ConstMatrixRef<typename DQ::Scalar>* gates, DO&& O, const DeltaOptions& options,
-                          LinearState<typename DQ::Scalar>* state) {
-    using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn delta rule attention works on float or double matrices.");
-    static_assert(same_scalar<DQ, DK, DV, DB, std::remove_cvref_t<DO>>,
-                  "memattn delta rule attention: Q, K, V, beta (and log_gates) and O must share one scalar type.");
-    const ConstMatrixRef<T> q = sequence(Q), k = sequence(K), v = sequence(V), b = sequence(beta);
-    MatrixRef<T> o = output(std::forward<DO>(O));
+                          const ConstMatrixRef<G>* gates, DO&& O, const DeltaOptions& options,
+                          LinearState<arithmetic_t<typename DQ::Scalar>>* state) {
+    using E = typename DQ::Scalar;
+    using T = arithmetic_t<E>;
+    using Bt = typename DB::Scalar;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
+    static_assert(Scalar<E> || LowPrecision<E>,
+                  "memattn delta rule attention works on float, double, Eigen::bfloat16 or Eigen::half matrices.");
+    static_assert(same_scalar<DQ, DK, DV>, "memattn delta rule attention: Q, K and V must share one scalar type.");
+    static_assert((std::is_same_v<Bt, E> || std::is_same_v<Bt, T>) && (std::is_same_v<G, E> || std::is_same_v<G, T>),
+                  "memattn delta rule attention: beta and log_gates must have the scalar type of Q (of bfloat16 or "
+                  "half: or float).");
+    static_assert(std::is_same_v<Out, E> || std::is_same_v<Out, T>,
+                  "memattn delta rule attention: O must have the scalar type of Q (of bfloat16 or half: or float).");
+    const ConstMatrixRef<E> q = sequence(Q), k = sequence(K), v = sequence(V);
+    const ConstMatrixRef<Bt> b = sequence(beta);
+    MatrixRef<Out> o = output(std::forward<DO>(O));
     check_delta_arguments<T>(function, q, k, v, b, gates, shape(o), options, state);
     require_disjoint(function, "O", o, "Q", q);
     require_disjoint(function, "O", o, "K", k);
@@ -253,10 +270,28 @@ void delta_rule_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, 
     LinearState<T>& s = state != nullptr ? *state : local;
     if (s.mu.size() == 0)
         s.mu.setZero(q.cols(), v.cols());
-    if constexpr (form == DeltaForm::chunked)
-        delta_chunked(q, k, v, b, gates, o, options, s.mu);
-    else
-        delta_recurrent(q, k, v, b, gates, o, options, s.mu);
+    const auto run = [&](const ConstMatrixRef<T>& qs, const ConstMatrixRef<T>& ks, const ConstMatrixRef<T>& vs,
+                         const ConstMatrixRef<T>& bs, const ConstMatrixRef<T>* gs, MatrixRef<T> os) {
+        if constexpr (form == DeltaForm::chunked)
+            delta_chunked(qs, ks, vs, bs, gs, os, options, s.mu);
+        else
+            delta_recurrent(qs, ks, vs, bs, gs, os, options, s.mu);
+    };
+    if constexpr (LowPrecision<E>) {
+        FloatSpans spans;
+        const Index n = q.rows(), span = span_rows(options.chunk_size);
+        for (Index r0 = 0; r0 < n; r0 += span) {
+            const Index m = std::min(span, n - r0);
+            std::optional<ConstMatrixRef<T>> gs;
+            if (gates != nullptr)
+                gs.emplace(spans.rows(4, *gates, r0, m));
+            run(spans.rows(0, q, r0, m), spans.rows(1, k, r0, m), spans.rows(2, v, r0, m), spans.rows(3, b, r0, m),
+                gs ? &*gs : nullptr, spans.out(o, r0, m));
+            spans.store(o, r0, m);
+        }
+    } else {
+        run(q, k, v, b, gates, o);
+    }
 }
 
 }  // namespace detail
@@ -267,9 +302,11 @@ template <class DQ, class DK, class DV, class DB, detail::EigenMatrix DO>
 void recurrent_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta, DO&& O,
                                     const DeltaOptions& options = {},
-                                    LinearState<typename DQ::Scalar>* state = nullptr) {
-    detail::delta_rule_attention<detail::DeltaForm::recurrent>("recurrent_delta_rule_attention", Q, K, V, beta,
-                                                               nullptr, std::forward<DO>(O), options, state);
+                                    LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+    detail::delta_rule_attention<detail::DeltaForm::recurrent>(
+        "recurrent_delta_rule_attention", Q, K, V, beta,
+        static_cast<const ConstMatrixRef<arithmetic_t<typename DQ::Scalar>>*>(nullptr), std::forward<DO>(O), options,
+        state);
 }
 
 /// The gated delta rule token by token: `log_gates` N×1, finite, ≤ 0.
@@ -277,10 +314,11 @@ template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix 
 void recurrent_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                                     const Eigen::MatrixBase<DG>& log_gates, DO&& O, const DeltaOptions& options = {},
-                                    LinearState<typename DQ::Scalar>* state = nullptr) {
-    using T = typename DQ::Scalar;
-    static_assert(std::is_same_v<typename DG::Scalar, T>, "memattn: log_gates must have the scalar type of Q.");
-    const ConstMatrixRef<T> g = detail::sequence(log_gates);
+                                    LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+    using G = typename DG::Scalar;
+    static_assert(std::is_same_v<G, typename DQ::Scalar> || std::is_same_v<G, arithmetic_t<typename DQ::Scalar>>,
+                  "memattn: log_gates must have the scalar type of Q (of bfloat16 or half: or float).");
+    const ConstMatrixRef<G> g = detail::sequence(log_gates);
     detail::delta_rule_attention<detail::DeltaForm::recurrent>("recurrent_delta_rule_attention", Q, K, V, beta, &g,
                                                                std::forward<DO>(O), options, state);
 }
@@ -290,9 +328,11 @@ template <class DQ, class DK, class DV, class DB, detail::EigenMatrix DO>
 void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta, DO&& O,
                                   const DeltaOptions& options = {},
-                                  LinearState<typename DQ::Scalar>* state = nullptr) {
-    detail::delta_rule_attention<detail::DeltaForm::chunked>("chunked_delta_rule_attention", Q, K, V, beta, nullptr,
-                                                             std::forward<DO>(O), options, state);
+                                  LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+    detail::delta_rule_attention<detail::DeltaForm::chunked>(
+        "chunked_delta_rule_attention", Q, K, V, beta,
+        static_cast<const ConstMatrixRef<arithmetic_t<typename DQ::Scalar>>*>(nullptr), std::forward<DO>(O), options,
+        state);
 }
 
 /// The gated delta rule by chunks: `log_gates` N×1, finite, ≤ 0.
@@ -300,10 +340,11 @@ template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix 
 void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                                   const Eigen::MatrixBase<DG>& log_gates, DO&& O, const DeltaOptions& options = {},
-                                  LinearState<typename DQ::Scalar>* state = nullptr) {
-    using T = typename DQ::Scalar;
-    static_assert(std::is_same_v<typename DG::Scalar, T>, "memattn: log_gates must have the scalar type of Q.");
-    const ConstMatrixRef<T> g = detail::sequence(log_gates);
+                                  LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+    using G = typename DG::Scalar;
+    static_assert(std::is_same_v<G, typename DQ::Scalar> || std::is_same_v<G, arithmetic_t<typename DQ::Scalar>>,
+                  "memattn: log_gates must have the scalar type of Q (of bfloat16 or half: or float).");
+    const ConstMatrixRef<G> g = detail::sequence(log_gates);
     detail::delta_rule_attention<detail::DeltaForm::chunked>("chunked_delta_rule_attention", Q, K, V, beta, &g,
                                                              std::forward<DO>(O), options, state);
 }

@@ -63,9 +63,10 @@ T channel_pair(const T* q, const T* k, const T* bt, const T* bs, Index d) {
 }
 
 /// Every check of the gated kernels, before anything is written; returns the gate width.
-template <class T>
-Index check_gated_arguments(const char* function, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                            const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& g, Shape o,
+/// T: the scalar the call computes in; E the inputs', G the log-gates' (E or T).
+template <class T, class E, class G>
+Index check_gated_arguments(const char* function, const ConstMatrixRef<E>& q, const ConstMatrixRef<E>& k,
+                            const ConstMatrixRef<E>& v, const ConstMatrixRef<G>& g, Shape o,
                             const LinearOptions& options, const LinearState<T>* state) {
     require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
     require(options.eps >= 0 && finite_in<T>(options.eps), function, "options.eps", "is ", options.eps,
@@ -83,11 +84,14 @@ Index check_gated_arguments(const char* function, const ConstMatrixRef<T>& q, co
             " (a gate per key channel)");
     // Two vectorised reductions (x·0 is 0 exactly for a finite x), then, only if one
     // fails, the element by element search for the message.
-    const bool all_good = g.size() == 0 || ((g.array() * T(0)).sum() == T(0) && g.maxCoeff() <= T(0));
+    const auto gates = g.template cast<T>();
+    const bool all_good = g.size() == 0 || ((gates.array() * T(0)).sum() == T(0) && gates.maxCoeff() <= T(0));
     for (Index i = 0; !all_good && i < g.rows(); ++i)
-        for (Index c = 0; c < g.cols(); ++c)
-            require(std::isfinite(g(i, c)) && g(i, c) <= 0, function, "log_gates", "has ", g(i, c), " at (", i, ", ",
-                    c, "), expected a finite log-gate <= 0 (a gate in (0, 1])");
+        for (Index c = 0; c < g.cols(); ++c) {
+            const T x = static_cast<T>(g(i, c));
+            require(std::isfinite(x) && x <= 0, function, "log_gates", "has ", x, " at (", i, ", ", c,
+                    "), expected a finite log-gate <= 0 (a gate in (0, 1])");
+        }
     if (state != nullptr && (state->mu.size() != 0 || state->nu.size() != 0)) {
         require(state->mu.rows() == q.cols() && state->mu.cols() == v.cols(), function, "state->mu", "has shape ",
                 shape(state->mu), ", expected ", q.cols(), 'x', v.cols(), " (key dim x value dim)");
@@ -197,16 +201,28 @@ void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
 
 enum class GatedForm { recurrent, chunked };
 
+/// Q, K and V of bfloat16 or float16 (log_gates of that type or float, O of that type
+/// or float, the state float) run the same form in float, span by span
+/// (detail/float_spans.hpp).
 template <GatedForm form, class DQ, class DK, class DV, class DG, class DO>
 void gated_linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                             const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, DO&& O,
-                            const LinearOptions& options, LinearState<typename DQ::Scalar>* state) {
-    using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn gated linear attention works on float or double matrices.");
-    static_assert(same_scalar<DQ, DK, DV, DG, std::remove_cvref_t<DO>>,
-                  "memattn gated linear attention: Q, K, V, log_gates and O must share one scalar type.");
-    const ConstMatrixRef<T> q = sequence(Q), k = sequence(K), v = sequence(V), g = sequence(log_gates);
-    MatrixRef<T> o = output(std::forward<DO>(O));
+                            const LinearOptions& options, LinearState<arithmetic_t<typename DQ::Scalar>>* state) {
+    using E = typename DQ::Scalar;
+    using T = arithmetic_t<E>;
+    using G = typename DG::Scalar;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
+    static_assert(Scalar<E> || LowPrecision<E>,
+                  "memattn gated linear attention works on float, double, Eigen::bfloat16 or Eigen::half matrices.");
+    static_assert(same_scalar<DQ, DK, DV>, "memattn gated linear attention: Q, K and V must share one scalar type.");
+    static_assert(std::is_same_v<G, E> || std::is_same_v<G, T>,
+                  "memattn gated linear attention: log_gates must have the scalar type of Q (of bfloat16 or half: "
+                  "or float).");
+    static_assert(std::is_same_v<Out, E> || std::is_same_v<Out, T>,
+                  "memattn gated linear attention: O must have the scalar type of Q (of bfloat16 or half: or float).");
+    const ConstMatrixRef<E> q = sequence(Q), k = sequence(K), v = sequence(V);
+    const ConstMatrixRef<G> g = sequence(log_gates);
+    MatrixRef<Out> o = output(std::forward<DO>(O));
     check_gated_arguments<T>(function, q, k, v, g, shape(o), options, state);
     require_disjoint(function, "O", o, "Q", q);
     require_disjoint(function, "O", o, "K", k);
@@ -219,10 +235,25 @@ void gated_linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q
         s.mu.setZero(q.cols(), v.cols());
         s.nu.setZero(q.cols());
     }
-    if constexpr (form == GatedForm::chunked)
-        gated_chunked(q, k, v, g, o, options, s);
-    else
-        gated_recurrent(q, k, v, g, o, options, s);
+    const auto run = [&](const ConstMatrixRef<T>& qs, const ConstMatrixRef<T>& ks, const ConstMatrixRef<T>& vs,
+                         const ConstMatrixRef<T>& gs, MatrixRef<T> os) {
+        if constexpr (form == GatedForm::chunked)
+            gated_chunked(qs, ks, vs, gs, os, options, s);
+        else
+            gated_recurrent(qs, ks, vs, gs, os, options, s);
+    };
+    if constexpr (LowPrecision<E>) {
+        FloatSpans spans;
+        const Index n = q.rows(), span = span_rows(options.chunk_size);
+        for (Index r0 = 0; r0 < n; r0 += span) {
+            const Index m = std::min(span, n - r0);
+            run(spans.rows(0, q, r0, m), spans.rows(1, k, r0, m), spans.rows(2, v, r0, m), spans.rows(3, g, r0, m),
+                spans.out(o, r0, m));
+            spans.store(o, r0, m);
+        }
+    } else {
+        run(q, k, v, g, o);
+    }
 }
 
 }  // namespace detail
@@ -233,7 +264,7 @@ template <class DQ, class DK, class DV, class DG, detail::EigenMatrix DO>
 void recurrent_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                       const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, DO&& O,
                                       const LinearOptions& options = {},
-                                      LinearState<typename DQ::Scalar>* state = nullptr) {
+                                      LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
     detail::gated_linear_attention<detail::GatedForm::recurrent>("recurrent_gated_linear_attention", Q, K, V,
                                                                  log_gates, std::forward<DO>(O), options, state);
 }
@@ -244,7 +275,7 @@ template <class DQ, class DK, class DV, class DG, detail::EigenMatrix DO>
 void chunked_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, DO&& O,
                                     const LinearOptions& options = {},
-                                    LinearState<typename DQ::Scalar>* state = nullptr) {
+                                    LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
     detail::gated_linear_attention<detail::GatedForm::chunked>("chunked_gated_linear_attention", Q, K, V, log_gates,
                                                                std::forward<DO>(O), options, state);
 }

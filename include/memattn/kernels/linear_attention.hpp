@@ -64,6 +64,7 @@
 // an exp per feature) and the copies of V_c and k'.
 
 #include "memattn/detail/assert.hpp"
+#include "memattn/detail/float_spans.hpp"
 #include "memattn/detail/tile_product.hpp"
 #include "memattn/feature_maps.hpp"
 #include "memattn/types.hpp"
@@ -126,8 +127,8 @@ Index check_linear_arguments(const char* function, const Phi& phi, Shape q, Shap
 
 /// The in/out state is an output too: O must not share memory with it (the final state
 /// would be written over outputs, or outputs over the state being read).
-template <class T>
-void require_state_disjoint(const char* function, const MatrixRef<T>& o, const LinearState<T>* state) {
+template <class T, class Out>
+void require_state_disjoint(const char* function, const MatrixRef<Out>& o, const LinearState<T>* state) {
     if (state == nullptr)
         return;
     require_disjoint(function, "O", o, "state->mu", state->mu);
@@ -428,20 +429,26 @@ void quadratic_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, cons
 
 enum class LinearForm { quadratic, recurrent, chunked };
 
+/// Q, K and V of bfloat16 or float16 (O of that type or float, the state float) run the
+/// same form in float, span by span (detail/float_spans.hpp).
 template <LinearForm form, class DQ, class DK, class DV, class DO, class Phi>
 void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                       const Eigen::MatrixBase<DV>& V, DO&& O, const Phi& phi, const LinearOptions& options,
-                      LinearState<typename DQ::Scalar>* state) {
-    using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn linear attention works on float or double matrices.");
-    static_assert(same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
-                  "memattn linear attention: Q, K, V and O must share one scalar type.");
+                      LinearState<arithmetic_t<typename DQ::Scalar>>* state) {
+    using E = typename DQ::Scalar;
+    using T = arithmetic_t<E>;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
+    static_assert(Scalar<E> || LowPrecision<E>,
+                  "memattn linear attention works on float, double, Eigen::bfloat16 or Eigen::half matrices.");
+    static_assert(same_scalar<DQ, DK, DV>, "memattn linear attention: Q, K and V must share one scalar type.");
+    static_assert(std::is_same_v<Out, E> || std::is_same_v<Out, T>,
+                  "memattn linear attention: O must have the scalar type of Q (of bfloat16 or half: or float).");
     static_assert(FeatureMap<Phi, T>,
                   "memattn linear attention: phi must be a feature map for this scalar: a copyable type with "
                   "`Index output_dim(Index d) const` and `void operator()(ConstMatrixRef<T> X, MatrixRef<T> Y) "
                   "const` (see memattn/feature_maps.hpp).");
-    const ConstMatrixRef<T> q = sequence(Q), k = sequence(K), v = sequence(V);
-    MatrixRef<T> o = output(std::forward<DO>(O));
+    const ConstMatrixRef<E> q = sequence(Q), k = sequence(K), v = sequence(V);
+    MatrixRef<Out> o = output(std::forward<DO>(O));
     const Index features = check_linear_arguments<T>(function, phi, shape(q), shape(k), shape(v), shape(o), options,
                                                      state);
     require_disjoint(function, "O", o, "Q", q);
@@ -455,12 +462,29 @@ void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, cons
         s.mu.setZero(features, V.cols());
         s.nu.setZero(features);
     }
-    if constexpr (form == LinearForm::chunked)
-        chunked_form(q, k, v, o, phi, options, features, s);
-    else if constexpr (form == LinearForm::recurrent)
-        recurrent_form(q, k, v, o, phi, options, features, s);
-    else
-        quadratic_form(q, k, v, o, phi, options, features, s, has_initial, state != nullptr);
+    const auto run = [&](const ConstMatrixRef<T>& qs, const ConstMatrixRef<T>& ks, const ConstMatrixRef<T>& vs,
+                         MatrixRef<T> os, bool initial, bool wants_state) {
+        if constexpr (form == LinearForm::chunked)
+            chunked_form(qs, ks, vs, os, phi, options, features, s);
+        else if constexpr (form == LinearForm::recurrent)
+            recurrent_form(qs, ks, vs, os, phi, options, features, s);
+        else
+            quadratic_form(qs, ks, vs, os, phi, options, features, s, initial, wants_state);
+    };
+    if constexpr (LowPrecision<E>) {
+        // Each span continues from the state the one before left (the quadratic form: its
+        // pairs within the span, the past through the state).
+        FloatSpans spans;
+        const Index n = q.rows(), span = span_rows(options.chunk_size);
+        for (Index r0 = 0; r0 < n; r0 += span) {
+            const Index m = std::min(span, n - r0);
+            run(spans.rows(0, q, r0, m), spans.rows(1, k, r0, m), spans.rows(2, v, r0, m), spans.out(o, r0, m),
+                has_initial || r0 > 0, state != nullptr || r0 + m < n);
+            spans.store(o, r0, m);
+        }
+    } else {
+        run(q, k, v, o, has_initial, state != nullptr);
+    }
 }
 
 }  // namespace detail
@@ -472,7 +496,7 @@ template <class DQ, class DK, class DV, detail::EigenMatrix DO, class Phi = EluP
 void quadratic_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                 const Eigen::MatrixBase<DV>& V, DO&& O, const Phi& phi = {},
                                 const LinearOptions& options = {},
-                                LinearState<typename DQ::Scalar>* state = nullptr) {
+                                LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
     detail::linear_attention<detail::LinearForm::quadratic>("quadratic_linear_attention", Q, K, V, std::forward<DO>(O), phi, options,
                                                             state);
 }
@@ -482,7 +506,7 @@ template <class DQ, class DK, class DV, detail::EigenMatrix DO, class Phi = EluP
 void recurrent_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                 const Eigen::MatrixBase<DV>& V, DO&& O, const Phi& phi = {},
                                 const LinearOptions& options = {},
-                                LinearState<typename DQ::Scalar>* state = nullptr) {
+                                LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
     detail::linear_attention<detail::LinearForm::recurrent>("recurrent_linear_attention", Q, K, V, std::forward<DO>(O), phi, options,
                                                             state);
 }
@@ -496,7 +520,8 @@ void recurrent_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
 template <class DQ, class DK, class DV, detail::EigenMatrix DO, class Phi = EluPlusOne>
 void chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, DO&& O, const Phi& phi = {},
-                              const LinearOptions& options = {}, LinearState<typename DQ::Scalar>* state = nullptr) {
+                              const LinearOptions& options = {},
+                              LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
     detail::linear_attention<detail::LinearForm::chunked>("chunked_linear_attention", Q, K, V, std::forward<DO>(O), phi, options,
                                                           state);
 }

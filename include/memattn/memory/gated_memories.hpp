@@ -75,7 +75,7 @@ public:
           options_(options),
           a_(gates == GateKind::channel ? d_ : 0) {
         const Matrix<T> none(0, d_), values(0, dv_), gate(0, gate_cols());
-        detail::check_gated_arguments<T>("GatedLinearAttentionMemory", none, none, values, gate, {0, dv_}, options_,
+        detail::check_gated_arguments<T, T, T>("GatedLinearAttentionMemory", none, none, values, gate, {0, dv_}, options_,
                                          nullptr);
         reset();
     }
