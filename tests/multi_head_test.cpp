@@ -150,9 +150,10 @@ TEST_CASE("The layer reads column blocks of a fused QKV buffer in place", "[laye
 
 namespace {
 
-template <class T>
+template <class T, class Out = T>
 void check_linear_layer(const HeadLayout& layout, const LinearOptions& options, const std::vector<Index>& lengths,
                         std::uint64_t seed) {
+    using A = arithmetic_t<T>;
     const std::vector<Index> offsets = offsets_of(lengths);
     const Index n = offsets.back(), d = layout.head_dim, dv = layout.values(), g = layout.group_size();
     const Matrix<T> Q = random_matrix<T>(n, layout.q_heads * d, seed);
@@ -160,22 +161,22 @@ void check_linear_layer(const HeadLayout& layout, const LinearOptions& options, 
     const Matrix<T> V = random_matrix<T>(n, layout.kv_heads * dv, seed + 2);
     const std::size_t B = lengths.size();
     // Initial states: nonzero, from a first call on other tokens, except an empty one.
-    std::vector<LinearState<T>> states(B * static_cast<std::size_t>(layout.kv_heads));
+    std::vector<LinearState<A>> states(B * static_cast<std::size_t>(layout.kv_heads));
     for (std::size_t i = 1; i < states.size(); ++i) {
-        Matrix<T> warm(9, dv);
+        Matrix<Out> warm(9, dv);
         chunked_linear_attention(random_matrix<T>(9, d, seed + 10 + i), random_matrix<T>(9, d, seed + 20 + i),
                                  random_matrix<T>(9, dv, seed + 30 + i), warm, EluPlusOne{}, options, &states[i]);
     }
-    const std::vector<LinearState<T>> initial = states;
-    Matrix<T> O(n, layout.q_heads * dv), R(n, layout.q_heads * dv);
-    std::vector<LinearState<T>> expected_states = initial;
+    const std::vector<LinearState<A>> initial = states;
+    Matrix<Out> O(n, layout.q_heads * dv), R(n, layout.q_heads * dv);
+    std::vector<LinearState<A>> expected_states = initial;
     for (std::size_t b = 0; b < B; ++b)
         for (Index h = 0; h < layout.q_heads; ++h) {
             const Index kv = h / g;
             const std::size_t index = b * static_cast<std::size_t>(layout.kv_heads) + static_cast<std::size_t>(kv);
-            LinearState<T> s = initial[index];
+            LinearState<A> s = initial[index];
             if (lengths[b] == 0) {  // empty matrices, not blocks of an empty one (a null pointer)
-                Matrix<T> none(0, dv);
+                Matrix<Out> none(0, dv);
                 chunked_linear_attention(Matrix<T>(0, d), Matrix<T>(0, d), Matrix<T>(0, dv), none, EluPlusOne{},
                                          options, &s);
             } else {
@@ -192,11 +193,11 @@ void check_linear_layer(const HeadLayout& layout, const LinearOptions& options, 
     CHECK(same_bits(O, R));
     for (std::size_t i = 0; i < states.size(); ++i) {
         CHECK(same_bits(states[i].mu, expected_states[i].mu));
-        CHECK(same_bits(Matrix<T>(states[i].nu), Matrix<T>(expected_states[i].nu)));
+        CHECK(same_bits(Matrix<A>(states[i].nu), Matrix<A>(expected_states[i].nu)));
     }
     // Without states: the same outputs as starting from zero.
     if (B == 1 && n > 0) {
-        Matrix<T> zero_start(n, layout.q_heads * dv), Z(n, layout.q_heads * dv);
+        Matrix<Out> zero_start(n, layout.q_heads * dv), Z(n, layout.q_heads * dv);
         multi_head_chunked_linear_attention(Q, K, V, zero_start, layout, EluPlusOne{}, options);
         for (Index h = 0; h < layout.q_heads; ++h)
             chunked_linear_attention(Q.middleCols(h * d, d), K.middleCols(h / g * d, d),
@@ -224,6 +225,18 @@ TEMPLATE_TEST_CASE("multi_head_chunked_linear_attention equals the chunked form 
     SECTION("past the staging block, a last block shorter than a chunk") {
         check_linear_layer<T>({4, 4, 8}, {.decay = 0.9}, {2 * detail::LinearStage<T>::rows + 5}, 36);
         check_linear_layer<T>({4, 2, 8}, {.chunk_size = 24}, {300, 517}, 37);
+    }
+}
+
+TEMPLATE_TEST_CASE("multi_head_chunked_linear_attention on bfloat16 and float16 equals the chunked form per head",
+                   "[layer][linear][low_precision]", Eigen::bfloat16, Eigen::half) {
+    using E = TestType;
+    SECTION("GQA 8/2, outputs of float and of the inputs' type") {
+        check_linear_layer<E, float>({8, 2, 8, 4}, {.decay = 0.9}, {53}, 41);
+        check_linear_layer<E, E>({8, 2, 8, 4}, {}, {53}, 42);
+    }
+    SECTION("varlen, past the staging block") {
+        check_linear_layer<E, float>({4, 2, 8}, {.chunk_size = 24}, {300, 0, 1, 517}, 43);
     }
 }
 

@@ -135,6 +135,7 @@ void everything(memattn::Index n, memattn::Index d) {
         memattn::chunked_delta_rule_attention(b, b, b, beta, out_b);
         memattn::recurrent_delta_rule_attention(b, b, b, beta, gates, out);
         memattn::multi_head_causal_softmax_attention(b, b, b, out_b, memattn::HeadLayout{1, 1, d});
+        memattn::multi_head_chunked_linear_attention(h, h, h, out, memattn::HeadLayout{1, 1, d});
     }
     const memattn::Rope rope{.head_dim = d, .scaling = memattn::Rope::Yarn{.factor = 2}};
     std::vector<memattn::Index> positions(static_cast<std::size_t>(n), 3);

@@ -343,20 +343,26 @@ namespace detail {
 /// keeps many of them in flight. Measured (8 heads, N = 4096, float, one thread, Zen 1):
 /// 1.2× faster at d = 64, the same at d = 128. The blocks are whole chunks and the state
 /// is carried exactly, so the outputs are bitwise those of one call on the strided views.
-template <class T>
+/// Inputs of bfloat16 or float16 always go block by block, converted to float on the
+/// copy (and the outputs rounded on the way back): bitwise the single-head call on them.
+template <class E>
 class LinearStage {
+    using T = arithmetic_t<E>;
+
 public:
     static constexpr Index rows = 256;
 
-    template <class Phi>
-    void run(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, MatrixRef<T> O,
+    template <class Out, class Phi>
+    void run(const ConstMatrixRef<E>& Q, const ConstMatrixRef<E>& K, const ConstMatrixRef<E>& V, MatrixRef<Out> O,
              const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& state) {
         const bool strided = Q.outerStride() != Q.cols() || K.outerStride() != K.cols() ||
                              V.outerStride() != V.cols() || O.outerStride() != O.cols();
         const Index n = Q.rows();
-        if (!strided || n <= rows) {
-            chunked_form<T>(Q, K, V, O, phi, options, features, state);
-            return;
+        if constexpr (std::is_same_v<E, T>) {
+            if (!strided || n <= rows) {
+                chunked_form<T>(Q, K, V, O, phi, options, features, state);
+                return;
+            }
         }
         const Index block = std::max<Index>(1, rows / options.chunk_size) * options.chunk_size;
         q_.resize(block, Q.cols());
@@ -365,12 +371,12 @@ public:
         o_.resize(block, O.cols());
         for (Index start = 0; start < n; start += block) {
             const Index m = std::min(block, n - start);
-            q_.topRows(m) = Q.middleRows(start, m);
-            k_.topRows(m) = K.middleRows(start, m);
-            v_.topRows(m) = V.middleRows(start, m);
+            q_.topRows(m) = Q.middleRows(start, m).template cast<T>();
+            k_.topRows(m) = K.middleRows(start, m).template cast<T>();
+            v_.topRows(m) = V.middleRows(start, m).template cast<T>();
             chunked_form<T>(q_.topRows(m), k_.topRows(m), v_.topRows(m), o_.topRows(m), phi, options, features, state,
                             n);
-            O.middleRows(start, m) = o_.topRows(m);
+            O.middleRows(start, m) = o_.topRows(m).template cast<Out>();
         }
     }
 
@@ -384,9 +390,10 @@ struct LinearItem {
     Index kv, first, members;
 };
 
-template <class T, class Phi>
-void check_linear_layer(const char* function, const HeadLayout& layout, const Phi& phi, const ConstMatrixRef<T>& q,
-                        const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, const MatrixRef<T>& o,
+/// T: the scalar the call computes in, E the inputs', Out the outputs'.
+template <class T, class E, class Out, class Phi>
+void check_linear_layer(const char* function, const HeadLayout& layout, const Phi& phi, const ConstMatrixRef<E>& q,
+                        const ConstMatrixRef<E>& k, const ConstMatrixRef<E>& v, const MatrixRef<Out>& o,
                         const LinearOptions& options, std::span<LinearState<T>> states, const VarLen& batch,
                         Index& features) {
     check_layout(function, layout);
@@ -441,22 +448,30 @@ void check_linear_layer(const char* function, const HeadLayout& layout, const Ph
 /// index b·kv_heads + g, shared by the group's query heads (the state depends only on
 /// K and V): each empty or the shape of a state, carried in, the final state out.
 /// Sequences need as many keys as queries. Outputs are bitwise chunked_linear_attention
-/// per query head; throws std::invalid_argument, changing nothing, on bad input.
+/// per query head; throws std::invalid_argument, changing nothing, on bad input. Q, K and
+/// V of bfloat16 or float16 compute in float (O of that type or float, the states float),
+/// bitwise chunked_linear_attention on them per query head.
 template <class DQ, class DK, class DV, detail::EigenMatrix DO, class Phi = EluPlusOne>
 void multi_head_chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                          const Eigen::MatrixBase<DV>& V, DO&& O, const HeadLayout& layout,
                                          const Phi& phi = {}, const LinearOptions& options = {},
-                                         std::span<LinearState<typename DQ::Scalar>> states = {},
+                                         std::span<LinearState<arithmetic_t<typename DQ::Scalar>>> states = {},
                                          const VarLen& batch = {}, ExecutorRef executor = {}) {
-    using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn::multi_head_chunked_linear_attention: the scalar type must be float or double.");
-    static_assert(detail::same_scalar<DQ, DK, DV, std::remove_cvref_t<DO>>,
-                  "memattn::multi_head_chunked_linear_attention: Q, K, V and O must have the same scalar type.");
+    using E = typename DQ::Scalar;
+    using T = arithmetic_t<E>;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
+    static_assert(Scalar<E> || LowPrecision<E>, "memattn::multi_head_chunked_linear_attention: the scalar type must "
+                                                "be float, double, Eigen::bfloat16 or Eigen::half.");
+    static_assert(detail::same_scalar<DQ, DK, DV>,
+                  "memattn::multi_head_chunked_linear_attention: Q, K and V must have the same scalar type.");
+    static_assert(std::is_same_v<Out, E> || std::is_same_v<Out, T>,
+                  "memattn::multi_head_chunked_linear_attention: O must have the scalar type of Q (of bfloat16 or "
+                  "half: or float).");
     static_assert(FeatureMap<Phi, T>, "memattn::multi_head_chunked_linear_attention: phi must be a feature map for "
                                       "this scalar (see memattn/feature_maps.hpp).");
     constexpr const char* function = "multi_head_chunked_linear_attention";
-    const ConstMatrixRef<T> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
-    MatrixRef<T> o = detail::output(std::forward<DO>(O));
+    const ConstMatrixRef<E> q = detail::sequence(Q), k = detail::sequence(K), v = detail::sequence(V);
+    MatrixRef<Out> o = detail::output(std::forward<DO>(O));
     Index features = 0;
     detail::check_linear_layer<T>(function, layout, phi, q, k, v, o, options, states, batch, features);
 
@@ -486,7 +501,7 @@ void multi_head_chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const E
             return static_cast<double>(span.q_rows) * static_cast<double>(item.members + 1);
         },
         [&](Index first, Index last) {
-            detail::LinearStage<T> stage;
+            detail::LinearStage<E> stage;
             for (Index i = first; i < last; ++i) {
                 const detail::LinearItem& item = items[static_cast<std::size_t>(i)];
                 const auto span = detail::sequence_span(batch, item.seq, q.rows(), k.rows());
@@ -501,11 +516,11 @@ void multi_head_chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const E
                 }
                 const Index head = item.kv * g + item.first;
                 if (span.q_rows > 0)  // no block of a possibly empty (null) view
-                    stage.run(q.block(span.q_begin, head * d, span.q_rows, item.members * d),
-                              k.block(span.k_begin, item.kv * d, span.k_rows, d),
-                              v.block(span.k_begin, item.kv * dv, span.k_rows, dv),
-                              o.block(span.q_begin, head * dv, span.q_rows, item.members * dv), phi, options, features,
-                              state);
+                    stage.template run<Out>(q.block(span.q_begin, head * d, span.q_rows, item.members * d),
+                                            k.block(span.k_begin, item.kv * d, span.k_rows, d),
+                                            v.block(span.k_begin, item.kv * dv, span.k_rows, dv),
+                                            o.block(span.q_begin, head * dv, span.q_rows, item.members * dv), phi,
+                                            options, features, state);
                 if (!states.empty() && item.first == 0)
                     states[index] = std::move(state);
             }
