@@ -78,12 +78,20 @@ std::pair<double, double> error_against_double(const Matrix<T>& Q, const Matrix<
     return done[key] = {largest, std::sqrt(squares / static_cast<double>(O.size()))};
 }
 
+/// The kernel class a call on inputs of T runs (16-bit: Q, K and V through ConvertedRows).
+template <class T>
+using Kernel = std::conditional_t<memattn::LowPrecision<T>,
+                                  memattn::detail::TiledCausalSoftmax<float, memattn::detail::DefaultBlocking,
+                                                                      memattn::detail::ConvertedRows<T>,
+                                                                      memattn::detail::ConvertedRows<T>,
+                                                                      memattn::detail::ConvertedRows<T>>,
+                                  memattn::detail::TiledCausalSoftmax<memattn::arithmetic_t<T>>>;
+
 /// T = Eigen::bfloat16: Q, K, V and O in bfloat16 (vdpbf16ps products on AVX512-BF16).
 /// Counters: the output's largest and rms error against double on the same inputs
 /// (values uniform in [−1, 1]).
 template <class T = float>
 void BM_CausalSoftmax(benchmark::State& state) {
-    using A = memattn::arithmetic_t<T>;
     const Case c(state);
     const Matrix<T> Q = random_matrix<T>(c.n, c.d, 1), K = random_matrix<T>(c.n, c.d, 2),
                     V = random_matrix<T>(c.n, c.d, 3);
@@ -100,9 +108,7 @@ void BM_CausalSoftmax(benchmark::State& state) {
         state.counters["rms_error"] = rms;
     }
     state.counters["scratch_KiB"] =
-        static_cast<double>(memattn::detail::TiledCausalSoftmax<A>::scratch_bytes(
-            c.d, c.d, memattn::detail::default_tiles(c.window))) /
-        1024.0;
+        static_cast<double>(Kernel<T>::scratch_bytes(c.d, c.d, memattn::detail::default_tiles(c.window))) / 1024.0;
 }
 
 /// Scores for all N² pairs, masked, softmax by rows, times V.

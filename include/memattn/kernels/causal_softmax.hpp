@@ -503,9 +503,16 @@ public:
         query_offset_ = offset;
     }
 
-    /// Bytes of scratch one call allocates: all the extra memory it needs, whatever Nq and Nk.
+    /// Bytes of scratch one call allocates: all the extra memory it needs, whatever Nq and Nk
+    /// (with bfloat16 products, their pair buffers too).
     static std::size_t scratch_bytes(Index d, Index dv, SoftmaxTiles tiles) {
-        return SoftmaxScratch<T>::bytes(d, dv, tiles);
+        std::size_t bytes = SoftmaxScratch<T>::bytes(d, dv, tiles);
+        if constexpr (pairs) {
+            const Index lanes = round_up(tiles.queries, 2 * packet_lanes<T>), half_keys = (tiles.keys + 1) / 2;
+            bytes += sizeof(std::uint32_t) *
+                     static_cast<std::size_t>((d + 1) / 2 * lanes + half_keys * lanes + half_keys * round_up(dv, 16));
+        }
+        return bytes;
     }
 
     /// Writes O (of T, or of the inputs' bfloat16 or float16) and calls lse(i, lse_i) for

@@ -928,9 +928,56 @@ public:
             acc[c] += w * stored_value(row, c);
     }
     /// add_scaled for rows [first, first + n) with weights w, acc in registers
-    /// (add_rows_in_registers; fused_storage).
+    /// (add_rows_in_registers; fused_storage). With AVX-512, block by block: a row's
+    /// blocks of a tile of up to four (eight packets of acc in registers) each build their
+    /// table once and look both halves up in it. Through the generic per-packet loop the
+    /// compiler kept Q4Affine's accumulators in memory and recomputed each packet's block
+    /// (measured: the single-query attend at 4096 and 65536 pairs, d = 128, took 2.0 and
+    /// 1.8× Q4's time). Every element is the same multiply-add chain in row order, so
+    /// the bits are the generic loop's.
     void add_rows(Index first, Index n, const float* w, float* acc, Index ahead, Index prefetch_end) const {
-        add_rows_in_registers(*this, first, n, w, acc, ahead, prefetch_end);
+        if constexpr (nibble_tables) {
+            using namespace Eigen::internal;
+            using P = Packet<float>;
+            constexpr Index lanes = packet_lanes<float>;
+            constexpr int tile = 4;  // blocks: 8 packets of acc
+            const Index whole = cols_ / block;
+            for (Index b0 = 0; b0 < whole; b0 += tile) {
+                const bool prefetch = ahead > 0 && b0 == 0;  // the first pass over the rows asks for them
+                dispatch<tile>(std::min<Index>(tile, whole - b0), [&]<int Blocks>() {
+                    P r[2 * Blocks];
+                    for (int p = 0; p < 2 * Blocks; ++p)
+                        r[p] = ploadu<P>(acc + b0 * block + p * lanes);
+                    for (Index j = 0; j < n; ++j) {
+                        const Index row = first + j;
+                        if (prefetch && row + ahead < prefetch_end)
+                            prefetch_row(row + ahead);
+                        const P weight = pset1<P>(w[j]);
+                        const std::uint8_t* x = &u_(row, b0 * block_bytes);
+                        for (int b = 0; b < Blocks; ++b) {
+                            const P table = q4_table<S>(scales_(row, b0 + b), S::zero_point ? zeros_(row, b0 + b) : 0.0f);
+                            r[2 * b] = pmadd(weight, lookup_nibbles(x + b * block_bytes, false, table), r[2 * b]);
+                            r[2 * b + 1] = pmadd(weight, lookup_nibbles(x + b * block_bytes, true, table), r[2 * b + 1]);
+                        }
+                    }
+                    for (int p = 0; p < 2 * Blocks; ++p)
+                        pstoreu(acc + b0 * block + p * lanes, r[p]);
+                });
+            }
+            // The last, shorter block: its whole packets, then its lanes.
+            Index c = whole * block;
+            for (; c + lanes <= cols_; c += lanes) {
+                P r = ploadu<P>(acc + c);
+                for (Index j = 0; j < n; ++j)
+                    r = pmadd(pset1<P>(w[j]), stored_packet(first + j, c), r);
+                pstoreu(acc + c, r);
+            }
+            for (; c < cols_; ++c)
+                for (Index j = 0; j < n; ++j)
+                    acc[c] += w[j] * stored_value(first + j, c);
+        } else {
+            add_rows_in_registers(*this, first, n, w, acc, ahead, prefetch_end);
+        }
     }
     [[nodiscard]] Packet<float> packet(Index r, Index c) const { return stored_packet(r, c); }
     [[nodiscard]] float scalar(Index r, Index c) const { return stored_value(r, c); }
