@@ -726,3 +726,52 @@ TEST_CASE("bf16_product: every leftover of rows, packets, lanes and depth, bande
     }
 }
 #endif
+
+namespace {
+
+/// bfloat16 rows that never take the bfloat16 products: the kernel on them is the float
+/// path the vdpbf16ps path replaces (tiles converted to float), on any CPU.
+struct ConvertedOnly : detail::ConvertedRows<Eigen::bfloat16> {
+    using detail::ConvertedRows<Eigen::bfloat16>::ConvertedRows;
+    static constexpr bool pairs = false;
+};
+
+}  // namespace
+
+TEST_CASE("causal softmax on bfloat16: the bfloat16 products against the converted float path they replace",
+          "[softmax][kernel][low_precision]") {
+    // Both through the same kernel and the same inputs; with AVX512-BF16 the first takes
+    // vdpbf16ps, the second converts each tile to float. They agree within the bound of
+    // §4.7c (the weights' rounding), the lse within 2⁻⁸/(1 − 2⁻⁸).
+    const Index n = GENERATE(Index(1), key_tile + 3, 2 * tile + 5), d = GENERATE(Index(7), Index(64));
+    const Index window = GENERATE(Index(0), Index(50));
+    CAPTURE(n, d, window);
+    const Matrix<Eigen::bfloat16> Q = random_low<Eigen::bfloat16>(n, d, 40, 2.0),
+                                  K = random_low<Eigen::bfloat16>(n, d, 41, 2.0),
+                                  V = random_low<Eigen::bfloat16>(n, 33, 42);
+    const SoftmaxOptions options{.scale = 0, .window = window, .sink_tokens = 2};
+    const detail::SoftmaxTiles tiles = detail::default_tiles(detail::effective_window(window, n));
+    Matrix<float> fast(n, 33), plain(n, 33);
+    Vector<float> fast_lse(n), plain_lse(n);
+    {
+        detail::SoftmaxScratch<float> scratch(d, 33, tiles);
+        detail::causal_softmax_converted<Eigen::bfloat16, float>(
+            Q, K, V, fast, [&](Index i, float x) { fast_lse(i) = x; }, options, scratch, detail::trailing_queries, {});
+    }
+    {
+        detail::SoftmaxScratch<float> scratch(d, 33, tiles);
+        detail::causal_softmax_rows<float>(
+            ConvertedOnly(Q, tiles.queries, scratch.converted_q), ConvertedOnly(K, tiles.keys, scratch.converted_k),
+            ConvertedOnly(V, tiles.keys, scratch.converted_v), MatrixRef<float>(plain),
+            [&](Index i, float x) { plain_lse(i) = x; }, options, scratch, detail::trailing_queries,
+            detail::TileBias<float>{});
+    }
+    const double u = detail::bf16_dot ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+    const Matrix<float> Vf = V.cast<float>();
+    const double range = static_cast<double>(Vf.maxCoeff() - Vf.minCoeff());
+    CHECK((fast - plain).cwiseAbs().maxCoeff() <= u * range + 1e-5);
+    CHECK((fast_lse - plain_lse).cwiseAbs().maxCoeff() <= u + 1e-5);
+    if (!detail::bf16_dot) {  // the same path: the same bits
+        CHECK((fast.array() == plain.array()).all());
+    }
+}
