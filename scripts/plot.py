@@ -153,12 +153,15 @@ def causal_softmax(results, out):
         return
     runs, context = load(path)
     peak = next((r["GFLOPS"] for n, r in runs.items() if n.startswith("BM_FmaPeak")), None)
+    # A CPU without AVX512-BF16 skips BM_Bf16DotPeak (an error, no GFLOPS)
+    bf16_peak = next((r["GFLOPS"] for n, r in runs.items() if n.startswith("BM_Bf16DotPeak") and "GFLOPS" in r), None)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, d in zip(axes, (64, 128)):
         for prefix, window, label, style in [
             ("BM_CausalSoftmax", 0, "causal softmax, full", "o-"),
             ("BM_CausalSoftmax", 512, "causal softmax, window 512", "s-"),
             ("BM_CausalSoftmaxDouble", 0, "full, double", "^:"),
+            ("BM_CausalSoftmaxBf16", 0, "full, bfloat16 in and out", "D-"),
             ("BM_EigenTileGemm", 0, "Eigen GEMM on 64x64 tiles (no softmax)", "x--"),
         ]:
             pts = series(runs, prefix, "GFLOPS", "N", {"d": d, "window": window}, lambda r: r["GFLOPS"])
@@ -166,6 +169,8 @@ def causal_softmax(results, out):
                 ax.plot(*zip(*pts), style, label=label)
         if peak:
             ax.axhline(peak, color="k", lw=1, ls="-.", label=f"FMA peak, one core ({peak:.0f})")
+        if bf16_peak:
+            ax.axhline(bf16_peak, color="tab:gray", lw=1, ls="-.", label=f"bfloat16 dot peak ({bf16_peak:.0f})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens N")
         ax.set_title(f"d = dv = {d}")
