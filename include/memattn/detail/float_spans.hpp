@@ -50,6 +50,18 @@ public:
         }
     }
 
+    /// f(r0, m, out) for each span [r0, r0 + m) of n rows (span_rows(chunk) each), `out`
+    /// where the float form writes the span's rows of O, which are then stored into O.
+    template <class Out, class F>
+    void each(Index n, Index chunk, MatrixRef<Out>& o, F&& f) {
+        const Index span = span_rows(chunk);
+        for (Index r0 = 0; r0 < n; r0 += span) {
+            const Index m = std::min(span, n - r0);
+            f(r0, m, out(o, r0, m));
+            store(o, r0, m);
+        }
+    }
+
     /// Rows [r0, r0 + m) of a 16-bit O from the output buffer, rounded to nearest even.
     template <class Out>
     void store(MatrixRef<Out>& o, Index r0, Index m) const {

@@ -651,43 +651,41 @@ private:
     /// (converted, query by query where weights are masked), so a masked weight of 0 never
     /// meets ∞.
     void attend_key_pairs(Index j0, Index n, bool masked) {
-        if constexpr (pairs) {
-            const Index d = k_.cols(), dv = v_.cols();
-            const auto [keys, ldk] = k_.bits(j0);
-            const float post = scale_ * T(log2e);
-            if (masked) {
-                bf16_product<B>(n, cols_, d, keys, ldk, 2, query_pairs_, lanes_, s_.data(), lanes_, nullptr, post,
-                                LanesSeeingKeys{*this, j0}, &ahead_);
-                transform_logits(j0, n);
-                mask(j0, n);
-            } else {
-                bf16_product<B>(n, cols_, d, keys, ldk, 2, query_pairs_, lanes_, s_.data(), lanes_, nullptr, post,
-                                WholeStrip{}, &ahead_);
-                transform_logits(j0, n);
-            }
-            state_.absorb(s_.data(), n, lanes_, cols_, RoundToBf16{});
-            const auto [values, ldv] = v_.bits(j0);
-            if (pack_row_pairs(values, n, dv, ldv, value_pairs_, value_stride_)) {
-                pack_weight_pairs(s_.data(), n, cols_, lanes_, weight_pairs_);
-                const auto* weights = reinterpret_cast<const std::uint16_t*>(weight_pairs_);
-                if (masked)
-                    bf16_product<B, true>(cols_, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_,
-                                          acc_.data(), dv, state_.alpha(), 1.0f, KeysSeenByLanes{*this, j0, n},
-                                          &ahead_);
-                else
-                    bf16_product<B, true>(cols_, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_,
-                                          acc_.data(), dv, state_.alpha(), 1.0f, WholeStrip{}, &ahead_);
-                return;
-            }
-            const auto [converted, ldc] = v_.tile(j0, n);
-            if (biased_)
-                accumulate_weighted_keys(n, converted, ldc);
-            else if (masked)
-                accumulate_visible_keys(j0, n, converted, ldc);
-            else
-                tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, converted, ldc, acc_.data(), dv,
-                                   state_.alpha(), {}, &ahead_);
+        const Index d = k_.cols(), dv = v_.cols();
+        const auto [keys, ldk] = k_.bits(j0);
+        const float post = scale_ * T(log2e);
+        if (masked) {
+            bf16_product<B>(n, cols_, d, keys, ldk, 2, query_pairs_, lanes_, s_.data(), lanes_, nullptr, post,
+                            LanesSeeingKeys{*this, j0}, &ahead_);
+            transform_logits(j0, n);
+            mask(j0, n);
+        } else {
+            bf16_product<B>(n, cols_, d, keys, ldk, 2, query_pairs_, lanes_, s_.data(), lanes_, nullptr, post,
+                            WholeStrip{}, &ahead_);
+            transform_logits(j0, n);
         }
+        state_.absorb(s_.data(), n, lanes_, cols_, RoundToBf16{});
+        const auto [values, ldv] = v_.bits(j0);
+        if (pack_row_pairs(values, n, dv, ldv, value_pairs_, value_stride_)) {
+            pack_weight_pairs(s_.data(), n, cols_, lanes_, weight_pairs_);
+            const auto* weights = reinterpret_cast<const std::uint16_t*>(weight_pairs_);
+            if (masked)
+                bf16_product<B, true>(cols_, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_,
+                                      acc_.data(), dv, state_.alpha(), 1.0f, KeysSeenByLanes{*this, j0, n},
+                                      &ahead_);
+            else
+                bf16_product<B, true>(cols_, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_,
+                                      acc_.data(), dv, state_.alpha(), 1.0f, WholeStrip{}, &ahead_);
+            return;
+        }
+        const auto [converted, ldc] = v_.tile(j0, n);
+        if (biased_)
+            accumulate_weighted_keys(n, converted, ldc);
+        else if (masked)
+            accumulate_visible_keys(j0, n, converted, ldc);
+        else
+            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, converted, ldc, acc_.data(), dv,
+                               state_.alpha(), {}, &ahead_);
     }
 
     /// The bias tile of keys [j0, j0 + n) for the query tile (zero in the padding lanes),
@@ -1088,6 +1086,19 @@ void causal_softmax_stored(const ConstMatrixRef<T>& Q, const StoredRows<T, S>& K
     kernel.run(O, [](Index, T) {});
 }
 
+/// A public call after its checks, with the measured tiles: the float or double kernel
+/// on views of T, or the converted kernel on 16-bit inputs.
+template <class T, class Out, class LseSink>
+void causal_softmax_call(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                         MatrixRef<Out> O, LseSink&& lse, const SoftmaxOptions& options,
+                         TileBias<arithmetic_t<T>> bias = {}) {
+    if constexpr (LowPrecision<T>)
+        causal_softmax_converted<T>(Q, K, V, O, lse, options, bias);
+    else
+        causal_softmax_views<T>(Q, K, V, O, lse, options, default_tiles(effective_window(options.window, K.rows())),
+                                bias);
+}
+
 }  // namespace detail
 
 /// O = causal softmax attention of Q over K/V (see the top of the file and docs/design.md).
@@ -1114,10 +1125,7 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
     detail::check_softmax_arguments<A>(function, detail::shape(q), detail::shape(k), detail::shape(v),
                                        detail::shape(o), options);
     detail::check_disjoint(function, "O", o, q, k, v);
-    if constexpr (LowPrecision<T>)
-        detail::causal_softmax_converted<T>(q, k, v, o, [](Index, float) {}, options);
-    else
-        detail::causal_softmax_views<T>(q, k, v, o, [](Index, T) {}, options);
+    detail::causal_softmax_call<T>(q, k, v, o, [](Index, A) {}, options);
 }
 
 /// As above with a dense `bias` (Nq × Nk, any Eigen expression, read tile by tile without
@@ -1154,12 +1162,7 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
                     "the mask)");
     detail::check_disjoint(function, "O", o, q, k, v);
     const detail::DenseBias<DB> dense{&bias.derived(), 0};
-    if constexpr (LowPrecision<T>)
-        detail::causal_softmax_converted<T>(q, k, v, o, [](Index, float) {}, options, dense.template tile<float>());
-    else
-        detail::causal_softmax_views<T>(q, k, v, o, [](Index, T) {}, options,
-                                        detail::default_tiles(detail::effective_window(options.window, k.rows())),
-                                        dense.template tile<T>());
+    detail::causal_softmax_call<T>(q, k, v, o, [](Index, A) {}, options, dense.template tile<A>());
 }
 
 /// As above, and writes lse_i = log Σ_{j visible} exp(scale · q_i·k_j) into the vector
@@ -1192,11 +1195,7 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
     if constexpr (detail::check_output<DL, false>()) {
         detail::check_disjoint(function, "lse", lse, q, k, v);
         detail::require_disjoint(function, "lse", lse, "O", o);
-        const auto sink = [&lse](Index i, A value) { lse.coeffRef(i) = value; };
-        if constexpr (LowPrecision<T>)
-            detail::causal_softmax_converted<T>(q, k, v, o, sink, options);
-        else
-            detail::causal_softmax_views<T>(q, k, v, o, sink, options);
+        detail::causal_softmax_call<T>(q, k, v, o, [&lse](Index i, A value) { lse.coeffRef(i) = value; }, options);
     }
 }
 

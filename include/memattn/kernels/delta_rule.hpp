@@ -279,16 +279,13 @@ void delta_rule_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, 
     };
     if constexpr (LowPrecision<E>) {
         FloatSpans spans;
-        const Index n = q.rows(), span = span_rows(options.chunk_size);
-        for (Index r0 = 0; r0 < n; r0 += span) {
-            const Index m = std::min(span, n - r0);
+        spans.each(q.rows(), options.chunk_size, o, [&](Index r0, Index m, MatrixRef<T> os) {
             std::optional<ConstMatrixRef<T>> gs;
             if (gates != nullptr)
                 gs.emplace(spans.rows(4, *gates, r0, m));
             run(spans.rows(0, q, r0, m), spans.rows(1, k, r0, m), spans.rows(2, v, r0, m), spans.rows(3, b, r0, m),
-                gs ? &*gs : nullptr, spans.out(o, r0, m));
-            spans.store(o, r0, m);
-        }
+                gs ? &*gs : nullptr, os);
+        });
     } else {
         run(q, k, v, b, gates, o);
     }

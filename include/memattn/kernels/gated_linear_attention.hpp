@@ -244,13 +244,9 @@ void gated_linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q
     };
     if constexpr (LowPrecision<E>) {
         FloatSpans spans;
-        const Index n = q.rows(), span = span_rows(options.chunk_size);
-        for (Index r0 = 0; r0 < n; r0 += span) {
-            const Index m = std::min(span, n - r0);
-            run(spans.rows(0, q, r0, m), spans.rows(1, k, r0, m), spans.rows(2, v, r0, m), spans.rows(3, g, r0, m),
-                spans.out(o, r0, m));
-            spans.store(o, r0, m);
-        }
+        spans.each(q.rows(), options.chunk_size, o, [&](Index r0, Index m, MatrixRef<T> os) {
+            run(spans.rows(0, q, r0, m), spans.rows(1, k, r0, m), spans.rows(2, v, r0, m), spans.rows(3, g, r0, m), os);
+        });
     } else {
         run(q, k, v, g, o);
     }

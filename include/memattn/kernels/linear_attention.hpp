@@ -475,13 +475,11 @@ void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, cons
         // Each span continues from the state the one before left (the quadratic form: its
         // pairs within the span, the past through the state).
         FloatSpans spans;
-        const Index n = q.rows(), span = span_rows(options.chunk_size);
-        for (Index r0 = 0; r0 < n; r0 += span) {
-            const Index m = std::min(span, n - r0);
-            run(spans.rows(0, q, r0, m), spans.rows(1, k, r0, m), spans.rows(2, v, r0, m), spans.out(o, r0, m),
-                has_initial || r0 > 0, state != nullptr || r0 + m < n);
-            spans.store(o, r0, m);
-        }
+        const Index n = q.rows();
+        spans.each(n, options.chunk_size, o, [&](Index r0, Index m, MatrixRef<T> os) {
+            run(spans.rows(0, q, r0, m), spans.rows(1, k, r0, m), spans.rows(2, v, r0, m), os, has_initial || r0 > 0,
+                state != nullptr || r0 + m < n);
+        });
     } else {
         run(q, k, v, o, has_initial, state != nullptr);
     }
