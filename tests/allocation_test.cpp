@@ -247,6 +247,50 @@ TEMPLATE_TEST_CASE("Fixed-size memories never allocate in update, attend or exte
     }
 }
 
+TEST_CASE("16-bit memories allocate nothing where their float memories allocate nothing", "[memory][allocation]") {
+    using bf16 = Eigen::bfloat16;
+    using f16 = Eigen::half;
+    SECTION("SlidingWindowCache") { check_no_allocation(SlidingWindowCache<bf16>(16, 8, 64, 4)); }
+    SECTION("SlidingWindowCache, Q8") { check_no_allocation(SlidingWindowCache<f16, Q8>(16, 8, 64, 4)); }
+    SECTION("MovingAverageCache") { check_no_allocation(MovingAverageCache<f16>(16, 8, 32)); }
+    SECTION("HybridCache") { check_no_allocation(HybridCache<bf16>(16, 8, 32, 4, 8)); }
+    SECTION("LinearAttentionMemory") { check_no_allocation(LinearAttentionMemory<bf16>(16, 8)); }
+    SECTION("MultiHead<SlidingWindowCache>, groups of four") {
+        check_no_allocation(MultiHead<SlidingWindowCache<bf16>>(HeadLayout{8, 2, 8, 4},
+                                                                [](Index) { return SlidingWindowCache<bf16>(8, 4, 32, 2); }));
+    }
+    SECTION("MultiHead<LinearAttentionMemory>, groups of two") {
+        check_no_allocation(MultiHead<LinearAttentionMemory<f16>>(
+            HeadLayout{4, 2, 8, 4}, [](Index) { return LinearAttentionMemory<f16>(8, 4); }));
+    }
+    SECTION("KVCache and MultiHead<KVCache>, reserved, with the generic decode of one row") {
+        const Index n = 600, d = 16, steps = 50;
+        const Matrix<bf16> K = random_matrix<float>(n + steps, 32, 2).cast<bf16>(),
+                           V = random_matrix<float>(n + steps, 32, 3).cast<bf16>(),
+                           Q = random_matrix<float>(steps, 64, 1).cast<bf16>();
+        KVCache<bf16> cache(d, d);
+        MultiHead<KVCache<bf16>> layer(HeadLayout{.q_heads = 4, .kv_heads = 2, .head_dim = d},
+                                       [](Index) { return KVCache<bf16>(16, 16); });
+        cache.reserve(n + steps);
+        layer.reserve(n + steps);
+        memattn::extend(cache, K.topRows(n).leftCols(d), V.topRows(n).leftCols(d));
+        memattn::extend(layer, K.topRows(n), V.topRows(n));
+        Vector<bf16> out(d);
+        Matrix<bf16> O(1, 64);
+        HeapWatch watch;
+        for (Index i = 0; i < steps; ++i) {
+            cache.update(K.row(n + i).head(d), V.row(n + i).head(d));
+            cache.attend(Q.row(i).head(d), out);
+            decode(layer, Q.row(i), K.row(n + i), V.row(n + i), O);
+        }
+        const auto counts = watch.stop();
+        CHECK(counts.operator_news == 0);
+        CHECK(counts.eigen_mallocs == 0);
+        CHECK(cache.length() == n + steps);
+        CHECK(O.allFinite());
+    }
+}
+
 TEMPLATE_TEST_CASE("KVCache: the decode steps after a prefill or a bulk extend do not reallocate", "[memory][allocation]",
                    float, double) {
     using T = TestType;

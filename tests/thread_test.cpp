@@ -24,15 +24,17 @@ namespace {
 /// Several threads attend to one memory at once; each result equals the serial one bit for bit.
 template <class Mem>
 void attend_concurrently(Mem mem) {
+    using T = typename Mem::Scalar;
     const Index d = mem.key_dim(), dv = mem.value_dim(), queries = 64;
-    extend(mem, random_matrix<float>(300, d, 1), random_matrix<float>(300, dv, 2));
+    const Matrix<T> K = random_matrix<float>(300, d, 1).cast<T>(), V = random_matrix<float>(300, dv, 2).cast<T>();
+    extend(mem, K, V);
     const Mem& shared = mem;
-    const Matrix<float> Q = random_matrix<float>(queries, d, 3);
-    Matrix<float> serial(queries, dv);
+    const Matrix<T> Q = random_matrix<float>(queries, d, 3).cast<T>();
+    Matrix<T> serial(queries, dv);
     for (Index i = 0; i < queries; ++i)
         shared.attend(Q.row(i), serial.row(i));
     constexpr int threads = 4;
-    std::vector<Matrix<float>> results(threads, Matrix<float>(queries, dv));
+    std::vector<Matrix<T>> results(threads, Matrix<T>(queries, dv));
     std::vector<std::thread> pool;
     for (int t = 0; t < threads; ++t)
         pool.emplace_back([&, t] {
@@ -55,6 +57,10 @@ TEST_CASE("threads: attend is const and safe from several threads on one memory"
     attend_concurrently(HybridCache<float>(8, 6, 32, 4, 16));
     attend_concurrently(LinearAttentionMemory<float>(8, 6));
     attend_concurrently(LinearAttentionMemory<float, Taylor2>(8, 6));
+    // 16-bit rows: one attend takes the memory's conversion buffers, the others their own
+    attend_concurrently(KVCache<Eigen::bfloat16>(8, 6));
+    attend_concurrently(SlidingWindowCache<Eigen::half, Q8>(8, 6, 64, 4));
+    attend_concurrently(LinearAttentionMemory<Eigen::bfloat16>(8, 6));
 }
 
 namespace {

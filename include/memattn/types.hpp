@@ -55,6 +55,11 @@ concept Scalar = std::same_as<T, float> || std::same_as<T, double>;
 template <class T>
 concept LowPrecision = std::same_as<T, Eigen::bfloat16> || std::same_as<T, Eigen::half>;
 
+/// The scalars of the rows a memory takes and gives: float and double, computed in
+/// themselves, and the 16-bit ones, computed in float (KVCache<Eigen::bfloat16>, ...).
+template <class T>
+concept RowScalar = Scalar<T> || LowPrecision<T>;
+
 /// The scalar a call on inputs of T computes and accumulates in: float for the 16-bit
 /// scalars, T itself otherwise.
 template <class T>
@@ -85,6 +90,7 @@ struct PairSite {
     Index head = -1;
     Index key_column = 0;
     Index value_column = 0;
+    Index first_row = 0;  ///< the caller's row of the pairs' row 0 (a 16-bit memory checks in spans)
 };
 
 /// Column `column` of a memory's key (or value) row, as a message names it: the caller's

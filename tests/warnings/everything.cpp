@@ -210,6 +210,30 @@ void everything(memattn::Index n, memattn::Index d) {
             use_memory(memattn::GatedLinearAttentionMemory<T>(d, d, memattn::GateKind::scalar), x, gated_keys.leftCols(d + 1),
                        out);
         }
+        // Memories of 16-bit rows: the float memories behind converting members.
+        {
+            using bf16 = Eigen::bfloat16;
+            const memattn::Matrix<bf16> b = x.template cast<bf16>();
+            memattn::Matrix<bf16> out_b(n, d);
+            use_memory(memattn::KVCache<bf16>(d, d), b, out_b);
+            const memattn::Matrix<Eigen::half> h = x.template cast<Eigen::half>();
+            memattn::Matrix<Eigen::half> out_h(n, d);
+            use_memory(memattn::KVCache<Eigen::half, memattn::Q4>(d, d), h, out_h);
+            use_memory(memattn::SlidingWindowCache<bf16, memattn::Q8>(d, d, 4, 1), b, out_b);
+            use_memory(memattn::MovingAverageCache<bf16>(d, d, 4), b, out_b);
+            use_memory(memattn::HybridCache<bf16>(d, d, 4, 2, 3), b, out_b);
+            use_memory(memattn::LinearAttentionMemory<bf16>(d, d), b, out_b);
+            const memattn::Matrix<bf16> gated_b = memattn::Matrix<bf16>::Zero(n, d + 2);
+            use_memory(memattn::DeltaRuleMemory<bf16>(d, d, {}, true), b, gated_b, out_b);
+            use_memory(memattn::GatedLinearAttentionMemory<bf16>(d, d), b, gated_b.leftCols(d + 1).eval(), out_b);
+            const memattn::HeadLayout pair{2, 1, d / 2};
+            const auto k = b.leftCols(d / 2);
+            use_memory(memattn::MultiHead<memattn::KVCache<bf16>>(pair, [d](memattn::Index) { return memattn::KVCache<bf16>(d / 2, d / 2); }),
+                       k, k, out_b);
+            use_memory(memattn::MultiHead<memattn::SlidingWindowCache<bf16>>(
+                           pair, [d](memattn::Index) { return memattn::SlidingWindowCache<bf16>(d / 2, d / 2, 4); }),
+                       k, k, out_b);
+        }
     }
 }
 

@@ -40,6 +40,7 @@
 #include "memattn/layer/multi_head_kernels.hpp"
 #include "memattn/layer/parallel.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/kv_cache.hpp"
 #include "memattn/persistence/snapshot.hpp"
 #include "memattn/softmax_state.hpp"
@@ -257,7 +258,7 @@ public:
                 heads_[static_cast<std::size_t>(h)].validate(
                     keys.middleCols(h * d, d), values.middleCols(h * dv, dv),
                     {site.function, site.key_name, site.value_name, h, site.key_column + h * d,
-                     site.value_column + h * dv});
+                     site.value_column + h * dv, site.first_row});
         }
     }
 
@@ -636,5 +637,24 @@ private:
     std::vector<M> heads_;
     mutable SplitScratch split_;  ///< the split attend's scratch (see size_split_scratch)
 };
+
+/// A layer of memories of 16-bit rows (M = KVCache<Eigen::bfloat16>, ...): the layer of
+/// their float memories, MultiHead<M::FloatMemory>, behind members that take and give
+/// packed rows of E (memory/detail/low_precision.hpp), so the split attend, the threads
+/// and the multi-head prefill are the float layer's. The factory may return M (its float
+/// memory is kept) or M::FloatMemory; head(kv) is KV head kv's float memory.
+template <Memory M>
+    requires LowPrecision<typename M::Scalar> && requires { typename M::FloatMemory; }
+class MultiHead<M> : public detail::LowPrecisionMemory<MultiHead<typename M::FloatMemory>, typename M::Scalar> {
+public:
+    using detail::LowPrecisionMemory<MultiHead<typename M::FloatMemory>, typename M::Scalar>::LowPrecisionMemory;
+};
+
+namespace detail {
+template <class M>
+inline constexpr std::string_view memory_name<MultiHead<M>> = "MultiHead";
+template <class M>
+inline constexpr bool keeps_every_pair<MultiHead<M>> = keeps_every_pair<M>;
+}  // namespace detail
 
 }  // namespace memattn

@@ -24,6 +24,7 @@
 #include "memattn/kernels/delta_rule.hpp"
 #include "memattn/kernels/gated_linear_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/types.hpp"
@@ -46,11 +47,11 @@ void check_extras(const PairSite& site, const K& keys, Index d, Index beta_colum
     for (Index i = 0; i < keys.rows(); ++i) {
         if (beta_column >= 0) {
             const auto beta = keys(i, beta_column);
-            require(beta >= 0 && beta <= 1, site.function, site.key_name, "row ", i, " has beta ", beta,
+            require(beta >= 0 && beta <= 1, site.function, site.key_name, "row ", site.first_row + i, " has beta ", beta,
                     " in column ", SiteColumn{site, beta_column}, ", expected a value in [0, 1]");
         }
         for (Index c = first_gate; c < keys.cols(); ++c)
-            require(std::isfinite(keys(i, c)) && keys(i, c) <= 0, site.function, site.key_name, "row ", i,
+            require(std::isfinite(keys(i, c)) && keys(i, c) <= 0, site.function, site.key_name, "row ", site.first_row + i,
                     " has log-gate ", keys(i, c), " in column ", SiteColumn{site, c},
                     ", expected a finite value <= 0 (the first ", d, " columns are the key)");
     }
@@ -59,7 +60,7 @@ void check_extras(const PairSite& site, const K& keys, Index d, Index beta_colum
 }  // namespace detail
 
 /// The gated linear-attention state (S, z) as a Memory; see the top of the file.
-template <Scalar T>
+template <RowScalar T>
 class GatedLinearAttentionMemory {
 public:
     using Scalar = T;  ///< float or double: the rows' scalar and the state's
@@ -213,7 +214,7 @@ private:
 };
 
 /// The (gated) delta-rule state S as a Memory; see the top of the file.
-template <Scalar T>
+template <RowScalar T>
 class DeltaRuleMemory {
 public:
     using Scalar = T;  ///< float or double: the rows' scalar and the state's
@@ -348,5 +349,32 @@ private:
     Vector<T> u_;   ///< update's correction
     Index length_ = 0;
 };
+
+/// GatedLinearAttentionMemory of 16-bit rows (E = Eigen::bfloat16 or Eigen::half): GatedLinearAttentionMemory<float>
+/// behind members that take and give rows of E (memory/detail/low_precision.hpp): the
+/// gates (and β) in a key row's extra columns are E too; the state is float. The
+/// constructors are GatedLinearAttentionMemory<float>'s.
+template <LowPrecision E>
+class GatedLinearAttentionMemory<E> : public detail::LowPrecisionMemory<GatedLinearAttentionMemory<float>, E> {
+public:
+    using detail::LowPrecisionMemory<GatedLinearAttentionMemory<float>, E>::LowPrecisionMemory;
+};
+
+/// DeltaRuleMemory of 16-bit rows (E = Eigen::bfloat16 or Eigen::half): DeltaRuleMemory<float>
+/// behind members that take and give rows of E (memory/detail/low_precision.hpp): the
+/// gates (and β) in a key row's extra columns are E too; the state is float. The
+/// constructors are DeltaRuleMemory<float>'s.
+template <LowPrecision E>
+class DeltaRuleMemory<E> : public detail::LowPrecisionMemory<DeltaRuleMemory<float>, E> {
+public:
+    using detail::LowPrecisionMemory<DeltaRuleMemory<float>, E>::LowPrecisionMemory;
+};
+
+namespace detail {
+template <>
+inline constexpr std::string_view memory_name<GatedLinearAttentionMemory<float>> = "GatedLinearAttentionMemory";
+template <>
+inline constexpr std::string_view memory_name<DeltaRuleMemory<float>> = "DeltaRuleMemory";
+}  // namespace detail
 
 }  // namespace memattn

@@ -22,6 +22,7 @@
 #include "memattn/kernels/decode_attention.hpp"
 #include "memattn/memory/compressor.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/detail/held_logits.hpp"
 #include "memattn/memory/detail/held_rope.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
@@ -44,8 +45,8 @@ namespace memattn {
 /// \tparam C the compressor that pools `rate` evicted pairs into a slot (memory/compressor.hpp).
 /// \tparam S how the window's pairs are stored, T itself or a compact type (storage/compact.hpp);
 /// the compressed slots stay in T, since the compressor pools into them in place.
-template <Scalar T, class C = MeanPool, class S = T>
-    requires StorageFor<S, T> && (!detail::is_rotated<S>)  // a slot pools keys; the rotation is the window's
+template <class T, class C = MeanPool, class S = T>
+    requires(StorageFor<S, T> || (LowPrecision<T> && StorageFor<S, float>)) && detail::Unrotated<S>  // a slot pools keys; the rotation is the window's
 class HybridCache {
     static_assert(Compressor<C, T>,
                   "HybridCache<T, C>: C must be a compressor, a copyable struct with a const member "
@@ -418,5 +419,20 @@ private:
     detail::StoredRows<T, S> value_stored_;
     Index length_ = 0;
 };
+
+/// HybridCache of 16-bit rows (E = Eigen::bfloat16 or Eigen::half): HybridCache<float, C, S>
+/// behind members that take and give rows of E (memory/detail/low_precision.hpp). The
+/// constructors are HybridCache<float, C, S>'s.
+template <LowPrecision E, class C, class S>
+    requires StorageFor<S, float> && detail::Unrotated<S>
+class HybridCache<E, C, S> : public detail::LowPrecisionMemory<HybridCache<float, C, S>, E> {
+public:
+    using detail::LowPrecisionMemory<HybridCache<float, C, S>, E>::LowPrecisionMemory;
+};
+
+namespace detail {
+template <class C, class S>
+inline constexpr std::string_view memory_name<HybridCache<float, C, S>> = "HybridCache";
+}  // namespace detail
 
 }  // namespace memattn

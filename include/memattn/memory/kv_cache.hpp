@@ -6,6 +6,7 @@
 #include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/kernels/decode_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/detail/held_logits.hpp"
 #include "memattn/memory/detail/held_rope.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
@@ -27,8 +28,8 @@ namespace memattn {
 /// Eigen::bfloat16, Eigen::half, memattn::Q8, memattn::Q4, memattn::Q4Affine, or
 /// `memattn::Rotated<S>` of the last three: keys rotated, see there); arithmetic is in T
 /// either way.
-template <Scalar T, class S = T>
-    requires StorageFor<S, T>
+template <class T, class S = T>
+    requires StorageFor<S, T> || (LowPrecision<T> && StorageFor<S, float>)
 class KVCache {
 public:
     using Scalar = T;       ///< float or double: the rows' scalar and the arithmetic's
@@ -373,5 +374,23 @@ private:
     Rows values_;
     Index length_ = 0;
 };
+
+/// KVCache of 16-bit rows (E = Eigen::bfloat16 or Eigen::half): KVCache<float, S> behind
+/// members that take and give rows of E (memory/detail/low_precision.hpp), so
+/// `KVCache<Eigen::bfloat16>` stores bfloat16 pairs and computes in float. The
+/// constructors are KVCache<float, S>'s.
+template <LowPrecision E, class S>
+    requires StorageFor<S, float>
+class KVCache<E, S> : public detail::LowPrecisionMemory<KVCache<float, S>, E> {
+public:
+    using detail::LowPrecisionMemory<KVCache<float, S>, E>::LowPrecisionMemory;
+};
+
+namespace detail {
+template <class S>
+inline constexpr std::string_view memory_name<KVCache<float, S>> = "KVCache";
+template <class S>
+inline constexpr bool keeps_every_pair<KVCache<float, S>> = true;
+}  // namespace detail
 
 }  // namespace memattn

@@ -20,6 +20,7 @@
 #include "memattn/feature_maps.hpp"
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/types.hpp"
@@ -38,7 +39,8 @@
 namespace memattn {
 
 /// The linear-attention state μ, ν under a feature map Phi, as a Memory; see the top of the file.
-template <Scalar T, FeatureMap<T> Phi = EluPlusOne>
+template <class T, class Phi = EluPlusOne>
+    requires FeatureMap<Phi, T> || (LowPrecision<T> && FeatureMap<Phi, float>)
 class LinearAttentionMemory {
 public:
     using Scalar = T;            ///< float or double: the rows' scalar and the state's
@@ -382,5 +384,20 @@ private:
     Vector<T> value_copy_;                 // update's value when it is a view of the state
     std::unique_ptr<WideScratch> wide_;    // φ(q) in attend when d' > stack_features
 };
+
+/// LinearAttentionMemory of 16-bit rows (E = Eigen::bfloat16 or Eigen::half):
+/// LinearAttentionMemory<float, Phi> behind members that take and give rows of E
+/// (memory/detail/low_precision.hpp); the state is float. The constructors are
+/// LinearAttentionMemory<float, Phi>'s.
+template <LowPrecision E, FeatureMap<float> Phi>
+class LinearAttentionMemory<E, Phi> : public detail::LowPrecisionMemory<LinearAttentionMemory<float, Phi>, E> {
+public:
+    using detail::LowPrecisionMemory<LinearAttentionMemory<float, Phi>, E>::LowPrecisionMemory;
+};
+
+namespace detail {
+template <class Phi>
+inline constexpr std::string_view memory_name<LinearAttentionMemory<float, Phi>> = "LinearAttentionMemory";
+}  // namespace detail
 
 }  // namespace memattn

@@ -15,6 +15,7 @@
 // relative, where a plain float sum would have lost ~1e-2 (tests hold this).
 
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/memory/detail/pair_ring.hpp"
 #include "memattn/persistence/stream.hpp"
@@ -31,7 +32,7 @@ namespace memattn {
 /// One summary (key, value) pair, the mean of the last `window` pairs, of every pair, or
 /// their exponential moving average; `attend` returns the summary value. See the top of
 /// the file.
-template <Scalar T>
+template <RowScalar T>
 class MovingAverageCache {
 public:
     using Scalar = T;  ///< float or double: the rows' scalar and the summary's
@@ -271,5 +272,19 @@ private:
     Index length_ = 0;
     Index since_resum_ = 0;
 };
+
+/// MovingAverageCache of 16-bit rows (E = Eigen::bfloat16 or Eigen::half):
+/// MovingAverageCache<float> behind members that take and give rows of E
+/// (memory/detail/low_precision.hpp). The constructors are MovingAverageCache<float>'s.
+template <LowPrecision E>
+class MovingAverageCache<E> : public detail::LowPrecisionMemory<MovingAverageCache<float>, E> {
+public:
+    using detail::LowPrecisionMemory<MovingAverageCache<float>, E>::LowPrecisionMemory;
+};
+
+namespace detail {
+template <>
+inline constexpr std::string_view memory_name<MovingAverageCache<float>> = "MovingAverageCache";
+}  // namespace detail
 
 }  // namespace memattn

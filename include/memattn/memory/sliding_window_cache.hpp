@@ -16,6 +16,7 @@
 #include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/kernels/decode_attention.hpp"
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/detail/held_logits.hpp"
 #include "memattn/memory/detail/held_rope.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
@@ -34,8 +35,8 @@ namespace memattn {
 /// The last `window` (key, value) pairs plus the first `sinks`: `attend` equals
 /// causal_softmax_attention with that window and those sinks; see the top of the file.
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp).
-template <Scalar T, class S = T>
-    requires StorageFor<S, T>
+template <class T, class S = T>
+    requires StorageFor<S, T> || (LowPrecision<T> && StorageFor<S, float>)
 class SlidingWindowCache {
 public:
     using Scalar = T;       ///< float or double: the rows' scalar and the arithmetic's
@@ -475,5 +476,20 @@ private:
     detail::PairRing<T, S> window_pairs_;  ///< item j: token sinks + j
     Index length_ = 0;
 };
+
+/// SlidingWindowCache of 16-bit rows (E = Eigen::bfloat16 or Eigen::half):
+/// SlidingWindowCache<float, S> behind members that take and give rows of E
+/// (memory/detail/low_precision.hpp). The constructors are SlidingWindowCache<float, S>'s.
+template <LowPrecision E, class S>
+    requires StorageFor<S, float>
+class SlidingWindowCache<E, S> : public detail::LowPrecisionMemory<SlidingWindowCache<float, S>, E> {
+public:
+    using detail::LowPrecisionMemory<SlidingWindowCache<float, S>, E>::LowPrecisionMemory;
+};
+
+namespace detail {
+template <class S>
+inline constexpr std::string_view memory_name<SlidingWindowCache<float, S>> = "SlidingWindowCache";
+}  // namespace detail
 
 }  // namespace memattn

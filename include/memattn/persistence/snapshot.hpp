@@ -100,13 +100,14 @@ inline std::string type_name(std::uint8_t code) {
 }
 
 /// The storage type code of a memory: its snapshot_storage when it declares one (the
-/// caches with compact K/V storage), else its Scalar's.
+/// caches with compact K/V storage), else its arithmetic's (a memory of 16-bit rows keeps
+/// a float state).
 template <class M>
 constexpr TypeCode storage_code() {
     if constexpr (requires { M::snapshot_storage; })
         return M::snapshot_storage;
     else
-        return type_code<typename M::Scalar>();
+        return type_code<arithmetic_t<typename M::Scalar>>();
 }
 
 }  // namespace snapshot

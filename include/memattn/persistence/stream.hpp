@@ -166,11 +166,17 @@ enum class TypeCode : std::uint8_t {
     q4_affine_rotated = 10,
 };
 
-/// The type code of the scalar T: float32 or float64.
+/// The type code of the scalar T: float32 or float64, or for a memory of 16-bit rows
+/// (which computes in float and writes float numbers) bfloat16 or float16.
 template <class T>
 constexpr TypeCode type_code() {
-    static_assert(Scalar<T>, "memattn::snapshot::type_code: float or double");
-    return std::is_same_v<T, float> ? TypeCode::float32 : TypeCode::float64;
+    static_assert(RowScalar<T>, "memattn::snapshot::type_code: float, double, Eigen::bfloat16 or Eigen::half");
+    if constexpr (std::is_same_v<T, Eigen::bfloat16>)
+        return TypeCode::bfloat16;
+    else if constexpr (std::is_same_v<T, Eigen::half>)
+        return TypeCode::float16;
+    else
+        return std::is_same_v<T, float> ? TypeCode::float32 : TypeCode::float64;
 }
 
 /// Writes a snapshot's bytes to a stream or into a caller's buffer, or only counts them

@@ -98,6 +98,10 @@ template <class S>
 inline constexpr bool is_rotated = false;
 template <class S>
 inline constexpr bool is_rotated<Rotated<S>> = true;
+/// S stores keys as they come (not Rotated<...>): a concept, so that a constraint that
+/// names it in a primary template and in a partial specialization is the same one.
+template <class S>
+concept Unrotated = !is_rotated<S>;
 }  // namespace detail
 
 /// `Rotated<S>` over a block-scaled S.
@@ -225,11 +229,11 @@ void check_storable([[maybe_unused]] const PairSite& site, [[maybe_unused]] cons
                 const T x = rows(r, c);
                 const bool kept = !(std::isfinite(x) && !(std::abs(static_cast<float>(x)) < limit));
                 if constexpr (scaled_storage<S>)
-                    require(kept, site.function, argument, "has the finite value ", x, " in row ", r, ", column ",
+                    require(kept, site.function, argument, "has the finite value ", x, " in row ", site.first_row + r, ", column ",
                             SiteColumn{site, c, values}, ", past float's range (", storage_name<S>,
                             " scales are float: its block would be stored as NaN)");
                 else
-                    require(kept, site.function, argument, "has the finite value ", x, " in row ", r, ", column ",
+                    require(kept, site.function, argument, "has the finite value ", x, " in row ", site.first_row + r, ", column ",
                             SiteColumn{site, c, values}, ", which ", storage_name<S>, " storage would hold as ",
                             "infinity (finite magnitudes below ", limit, " are kept, rounded)");
             }

@@ -133,7 +133,7 @@ public:
                 for (Index c = 0; c < keys.cols(); ++c) {
                     const double x = static_cast<double>(keys(r, c));
                     require(!(std::isfinite(x) && std::abs(x) >= limit), site.function, site.key_name,
-                            "has the finite value ", x, " in row ", r, ", column ", SiteColumn{site, c, false},
+                            "has the finite value ", x, " in row ", site.first_row + r, ", column ", SiteColumn{site, c, false},
                             ", which ", rotates() ? (rope_ ? "RoPE and the rotation" : "the rotation") : "RoPE",
                             " may turn into up to ", growth(), " times as much: ", storage_name<S>, " storage would hold it as ",
                             scaled_storage<S> ? "NaN" : "infinity", " (magnitudes below ", limit, " are kept)");
