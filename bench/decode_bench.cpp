@@ -8,6 +8,8 @@
 //       measures the same length and none allocates
 //   BM_DecodeAttend<S>/...                     the attend alone, the same cells: what the
 //       update costs is the difference
+//   BM_DecodeStepBf16Rows/...                  BM_DecodeStep<bfloat16> with rows of
+//       bfloat16 in and out (MultiHead<KVCache<Eigen::bfloat16>>, docs/design.md §4.7d)
 //
 // S is float, bfloat16 (Eigen::bfloat16), half (Eigen::half), Q8, Q4 or Q4Affine. Every
 // cell also measures, after its timed loop and on the same T threads:
@@ -57,6 +59,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <typeinfo>
 #include <vector>
 
@@ -260,7 +263,22 @@ const Matrix<float>& pool(Index cols, unsigned seed) {
     return *pools.back().second;
 }
 
-template <class S>
+/// pool(cols, seed) in the scalar R, made once.
+template <class R>
+const Matrix<R>& pool_as(Index cols, unsigned seed) {
+    if constexpr (std::is_same_v<R, float>) {
+        return pool(cols, seed);
+    } else {
+        static std::vector<std::pair<std::pair<Index, unsigned>, std::unique_ptr<Matrix<R>>>> pools;
+        for (const auto& [key, m] : pools)
+            if (key == std::pair{cols, seed})
+                return *m;
+        pools.emplace_back(std::pair{cols, seed}, std::make_unique<Matrix<R>>(pool(cols, seed).template cast<R>()));
+        return *pools.back().second;
+    }
+}
+
+template <class S, class R = float>
 void decode_cell(benchmark::State& state, bool with_update) {
     const HeadLayout layout{state.range(0), state.range(1), head_dim};
     const Index length = state.range(2);
@@ -271,16 +289,16 @@ void decode_cell(benchmark::State& state, bool with_update) {
         return;
     }
 #endif
-    using Cache = memattn::KVCache<float, S>;
+    using Cache = memattn::KVCache<R, S>;  // R: the rows' scalar (a 16-bit R converts them)
     using Layer = memattn::MultiHead<Cache>;
     const Index kv_cols = layout.kv_heads * head_dim, q_cols = layout.q_heads * head_dim;
-    const Matrix<float>& keys = pool(kv_cols, 2);
-    const Matrix<float>& values = pool(kv_cols, 3);
+    const Matrix<R>& keys = pool_as<R>(kv_cols, 2);
+    const Matrix<R>& values = pool_as<R>(kv_cols, 3);
     // Google Benchmark calls a cell several times while it sizes the iteration count: the
     // layer of the last cell is kept (one at a time) so that it is filled once per cell.
     static std::string kept_name;
     static std::shared_ptr<void> kept;
-    const std::string name = std::string(typeid(S).name()) + "/" + std::to_string(layout.q_heads) + "/" +
+    const std::string name = std::string(typeid(Cache).name()) + "/" + std::to_string(layout.q_heads) + "/" +
                              std::to_string(layout.kv_heads) + "/" + std::to_string(length);
     if (name != kept_name || !kept) {
         kept.reset();  // at most one filled layer at a time
@@ -298,8 +316,8 @@ void decode_cell(benchmark::State& state, bool with_update) {
     mem.truncate(length);
     mem.set_executor(executor);
     const std::size_t bytes = mem.footprint();  // every KV head's K and V at `length`, as stored
-    const Matrix<float>& queries = pool(q_cols, 1);
-    Matrix<float> out(1, q_cols);
+    const Matrix<R>& queries = pool_as<R>(q_cols, 1);
+    Matrix<R> out(1, q_cols);
     Index t = 0;
     const auto step = [&] {
         const Index row = t++ % pool_tokens;
@@ -326,6 +344,11 @@ void BM_DecodeStep(benchmark::State& state) {
 template <class S>
 void BM_DecodeAttend(benchmark::State& state) {
     decode_cell<S>(state, false);
+}
+/// The step of BM_DecodeStep<bfloat16> through the layer of bfloat16 rows,
+/// MultiHead<KVCache<Eigen::bfloat16>>: what converting the rows costs is the difference.
+void BM_DecodeStepBf16Rows(benchmark::State& state) {
+    decode_cell<Eigen::bfloat16, Eigen::bfloat16>(state, true);
 }
 
 void BM_DecodeVariants(benchmark::State& state) {
@@ -556,6 +579,7 @@ void serving_cells(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_DecodeStep<float>)->Name("BM_DecodeStep<float>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<Eigen::half>)->Name("BM_DecodeStep<half>")->Apply(cells);
+BENCHMARK(BM_DecodeStepBf16Rows)->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q8>)->Name("BM_DecodeStep<Q8>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q4>)->Name("BM_DecodeStep<Q4>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q4Affine>)->Name("BM_DecodeStep<Q4Affine>")->Apply(cells);
