@@ -1,6 +1,6 @@
 // A user's translation unit that instantiates every kernel and every memory of memattn:
-// the kernels and the plain caches for float and double, the rest (the same template code
-// in either scalar) for float. The build compiles it with -Wall -Wextra -Wpedantic -Werror for
+// the kernels and the plain caches for float and (in the default target's unit) double,
+// the rest (the same template code in either scalar) for float. The build compiles it with -Wall -Wextra -Wpedantic -Werror for
 // the default target, x86-64-v3 (AVX2), x86-64-v4 (AVX-512) and sapphirerapids (AVX512-BF16),
 // Eigen by a plain -I, so a warning that memattn's headers (or Eigen's) cause in a user's
 // optimised build on any of them fails the build.
@@ -242,5 +242,7 @@ void everything(memattn::Index n, memattn::Index d) {
 // An exported function, so an optimising compiler keeps (and warns about) all of it.
 void memattn_instantiate_everything(memattn::Index n, memattn::Index d) {
     everything<float>(n, d);
+#if defined(MEMATTN_WARNINGS_DOUBLE)  // the default target's unit only (tests/CMakeLists.txt)
     everything<double>(n, d);
+#endif
 }
