@@ -276,11 +276,12 @@ TEST_CASE("16-bit memories allocate nothing where their float memories allocate 
         memattn::extend(cache, K.topRows(n).leftCols(d), V.topRows(n).leftCols(d));
         memattn::extend(layer, K.topRows(n), V.topRows(n));
         Vector<bf16> out(d);
-        Matrix<bf16> O(1, 64);
+        Matrix<bf16> O(1, 64), group(4, d);
         HeapWatch watch;
         for (Index i = 0; i < steps; ++i) {
             cache.update(K.row(n + i).head(d), V.row(n + i).head(d));
             cache.attend(Q.row(i).head(d), out);
+            cache.attend_group(Eigen::Map<const Matrix<bf16>>(Q.row(i).data(), 4, d), group);  // four query heads
             decode(layer, Q.row(i), K.row(n + i), V.row(n + i), O);
         }
         const auto counts = watch.stop();

@@ -58,7 +58,7 @@ void check_twin(Make make, const Matrix<float>& Q, const Matrix<float>& K, const
             twin.attend(Q.row(i), Of.row(i));
         }
         CHECK(Oe == Of.cast<E>());
-        CHECK(mem.length() == n);
+        CHECK(mem.length() == twin.length());
         CHECK(mem.footprint() == twin.footprint());
         decode(mem, Qe.topRows(3), Ke.topRows(3), Ve.topRows(3), Oe.topRows(3));  // the generic loop
         decode(twin, Q.topRows(3), K.topRows(3), V.topRows(3), Of.topRows(3));
@@ -96,7 +96,7 @@ void check_twin(Make make, const Matrix<float>& Q, const Matrix<float>& K, const
         mem.attend(Qe.row(2), a);
         twin.attend(Q.row(2), b);
         CHECK(a == b.cast<E>());
-        CHECK(mem.length() == n);
+        CHECK(mem.length() == twin.length());
         // A snapshot says E and loads into the same type only, exactly.
         std::stringstream stream;
         save(mem, stream);
@@ -149,6 +149,14 @@ TEMPLATE_TEST_CASE("16-bit memories: bitwise their float memories on the convert
         check_twin([] { return SlidingWindowCache<E, Q4>(d, dv, 1000); }, Q, K, V);
     }
     SECTION("MovingAverageCache") { check_twin([] { return MovingAverageCache<E>(d, dv, 32); }, Q, K, V); }
+    SECTION("MovingAverageCache, exponential") {
+        check_twin([] { return MovingAverageCache<E>::exponential(d, dv, 0.2f); }, Q, K, V);
+    }
+    SECTION("KVCache over a float memory built first, with its pairs") {
+        KVCache<float, E> filled(d, dv);
+        filled.extend(K.topRows(5), V.topRows(5));
+        check_twin([&] { return KVCache<E>(filled); }, Q, K, V);
+    }
     SECTION("HybridCache") { check_twin([] { return HybridCache<E>(d, dv, 64, 4, 8); }, Q, K, V); }
     SECTION("LinearAttentionMemory") { check_twin([] { return LinearAttentionMemory<E>(d, dv); }, Q, K, V); }
     SECTION("LinearAttentionMemory, d = 1") {
@@ -242,12 +250,30 @@ TEST_CASE("16-bit memories: bad input is refused, named as the caller passed it,
         CHECK_THAT(message([&] { layer.extend(K, V.leftCols(5)); }), Catch::Matchers::Contains("600x5"));
         CHECK(layer.length() == 0);
     }
+    SECTION("room for every row: a memory near max_length takes none of them") {
+        LinearAttentionMemory<bf16> mem(d, dv);
+        mem.set_state(mem.state(), max_length - 10);
+        CHECK_THROWS_AS(mem.extend(K.topRows(20), V.topRows(20)), std::length_error);
+        CHECK_THROWS_AS(decode(mem, Q.topRows(20), K.topRows(20), V.topRows(20), O.topRows(20)), std::length_error);
+        CHECK(mem.length() == max_length - 10);
+    }
+    SECTION("the float rows' grouped prefill is not inherited") {
+        static_assert(detail::HasGroupPrefill<SlidingWindowCache<float>>);
+        static_assert(!detail::HasGroupPrefill<SlidingWindowCache<bf16>>);
+        static_assert(!detail::HasGroupPrefill<LinearAttentionMemory<bf16>>);
+    }
     SECTION("an output overlapping an input") {
         KVCache<bf16> cache(d, dv);
+        cache.update(K.row(0), V.row(0));
+        Vector<bf16> row = Q.row(0);
+        CHECK_THAT(message([&] { cache.attend(row, row); }), Catch::Matchers::Contains("KVCache::attend") &&
+                                                                  Catch::Matchers::Contains("shares memory"));
+        Matrix<bf16> group = Q.topRows(2);
+        CHECK_THAT(message([&] { cache.attend_group(group, group); }), Catch::Matchers::Contains("shares memory"));
         Matrix<bf16> both(n, 2 * d);
         both << K, V;
         CHECK_THAT(message([&] { cache.prefill(Q, both.leftCols(d), V, both.leftCols(d)); }),
                    Catch::Matchers::Contains("KVCache::prefill") && Catch::Matchers::Contains("shares memory"));
-        CHECK(cache.length() == 0);
+        CHECK(cache.length() == 1);
     }
 }

@@ -280,6 +280,10 @@ template <LowPrecision E>
 class MovingAverageCache<E> : public detail::LowPrecisionMemory<MovingAverageCache<float>, E> {
 public:
     using detail::LowPrecisionMemory<MovingAverageCache<float>, E>::LowPrecisionMemory;
+    /// MovingAverageCache<float>::exponential, of 16-bit rows.
+    static MovingAverageCache exponential(Index key_dim, Index value_dim, float alpha) {
+        return MovingAverageCache(MovingAverageCache<float>::exponential(key_dim, value_dim, alpha));
+    }
 };
 
 namespace detail {

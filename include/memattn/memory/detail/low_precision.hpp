@@ -3,17 +3,21 @@
 // rest take and give rows of E = Eigen::bfloat16 or Eigen::half and compute in float.
 // Each is its float memory (`FloatMemory`, e.g. KVCache<float, Eigen::bfloat16>) behind
 // members that convert: every E is a float, so a row converted in is exact, and an output
-// is the float memory's rounded to nearest even in E. A step (update, attend, attend_group)
-// converts into buffers the memory keeps, sized when it is built, so it allocates nothing;
+// is the float memory's rounded to nearest even in E. A step (update, attend, an
+// attend_group or a validate of at most `step_rows` rows) converts into buffers the
+// memory keeps, sized when it is built, so it allocates nothing;
 // a second attend running at the same time on another thread converts through buffers of
 // its own. A bulk call converts a span of rows at a time, so its scratch is O(span)
 // whatever the length, and is bitwise the float memory's call on each span of the
 // converted rows in turn: prefill `span_rows` rows, extend `span_rows` for a KVCache and
 // `step_rows` through the kept buffers for the fixed-size memories (which, as their float
 // memories, then allocate nothing in extend). Every row is checked before any is fed, so
-// a call that throws leaves the memory as it was.
+// a call that throws leaves the memory as it was (a prefill past one span of a memory
+// that does not keep every pair copies its state first, to restore it on std::bad_alloc:
+// that copy is the one scratch of O(state)).
 
 #include "memattn/memory/concept.hpp"
+#include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
@@ -39,23 +43,25 @@ inline constexpr bool keeps_every_pair = false;
 
 /// Two float buffers a memory keeps for converting one step's rows, taken by one call at
 /// a time (an atomic flag); a call that finds them taken converts through buffers of its
-/// own. A copy gets buffers of the same size and a flag of its own.
+/// own. A copy gets buffers of the size they were built with (read from plain members,
+/// not from buffers another thread's call may be growing) and a flag of its own.
 class ConversionScratch {
 public:
-    ConversionScratch(Index rows, Index a_cols, Index b_cols) : a_(rows, a_cols), b_(rows, b_cols) {}
-    ConversionScratch(const ConversionScratch& other) : a_(other.a_.rows(), other.a_.cols()), b_(other.b_.rows(), other.b_.cols()) {}
-    ConversionScratch(ConversionScratch&& other) noexcept : a_(std::move(other.a_)), b_(std::move(other.b_)) {}
+    ConversionScratch(Index rows, Index a_cols, Index b_cols)
+        : rows_(rows), a_cols_(a_cols), b_cols_(b_cols), a_(rows, a_cols), b_(rows, b_cols) {}
+    ConversionScratch(const ConversionScratch& other) : ConversionScratch(other.rows_, other.a_cols_, other.b_cols_) {}
+    ConversionScratch(ConversionScratch&& other) noexcept
+        : rows_(other.rows_), a_cols_(other.a_cols_), b_cols_(other.b_cols_), a_(std::move(other.a_)),
+          b_(std::move(other.b_)) {}
     ConversionScratch& operator=(const ConversionScratch& other) {
         if (this != &other) {
             ConversionScratch copy(other);
-            a_.swap(copy.a_);
-            b_.swap(copy.b_);
+            swap(copy);
         }
         return *this;
     }
     ConversionScratch& operator=(ConversionScratch&& other) noexcept {
-        a_.swap(other.a_);
-        b_.swap(other.b_);
+        swap(other);
         return *this;
     }
     ~ConversionScratch() = default;
@@ -79,11 +85,19 @@ public:
     }
 
 private:
+    void swap(ConversionScratch& other) noexcept {
+        std::swap(rows_, other.rows_);
+        std::swap(a_cols_, other.a_cols_);
+        std::swap(b_cols_, other.b_cols_);
+        a_.swap(other.a_);
+        b_.swap(other.b_);
+    }
     static void fit(Matrix<float>& m, Index rows, Index cols) {
         if (m.rows() < rows || m.cols() < cols)
             m.resize(std::max(m.rows(), rows), std::max(m.cols(), cols));
     }
 
+    Index rows_, a_cols_, b_cols_;  // as built
     mutable Matrix<float> a_, b_;
     mutable std::atomic_flag busy_;
 };
@@ -139,6 +153,14 @@ public:
     static constexpr Index step_rows = 8;
 
     using Inner::Inner;
+    /// The memory of E rows over a float memory (its state kept).
+    explicit LowPrecisionMemory(const Inner& memory) : Inner(memory) {}
+    /// The same, the float memory moved in.
+    explicit LowPrecisionMemory(Inner&& memory) : Inner(std::move(memory)) {}
+
+    /// The float memory's grouped prefill (a layer's) takes float rows: not here.
+    template <class... Args>
+    void prefill_group(Args&&...) = delete;
 
     /// The float memory inside: its rows in float, the same state.
     [[nodiscard]] const Inner& float_memory() const noexcept { return *this; }
@@ -155,6 +177,8 @@ public:
     /// Inner::attend on the query converted to float, the output rounded to E (unchanged
     /// when it throws).
     void attend(ConstRowRef<E> query, RowRef<E> out) const {
+        if (overlap<E>(extent(out), extent(query))) [[unlikely]]
+            require_disjoint(name("::attend"), "out", out, "query", query);
         scratch_.with(1, query.cols(), 1, out.cols(), [&](MatrixRef<float> q, MatrixRef<float> o) {
             q.row(0) = query.template cast<float>();
             Inner::attend(q.row(0), o.row(0));
@@ -166,6 +190,8 @@ public:
     void attend_group(ConstMatrixRef<E> queries, MatrixRef<E> out) const
         requires HasGroupAttend<Inner>
     {
+        if (overlap<E>(extent(out), extent(queries))) [[unlikely]]
+            require_disjoint(name("::attend_group"), "out", out, "queries", queries);
         scratch_.with(queries.rows(), queries.cols(), out.rows(), out.cols(), [&](MatrixRef<float> q, MatrixRef<float> o) {
             q = queries.template cast<float>();
             Inner::attend_group(q, o);
@@ -186,6 +212,7 @@ public:
             Inner::validate(k, v, site);
             return;
         }
+        check_room(site.function, this->length(), n);  // for all n rows: the spans see only their own
         const auto check = [&](const ConstMatrixRef<float>& k, const ConstMatrixRef<float>& v, Index r0) {
             PairSite part = site;
             part.first_row += r0;
@@ -358,7 +385,7 @@ private:
         }
     }
 
-    ConversionScratch scratch_{keeps_every_pair<Inner> ? 1 : step_rows,
+    ConversionScratch scratch_{step_rows,
                                std::max(key_width<Inner>(*this), query_width<Inner>(*this)),
                                std::max(value_width<Inner>(*this), output_width<Inner>(*this))};
 };
