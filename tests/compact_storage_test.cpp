@@ -339,6 +339,33 @@ TEMPLATE_TEST_CASE("Compact storage: rows added in registers equal row-by-row ad
     }
 }
 
+TEMPLATE_TEST_CASE("Compact storage: the dot product in registers equals the stored values' dot, to float rounding",
+                   "[storage]", Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine) {
+    if constexpr (detail::fused_storage) {
+        using S = TestType;
+        for (const Index cols : {1, 15, 16, 31, 32, 33, 64, 100, 130, 200}) {
+            const Index n = 9;
+            const Matrix<float> X = random_matrix<float>(n, cols, 8, 3.0), q = random_matrix<float>(1, cols, 9);
+            detail::StoredRows<float, S> rows(n, cols);
+            rows.put_rows(0, X);
+            for (Index r = 0; r < n; ++r) {
+                double exact = 0, q_mass = 0, largest = 0;
+                for (Index c = 0; c < cols; ++c) {
+                    const double v = rows.stored_value(r, c);
+                    exact += static_cast<double>(q(0, c)) * v;
+                    q_mass += std::abs(static_cast<double>(q(0, c)));
+                    largest = std::max(largest, std::abs(v));
+                }
+                // Float sums of cols terms; a block's scale, zero point and codes each at
+                // most three times the row's largest magnitude.
+                const double bound = static_cast<double>(cols + 4) * 0x1p-24 * 3 * largest * q_mass;
+                CAPTURE(cols, r);
+                CHECK(std::abs(static_cast<double>(rows.dot(r, q.data())) - exact) <= bound);
+            }
+        }
+    }
+}
+
 TEMPLATE_TEST_CASE("Compact storage: grouped attend equals the plain cache's fed the stored values, bit for bit",
                    "[storage][group]", MEMATTN_STORAGE_PAIRS) {
     using T = typename TestType::first_type;
