@@ -53,7 +53,7 @@ SoftmaxOptions with_case(SoftmaxOptions options, const LogitCase& c, const doubl
 
 /// K rounded as S stores it, in double.
 template <class T, class S>
-MatrixD stored(const Matrix<T>& X) {
+MatrixD stored_in_double(const Matrix<T>& X) {
     Matrix<T> back(X.rows(), X.cols());
     if (X.rows() > 0)
         detail::round_trip<T, S>(X, back.data(), X.cols());
@@ -75,7 +75,7 @@ void check_memory(const Make& make, Index window, Index sink_tokens, double tole
             const SoftmaxOptions options = with_case({}, c, slope, sink);
             INFO("d = " << d << ", case " << k);
             const reference::SoftmaxResult expected = reference::softmax_attention(
-                Q.template cast<double>(), stored<T, S>(K), stored<T, S>(V),
+                Q.template cast<double>(), stored_in_double<T, S>(K), stored_in_double<T, S>(V),
                 reference::Logits{.window = window, .sink_tokens = sink_tokens, .softcap = c.softcap, .slope = c.slope,
                                   .sink = c.sink});
             auto one = make(d, options);
@@ -427,7 +427,7 @@ template <class T, class S, class Make, class Expected>
 void check_rope_memory(const Make& make, const Expected& expected, Index n, Index d, double tolerance) {
     const Matrix<T> Q = random_matrix<T>(n, d, 61, 2.0), K = random_matrix<T>(n, d, 62, 2.0),
                     V = random_matrix<T>(n, d, 63);
-    const MatrixD Qd = Q.template cast<double>(), Kd = K.template cast<double>(), Vd = stored<T, S>(V);
+    const MatrixD Qd = Q.template cast<double>(), Kd = K.template cast<double>(), Vd = stored_in_double<T, S>(V);
     auto one = make();
     Matrix<T> O(n, d);
     decode(one, Q, K, V, O);
