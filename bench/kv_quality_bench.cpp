@@ -18,7 +18,9 @@
 //   top1              the fraction of queries whose most-attended token is float's
 //   bytes_per_token   footprint() / n: one head's key and value rows as stored
 //   step_us           the benchmark's time: one attend_group of 4 queries (a 32/8 GQA
-//                     group) over 32768 tokens stored as S, one thread, real time
+//                     group) over 32768 tokens stored as S, one thread, real time (the
+//                     grouped attend reads IntegerDot<S> keys in float, as S's: its
+//                     single-query attend is timed by memory_bench's BM_KVCacheAttend)
 //
 // `scripts/plot.py kv-quality kv_quality_bench.json` prints the table of
 // docs/performance.md ("K/V storage: error against bytes") and draws kv_quality.png.
@@ -150,6 +152,13 @@ BENCHMARK(BM_KvQuality<memattn::Rotated<memattn::Q4>>)->Name("BM_KvQuality<Rotat
 BENCHMARK(BM_KvQuality<memattn::Q4Affine>)->Name("BM_KvQuality<Q4Affine>")->Apply(cells);
 BENCHMARK(BM_KvQuality<memattn::Rotated<memattn::Q4Affine>>)
     ->Name("BM_KvQuality<Rotated<Q4Affine>>")
+    ->Apply(cells);
+// The integer Q·K: the query rounded to int8 in attend (the errors), the grouped step
+// (step_us) in float as its storage's.
+BENCHMARK(BM_KvQuality<memattn::IntegerDot<memattn::Q8>>)->Name("BM_KvQuality<IntegerDot<Q8>>")->Apply(cells);
+BENCHMARK(BM_KvQuality<memattn::IntegerDot<memattn::Q4>>)->Name("BM_KvQuality<IntegerDot<Q4>>")->Apply(cells);
+BENCHMARK(BM_KvQuality<memattn::IntegerDot<memattn::Rotated<memattn::Q4>>>)
+    ->Name("BM_KvQuality<IntegerDot<Rotated<Q4>>>")
     ->Apply(cells);
 
 BENCHMARK_MAIN();

@@ -99,6 +99,20 @@ BENCHMARK(BM_KVCacheAttend<Eigen::half>)->ArgNames({"position", "d"})->ArgsProdu
 BENCHMARK(BM_KVCacheAttend<memattn::Q8>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
 BENCHMARK(BM_KVCacheAttend<memattn::Q4>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
 BENCHMARK(BM_KVCacheAttend<memattn::Q4Affine>)->ArgNames({"position", "d"})->ArgsProduct({{4096, 65536}, {128}});
+// The integer Q·K (IntegerDot<S>: the query rounded to int8, the keys' codes multiplied
+// as they are stored) beside the float dot of the same storage above.
+BENCHMARK(BM_KVCacheAttend<memattn::IntegerDot<memattn::Q8>>)
+    ->Name("BM_KVCacheAttend<IntegerDot<Q8>>")
+    ->ArgNames({"position", "d"})
+    ->ArgsProduct({{4096, 65536}, {128}});
+BENCHMARK(BM_KVCacheAttend<memattn::IntegerDot<memattn::Q4>>)
+    ->Name("BM_KVCacheAttend<IntegerDot<Q4>>")
+    ->ArgNames({"position", "d"})
+    ->ArgsProduct({{4096, 65536}, {128}});
+BENCHMARK(BM_KVCacheAttend<memattn::IntegerDot<memattn::Q4Affine>>)
+    ->Name("BM_KVCacheAttend<IntegerDot<Q4Affine>>")
+    ->ArgNames({"position", "d"})
+    ->ArgsProduct({{4096, 65536}, {128}});
 
 // The naive decode step the issue compares with: one GEMV for the logits, a softmax,
 // one GEMV for the output, on a KVCache's stored pairs (its scratch allocated once).

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <type_traits>
 
 namespace alloc_test {
 
@@ -201,6 +202,12 @@ TEMPLATE_TEST_CASE("Fixed-size memories never allocate in update, attend or exte
     SECTION("HybridCache and SlidingWindowCache, Q4 and Q4Affine") {
         check_no_allocation(HybridCache<T, MeanPool, Q4>(16, 8, 32, 4, 8));
         check_no_allocation(SlidingWindowCache<T, Q4Affine>(16, 8, 64, 4));
+    }
+    SECTION("SlidingWindowCache, the integer Q·K (its rounded query on the stack)") {
+        if constexpr (std::is_same_v<T, float>) {
+            check_no_allocation(SlidingWindowCache<T, IntegerDot<Q8>>(16, 8, 64, 4));
+            check_no_allocation(SlidingWindowCache<T, IntegerDot<Q4Affine>>(40, 8, 64, 4));
+        }
     }
     SECTION("LinearAttentionMemory") { check_no_allocation(LinearAttentionMemory<T>(16, 8)); }
     SECTION("LinearAttentionMemory, decay, Taylor2") {

@@ -666,3 +666,195 @@ TEST_CASE("Rotated storage: snapshots, refusals, MultiHead", "[storage][rotation
     }
     check_close(serial, to_double(heads), 1e-5);
 }
+
+namespace {
+
+/// The query an IntegerDot<S> cache multiplies, from the definition (docs/design.md §4.7,
+/// IntegerDot): per block of 32 values s = max|q|/127 in float, each value s·round(q/s).
+MatrixD int8_rounded(const Matrix<float>& Q) {
+    MatrixD out(Q.rows(), Q.cols());
+    for (Index r = 0; r < Q.rows(); ++r)
+        for (Index c0 = 0; c0 < Q.cols(); c0 += 32) {
+            const Index n = std::min<Index>(32, Q.cols() - c0);
+            const float amax = Q.row(r).segment(c0, n).cwiseAbs().maxCoeff();
+            const float s = amax / 127.0f;
+            for (Index c = c0; c < c0 + n; ++c)
+                out(r, c) = amax > 0 ? double(s) * std::nearbyint(double(Q(r, c)) * 127.0 / double(amax)) : 0.0;
+        }
+    return out;
+}
+
+/// HybridCache and PagedKVCache take S (neither takes IntegerDot<S>: their slots and pool read keys in float).
+template <class S>
+concept HybridTakesStorage = requires { typename HybridCache<float, MeanPool, S>; };
+template <class S>
+concept PoolTakesStorage = requires { typename PagedKVCache<float, S>; };
+static_assert(HybridTakesStorage<Q8> && !HybridTakesStorage<IntegerDot<Q8>>);
+static_assert(PoolTakesStorage<Q4> && !PoolTakesStorage<IntegerDot<Q4>>);
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Integer Q·K: a cache's attend is the double reference of the int8-rounded query over the stored "
+                   "pairs; prefill reads the exact query",
+                   "[storage][integer]", IntegerDot<Q8>, IntegerDot<Q4>, IntegerDot<Q4Affine>) {
+    using S = TestType;
+    using Inner = typename S::storage;
+    static_assert(detail::storage_code<float, S>() == detail::storage_code<float, Inner>());
+    static_assert(!StorageFor<S, double>, "the integer dot is for caches of float");
+    for (const auto& shape : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {37, 5, 7}, {300, 40, 33},
+                              {130, 128, 64}, {70, 200, 16}, {33, 31, 2}}) {
+        const Index n = std::get<0>(shape), d = std::get<1>(shape), dv = std::get<2>(shape);
+        INFO(detail::storage_name<S> << ": n = " << n << ", d = " << d << ", dv = " << dv);
+        const Matrix<float> Q = random_matrix<float>(n, d, 1), K = random_matrix<float>(n, d, 2),
+                            V = random_matrix<float>(n, dv, 3);
+        const MatrixD Qr = int8_rounded(Q), Ks = to_double(stored<float, Inner>(K)), Vs = to_double(stored<float, Inner>(V));
+        Matrix<float> out(n, dv);
+        KVCache<float, S> cache(d, dv);
+        decode(cache, Q, K, V, out);
+        check_close(out, reference::softmax_attention(Qr, Ks, Vs).out, tolerance<float>());
+        SlidingWindowCache<float, S> window(d, dv, 50, 2);
+        decode(window, Q, K, V, out);
+        check_close(out, reference::softmax_attention(Qr, Ks, Vs, 0, 50, 2).out, tolerance<float>());
+        // extend, then one attend per query over all n pairs: the same rounded query.
+        KVCache<float, S> whole(d, dv);
+        memattn::extend(whole, K, V);
+        if (n > 0) {
+            Matrix<float> last(1, dv);
+            whole.attend(Q.row(n - 1), last.row(0));
+            check_close(last, reference::softmax_attention(Qr.bottomRows(1), Ks, Vs).out.bottomRows(1), tolerance<float>());
+        }
+        // prefill takes the causal softmax kernel on the exact queries (design.md).
+        KVCache<float, S> prefilled(d, dv);
+        prefill(prefilled, Q, K, V, out);
+        check_close(out, reference::softmax_attention(to_double(Q), Ks, Vs).out, tolerance<float>());
+    }
+}
+
+TEMPLATE_TEST_CASE("Integer Q·K: a logit is q̃·k̃ to float rounding, within the query's rounding of q·k̃",
+                   "[storage][integer]", Q8, Q4, Q4Affine) {
+    using S = TestType;
+    for (const Index cols : {1, 15, 31, 32, 33, 64, 100, 130, 200, 1024}) {
+        const Index n = 9;
+        Matrix<float> X = random_matrix<float>(n, cols, 8, 3.0), q = random_matrix<float>(1, cols, 9);
+        X(2, 0) = 40.0f;   // an outlier channel sets its block's scale
+        q(0, cols - 1) = 0.0f;
+        detail::StoredRows<float, S> rows(n, cols);
+        rows.put_rows(0, X);
+        detail::IntegerQuery rounded;
+        rounded.round(q.data(), cols);
+        const MatrixD qr = int8_rounded(q);
+        for (Index r = 0; r < n; ++r) {
+            double exact = 0, rounded_exact = 0, q_mass = 0, largest = 0, rounding = 0;
+            for (Index c0 = 0; c0 < cols; c0 += 32) {
+                const Index m = std::min<Index>(32, cols - c0);
+                double block_k = 0;
+                for (Index c = c0; c < c0 + m; ++c) {
+                    const double v = rows.stored_value(r, c);
+                    exact += double(q(0, c)) * v;
+                    rounded_exact += qr(0, c) * v;
+                    q_mass += std::abs(qr(0, c));
+                    largest = std::max(largest, std::abs(v));
+                    block_k += std::abs(v);
+                }
+                rounding += double(q.row(0).segment(c0, m).cwiseAbs().maxCoeff()) / 127.0 / 2.0 * block_k;
+            }
+            // Float sums of the blocks' terms; a block's scales and codes each at most
+            // three times the row's largest magnitude (as the float dot's test).
+            const double float_rounding = static_cast<double>(cols + 4) * 0x1p-24 * 3 * largest * q_mass;
+            const double logit = rows.integer_dot(r, rounded);
+            CAPTURE(cols, r, logit, rounded_exact, exact);
+            CHECK(std::abs(logit - rounded_exact) <= float_rounding);
+            CHECK(std::abs(logit - exact) <= rounding * (1 + 1e-4) + float_rounding);  // s_q rounded to float
+        }
+    }
+}
+
+TEST_CASE("Integer Q·K: edge cases", "[storage][integer]") {
+    const Index d = 64, dv = 8, n = 20;
+    const Matrix<float> K = random_matrix<float>(n, d, 4), V = random_matrix<float>(n, dv, 5);
+    KVCache<float, IntegerDot<Q4>> cache(d, dv);
+    memattn::extend(cache, K, V);
+    Matrix<float> out(1, dv);
+    // A zero query weighs every pair alike: the mean of the stored values.
+    cache.attend(Matrix<float>::Zero(1, d).row(0), out.row(0));
+    check_close(out, MatrixD(to_double(stored<float, Q4>(V)).colwise().mean()), tolerance<float>());
+    // A non-finite query value makes its output non-finite (a NaN scale), as q·k would.
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+        Matrix<float> q = random_matrix<float>(1, d, 6);
+        q(0, 40) = bad;
+        cache.attend(q.row(0), out.row(0));
+        CHECK(!out.allFinite());
+    }
+    // Values far below 1 keep their relative precision: the scale is the block's own.
+    const Matrix<float> q = random_matrix<float>(1, d, 7);
+    Matrix<float> tiny_out(1, dv);
+    cache.attend(q.row(0), out.row(0));
+    cache.attend((q * 1e-30f).row(0), tiny_out.row(0));
+    const MatrixD Ks = to_double(stored<float, Q4>(K)), Vs = to_double(stored<float, Q4>(V));
+    check_close(out, reference::softmax_attention(int8_rounded(q), Ks, Vs).out.bottomRows(1), tolerance<float>());
+    check_close(tiny_out, reference::softmax_attention(int8_rounded(Matrix<float>(q * 1e-30f)), Ks, Vs).out.bottomRows(1),
+                tolerance<float>());
+    // A head wider than the rounded query holds takes the float dot: S's bits.
+    const Index wide = detail::IntegerQuery::max_depth + 1;
+    const Matrix<float> WK = random_matrix<float>(5, wide, 8), WV = random_matrix<float>(5, 3, 9),
+                        WQ = random_matrix<float>(5, wide, 10);
+    KVCache<float, IntegerDot<Q8>> integer(wide, 3);
+    KVCache<float, Q8> plain(wide, 3);
+    Matrix<float> a(5, 3), b(5, 3);
+    decode(integer, WQ, WK, WV, a);
+    decode(plain, WQ, WK, WV, b);
+    CHECK(a.cwiseEqual(b).all());
+}
+
+TEST_CASE("Integer Q·K: snapshots are the storage's; rotated keys; MultiHead's groups of one", "[storage][integer][snapshot]") {
+    const Matrix<float> K = random_matrix<float>(30, 16, 1), V = random_matrix<float>(30, 8, 2),
+                        Q = random_matrix<float>(10, 16, 3);
+    KVCache<float, IntegerDot<Rotated<Q4>>> a(16, 8), b(16, 8);
+    KVCache<float, Rotated<Q4>> plain(16, 8);
+    memattn::extend(a, K.topRows(20), V.topRows(20));
+    // The stored bytes are Rotated<Q4>'s: a snapshot loads into either, and back.
+    std::istringstream in(snapshot_of(a), std::ios::binary);
+    load(plain, in);
+    CHECK(snapshot_of(plain) == snapshot_of(a));
+    std::istringstream back(snapshot_of(plain), std::ios::binary);
+    load(b, back);
+    Matrix<float> oa(10, 8), ob(10, 8);
+    decode(a, Q, K.bottomRows(10), V.bottomRows(10), oa);
+    decode(b, Q, K.bottomRows(10), V.bottomRows(10), ob);
+    CHECK(oa.cwiseEqual(ob).all());
+    // Rotated under the integer dot: the rounded query is the rotated one.
+    MatrixD HQ = to_double(Q), HK = to_double(K);
+    for (Index r = 0; r < 30; ++r) {
+        if (r < 10)
+            detail::hadamard_rotate(HQ.row(r).data(), 16);
+        detail::hadamard_rotate(HK.row(r).data(), 16);
+    }
+    const MatrixD Ks = to_double(stored<float, Q4>(Matrix<float>(HK.cast<float>()))),
+                  Vs = to_double(stored<float, Q4>(V));
+    check_close(oa, reference::softmax_attention(int8_rounded(Matrix<float>(HQ.cast<float>())), Ks, Vs).out.bottomRows(10),
+                tolerance<float>());
+    // MultiHead with a group of one query per KV head: each head's attend, for any executor.
+    const HeadLayout layout{.q_heads = 2, .kv_heads = 2, .head_dim = 16, .value_dim = 8};
+    const Index n = MultiHead<KVCache<float>>::split_keys + 77;
+    const Matrix<float> LK = random_matrix<float>(n, 32, 5), LV = random_matrix<float>(n, 16, 6),
+                        LQ = random_matrix<float>(2, 32, 7);
+    MultiHead<KVCache<float, IntegerDot<Q8>>> layer(layout, [](Index) { return KVCache<float, IntegerDot<Q8>>(16, 8); });
+    layer.extend(LK, LV);
+    Matrix<float> serial(2, 16), threaded(2, 16), heads(2, 16);
+    const SerialExecutor one;
+    const OpenMPExecutor two{.threads = 2};
+    layer.set_executor(one);
+    for (Index i = 0; i < 2; ++i)
+        layer.attend(LQ.row(i), serial.row(i));
+    layer.set_executor(two);
+    for (Index i = 0; i < 2; ++i)
+        layer.attend(LQ.row(i), threaded.row(i));
+    CHECK(serial.cwiseEqual(threaded).all());
+    for (Index h = 0; h < 2; ++h) {
+        KVCache<float, IntegerDot<Q8>> head(16, 8);
+        memattn::extend(head, LK.middleCols(h * 16, 16), LV.middleCols(h * 8, 8));
+        for (Index i = 0; i < 2; ++i)
+            head.attend(LQ.row(i).segment(h * 16, 16), heads.row(i).segment(h * 8, 8));
+    }
+    check_close(serial, to_double(heads), 1e-5);
+}

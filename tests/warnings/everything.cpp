@@ -203,6 +203,12 @@ void everything(memattn::Index n, memattn::Index d) {
             use_memory(memattn::SlidingWindowCache<T, memattn::Q4Affine>(d, d, 4, 1), x, out);
             use_memory(memattn::SlidingWindowCache<T, Eigen::half>(d, d, 4, 1), x, out);
             use_memory(memattn::HybridCache<T, memattn::MeanPool, memattn::Q8>(d, d, 4, 2, 3), x, out);
+            if constexpr (std::is_same_v<T, float>) {  // the integer Q·K: every integer path of the ISA
+                use_memory(memattn::KVCache<T, memattn::IntegerDot<memattn::Q8>>(d, d), x, out);
+                use_memory(memattn::KVCache<T, memattn::IntegerDot<memattn::Q4>>(d, d), x, out);
+                use_memory(memattn::SlidingWindowCache<T, memattn::IntegerDot<memattn::Q4Affine>>(d, d, 4, 1), x, out);
+                use_memory(memattn::KVCache<T, memattn::IntegerDot<memattn::Rotated<memattn::Q4>>>(d, d), x, out);
+            }
             // The gated and delta-rule recurrences: both forms through their memories' decode
             // (recurrent) and prefill (chunked), keys widened by their gate columns.
             const memattn::Matrix<T> gated_keys = memattn::Matrix<T>::Zero(x.rows(), d + 2);
@@ -220,6 +226,7 @@ void everything(memattn::Index n, memattn::Index d) {
             memattn::Matrix<Eigen::half> out_h(n, d);
             use_memory(memattn::KVCache<Eigen::half, memattn::Q4>(d, d), h, out_h);
             use_memory(memattn::SlidingWindowCache<bf16, memattn::Q8>(d, d, 4, 1), b, out_b);
+            use_memory(memattn::KVCache<bf16, memattn::IntegerDot<memattn::Q8>>(d, d), b, out_b);
             use_memory(memattn::MovingAverageCache<bf16>(d, d, 4), b, out_b);
             use_memory(memattn::HybridCache<bf16>(d, d, 4, 2, 3), b, out_b);
             use_memory(memattn::LinearAttentionMemory<bf16>(d, d), b, out_b);

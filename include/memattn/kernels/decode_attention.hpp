@@ -6,7 +6,8 @@
 //   attend_contiguous   one query, pairs stored as T: Eigen's GEMVs while the run fits
 //                       in cache, in address order with software prefetch once it does not
 //   attend_stored       one query, pairs stored compactly: each row converted in
-//                       registers inside its dot product and its value update
+//                       registers inside its dot product and its value update (or, for
+//                       IntegerDot<S>, its logit taken in integers on the rounded query)
 //   GroupAttention      g <= 16 queries: each stored row is read (and converted) once for
 //                       the whole group; fold() for runs of T, fold_stored() for any storage.
 //                       Fewer queries than a packet's lanes (float, AVX2/AVX-512): tiles of
@@ -34,7 +35,8 @@
 //   exponential per logit. On AVX-512 cores that run 512-bit operations in two halves,
 //   these share the ports of the multiply-adds;
 // - so Q8, with a quarter of float's bytes, is bound by that arithmetic, not by memory:
-//   an integer Q·K (the query quantised to int8, VNNI) would remove the conversion;
+//   an integer Q·K removes the keys' conversion (IntegerDot<S>: the single-query route
+//   only so far, attend_stored);
 // - float is bound by memory but reaches only ~0.6 of a streaming read on one thread: the
 //   reads of the four rows of a tile and of the values interleave with the arithmetic, and
 //   the core's line-fill buffers, not the bandwidth, cap what is in flight (the software
@@ -170,76 +172,99 @@ void attend_contiguous(const Q& q, const KBlock& K, const VBlock& V, T scale, So
 template <class T>
 inline constexpr Index stored_buffer = Index(32768 / sizeof(T));
 
-/// One query against the stored pairs [first, first + n) of K and V, as the streaming path
-/// of attend_contiguous: per block of attend_block keys, the logits s_j = scale · q·k_j,
-/// the online softmax, then acc = α·acc + Σ_j p_j v_j. In float with fused_storage each
-/// row is converted in registers inside the dot product and the update; otherwise rows
-/// are converted a few at a time into a buffer in L1 (dot_in_order, add_values_in_order),
-/// on the stack (stored_buffer values), or from the heap for a row wider than that.
-template <class T, class S, class Q, class Acc>
-void attend_stored(const Q& q, const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n, T scale,
-                   SoftmaxState<T>& state, Acc&& acc) {
-    MEMATTN_DASSERT(q.innerStride() == 1 && acc.innerStride() == 1);
-    if constexpr (fused_storage && std::is_same_v<T, float>) {
-        // Conversion in registers: each key row's dot product and each value row's update
-        // read the stored bytes once, in address order.
-        using namespace Eigen::internal;
-        alignas(64) T logits[attend_block];
-        const Index dv = V.cols(), packed = dv / packet_lanes<T> * packet_lanes<T>;
-        // From DRAM (a run of at least streaming_bytes), rows are asked for 4 KiB ahead on
-        // each stream, as on the float path; in cache the prefetches only cost.
-        const Index end = first + n;
-        const bool streaming = static_cast<std::size_t>(n) * (StoredRows<T, S>::row_bytes(K.cols()) +
-                                                              StoredRows<T, S>::row_bytes(dv)) >= streaming_bytes;
-        const Index k_ahead = streaming ? std::max<Index>(1, Index(4096 / StoredRows<T, S>::row_bytes(K.cols()))) : n;
-        const Index v_ahead = streaming ? std::max<Index>(1, Index(4096 / StoredRows<T, S>::row_bytes(dv))) : n;
-        T* out = acc.data();
-        for (Index j0 = first; j0 < end; j0 += attend_block) {
-            const Index m = std::min(attend_block, end - j0);
+/// attend_stored's loop over the pairs [first, first + n): per block of attend_block keys
+/// the logits s_j = logit(j) (nullptr: scale · q·k_j by dot_in_order on decoded rows), the
+/// online softmax, then acc = α·acc + Σ_j p_j v_j. In float with fused_storage each row is
+/// converted in registers inside its dot product (logit) and its update (add_rows), read
+/// in address order, asked for 4 KiB ahead on each stream once the run comes from DRAM
+/// (at least streaming_bytes; in cache the prefetches only cost). Otherwise rows are
+/// converted a few at a time into a buffer in L1 (dot_in_order, add_values_in_order), on
+/// the stack (stored_buffer values), or from the heap for a row wider than that.
+template <class T, class S, class Q, class Acc, class Logit>
+void attend_stored_rows(const Q& q, const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n,
+                        T scale, SoftmaxState<T>& state, Acc& acc, const Logit& logit) {
+    using Rows = StoredRows<T, S>;
+    constexpr bool in_registers = fused_storage && std::is_same_v<T, float>;
+    constexpr bool decode_keys = std::is_same_v<Logit, std::nullptr_t>;
+    const Index d = K.cols(), dv = V.cols(), end = first + n;
+    const bool streaming = static_cast<std::size_t>(n) * (Rows::row_bytes(d) + Rows::row_bytes(dv)) >= streaming_bytes;
+    const Index k_ahead = streaming ? std::max<Index>(1, Index(4096 / Rows::row_bytes(d))) : n;
+    const Index v_ahead = streaming ? std::max<Index>(1, Index(4096 / Rows::row_bytes(dv))) : 0;
+    // The buffer of the rows converted to T (none when both products read in registers).
+    constexpr Index buffered = in_registers && !decode_keys ? 1 : stored_buffer<T>;
+    const Index widest = in_registers ? (decode_keys ? d : 1) : std::max(d, dv);
+    alignas(64) T stack[buffered];
+    std::vector<T> heap;
+    T* buffer = stack;
+    if (widest > buffered) {
+        heap.resize(static_cast<std::size_t>(widest));
+        buffer = heap.data();
+    }
+    const Index step = std::max<Index>(1, std::min<Index>(16, buffered / std::max<Index>(widest, 1)));
+    alignas(64) T logits[attend_block];
+    T* out = acc.data();
+    for (Index j0 = first; j0 < end; j0 += attend_block) {
+        const Index m = std::min(attend_block, end - j0);
+        if constexpr (decode_keys) {
+            for (Index j = 0; j < m; j += step) {
+                const Index rows = std::min(step, m - j);
+                K.decode_rows(j0 + j, rows, buffer, d);
+                for (Index r = 0; r < rows; ++r)
+                    logits[j + r] = scale * dot_in_order(q.data(), buffer + r * d, d);
+            }
+        } else {
             for (Index j = 0; j < m; ++j) {
                 if (j0 + j + k_ahead < end)
                     K.prefetch_row(j0 + j + k_ahead);
-                logits[j] = scale * K.dot(j0 + j, q.data());
+                logits[j] = logit(j0 + j);
             }
-            const T alpha = state.absorb(logits, m);
+        }
+        T alpha = state.absorb(logits, m);
+        if constexpr (in_registers) {
+            using namespace Eigen::internal;
+            const Index packed = dv / packet_lanes<T> * packet_lanes<T>;
             if (alpha != T(1)) {
                 for (Index c = 0; c < packed; c += packet_lanes<T>)
                     pstoreu(out + c, pmul(pset1<Packet<T>>(alpha), ploadu<Packet<T>>(out + c)));
                 for (Index c = packed; c < dv; ++c)
                     out[c] *= alpha;
             }
-            V.add_rows(j0, m, logits, out, streaming ? v_ahead : 0, end);
-        }
-        return;
-    }
-    const Index d = K.cols(), dv = V.cols(), widest = std::max(d, dv);
-    alignas(64) T stack[stored_buffer<T>];
-    std::vector<T> heap;
-    T* buffer = stack;
-    if (widest > stored_buffer<T>) {
-        heap.resize(static_cast<std::size_t>(widest));
-        buffer = heap.data();
-    }
-    const Index step = std::max<Index>(1, std::min<Index>(16, stored_buffer<T> / widest));
-    alignas(64) T logits[attend_block];
-    for (Index j0 = first; j0 < first + n; j0 += attend_block) {
-        const Index m = std::min(attend_block, first + n - j0);
-        for (Index j = 0; j < m; j += step) {
-            const Index rows = std::min(step, m - j);
-            K.decode_rows(j0 + j, rows, buffer, d);
-            for (Index r = 0; r < rows; ++r)
-                logits[j + r] = scale * dot_in_order(q.data(), buffer + r * d, d);
-        }
-        T alpha = state.absorb(logits, m);
-        for (Index j = 0; j < m; j += step) {
-            const Index rows = std::min(step, m - j);
-            V.decode_rows(j0 + j, rows, buffer, dv);
-            add_values_in_order(logits + j, buffer, dv, rows, dv, alpha, acc.data());
-            alpha = T(1);
+            V.add_rows(j0, m, logits, out, v_ahead, end);
+        } else {
+            for (Index j = 0; j < m; j += step) {
+                const Index rows = std::min(step, m - j);
+                V.decode_rows(j0 + j, rows, buffer, dv);
+                add_values_in_order(logits + j, buffer, dv, rows, dv, alpha, out);
+                alpha = T(1);
+            }
         }
     }
 }
 
+/// One query against the stored pairs [first, first + n) of K and V, as the streaming path
+/// of attend_contiguous (attend_stored_rows): the logits s_j = scale · q·k_j, in float
+/// with fused_storage by each row's dot product in registers. With IntegerDot<S> storage
+/// they are scale · q̃·k_j for the query rounded to int8 once here (IntegerQuery, on the
+/// stack; a head wider than its max_depth takes q·k_j).
+template <class T, class S, class Q, class Acc>
+void attend_stored(const Q& q, const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n, T scale,
+                   SoftmaxState<T>& state, Acc&& acc) {
+    MEMATTN_DASSERT(q.innerStride() == 1 && acc.innerStride() == 1);
+    if constexpr (integer_dot<S>) {
+        static_assert(std::is_same_v<T, float>, "memattn: the integer Q·K (IntegerDot<S>) is for caches of float");
+        if (K.cols() <= IntegerQuery::max_depth) {
+            IntegerQuery rounded;  // round() writes every entry that integer_dot reads
+            rounded.round(q.data(), K.cols());
+            attend_stored_rows(q, K, V, first, n, scale, state, acc,
+                               [&](Index row) { return scale * K.integer_dot(row, rounded); });
+            return;
+        }
+    }
+    if constexpr (fused_storage && std::is_same_v<T, float>)
+        attend_stored_rows(q, K, V, first, n, scale, state, acc, [&](Index row) { return scale * K.dot(row, q.data()); });
+    else
+        attend_stored_rows(q, K, V, first, n, scale, state, acc, nullptr);
+}
 
 // The grouped logits of a few queries (fewer than a packet's lanes): tiles of
 // GQ queries × GK keys with GQ·GK = lanes, one packet accumulator per (query, key) pair

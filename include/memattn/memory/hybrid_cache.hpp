@@ -46,7 +46,7 @@ namespace memattn {
 /// \tparam S how the window's pairs are stored, T itself or a compact type (storage/compact.hpp);
 /// the compressed slots stay in T, since the compressor pools into them in place.
 template <class T, class C = MeanPool, class S = T>
-    requires(StorageFor<S, T> || (LowPrecision<T> && StorageFor<S, float>)) && detail::Unrotated<S>  // a slot pools keys; the rotation is the window's
+    requires(StorageFor<S, T> || (LowPrecision<T> && StorageFor<S, float>)) && detail::PlainKeys<S>  // a slot pools keys (in float); the rotation is the window's
 class HybridCache {
     static_assert(Compressor<C, T>,
                   "HybridCache<T, C>: C must be a compressor, a copyable struct with a const member "
@@ -424,7 +424,7 @@ private:
 /// behind members that take and give rows of E (memory/detail/low_precision.hpp). The
 /// constructors are HybridCache<float, C, S>'s.
 template <LowPrecision E, class C, class S>
-    requires StorageFor<S, float> && detail::Unrotated<S>
+    requires StorageFor<S, float> && detail::PlainKeys<S>
 class HybridCache<E, C, S> : public detail::LowPrecisionMemory<HybridCache<float, C, S>, E> {
 public:
     using detail::LowPrecisionMemory<HybridCache<float, C, S>, E>::LowPrecisionMemory;

@@ -26,8 +26,8 @@ namespace memattn {
 /// whole past; see the top of the file.
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp:
 /// Eigen::bfloat16, Eigen::half, memattn::Q8, memattn::Q4, memattn::Q4Affine, or
-/// `memattn::Rotated<S>` of the last three: keys rotated, see there); arithmetic is in T
-/// either way.
+/// `memattn::Rotated<S>` of the last three: keys rotated, see there; `memattn::IntegerDot<S>`
+/// of those: a single query's q·k in integers); arithmetic is in T either way.
 template <class T, class S = T>
     requires StorageFor<S, T> || (LowPrecision<T> && StorageFor<S, float>)
 class KVCache {

@@ -81,7 +81,7 @@ private:
 /// One layer's K/V for many sequences in a pool of blocks; see the top of the file.
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp).
 template <Scalar T, class S = T>
-    requires StorageFor<S, T> && (!detail::is_rotated<S>)
+    requires StorageFor<S, T> && detail::PlainKeys<S>
 class PagedKVCache : public ExecutorSlot {
 public:
     using Scalar = T;       ///< the rows' scalar and the arithmetic's

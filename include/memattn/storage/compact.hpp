@@ -30,6 +30,9 @@
 //                    of one sign, or off-centre, keeps twice the resolution of Q4's.
 //                    Outputs within 1e-1 on unit-scale inputs.
 //                    For both, a block holding ±∞ or NaN reads as NaN, as Q8's.
+//   memattn::Rotated<S>     keys (and queries) Hadamard-rotated, stored as S.
+//   memattn::IntegerDot<S>  stored as S; a single query's q·k taken in integers on the
+//                    query rounded to int8 per block (StoredRows::integer_dot).
 //
 // One policy for every type (check_storable): a finite value that S would store as ±∞
 // or NaN (float16 from 65520 on, bfloat16 from ~3.3962e38, a double past float's range)
@@ -93,29 +96,62 @@ struct Rotated {
     static constexpr Index block = S::block;  ///< S's block
 };
 
+/// Keys stored as S (Q8, Q4, Q4Affine, or `Rotated<S>` of one of them) whose
+/// single-query attend takes q·k in integers: the query is rounded to int8 once per
+/// attend, per block of 32 values with a scale of its own (s_q = max|q|/127), and each
+/// block's Σ q_i·k_i over the stored codes is exact in int32 (vpdpbusd where the CPU has
+/// VNNI, vpmaddubsw + vpmaddwd with AVX2), so the logit is the dot product of the rounded
+/// query with the stored key, q̃·k̃, to float's rounding. What it costs: |q·k̃ − q̃·k̃| ≤
+/// Σ_b s_q,b/2 · Σ_{i∈b} |k̃_i| (the query's rounding; docs/design.md §4.7, IntegerDot).
+/// What it gives: no conversion of the keys to float (ggml's q8_0 dot, ik_llama.cpp's
+/// int8 K·Q). Stored bytes and snapshots are S's, so a snapshot loads into either. The
+/// grouped attend of two or more queries, the logit options and prefill read the keys in
+/// float as S does. For KVCache and SlidingWindowCache of float (and of 16-bit rows, which
+/// compute in float).
+template <class S>
+struct IntegerDot {
+    using storage = S;                        ///< how the keys and values are stored
+    static constexpr Index block = S::block;  ///< S's block
+};
+
 namespace detail {
 template <class S>
 inline constexpr bool is_rotated = false;
 template <class S>
 inline constexpr bool is_rotated<Rotated<S>> = true;
-/// S stores keys as they come (not Rotated<...>): a concept, so that a constraint that
-/// names it in a primary template and in a partial specialization is the same one.
 template <class S>
-concept Unrotated = !is_rotated<S>;
+inline constexpr bool is_rotated<IntegerDot<S>> = is_rotated<S>;
+/// S multiplies a single query's logits in integers (IntegerDot<...>).
+template <class S>
+inline constexpr bool integer_dot = false;
+template <class S>
+inline constexpr bool integer_dot<IntegerDot<S>> = true;
+/// S stores keys as they come and reads them in float (neither Rotated<...> nor
+/// IntegerDot<...>): a concept, so that a constraint that names it in a primary template
+/// and in a partial specialization is the same one.
+template <class S>
+concept PlainKeys = !is_rotated<S> && !integer_dot<S>;
 }  // namespace detail
 
 /// `Rotated<S>` over a block-scaled S.
 template <class S>
 concept RotatedStorage = detail::is_rotated<S> && (std::same_as<typename S::storage, Q8> || Q4Storage<typename S::storage>);
 
+/// `IntegerDot<S>` over a block-scaled S, rotated or not.
+template <class S>
+concept IntegerDotStorage = detail::integer_dot<S> && (std::same_as<typename S::storage, Q8> ||
+                                                       Q4Storage<typename S::storage> || RotatedStorage<typename S::storage>);
+
 /// The element types a cache can store keys and values in besides its scalar.
 template <class S>
 concept CompactStorage = std::same_as<S, Eigen::bfloat16> || std::same_as<S, Eigen::half> || std::same_as<S, Q8> ||
-                         Q4Storage<S> || RotatedStorage<S>;
+                         Q4Storage<S> || RotatedStorage<S> || IntegerDotStorage<S>;
 
-/// A cache of scalar T can store its pairs as S: T itself or a compact type.
+/// A cache of scalar T can store its pairs as S: T itself or a compact type (the integer
+/// dot, IntegerDot<S>, for float only: it rounds a query to 8 bits, which a cache of
+/// double is not kept for).
 template <class S, class T>
-concept StorageFor = Scalar<T> && (std::same_as<S, T> || CompactStorage<S>);
+concept StorageFor = Scalar<T> && (std::same_as<S, T> || (CompactStorage<S> && (!detail::integer_dot<S> || std::same_as<T, float>)));
 
 namespace detail {
 
@@ -128,13 +164,22 @@ inline constexpr const char* storage_name = std::is_same_v<S, Eigen::bfloat16>  
                                             : std::is_same_v<S, Rotated<Q8>>       ? "Rotated<Q8>"
                                             : std::is_same_v<S, Rotated<Q4>>       ? "Rotated<Q4>"
                                             : std::is_same_v<S, Rotated<Q4Affine>> ? "Rotated<Q4Affine>"
+                                            : std::is_same_v<S, IntegerDot<Q8>>          ? "IntegerDot<Q8>"
+                                            : std::is_same_v<S, IntegerDot<Q4>>          ? "IntegerDot<Q4>"
+                                            : std::is_same_v<S, IntegerDot<Q4Affine>>    ? "IntegerDot<Q4Affine>"
+                                            : std::is_same_v<S, IntegerDot<Rotated<Q8>>> ? "IntegerDot<Rotated<Q8>>"
+                                            : std::is_same_v<S, IntegerDot<Rotated<Q4>>> ? "IntegerDot<Rotated<Q4>>"
+                                            : std::is_same_v<S, IntegerDot<Rotated<Q4Affine>>> ? "IntegerDot<Rotated<Q4Affine>>"
                                             : std::is_same_v<S, float>             ? "float"
                                                                                    : "double";
 
-/// The snapshot type code of storage S for a cache of scalar T.
+/// The snapshot type code of storage S for a cache of scalar T (IntegerDot<S>: S's, the
+/// bytes are the same).
 template <class T, class S>
 constexpr snapshot::TypeCode storage_code() {
-    if constexpr (std::is_same_v<S, Eigen::bfloat16>)
+    if constexpr (integer_dot<S>)
+        return storage_code<T, typename S::storage>();
+    else if constexpr (std::is_same_v<S, Eigen::bfloat16>)
         return snapshot::TypeCode::bfloat16;
     else if constexpr (std::is_same_v<S, Eigen::half>)
         return snapshot::TypeCode::float16;
@@ -160,7 +205,7 @@ constexpr Index q8_blocks(Index cols) { return (cols + Q8::block - 1) / Q8::bloc
 /// Whether S keeps float scales per block (Q8, Q4, Q4Affine): it holds float's whole
 /// range, and only a double past it is lost.
 template <class S>
-inline constexpr bool scaled_storage = std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S>;
+inline constexpr bool scaled_storage = std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S> || IntegerDotStorage<S>;
 
 /// The rotation of `Rotated<S>` storage on one head's row of n values, in place: the
 /// normalised Walsh–Hadamard transform H_m/√m on consecutive segments of m values, each
@@ -460,6 +505,82 @@ void add_rows_in_registers(const Rows& rows, Index first, Index n, const float* 
             acc[c] += rows.weight(first + j, c, w[j]) * rows.scalar(first + j, c);
 }
 
+/// A query rounded for the integer Q·K of `IntegerDot<S>`: per block of 32 values a
+/// scale s_q = max|q|/127 and codes round(q/s_q) ∈ [−127, 127] (the query's q̃ = s_q·code
+/// is within s_q/2 of q), zero past the last value up to a whole block; per lane of four
+/// codes (vpdpbusd's and vpmaddwd's) −8 × their sum, Q4's offset (Σ q·(u − 8) starts
+/// from it); per block s_q · Σ codes, Q4Affine's zero point term. A block holding ±∞ or
+/// NaN gets a NaN scale, so every logit it meets is NaN, as q·k would be non-finite.
+/// Rounded in double (127/max|q| overflows float below 3.7e-37), once per attend.
+struct IntegerQuery {
+    static constexpr Index block = 32;
+    /// The widest query it holds (2.4 KiB on the stack); a wider head takes the float dot.
+    static constexpr Index max_depth = 1024;
+    alignas(64) std::int8_t code[max_depth];
+    alignas(64) std::int32_t q4_offset[max_depth / 4];
+    float scale[max_depth / block];
+    float code_sum[max_depth / block];
+
+    void round(const float* q, Index d) noexcept {
+        MEMATTN_DASSERT(d >= 0 && d <= max_depth);
+        for (Index b = 0; b * block < d; ++b) {
+            const Index c0 = b * block, n = std::min(block, d - c0);
+            float amax = 0;
+            bool finite = true;
+            for (Index c = c0; c < c0 + n; ++c) {
+                finite = finite && std::isfinite(q[c]);
+                amax = std::max(amax, std::abs(q[c]));
+            }
+            const double inverse = finite && amax > 0 ? 127.0 / static_cast<double>(amax) : 0.0;
+            int sum = 0;
+            for (Index c = c0; c < c0 + block; ++c) {
+                const int x = c < c0 + n ? static_cast<int>(std::nearbyint(static_cast<double>(q[c]) * inverse)) : 0;
+                code[c] = static_cast<std::int8_t>(x);
+                sum += x;
+            }
+            for (Index l = c0 / 4; l < (c0 + block) / 4; ++l)
+                q4_offset[l] = -8 * (code[4 * l] + code[4 * l + 1] + code[4 * l + 2] + code[4 * l + 3]);
+            scale[b] = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+            code_sum[b] = scale[b] * static_cast<float>(sum);
+        }
+    }
+};
+
+/// The integer products of one block of 32 codes (AVX2 and later), per int32 lane the
+/// sum of four products, exact: Σ k·q for int8 keys |k| ≤ 127 (by |k| unsigned times q
+/// with k's sign: a pair of products stays below 2^15, so vpmaddubsw cannot saturate), and
+/// acc + Σ u·q for 4-bit codes u ∈ [0, 15]. vpdpbusd with AVX512-VNNI (and VL) or
+/// AVX-VNNI, vpmaddubsw + vpmaddwd elsewhere.
+#if defined(__AVX2__)
+inline constexpr bool integer_blocks = true;
+inline __m256i dot_u8_s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+inline __m256i int8_block_dot(const std::int8_t* k, const std::int8_t* q) {
+    const __m256i kv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k));
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    return dot_u8_s8(_mm256_setzero_si256(), _mm256_abs_epi8(kv), _mm256_sign_epi8(qv, kv));
+}
+/// A 4-bit block's 16 bytes as its 32 codes, in order: the low nibbles, then the high.
+inline __m256i nibble_codes(const std::uint8_t* p) {
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_and_si256(_mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+inline float sum_lanes8(__m256 a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#else
+inline constexpr bool integer_blocks = false;
+#endif
+
 /// Rows × cols values of T stored as S: a plain row-major matrix when S is T, else the
 /// encoded rows. Both sides have one interface: put_rows (encode), decode_rows (into a
 /// buffer of T), bytes, raw copies for growth, and the snapshot payload.
@@ -688,6 +809,39 @@ public:
             for (Index c = whole * Q8::block; c < d; ++c)
                 tail += q[c] * static_cast<float>(x[c]);
             sum += s[whole] * tail;
+        }
+        return sum;
+    }
+    /// q̃·row for the rounded query q̃ (IntegerDot<Q8>): per block s_k·s_q·Σ code·k, the
+    /// sum exact in int32 (int8_block_dot), the blocks added in float.
+    [[nodiscard]] float integer_dot(Index row, const IntegerQuery& q) const {
+        const std::int8_t* x = &q_(row, 0);
+        const float* s = &scales_(row, 0);
+        const Index d = cols(), whole = d / Q8::block;
+        float sum = 0;
+        Index b = 0;
+        if constexpr (integer_blocks) {
+            // Even and odd blocks on two accumulators, as dot's.
+            __m256 even = _mm256_setzero_ps(), odd = even;
+            for (; b + 1 < whole; b += 2) {
+                const __m256i e = int8_block_dot(x + b * Q8::block, q.code + b * Q8::block);
+                const __m256i o = int8_block_dot(x + (b + 1) * Q8::block, q.code + (b + 1) * Q8::block);
+                even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(s[b] * q.scale[b]), even);
+                odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(s[b + 1] * q.scale[b + 1]), odd);
+            }
+            if (b < whole) {
+                const __m256i e = int8_block_dot(x + b * Q8::block, q.code + b * Q8::block);
+                even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(s[b] * q.scale[b]), even);
+                ++b;
+            }
+            sum = sum_lanes8(_mm256_add_ps(even, odd));
+        }
+        for (; b < scales_.cols(); ++b) {  // without AVX2 every block, with it the last, shorter one
+            const Index c0 = b * Q8::block, end = std::min(d, c0 + Q8::block);
+            std::int32_t dot = 0;
+            for (Index c = c0; c < end; ++c)
+                dot += std::int32_t{q.code[c]} * std::int32_t{x[c]};
+            sum += s[b] * q.scale[b] * static_cast<float>(dot);
         }
         return sum;
     }
@@ -959,6 +1113,41 @@ public:
             total += q[c] * stored_value(row, c);
         return total;
     }
+    /// q̃·row for the rounded query q̃ (IntegerDot<S>): per block s_k·s_q·Σ code·(u − 8)
+    /// (Q4) or s_k·s_q·Σ code·u + m·s_q·Σ code (Q4Affine), the sums exact in int32
+    /// (nibble_codes, dot_u8_s8), the blocks added in float. The last, shorter block reads
+    /// as the others: the query's codes past the row are 0.
+    [[nodiscard]] float integer_dot(Index row, const IntegerQuery& q) const {
+        const std::uint8_t* x = &u_(row, 0);
+        const float* s = &scales_(row, 0);
+        const Index blocks = scales_.cols();
+        float zero_term = 0;  // Q4Affine: Σ_b m_b·s_q,b·Σ codes
+        if constexpr (S::zero_point)
+            for (Index b = 0; b < blocks; ++b)
+                zero_term += zeros_(row, b) * q.code_sum[b];
+        if constexpr (integer_blocks) {
+            __m256 acc = _mm256_setzero_ps();
+            for (Index b = 0; b < blocks; ++b) {
+                const __m256i start = S::zero_point ? _mm256_setzero_si256()
+                                                    : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.q4_offset + b * 8));
+                const __m256i dot = dot_u8_s8(start, nibble_codes(x + b * block_bytes),
+                                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.code + b * block)));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[b] * q.scale[b]), acc);
+            }
+            return sum_lanes8(acc) + zero_term;
+        } else {
+            float sum = 0;
+            for (Index b = 0; b < blocks; ++b) {
+                std::int32_t dot = 0;
+                for (Index i = 0; i < block; ++i) {
+                    const std::int32_t u = (x[b * block_bytes + i % block_bytes] >> (i / block_bytes * 4)) & 0x0F;
+                    dot += std::int32_t{q.code[b * block + i]} * (S::zero_point ? u : u - 8);
+                }
+                sum += s[b] * q.scale[b] * static_cast<float>(dot);
+            }
+            return sum + zero_term;
+        }
+    }
     /// acc += w · row in float, converted in registers.
     void add_scaled(Index row, float w, float* acc) const {
         using namespace Eigen::internal;
@@ -1144,6 +1333,13 @@ private:
 /// queries before it reads them; the stored rows are S's).
 template <class T, class S>
 class StoredRows<T, Rotated<S>> : public StoredRows<T, S> {
+public:
+    using StoredRows<T, S>::StoredRows;
+};
+
+/// `IntegerDot<S>`: the rows of S, whose integer_dot the single-query attend reads.
+template <class T, class S>
+class StoredRows<T, IntegerDot<S>> : public StoredRows<T, S> {
 public:
     using StoredRows<T, S>::StoredRows;
 };
