@@ -121,11 +121,19 @@ template <class S>
 inline constexpr bool is_rotated<Rotated<S>> = true;
 template <class S>
 inline constexpr bool is_rotated<IntegerDot<S>> = is_rotated<S>;
-/// S multiplies a single query's logits in integers (IntegerDot<...>).
+/// S multiplies a single query's logits in integers: IntegerDot<S> of a block-scaled S,
+/// rotated or not. One boolean, so that the concepts naming it stay one atomic constraint
+/// each (clang 14 ran out of memory normalising a nested one beside KVCache's constraints).
 template <class S>
 inline constexpr bool integer_dot = false;
 template <class S>
-inline constexpr bool integer_dot<IntegerDot<S>> = true;
+inline constexpr bool integer_dot<IntegerDot<S>> =
+    std::is_same_v<S, Q8> || std::is_same_v<S, Q4> || std::is_same_v<S, Q4Affine> || std::is_same_v<S, Rotated<Q8>> ||
+    std::is_same_v<S, Rotated<Q4>> || std::is_same_v<S, Rotated<Q4Affine>>;
+/// S can be a cache's storage for scalar T as far as the integer dot goes: the rounded
+/// query is float's (one atom, as above).
+template <class S, class T>
+inline constexpr bool integer_dot_for = !integer_dot<S> || std::is_same_v<T, float>;
 /// S stores keys as they come and reads them in float (neither Rotated<...> nor
 /// IntegerDot<...>): a concept, so that a constraint that names it in a primary template
 /// and in a partial specialization is the same one.
@@ -139,19 +147,27 @@ concept RotatedStorage = detail::is_rotated<S> && (std::same_as<typename S::stor
 
 /// `IntegerDot<S>` over a block-scaled S, rotated or not.
 template <class S>
-concept IntegerDotStorage = detail::integer_dot<S> && (std::same_as<typename S::storage, Q8> ||
-                                                       Q4Storage<typename S::storage> || RotatedStorage<typename S::storage>);
+concept IntegerDotStorage = detail::integer_dot<S>;
 
-/// The element types a cache can store keys and values in besides its scalar.
+namespace detail {
 template <class S>
-concept CompactStorage = std::same_as<S, Eigen::bfloat16> || std::same_as<S, Eigen::half> || std::same_as<S, Q8> ||
-                         Q4Storage<S> || RotatedStorage<S> || IntegerDotStorage<S>;
+inline constexpr bool compact_storage = std::is_same_v<S, Eigen::bfloat16> || std::is_same_v<S, Eigen::half> ||
+                                        std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S> || IntegerDotStorage<S>;
+}  // namespace detail
+
+/// The element types a cache can store keys and values in besides its scalar. One atomic
+/// constraint (a boolean), not a disjunction of concepts: the caches' constraints name it
+/// in a primary template and a partial specialization, and clang normalises both to check
+/// them for ambiguity: for the disjunction, clang 14 took 100–145 s to parse memattn.hpp
+/// (4 s now; measured 2026-12-02).
+template <class S>
+concept CompactStorage = detail::compact_storage<S>;
 
 /// A cache of scalar T can store its pairs as S: T itself or a compact type (the integer
 /// dot, IntegerDot<S>, for float only: it rounds a query to 8 bits, which a cache of
 /// double is not kept for).
 template <class S, class T>
-concept StorageFor = Scalar<T> && (std::same_as<S, T> || (CompactStorage<S> && (!detail::integer_dot<S> || std::same_as<T, float>)));
+concept StorageFor = Scalar<T> && (std::same_as<S, T> || (CompactStorage<S> && detail::integer_dot_for<S, T>));
 
 namespace detail {
 
@@ -577,8 +593,45 @@ inline float sum_lanes8(__m256 a) {
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
+/// Σ_b s[b]·s_q,b·Σ code·k over the first `whole` Q8 blocks of a row (codes x, scales s):
+/// even and odd blocks on two accumulators, as the float dot's.
+inline float q8_integer_blocks(const std::int8_t* x, const float* s, const IntegerQuery& q, Index whole) {
+    constexpr Index block = IntegerQuery::block;
+    __m256 even = _mm256_setzero_ps(), odd = even;
+    Index b = 0;
+    for (; b + 1 < whole; b += 2) {
+        const __m256i e = int8_block_dot(x + b * block, q.code + b * block);
+        const __m256i o = int8_block_dot(x + (b + 1) * block, q.code + (b + 1) * block);
+        even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(s[b] * q.scale[b]), even);
+        odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(s[b + 1] * q.scale[b + 1]), odd);
+    }
+    if (b < whole) {
+        const __m256i e = int8_block_dot(x + b * block, q.code + b * block);
+        even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(s[b] * q.scale[b]), even);
+    }
+    return sum_lanes8(_mm256_add_ps(even, odd));
+}
+/// Σ_b s[b]·s_q,b·Σ code·(u − 8) (Q4: the lanes start from −8·Σ code) or Σ code·u
+/// (ZeroPoint) over `blocks` 4-bit blocks of 16 bytes (x) with scales s.
+template <bool ZeroPoint>
+float q4_integer_blocks(const std::uint8_t* x, const float* s, const IntegerQuery& q, Index blocks) {
+    constexpr Index block = IntegerQuery::block;
+    __m256 acc = _mm256_setzero_ps();
+    for (Index b = 0; b < blocks; ++b) {
+        const __m256i start =
+            ZeroPoint ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.q4_offset + b * 8));
+        const __m256i dot = dot_u8_s8(start, nibble_codes(x + b * (block / 2)),
+                                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.code + b * block)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[b] * q.scale[b]), acc);
+    }
+    return sum_lanes8(acc);
+}
 #else
 inline constexpr bool integer_blocks = false;
+// Declared only, for code that names them where integer_blocks is false (never called).
+float q8_integer_blocks(const std::int8_t* x, const float* s, const IntegerQuery& q, Index whole);
+template <bool ZeroPoint>
+float q4_integer_blocks(const std::uint8_t* x, const float* s, const IntegerQuery& q, Index blocks);
 #endif
 
 /// Rows × cols values of T stored as S: a plain row-major matrix when S is T, else the
@@ -821,20 +874,8 @@ public:
         float sum = 0;
         Index b = 0;
         if constexpr (integer_blocks) {
-            // Even and odd blocks on two accumulators, as dot's.
-            __m256 even = _mm256_setzero_ps(), odd = even;
-            for (; b + 1 < whole; b += 2) {
-                const __m256i e = int8_block_dot(x + b * Q8::block, q.code + b * Q8::block);
-                const __m256i o = int8_block_dot(x + (b + 1) * Q8::block, q.code + (b + 1) * Q8::block);
-                even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(s[b] * q.scale[b]), even);
-                odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(o), _mm256_set1_ps(s[b + 1] * q.scale[b + 1]), odd);
-            }
-            if (b < whole) {
-                const __m256i e = int8_block_dot(x + b * Q8::block, q.code + b * Q8::block);
-                even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(s[b] * q.scale[b]), even);
-                ++b;
-            }
-            sum = sum_lanes8(_mm256_add_ps(even, odd));
+            sum = q8_integer_blocks(x, s, q, whole);
+            b = whole;
         }
         for (; b < scales_.cols(); ++b) {  // without AVX2 every block, with it the last, shorter one
             const Index c0 = b * Q8::block, end = std::min(d, c0 + Q8::block);
@@ -1126,15 +1167,7 @@ public:
             for (Index b = 0; b < blocks; ++b)
                 zero_term += zeros_(row, b) * q.code_sum[b];
         if constexpr (integer_blocks) {
-            __m256 acc = _mm256_setzero_ps();
-            for (Index b = 0; b < blocks; ++b) {
-                const __m256i start = S::zero_point ? _mm256_setzero_si256()
-                                                    : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.q4_offset + b * 8));
-                const __m256i dot = dot_u8_s8(start, nibble_codes(x + b * block_bytes),
-                                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.code + b * block)));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[b] * q.scale[b]), acc);
-            }
-            return sum_lanes8(acc) + zero_term;
+            return q4_integer_blocks<S::zero_point>(x, s, q, blocks) + zero_term;
         } else {
             float sum = 0;
             for (Index b = 0; b < blocks; ++b) {
