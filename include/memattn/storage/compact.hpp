@@ -164,7 +164,7 @@ template <class S>
 concept CompactStorage = detail::compact_storage<S>;
 
 /// A cache of scalar T can store its pairs as S: T itself or a compact type (the integer
-/// dot, IntegerDot<S>, for float only: it rounds a query to 8 bits, which a cache of
+/// dot, `IntegerDot<S>`, for float only: it rounds a query to 8 bits, which a cache of
 /// double is not kept for).
 template <class S, class T>
 concept StorageFor = Scalar<T> && (std::same_as<S, T> || (CompactStorage<S> && detail::integer_dot_for<S, T>));
@@ -530,7 +530,7 @@ void add_rows_in_registers(const Rows& rows, Index first, Index n, const float* 
 /// Rounded in double (127/max|q| overflows float below 3.7e-37), once per attend.
 struct IntegerQuery {
     static constexpr Index block = 32;
-    /// The widest query it holds (2.4 KiB on the stack); a wider head takes the float dot.
+    /// The widest query it holds (2.3 KiB on the stack); a wider head takes the float dot.
     static constexpr Index max_depth = 1024;
     alignas(64) std::int8_t code[max_depth];
     alignas(64) std::int32_t q4_offset[max_depth / 4];
@@ -550,7 +550,8 @@ struct IntegerQuery {
             const double inverse = finite && amax > 0 ? 127.0 / static_cast<double>(amax) : 0.0;
             int sum = 0;
             for (Index c = c0; c < c0 + block; ++c) {
-                const int x = c < c0 + n ? static_cast<int>(std::nearbyint(static_cast<double>(q[c]) * inverse)) : 0;
+                const bool inside = c < c0 + n && finite;  // a non-finite block's codes are 0 (its scale is NaN)
+                const int x = inside ? static_cast<int>(std::nearbyint(static_cast<double>(q[c]) * inverse)) : 0;
                 code[c] = static_cast<std::int8_t>(x);
                 sum += x;
             }
