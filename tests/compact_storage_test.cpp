@@ -48,6 +48,37 @@ std::string snapshot_of(const M& memory) {
     return out.str();
 }
 
+/// MultiHead over the caches `make` gives, past one split piece of pairs: the same bits on
+/// one thread and on two, and each query head's output its KV head's cache's alone.
+template <class Make>
+void check_layer_against_heads(const HeadLayout& layout, Make make) {
+    using Cache = decltype(make());
+    const Index d = layout.head_dim, dv = layout.value_dim, g = layout.q_heads / layout.kv_heads;
+    const Index n = MultiHead<KVCache<float>>::split_keys + 77;
+    const Matrix<float> LK = random_matrix<float>(n, layout.kv_heads * d, 5),
+                        LV = random_matrix<float>(n, layout.kv_heads * dv, 6),
+                        LQ = random_matrix<float>(2, layout.q_heads * d, 7);
+    MultiHead<Cache> layer(layout, [&](Index) { return make(); });
+    layer.extend(LK, LV);
+    Matrix<float> serial(2, layout.q_heads * dv), threaded(2, layout.q_heads * dv), heads(2, layout.q_heads * dv);
+    const SerialExecutor one;
+    const OpenMPExecutor two{.threads = 2};
+    layer.set_executor(one);
+    for (Index i = 0; i < 2; ++i)
+        layer.attend(LQ.row(i), serial.row(i));
+    layer.set_executor(two);
+    for (Index i = 0; i < 2; ++i)
+        layer.attend(LQ.row(i), threaded.row(i));
+    CHECK(serial.cwiseEqual(threaded).all());
+    for (Index h = 0; h < layout.q_heads; ++h) {
+        Cache head = make();
+        memattn::extend(head, LK.middleCols(h / g * d, d), LV.middleCols(h / g * dv, dv));
+        for (Index i = 0; i < 2; ++i)
+            head.attend(LQ.row(i).segment(h * d, d), heads.row(i).segment(h * dv, dv));
+    }
+    check_close(serial, to_double(heads), 1e-5);
+}
+
 }  // namespace
 
 #define MEMATTN_STORAGE_PAIRS                                                                                  \
@@ -642,29 +673,8 @@ TEST_CASE("Rotated storage: snapshots, refusals, MultiHead", "[storage][rotation
     }
     check_close(out, to_double(expected), tolerance<float>());
     // MultiHead over rotated caches: the split attend rotates each group's queries.
-    const HeadLayout layout{.q_heads = 4, .kv_heads = 2, .head_dim = 16, .value_dim = 8};
-    const Index n = MultiHead<KVCache<float>>::split_keys + 77;
-    const Matrix<float> LK = random_matrix<float>(n, 32, 5), LV = random_matrix<float>(n, 16, 6),
-                        LQ = random_matrix<float>(2, 64, 7);
-    MultiHead<KVCache<float, Rotated<Q4>>> layer(layout, [](Index) { return KVCache<float, Rotated<Q4>>(16, 8); });
-    layer.extend(LK, LV);
-    Matrix<float> serial(2, 32), threaded(2, 32), heads(2, 32);
-    const SerialExecutor one;
-    const OpenMPExecutor two{.threads = 2};
-    layer.set_executor(one);
-    for (Index i = 0; i < 2; ++i)
-        layer.attend(LQ.row(i), serial.row(i));
-    layer.set_executor(two);
-    for (Index i = 0; i < 2; ++i)
-        layer.attend(LQ.row(i), threaded.row(i));
-    CHECK(serial.cwiseEqual(threaded).all());
-    for (Index h = 0; h < 4; ++h) {
-        KVCache<float, Rotated<Q4>> head(16, 8);
-        memattn::extend(head, LK.middleCols(h / 2 * 16, 16), LV.middleCols(h / 2 * 8, 8));
-        for (Index i = 0; i < 2; ++i)
-            head.attend(LQ.row(i).segment(h * 16, 16), heads.row(i).segment(h * 8, 8));
-    }
-    check_close(serial, to_double(heads), 1e-5);
+    check_layer_against_heads({.q_heads = 4, .kv_heads = 2, .head_dim = 16, .value_dim = 8},
+                              [] { return KVCache<float, Rotated<Q4>>(16, 8); });
 }
 
 namespace {
@@ -834,27 +844,6 @@ TEST_CASE("Integer Q·K: snapshots are the storage's; rotated keys; MultiHead's 
     check_close(oa, reference::softmax_attention(int8_rounded(Matrix<float>(HQ.cast<float>())), Ks, Vs).out.bottomRows(10),
                 tolerance<float>());
     // MultiHead with a group of one query per KV head: each head's attend, for any executor.
-    const HeadLayout layout{.q_heads = 2, .kv_heads = 2, .head_dim = 16, .value_dim = 8};
-    const Index n = MultiHead<KVCache<float>>::split_keys + 77;
-    const Matrix<float> LK = random_matrix<float>(n, 32, 5), LV = random_matrix<float>(n, 16, 6),
-                        LQ = random_matrix<float>(2, 32, 7);
-    MultiHead<KVCache<float, IntegerDot<Q8>>> layer(layout, [](Index) { return KVCache<float, IntegerDot<Q8>>(16, 8); });
-    layer.extend(LK, LV);
-    Matrix<float> serial(2, 16), threaded(2, 16), heads(2, 16);
-    const SerialExecutor one;
-    const OpenMPExecutor two{.threads = 2};
-    layer.set_executor(one);
-    for (Index i = 0; i < 2; ++i)
-        layer.attend(LQ.row(i), serial.row(i));
-    layer.set_executor(two);
-    for (Index i = 0; i < 2; ++i)
-        layer.attend(LQ.row(i), threaded.row(i));
-    CHECK(serial.cwiseEqual(threaded).all());
-    for (Index h = 0; h < 2; ++h) {
-        KVCache<float, IntegerDot<Q8>> head(16, 8);
-        memattn::extend(head, LK.middleCols(h * 16, 16), LV.middleCols(h * 8, 8));
-        for (Index i = 0; i < 2; ++i)
-            head.attend(LQ.row(i).segment(h * 16, 16), heads.row(i).segment(h * 8, 8));
-    }
-    check_close(serial, to_double(heads), 1e-5);
+    check_layer_against_heads({.q_heads = 2, .kv_heads = 2, .head_dim = 16, .value_dim = 8},
+                              [] { return KVCache<float, IntegerDot<Q8>>(16, 8); });
 }
