@@ -1160,7 +1160,6 @@ public:
     /// (nibble_codes, dot_u8_s8), the blocks added in float. The last, shorter block reads
     /// as the others: the query's codes past the row are 0.
     [[nodiscard]] float integer_dot(Index row, const IntegerQuery& q) const {
-        const std::uint8_t* x = &u_(row, 0);
         const float* s = &scales_(row, 0);
         const Index blocks = scales_.cols();
         float zero_term = 0;  // Q4Affine: Σ_b m_b·s_q,b·Σ codes
@@ -1168,13 +1167,13 @@ public:
             for (Index b = 0; b < blocks; ++b)
                 zero_term += zeros_(row, b) * q.code_sum[b];
         if constexpr (integer_blocks) {
-            return q4_integer_blocks<S::zero_point>(x, s, q, blocks) + zero_term;
+            return q4_integer_blocks<S::zero_point>(&u_(row, 0), s, q, blocks) + zero_term;
         } else {
             float sum = 0;
             for (Index b = 0; b < blocks; ++b) {
                 std::int32_t dot = 0;
                 for (Index i = 0; i < block; ++i) {
-                    const std::int32_t u = (x[b * block_bytes + i % block_bytes] >> (i / block_bytes * 4)) & 0x0F;
+                    const auto u = static_cast<std::int32_t>(code(row, b * block + i));
                     dot += std::int32_t{q.code[b * block + i]} * (S::zero_point ? u : u - 8);
                 }
                 sum += s[b] * q.scale[b] * static_cast<float>(dot);
@@ -1311,9 +1310,8 @@ public:
             return pmul(s, psub(u, pset1<P>(8.0f)));
     }
     [[nodiscard]] float stored_value(Index r, Index c) const {
-        const Index b = c / block, i = c % block;
-        const unsigned u = (u_(r, b * block_bytes + i % block_bytes) >> (i / block_bytes * 4)) & 0x0Fu;
-        return q4_value<S>(static_cast<float>(u), scales_(r, b), S::zero_point ? zeros_(r, b) : 0.0f);
+        const Index b = c / block;
+        return q4_value<S>(static_cast<float>(code(r, c)), scales_(r, b), S::zero_point ? zeros_(r, b) : 0.0f);
     }
 
     [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
@@ -1341,6 +1339,11 @@ public:
     }
 
 private:
+    /// The 4-bit code u of column c of row r (c may run past cols up to its block's end).
+    [[nodiscard]] unsigned code(Index r, Index c) const {
+        const Index b = c / block, i = c % block;
+        return (u_(r, b * block_bytes + i % block_bytes) >> (i / block_bytes * 4)) & 0x0Fu;
+    }
     /// add_rows' columns from c (the last, shorter block): its whole packets, then its lanes.
     void add_last_block(Index first, Index n, const float* w, float* acc, Index c) const {
         using namespace Eigen::internal;
