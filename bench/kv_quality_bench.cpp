@@ -153,6 +153,12 @@ BENCHMARK(BM_KvQuality<memattn::Q4Affine>)->Name("BM_KvQuality<Q4Affine>")->Appl
 BENCHMARK(BM_KvQuality<memattn::Rotated<memattn::Q4Affine>>)
     ->Name("BM_KvQuality<Rotated<Q4Affine>>")
     ->Apply(cells);
+// Keys per channel over groups of 32 tokens (KIVI), values per token as S.
+BENCHMARK(BM_KvQuality<memattn::PerChannelKeys<memattn::Q8>>)->Name("BM_KvQuality<PerChannelKeys<Q8>>")->Apply(cells);
+BENCHMARK(BM_KvQuality<memattn::PerChannelKeys<memattn::Q4>>)->Name("BM_KvQuality<PerChannelKeys<Q4>>")->Apply(cells);
+BENCHMARK(BM_KvQuality<memattn::PerChannelKeys<memattn::Q4Affine>>)
+    ->Name("BM_KvQuality<PerChannelKeys<Q4Affine>>")
+    ->Apply(cells);
 // The integer Q·K: the query rounded to int8 in attend (the errors), the grouped step
 // (step_us) in float as its storage's.
 BENCHMARK(BM_KvQuality<memattn::IntegerDot<memattn::Q8>>)->Name("BM_KvQuality<IntegerDot<Q8>>")->Apply(cells);

@@ -113,6 +113,19 @@ BENCHMARK(BM_KVCacheAttend<memattn::IntegerDot<memattn::Q4Affine>>)
     ->Name("BM_KVCacheAttend<IntegerDot<Q4Affine>>")
     ->ArgNames({"position", "d"})
     ->ArgsProduct({{4096, 65536}, {128}});
+// Keys per channel over groups of 32 tokens (KIVI), values per token as S: beside S above.
+BENCHMARK(BM_KVCacheAttend<memattn::PerChannelKeys<memattn::Q8>>)
+    ->Name("BM_KVCacheAttend<PerChannelKeys<Q8>>")
+    ->ArgNames({"position", "d"})
+    ->ArgsProduct({{4096, 65536}, {128}});
+BENCHMARK(BM_KVCacheAttend<memattn::PerChannelKeys<memattn::Q4>>)
+    ->Name("BM_KVCacheAttend<PerChannelKeys<Q4>>")
+    ->ArgNames({"position", "d"})
+    ->ArgsProduct({{4096, 65536}, {128}});
+BENCHMARK(BM_KVCacheAttend<memattn::PerChannelKeys<memattn::Q4Affine>>)
+    ->Name("BM_KVCacheAttend<PerChannelKeys<Q4Affine>>")
+    ->ArgNames({"position", "d"})
+    ->ArgsProduct({{4096, 65536}, {128}});
 
 // The naive decode step the issue compares with: one GEMV for the logits, a softmax,
 // one GEMV for the output, on a KVCache's stored pairs (its scratch allocated once).

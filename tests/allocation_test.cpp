@@ -326,6 +326,32 @@ TEMPLATE_TEST_CASE("KVCache: the decode steps after a prefill or a bulk extend d
     }
 }
 
+TEMPLATE_TEST_CASE("KVCache with per-channel keys: decode steps, grouped attends and truncates allocate nothing",
+                   "[memory][allocation][per-channel]", Q8, Q4Affine) {
+    using S = PerChannelKeys<TestType>;
+    const Index n = 700, d = 40, dv = 8, steps = 100;
+    const Matrix<float> Q = random_matrix<float>(n, d, 1), K = random_matrix<float>(n, d, 2),
+                        V = random_matrix<float>(n, dv, 3);
+    Matrix<float> O(n, dv), group(4, dv);
+    Vector<float> out(dv);
+    KVCache<float, S> cache(d, dv);
+    prefill(cache, Q, K, V, O);  // leaves room to grow
+    HeapWatch watch;
+    for (Index i = 0; i < steps; ++i) {  // three groups finish on the way
+        cache.update(K.row(i), V.row(i));
+        cache.attend(Q.row(i), out);
+        cache.attend_group(Q.middleRows(i, 4), group);
+    }
+    cache.truncate(704);  // a group boundary
+    cache.update(K.row(0), V.row(0));
+    cache.attend(Q.row(0), out);
+    const auto counts = watch.stop();
+    CHECK(counts.operator_news == 0);
+    CHECK(counts.eigen_mallocs == 0);
+    CHECK(cache.length() == 705);
+    CHECK(out.allFinite());
+}
+
 TEMPLATE_TEST_CASE("MultiHead<KVCache>: split decode steps allocate nothing once reserved, at 1 and 2 threads",
                    "[memory][allocation][layer]", float, double) {
     using T = TestType;

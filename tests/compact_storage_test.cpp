@@ -699,6 +699,8 @@ template <class S>
 concept HybridTakesStorage = requires { typename HybridCache<float, MeanPool, S>; };
 template <class S>
 concept PoolTakesStorage = requires { typename PagedKVCache<float, S>; };
+template <class S>
+concept WindowTakesStorage = requires { typename SlidingWindowCache<float, S>; };
 static_assert(HybridTakesStorage<Q8> && !HybridTakesStorage<IntegerDot<Q8>>);
 static_assert(PoolTakesStorage<Q4> && !PoolTakesStorage<IntegerDot<Q4>>);
 
@@ -846,4 +848,285 @@ TEST_CASE("Integer Q·K: snapshots are the storage's; rotated keys; MultiHead's 
     // MultiHead with a group of one query per KV head: each head's attend, for any executor.
     check_layer_against_heads({.q_heads = 2, .kv_heads = 2, .head_dim = 16, .value_dim = 8},
                               [] { return KVCache<float, IntegerDot<Q8>>(16, 8); });
+}
+
+namespace {
+
+/// The keys a `PerChannelKeys<S>` cache reads, from the definition (storage/compact.hpp,
+/// docs/design.md §4.7): the first `finished` rows (whole groups of 32 tokens) per group
+/// and per channel with one scale (Q8: s = max|x|/127, codes round(x·(127/max|x|)) in
+/// float; Q4: s = max|x|/7, codes round(x/s) ∈ [−7, 7]; Q4Affine: m = min, s = (max −
+/// min)/15, codes round((x − m)/s) ∈ [0, 15], the rounding in double; a value is the
+/// float nearest to s·code (+ m)), the rest exact.
+template <class S, class T>
+MatrixD per_channel_keys(const Matrix<T>& K, Index finished) {
+    constexpr Index G = PerChannelKeys<S>::group;
+    MatrixD out = to_double(K);
+    for (Index g0 = 0; g0 + G <= finished; g0 += G)
+        for (Index c = 0; c < K.cols(); ++c) {
+            std::vector<float> x(G);
+            for (Index i = 0; i < G; ++i)
+                x[std::size_t(i)] = static_cast<float>(K(g0 + i, c));
+            const float lo = *std::min_element(x.begin(), x.end()), hi = *std::max_element(x.begin(), x.end());
+            const float amax = std::max(-lo, hi);
+            for (Index i = 0; i < G; ++i) {
+                const float v = x[std::size_t(i)];
+                double value = 0;
+                if constexpr (std::is_same_v<S, Q8>) {
+                    if (amax > 0)
+                        value = double(amax / 127.0f) * double(std::nearbyint(v * (127.0f / amax)));
+                } else if constexpr (std::is_same_v<S, Q4>) {
+                    const float s = static_cast<float>(double(amax) / 7.0);
+                    if (s > 0)
+                        value = double(s) * std::clamp(std::nearbyint(double(v) / double(s)), -7.0, 7.0);
+                } else {
+                    const float s = static_cast<float>((double(hi) - double(lo)) / 15.0);
+                    const double u = s > 0 ? std::clamp(std::nearbyint((double(v) - double(lo)) / double(s)), 0.0, 15.0) : 0.0;
+                    value = double(lo) + double(s) * u;
+                }
+                out(g0 + i, c) = double(static_cast<float>(value));  // a stored value is a float
+            }
+        }
+    return out;
+}
+
+}  // namespace
+
+#define MEMATTN_PER_CHANNEL_PAIRS                                                                               \
+    (std::pair<float, Q8>), (std::pair<float, Q4>), (std::pair<float, Q4Affine>), (std::pair<double, Q8>),    \
+        (std::pair<double, Q4>), (std::pair<double, Q4Affine>)
+
+TEMPLATE_TEST_CASE("Per-channel keys: a decode step is the double reference over the keys quantised per finished "
+                   "group and channel, its own group exact",
+                   "[storage][per-channel]", MEMATTN_PER_CHANNEL_PAIRS) {
+    using T = typename TestType::first_type;
+    using S = typename TestType::second_type;
+    using Cache = KVCache<T, PerChannelKeys<S>>;
+    constexpr Index G = PerChannelKeys<S>::group;
+    static_assert(std::is_same_v<typename Cache::StorageType, PerChannelKeys<S>>);
+    for (const auto& shape : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {31, 5, 7}, {32, 33, 2},
+                              {33, 16, 16}, {100, 64, 40}, {70, 128, 64}, {65, 200, 9}}) {
+        const Index n = std::get<0>(shape), d = std::get<1>(shape), dv = std::get<2>(shape);
+        INFO(detail::storage_name<PerChannelKeys<S>> << ": n = " << n << ", d = " << d << ", dv = " << dv);
+        const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2, 3.0),
+                        V = random_matrix<T>(n, dv, 3);
+        const MatrixD Vs = to_double(stored<T, S>(V));
+        Cache cache(d, dv);
+        Matrix<T> out(n, dv);
+        MatrixD expected(n, dv);
+        for (Index t = 0; t < n; ++t) {
+            cache.update(K.row(t), V.row(t));
+            cache.attend(Q.row(t), out.row(t));
+            const MatrixD Ks = per_channel_keys<S>(Matrix<T>(K.topRows(t + 1)), (t + 1) / G * G);
+            expected.row(t) = reference::softmax_attention(to_double(Q.row(t)), Ks, Vs.topRows(t + 1)).out.row(0);
+        }
+        check_close(out, expected, tolerance<T>());
+        // The stored bytes: finished groups' codes and per-channel scales, the rest as T.
+        const std::size_t code_bytes = std::is_same_v<S, Q8> ? std::size_t(d) : std::size_t(16 * ((d + 31) / 32));
+        const std::size_t scales = sizeof(float) * std::size_t(d) * (std::is_same_v<S, Q4Affine> ? 2 : 1);
+        CHECK(cache.footprint() == std::size_t(n / G) * (std::size_t(G) * code_bytes + scales) +
+                                       std::size_t(n % G) * sizeof(T) * std::size_t(d) +
+                                       std::size_t(n) * detail::StoredRows<T, S>::row_bytes(dv));
+        // A group of queries (GQA) reads the same keys: attend_group = attend per query.
+        if (n > 0) {
+            const Index g = std::min<Index>(n, 7);
+            Matrix<T> group(g, dv), single(g, dv);
+            cache.attend_group(Q.topRows(g), group);
+            for (Index r = 0; r < g; ++r)
+                cache.attend(Q.row(r), single.row(r));
+            check_close(group, to_double(single), tolerance<T>());
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("Per-channel keys: prefill attends its own keys exactly and the past as stored, and stores what "
+                   "the updates store",
+                   "[storage][per-channel]", MEMATTN_PER_CHANNEL_PAIRS) {
+    using T = typename TestType::first_type;
+    using S = typename TestType::second_type;
+    using Cache = KVCache<T, PerChannelKeys<S>>;
+    constexpr Index G = PerChannelKeys<S>::group;
+    const Index d = 40, dv = 24, total = 150;
+    const Matrix<T> Q = random_matrix<T>(total, d, 4), K = random_matrix<T>(total, d, 5, 2.0),
+                    V = random_matrix<T>(total, dv, 6);
+    const MatrixD Vs = to_double(stored<T, S>(V));
+    for (const auto& cut : {std::pair<Index, Index>{0, 0}, {0, 1}, {0, 70}, {5, 27}, {31, 2}, {32, 64}, {40, 110}}) {
+        const Index past = cut.first, n = cut.second;
+        INFO(detail::storage_name<PerChannelKeys<S>> << ": " << past << " tokens, then a prefill of " << n);
+        Cache prefilled(d, dv), updated(d, dv);
+        for (Index t = 0; t < past; ++t) {
+            prefilled.update(K.row(t), V.row(t));
+            updated.update(K.row(t), V.row(t));
+        }
+        Matrix<T> out(n, dv);
+        prefilled.prefill(Q.middleRows(past, n), K.middleRows(past, n), V.middleRows(past, n), out);
+        MatrixD keys = per_channel_keys<S>(Matrix<T>(K.topRows(past)), past / G * G);
+        keys.conservativeResize(past + n, d);
+        keys.bottomRows(n) = to_double(K.middleRows(past, n));
+        check_close(out, reference::softmax_attention(to_double(Q.middleRows(past, n)), keys, Vs.topRows(past + n)).out,
+                    tolerance<T>());
+        // Afterwards the cache holds what n updates would: the same snapshot bytes, the
+        // same steps, bit for bit.
+        for (Index t = past; t < past + n; ++t)
+            updated.update(K.row(t), V.row(t));
+        CHECK(prefilled.length() == past + n);
+        CHECK(snapshot_of(prefilled) == snapshot_of(updated));
+        Matrix<T> a(total - past - n, dv), b(total - past - n, dv);
+        decode(prefilled, Q.bottomRows(total - past - n), K.bottomRows(total - past - n), V.bottomRows(total - past - n), a);
+        decode(updated, Q.bottomRows(total - past - n), K.bottomRows(total - past - n), V.bottomRows(total - past - n), b);
+        CHECK(a.cwiseEqual(b).all());
+    }
+}
+
+TEMPLATE_TEST_CASE("Per-channel keys: truncate at group boundaries and inside the unfinished group; snapshots",
+                   "[storage][per-channel][truncate][snapshot]", Q8, Q4, Q4Affine) {
+    using S = TestType;
+    using Cache = KVCache<float, PerChannelKeys<S>>;
+    const Index d = 33, dv = 8, n = 90;
+    const Matrix<float> Q = random_matrix<float>(n, d, 7), K = random_matrix<float>(n, d, 8),
+                        V = random_matrix<float>(n, dv, 9);
+    Cache cache(d, dv);
+    memattn::extend(cache, K.topRows(80), V.topRows(80));
+    // 64 tokens finished (two groups), 16 exact.
+    for (const Index t : {0, 32, 64, 65, 79, 80})
+        CHECK(cache.can_truncate(t));
+    for (const Index t : {-1, 1, 31, 33, 63, 81})
+        CHECK_FALSE(cache.can_truncate(t));
+    CHECK_THROWS_WITH(cache.truncate(40), Catch::Matchers::Contains("KVCache::truncate") &&
+                                              Catch::Matchers::Contains("a multiple of 32"));
+    CHECK(cache.length() == 80);
+    // Cut and fed again: the same cache as one never cut, bit for bit.
+    Cache whole(d, dv);
+    memattn::extend(whole, K, V);
+    for (const Index t : {70, 64, 32, 0}) {
+        Cache cut = cache;
+        cut.truncate(t);
+        CHECK(cut.length() == t);
+        memattn::extend(cut, K.bottomRows(n - t), V.bottomRows(n - t));
+        CHECK(snapshot_of(cut) == snapshot_of(whole));
+        Matrix<float> a(1, dv), b(1, dv);
+        cut.attend(Q.row(0), a.row(0));
+        whole.attend(Q.row(0), b.row(0));
+        CHECK(a.cwiseEqual(b).all());
+    }
+    // Snapshots: load into an empty cache and into one with room; the same steps after.
+    for (const Index length : {0, 5, 32, 80}) {
+        Cache a(d, dv), b(d, dv), roomy(d, dv);
+        memattn::extend(a, K.topRows(length), V.topRows(length));
+        roomy.reserve(200);
+        memattn::extend(roomy, K.bottomRows(3), V.bottomRows(3));
+        std::istringstream in(snapshot_of(a), std::ios::binary), again(snapshot_of(a), std::ios::binary);
+        load(b, in);
+        load(roomy, again);
+        CHECK(b.footprint() == a.footprint());
+        Matrix<float> oa(n - length, dv), ob(n - length, dv), oroomy(n - length, dv);
+        decode(a, Q.bottomRows(n - length), K.bottomRows(n - length), V.bottomRows(n - length), oa);
+        decode(b, Q.bottomRows(n - length), K.bottomRows(n - length), V.bottomRows(n - length), ob);
+        decode(roomy, Q.bottomRows(n - length), K.bottomRows(n - length), V.bottomRows(n - length), oroomy);
+        CHECK(oa.cwiseEqual(ob).all());
+        CHECK(oa.cwiseEqual(oroomy).all());
+    }
+    // The storage is recorded: a per-channel snapshot loads into no other storage.
+    KVCache<float, S> token(d, dv);
+    std::istringstream in(snapshot_of(cache), std::ios::binary);
+    const std::string code = std::is_same_v<S, Q8> ? "q8" : std::is_same_v<S, Q4> ? "q4" : "q4_affine";
+    CHECK_THROWS_WITH(load(token, in), Catch::Matchers::Contains("the storage is " + code + "_per_channel_keys in the stream"));
+    // A snapshot cut short is refused, the cache unchanged.
+    std::string bytes = snapshot_of(cache);
+    bytes.resize(bytes.size() - 9);
+    Cache c(d, dv);
+    std::istringstream short_in(bytes, std::ios::binary);
+    CHECK_THROWS(load(c, short_in));
+    CHECK(c.length() == 0);
+}
+
+TEST_CASE("Per-channel keys: outlier channels cost per-channel Q4 less than per-token Q4; refusals; MultiHead; "
+          "RoPE and logit options",
+          "[storage][per-channel]") {
+    // KIVI's case: a few key channels 15 times the rest set the scale of every per-token
+    // block they are in; per channel each keeps its own. The attention weights' error.
+    const Index n = 400, d = 64;
+    Matrix<float> Q = random_matrix<float>(n, d, 4), K = random_matrix<float>(n, d, 5);
+    for (const Index c : {3, 17, 40}) {
+        K.col(c) *= 15.0f;
+        Q.col(c) *= 0.2f;
+    }
+    const Matrix<float> V = Matrix<float>::Identity(n, n);
+    const MatrixD exact = reference::softmax_attention(to_double(Q), to_double(K), to_double(V)).out;
+    const auto error = [&](auto cache) {
+        Matrix<float> weights(n, n);
+        for (Index t = 0; t < n; ++t) {
+            cache.update(K.row(t), V.row(t));
+            cache.attend(Q.row(t), weights.row(t));
+        }
+        return (to_double(weights) - exact).cwiseAbs().rowwise().sum().maxCoeff();
+    };
+    const double token = error(KVCache<float, Q4Affine>(d, n)),
+                 channel = error(KVCache<float, PerChannelKeys<Q4Affine>>(d, n));
+    CAPTURE(token, channel);
+    CHECK(channel < 0.6 * token);
+    // Only KVCache takes per-channel keys: a ring, the slots and the pool store keys one by one.
+    static_assert(!HybridTakesStorage<PerChannelKeys<Q4>> && !PoolTakesStorage<PerChannelKeys<Q4>>);
+    static_assert(!WindowTakesStorage<PerChannelKeys<Q8>> && WindowTakesStorage<Rotated<Q8>>);
+    // Of 16-bit rows: the float cache fed the rows as float, to the bit.
+    {
+        const Matrix<Eigen::bfloat16> k16 = random_matrix<float>(50, 8, 1).cast<Eigen::bfloat16>(),
+                                      v16 = random_matrix<float>(50, 4, 2).cast<Eigen::bfloat16>(),
+                                      q16 = random_matrix<float>(50, 8, 3).cast<Eigen::bfloat16>();
+        KVCache<Eigen::bfloat16, PerChannelKeys<Q8>> narrow(8, 4);
+        KVCache<float, PerChannelKeys<Q8>> plain(8, 4);
+        Matrix<Eigen::bfloat16> o16(50, 4);
+        Matrix<float> o32(50, 4);
+        decode(narrow, q16, k16, v16, o16);
+        decode(plain, Matrix<float>(q16.cast<float>()), Matrix<float>(k16.cast<float>()), Matrix<float>(v16.cast<float>()),
+               o32);
+        CHECK(o16.cwiseEqual(o32.cast<Eigen::bfloat16>()).all());
+    }
+    // A double past float's range is refused, the cache unchanged.
+    KVCache<double, PerChannelKeys<Q4>> wide(4, 2);
+    Matrix<double> big = Matrix<double>::Ones(1, 4);
+    big(0, 2) = 1e300;
+    CHECK_THROWS_WITH(wide.update(big.row(0), Matrix<double>::Ones(1, 2).row(0)),
+                      Catch::Matchers::Contains("PerChannelKeys<Q4>") && Catch::Matchers::Contains("column 2"));
+    CHECK(wide.length() == 0);
+    // A non-finite key poisons its group once it is finished, as a block of Q4 does.
+    KVCache<float, PerChannelKeys<Q8>> poisoned(4, 2);
+    Matrix<float> keys = random_matrix<float>(40, 4, 1);
+    keys(3, 1) = std::numeric_limits<float>::quiet_NaN();
+    memattn::extend(poisoned, keys, random_matrix<float>(40, 2, 2));
+    Matrix<float> o(1, 2);
+    poisoned.attend(random_matrix<float>(1, 4, 3).row(0), o.row(0));
+    CHECK(!o.allFinite());
+    // MultiHead: the split attend over per-channel caches, any executor.
+    check_layer_against_heads({.q_heads = 4, .kv_heads = 2, .head_dim = 48, .value_dim = 16},
+                              [] { return KVCache<float, PerChannelKeys<Q4>>(48, 16); });
+    // RoPE and ALiBi: the keys are stored turned, then quantised; the cache with
+    // per-channel keys against the reference over its keys, turned and quantised.
+    const Rope rope{.theta = 10000, .head_dim = 16};
+    const std::vector<double> slope = {0.25};
+    const SoftmaxOptions options{.alibi_slopes = slope};
+    const Index m = 70;
+    const Matrix<float> q = random_matrix<float>(m, 16, 11), k = random_matrix<float>(m, 16, 12),
+                        v = random_matrix<float>(m, 8, 13);
+    KVCache<float, PerChannelKeys<Q8>> turned(16, 8, options, rope);
+    Matrix<float> out(m, 8);
+    decode(turned, q, k, v, out);
+    Matrix<float> tk = k, tq = q;
+    for (Index t = 0; t < m; ++t) {
+        const Index at[1] = {t};
+        Matrix<float> row = tk.row(t), qrow = tq.row(t);
+        rope.apply(row, at);
+        rope.apply(qrow, at);
+        tk.row(t) = row;
+        tq.row(t) = qrow;
+    }
+    const MatrixD Vs = to_double(stored<float, Q8>(v));
+    MatrixD expected(m, 8);
+    for (Index t = 0; t < m; ++t) {
+        const MatrixD Ks = per_channel_keys<Q8>(Matrix<float>(tk.topRows(t + 1)), (t + 1) / 32 * 32);
+        reference::Logits logits;
+        logits.slope = 0.25;
+        expected.row(t) = reference::softmax_attention(to_double(tq.row(t)), Ks, Vs.topRows(t + 1), logits).out.row(0);
+    }
+    check_close(out, expected, tolerance<float>());
 }

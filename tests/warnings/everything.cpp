@@ -203,6 +203,8 @@ void everything(memattn::Index n, memattn::Index d) {
             use_memory(memattn::SlidingWindowCache<T, memattn::Q4Affine>(d, d, 4, 1), x, out);
             use_memory(memattn::SlidingWindowCache<T, Eigen::half>(d, d, 4, 1), x, out);
             use_memory(memattn::HybridCache<T, memattn::MeanPool, memattn::Q8>(d, d, 4, 2, 3), x, out);
+            use_memory(memattn::KVCache<T, memattn::PerChannelKeys<memattn::Q8>>(d, d), x, out);
+            use_memory(memattn::KVCache<T, memattn::PerChannelKeys<memattn::Q4Affine>>(d, d), x, out);
             if constexpr (std::is_same_v<T, float>) {  // the integer Q·K: every integer path of the ISA
                 use_memory(memattn::KVCache<T, memattn::IntegerDot<memattn::Q8>>(d, d), x, out);
                 use_memory(memattn::KVCache<T, memattn::IntegerDot<memattn::Q4>>(d, d), x, out);
@@ -227,6 +229,7 @@ void everything(memattn::Index n, memattn::Index d) {
             use_memory(memattn::KVCache<Eigen::half, memattn::Q4>(d, d), h, out_h);
             use_memory(memattn::SlidingWindowCache<bf16, memattn::Q8>(d, d, 4, 1), b, out_b);
             use_memory(memattn::KVCache<bf16, memattn::IntegerDot<memattn::Q8>>(d, d), b, out_b);
+            use_memory(memattn::KVCache<bf16, memattn::PerChannelKeys<memattn::Q4>>(d, d), b, out_b);
             use_memory(memattn::MovingAverageCache<bf16>(d, d, 4), b, out_b);
             use_memory(memattn::HybridCache<bf16>(d, d, 4, 2, 3), b, out_b);
             use_memory(memattn::LinearAttentionMemory<bf16>(d, d), b, out_b);

@@ -438,6 +438,37 @@ private:
     Matrix<T> buffer_;
 };
 
+/// Keys of a prefill that reads its own keys as given after the first `kept` rows kept in
+/// storage S (`PerChannelKeys<S>`: the past as stored, the prompt's keys exact): a tile
+/// below `kept` is converted into a buffer of one tile, a tile of given rows is read in
+/// place, a tile across the two is put together in the buffer.
+template <class T, class S>
+class StoredThenGiven {
+public:
+    StoredThenGiven(const StoredRows<T, S>& stored, Index kept, const ConstMatrixRef<T>& given, Index tile_rows)
+        : stored_(stored), kept_(kept), given_(given), buffer_(tile_rows, stored.cols()) {}
+    static constexpr bool pairs = false;
+    [[nodiscard]] Index rows() const noexcept { return kept_ + given_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return stored_.cols(); }
+    [[nodiscard]] std::pair<const T*, Index> tile(Index j0, Index n) {
+        if (j0 >= kept_)
+            return {given_.data() + (j0 - kept_) * given_.outerStride(), given_.outerStride()};
+        MEMATTN_DASSERT(n <= buffer_.rows());
+        const Index old = std::min(n, kept_ - j0);
+        stored_.decode_rows(j0, old, buffer_.data(), buffer_.cols());
+        if (old < n)
+            buffer_.middleRows(old, n - old) = given_.topRows(n - old);
+        return {buffer_.data(), buffer_.cols()};
+    }
+    void prefetch(Index, Index) const {}
+
+private:
+    const StoredRows<T, S>& stored_;
+    Index kept_;
+    ConstMatrixRef<T> given_;
+    Matrix<T> buffer_;
+};
+
 /// What the tiled kernel does to a logit beyond scale·q·k, for one head (SoftmaxOptions,
 /// kernels/softmax_options.hpp): the causal rule, a softcap, an ALiBi slope, a sink logit.
 struct LogitRule {
@@ -1069,21 +1100,45 @@ void causal_softmax_block(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
     kernel.run(O, [lse](Index i, T value) { lse[i] = value; });
 }
 
+/// The kernel over `keys` keys and values read through the row sources make_keys(tile)
+/// and make_values(tile) build for the kernel's tile of keys, after the checks.
+template <class T, class MakeKeys, class MakeValues>
+void causal_softmax_sources(const ConstMatrixRef<T>& Q, Index keys, Index d, Index dv, MatrixRef<T>& O,
+                            const SoftmaxOptions& options, const MakeKeys& make_keys, const MakeValues& make_values) {
+    if (Q.rows() == 0)
+        return;
+    const Index window = effective_window(options.window, keys);
+    SoftmaxScratch<T> scratch(d, dv, default_tiles(window));
+    const T scale = resolve_scale(static_cast<T>(options.scale), d);
+    TiledCausalSoftmax<T, DefaultBlocking, decltype(make_keys(Index{})), decltype(make_values(Index{}))> kernel(
+        PlainRows<T>(Q), make_keys(scratch.tiles.keys), make_values(scratch.tiles.keys), scale, window,
+        options.sink_tokens, scratch, LogitRule::of(options));
+    kernel.run(O, [](Index, T) {});
+}
+
 /// The kernel over the first `keys` rows of K and V kept in storage S (the prefill of a
 /// compact cache), after the checks: each K/V tile is converted to T when a query tile
 /// reaches it (DecodedRows), into two buffers of one tile.
 template <class T, class S>
 void causal_softmax_stored(const ConstMatrixRef<T>& Q, const StoredRows<T, S>& K, const StoredRows<T, S>& V,
                            Index keys, MatrixRef<T> O, const SoftmaxOptions& options) {
-    if (Q.rows() == 0)
-        return;
-    const Index window = effective_window(options.window, keys);
-    SoftmaxScratch<T> scratch(K.cols(), V.cols(), default_tiles(window));
-    const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
-    TiledCausalSoftmax<T, DefaultBlocking, DecodedRows<T, S>, DecodedRows<T, S>> kernel(
-        PlainRows<T>(Q), DecodedRows<T, S>(K, keys, scratch.tiles.keys), DecodedRows<T, S>(V, keys, scratch.tiles.keys), scale,
-        window, options.sink_tokens, scratch, LogitRule::of(options));
-    kernel.run(O, [](Index, T) {});
+    causal_softmax_sources<T>(
+        Q, keys, K.cols(), V.cols(), O, options, [&](Index tile) { return DecodedRows<T, S>(K, keys, tile); },
+        [&](Index tile) { return DecodedRows<T, S>(V, keys, tile); });
+}
+
+/// The same over keys whose first `kept` rows are stored in K and whose last Q.rows() rows
+/// are `given` (StoredThenGiven: a prefill of `PerChannelKeys<S>` storage), and the first
+/// kept + Q.rows() rows of V.
+template <class T, class SK, class SV>
+void causal_softmax_stored(const ConstMatrixRef<T>& Q, const StoredRows<T, SK>& K, Index kept,
+                           const ConstMatrixRef<T>& given, const StoredRows<T, SV>& V, MatrixRef<T> O,
+                           const SoftmaxOptions& options) {
+    const Index keys = kept + given.rows();
+    causal_softmax_sources<T>(
+        Q, keys, K.cols(), V.cols(), O, options,
+        [&](Index tile) { return StoredThenGiven<T, SK>(K, kept, given, tile); },
+        [&](Index tile) { return DecodedRows<T, SV>(V, keys, tile); });
 }
 
 /// A public call after its checks, with the measured tiles: the float or double kernel

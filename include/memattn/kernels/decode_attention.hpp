@@ -180,16 +180,17 @@ inline constexpr Index stored_buffer = Index(32768 / sizeof(T));
 /// (at least streaming_bytes; in cache the prefetches only cost). Otherwise rows are
 /// converted a few at a time into a buffer in L1 (dot_in_order, add_values_in_order), on
 /// the stack (stored_buffer values), or from the heap for a row wider than that.
-template <class T, class S, class Q, class Acc, class Logit>
-void attend_stored_rows(const Q& q, const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n,
+template <class T, class SK, class SV, class Q, class Acc, class Logit>
+void attend_stored_rows(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, SV>& V, Index first, Index n,
                         T scale, SoftmaxState<T>& state, Acc& acc, const Logit& logit) {
-    using Rows = StoredRows<T, S>;
+    using KRows = StoredRows<T, SK>;
+    using VRows = StoredRows<T, SV>;
     constexpr bool in_registers = fused_storage && std::is_same_v<T, float>;
     constexpr bool decode_keys = std::is_same_v<Logit, std::nullptr_t>;
     const Index d = K.cols(), dv = V.cols(), end = first + n;
-    const bool streaming = static_cast<std::size_t>(n) * (Rows::row_bytes(d) + Rows::row_bytes(dv)) >= streaming_bytes;
-    const Index k_ahead = streaming ? std::max<Index>(1, Index(4096 / Rows::row_bytes(d))) : n;
-    const Index v_ahead = streaming ? std::max<Index>(1, Index(4096 / Rows::row_bytes(dv))) : 0;
+    const bool streaming = static_cast<std::size_t>(n) * (KRows::row_bytes(d) + VRows::row_bytes(dv)) >= streaming_bytes;
+    const Index k_ahead = streaming ? std::max<Index>(1, Index(4096 / KRows::row_bytes(d))) : n;
+    const Index v_ahead = streaming ? std::max<Index>(1, Index(4096 / VRows::row_bytes(dv))) : 0;
     // The buffer of the rows converted to T (none when both products read in registers).
     constexpr Index buffered = in_registers && !decode_keys ? 1 : stored_buffer<T>;
     const Index widest = in_registers ? (decode_keys ? d : 1) : std::max(d, dv);
@@ -246,11 +247,11 @@ void attend_stored_rows(const Q& q, const StoredRows<T, S>& K, const StoredRows<
 /// with fused_storage by each row's dot product in registers. With IntegerDot<S> storage
 /// they are scale · q̃·k_j for the query rounded to int8 once here (IntegerQuery, on the
 /// stack; a head wider than its max_depth takes q·k_j).
-template <class T, class S, class Q, class Acc>
-void attend_stored(const Q& q, const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n, T scale,
+template <class T, class SK, class SV, class Q, class Acc>
+void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, SV>& V, Index first, Index n, T scale,
                    SoftmaxState<T>& state, Acc&& acc) {
     MEMATTN_DASSERT(q.innerStride() == 1 && acc.innerStride() == 1);
-    if constexpr (integer_dot<S>) {
+    if constexpr (integer_dot<SK>) {
         static_assert(std::is_same_v<T, float>, "memattn: the integer Q·K (IntegerDot<S>) is for caches of float");
         if (K.cols() <= IntegerQuery::max_depth) {
             IntegerQuery rounded;  // round() writes every entry that integer_dot reads
@@ -612,11 +613,12 @@ public:
     /// run on the converted rows in the same blocks and the same order of terms as fold():
     /// the result is bitwise fold()'s on the stored values converted to T. One query takes
     /// attend_stored, which is exactly the cache's attend.
-    template <class S, class Acc>
-    void fold_stored(const StoredRows<T, S>& K, const StoredRows<T, S>& V, Index first, Index n, Acc&& acc,
+    template <class SK, class SV, class Acc>
+    void fold_stored(const StoredRows<T, SK>& K, const StoredRows<T, SV>& V, Index first, Index n, Acc&& acc,
                      Index key_position = 0) {
         key_position_ = key_position;
-        if constexpr (!StoredRows<T, S>::compact) {
+        if constexpr (!StoredRows<T, SK>::compact) {
+            static_assert(!StoredRows<T, SV>::compact, "memattn: keys stored as T go with values stored as T");
             if constexpr (std::is_same_v<T, float> && decode_tiles) {
                 if (tiles_) {  // read in place, asked for ahead past the run
                     fold_tiles(K, V, first, n, K.cols(), V.cols(), K.cols() * Index(sizeof(float)), K.rows(), acc);
@@ -633,7 +635,7 @@ public:
             if constexpr (std::is_same_v<T, float> && decode_tiles) {
                 if (tiles_) {
                     fold_tiles(K, V, first, n, K.cols(), V.cols(),
-                               static_cast<Index>(StoredRows<T, S>::row_bytes(K.cols())), K.rows(), acc);
+                               static_cast<Index>(StoredRows<T, SK>::row_bytes(K.cols())), K.rows(), acc);
                     return;
                 }
             }
@@ -646,7 +648,7 @@ public:
                 buffer = heap.data();
             }
             const Index buffered = std::max<Index>(stored_buffer<T>, widest);
-            const auto converted = [&](const StoredRows<T, S>& X) {
+            const auto converted = [&](const auto& X) {
                 return [&X, first, buffer](Index j, Index m) {
                     X.decode_rows(first + j, m, buffer, X.cols());
                     return Rows{buffer, X.cols()};

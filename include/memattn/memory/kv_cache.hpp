@@ -27,7 +27,9 @@ namespace memattn {
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp:
 /// Eigen::bfloat16, Eigen::half, memattn::Q8, memattn::Q4, memattn::Q4Affine, or
 /// `memattn::Rotated<S>` of the last three: keys rotated, see there; `memattn::IntegerDot<S>`
-/// of those: a single query's q·k in integers); arithmetic is in T either way.
+/// of those: a single query's q·k in integers; `memattn::PerChannelKeys<S>` of Q8, Q4 or
+/// Q4Affine: keys quantised per channel over groups of tokens, values as S, see there);
+/// arithmetic is in T either way.
 template <class T, class S = T>
     requires StorageFor<S, T> || (LowPrecision<T> && StorageFor<S, float>)
 class KVCache {
@@ -136,7 +138,7 @@ public:
         }
         SoftmaxState<T> state;
         out.setZero();
-        if constexpr (Rows::compact)
+        if constexpr (KeyRows::compact)
             detail::attend_stored(query, keys_, values_, 0, length_, scale_, state, out);
         else
             detail::attend_contiguous(query, keys(), values(), scale_, state, out);
@@ -203,16 +205,29 @@ public:
     /// Bytes allocated (held pairs plus room to grow).
     [[nodiscard]] std::size_t capacity() const noexcept { return bytes(keys_.rows()); }
     /// Forgets every pair and keeps the allocation.
-    void reset() noexcept { length_ = 0; }
+    void reset() noexcept { keep(0); }
     /// Forgets the newest pairs, keeping the first `tokens` (at most length()): takes the
     /// cache back to an earlier length, e.g. to undo a speculative step. Keeps the allocation.
     void truncate(Index tokens) {
-        detail::require(can_truncate(tokens), "KVCache::truncate", "tokens", "is ", tokens,
-                        ", expected 0 .. length() = ", length_);
-        length_ = tokens;
+        if constexpr (per_channel) {
+            detail::require(can_truncate(tokens), "KVCache::truncate", "tokens", "is ", tokens,
+                            ", expected a multiple of ", KeyRows::group, " (a group of per-channel keys) or ",
+                            keys_.finished(), " .. length() = ", length_);
+        } else {
+            detail::require(can_truncate(tokens), "KVCache::truncate", "tokens", "is ", tokens,
+                            ", expected 0 .. length() = ", length_);
+        }
+        keep(tokens);
     }
-    /// Whether truncate(tokens) would succeed: 0 ≤ tokens ≤ length().
-    [[nodiscard]] bool can_truncate(Index tokens) const noexcept { return tokens >= 0 && tokens <= length_; }
+    /// Whether truncate(tokens) would succeed: 0 ≤ tokens ≤ length(), and with
+    /// `PerChannelKeys<S>` a multiple of its group or past the last finished group (a
+    /// finished group's scales depend on all its tokens).
+    [[nodiscard]] bool can_truncate(Index tokens) const noexcept {
+        if constexpr (per_channel)
+            return tokens >= 0 && tokens <= length_ && keys_.can_keep(tokens);
+        else
+            return tokens >= 0 && tokens <= length_;
+    }
     /// Allocates room for `tokens` pairs in all, so later updates up to that length do not allocate.
     void reserve(Index tokens) { reserve_exact(std::max(tokens, length_)); }
 
@@ -224,7 +239,8 @@ public:
     [[nodiscard]] T scale() const noexcept { return scale_; }
 
     /// Snapshots (memattn/persistence/snapshot.hpp): key_dim, value_dim, scale, length,
-    /// then the keys and the values, oldest first, as stored (S). Loading keeps the
+    /// then the keys and the values, oldest first, as stored (S; `PerChannelKeys<S>`: the
+    /// finished groups of keys, then the unfinished group's keys as T). Loading keeps the
     /// allocation when the pairs fit in it. The logit options are not recorded: they
     /// change no stored pair (memory/detail/held_logits.hpp). With RoPE, its
     /// configuration follows the scale (memory/detail/held_rope.hpp).
@@ -246,11 +262,14 @@ public:
         r.expect("value_dim", value_dim_);
         r.expect("scale", scale_);
         rope_.read(r);
-        const std::size_t row = Rows::row_bytes(key_dim_) + Rows::row_bytes(value_dim_);
-        const Index length = r.count("length", 0, static_cast<Index>(r.remaining() / row));
-        r.expect_remaining(static_cast<std::size_t>(length) * row, "the pairs");
+        const std::size_t least =
+            detail::least_row_bytes<KeyRows>(key_dim_) + detail::least_row_bytes<ValueRows>(value_dim_);
+        const Index length = r.count("length", 0, static_cast<Index>(r.remaining() / least));
+        r.expect_remaining(detail::stored_bytes<KeyRows>(length, key_dim_) +
+                               detail::stored_bytes<ValueRows>(length, value_dim_),
+                           "the pairs");
         if (length > keys_.rows()) {
-            Storage loaded{Rows(length, key_dim_), Rows(length, value_dim_)};  // may throw: nothing changed
+            Storage loaded{KeyRows(length, key_dim_), ValueRows(length, value_dim_)};  // may throw: nothing changed
             loaded.keys.read_rows(r, 0, length);
             loaded.values.read_rows(r, 0, length);
             keys_.swap(loaded.keys);
@@ -276,7 +295,16 @@ public:
     }
 
 private:
-    using Rows = detail::StoredRows<T, S>;
+    using KeyRows = detail::StoredRows<T, S>;
+    using ValueRows = detail::StoredRows<T, detail::value_storage_t<S>>;
+    static constexpr bool per_channel = detail::per_channel_keys<S>;
+
+    /// The first `tokens` pairs stay (can_truncate(tokens)).
+    void keep(Index tokens) noexcept {
+        if constexpr (per_channel)
+            keys_.keep(tokens);
+        length_ = tokens;
+    }
 
     /// prefill after the checks, with the queries and keys as the kernel reads them
     /// (turned, with RoPE): the pairs appended, then one call of the tiled kernel.
@@ -284,7 +312,19 @@ private:
                         const ConstMatrixRef<T>& values, MatrixRef<T>& out) {
         const Index n = keys.rows(), length = length_ + n;
         const SoftmaxOptions options = this->options();
-        if constexpr (Rows::compact) {
+        if constexpr (per_channel) {
+            // KIVI's prefill: the prompt's keys exact, the past as stored. The room first
+            // (may throw: nothing changed), then the values, which the kernel reads as stored
+            // (rows past length(): none is read before), the kernel (its scratch may fail to
+            // allocate: length_ not yet changed, the keys not yet touched), then the keys.
+            if (length > keys_.rows())
+                reserve_exact(grown_rows(n));
+            values_.put_rows(length_, values);
+            detail::causal_softmax_stored<T>(queries, keys_, length_, keys, values_, out, options);
+            keys_.put_rows(length_, keys);
+            length_ = length;
+            return;
+        } else if constexpr (KeyRows::compact) {
             // The kernel reads the stored (rounded) pairs, tile by tile, as attend does.
             const Index before = length_;
             append(keys, values);
@@ -296,7 +336,7 @@ private:
             }
             return;
         } else {
-            const auto attend_all = [&](const Rows& all_keys, const Rows& all_values) {
+            const auto attend_all = [&](const KeyRows& all_keys, const ValueRows& all_values) {
                 detail::causal_softmax_views<T>(queries, all_keys.block(0, length), all_values.block(0, length), out,
                                                 [](Index, T) {}, options);
             };
@@ -317,8 +357,15 @@ private:
     }
 
     struct Storage {
-        Rows keys, values;
+        KeyRows keys;
+        ValueRows values;
     };
+
+    /// Rows to grow to for n more pairs: max(2 × capacity, needed + needed / 2, 16).
+    [[nodiscard]] Index grown_rows(Index n) const noexcept {
+        const Index needed = length_ + n;
+        return std::max<Index>({2 * keys_.rows(), needed + needed / 2, 16});
+    }
 
     /// New storage, with room to grow, holding the current pairs and then `keys`/`values`:
     /// capacity max(2 × capacity, needed + needed / 2, 16), so a bulk append (a prefill)
@@ -326,9 +373,8 @@ private:
     /// pairs may be views of the current storage, which is still alive while they are copied.
     template <class K, class V>
     Storage grown_with(const K& keys, const V& values) const {
-        const Index n = keys.rows(), needed = length_ + n;
-        const Index rows = std::max<Index>({2 * keys_.rows(), needed + needed / 2, 16});
-        Storage grown{Rows(rows, key_dim_), Rows(rows, value_dim_)};  // may throw: nothing changed yet
+        const Index rows = grown_rows(keys.rows());
+        Storage grown{KeyRows(rows, key_dim_), ValueRows(rows, value_dim_)};  // may throw: nothing changed yet
         grown.keys.copy_rows_from(keys_, length_);
         grown.values.copy_rows_from(values_, length_);
         grown.keys.put_rows(length_, keys);
@@ -353,7 +399,8 @@ private:
     void reserve_exact(Index rows) {
         if (rows <= keys_.rows())
             return;
-        Rows keys(rows, key_dim_), values(rows, value_dim_);  // may throw: nothing changed yet
+        KeyRows keys(rows, key_dim_);  // may throw: nothing changed yet
+        ValueRows values(rows, value_dim_);
         keys.copy_rows_from(keys_, length_);
         values.copy_rows_from(values_, length_);
         keys_.swap(keys);
@@ -361,7 +408,7 @@ private:
     }
 
     [[nodiscard]] std::size_t bytes(Index rows) const noexcept {
-        return static_cast<std::size_t>(rows) * (Rows::row_bytes(key_dim_) + Rows::row_bytes(value_dim_));
+        return detail::stored_bytes<KeyRows>(rows, key_dim_) + detail::stored_bytes<ValueRows>(rows, value_dim_);
     }
 
     Index key_dim_;
@@ -370,8 +417,8 @@ private:
     detail::HeldLogits logits_;
     detail::HeldRope rope_;
     Vector<T> turned_;  ///< update's key, turned (with RoPE)
-    Rows keys_;
-    Rows values_;
+    KeyRows keys_;
+    ValueRows values_;
     Index length_ = 0;
 };
 

@@ -36,7 +36,7 @@ namespace memattn {
 /// causal_softmax_attention with that window and those sinks; see the top of the file.
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp).
 template <class T, class S = T>
-    requires StorageFor<S, T> || (LowPrecision<T> && StorageFor<S, float>)
+    requires(StorageFor<S, T> || (LowPrecision<T> && StorageFor<S, float>)) && detail::TokenKeys<S>  // a ring overwrites keys one by one
 class SlidingWindowCache {
 public:
     using Scalar = T;       ///< float or double: the rows' scalar and the arithmetic's
@@ -481,7 +481,7 @@ private:
 /// SlidingWindowCache<float, S> behind members that take and give rows of E
 /// (memory/detail/low_precision.hpp). The constructors are SlidingWindowCache<float, S>'s.
 template <LowPrecision E, class S>
-    requires StorageFor<S, float>
+    requires StorageFor<S, float> && detail::TokenKeys<S>
 class SlidingWindowCache<E, S> : public detail::LowPrecisionMemory<SlidingWindowCache<float, S>, E> {
 public:
     using detail::LowPrecisionMemory<SlidingWindowCache<float, S>, E>::LowPrecisionMemory;

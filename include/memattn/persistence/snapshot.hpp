@@ -82,7 +82,7 @@ inline constexpr std::uint32_t format_version = 1;
 /// The longest kind name a snapshot may hold.
 inline constexpr std::uint32_t max_kind_bytes = 255;
 
-/// A type code's name in messages: float32, float64, bfloat16, float16, q8, q4, q4_affine, or one of the three rotated.
+/// A type code's name in messages: float32, float64, bfloat16, float16, q8, q4, q4_affine, one of the three rotated or the three per-channel-keys codes.
 inline std::string type_name(std::uint8_t code) {
     switch (code) {
         case 1: return "float32";
@@ -95,6 +95,9 @@ inline std::string type_name(std::uint8_t code) {
         case 8: return "q8_rotated";
         case 9: return "q4_rotated";
         case 10: return "q4_affine_rotated";
+        case 11: return "q8_per_channel_keys";
+        case 12: return "q4_per_channel_keys";
+        case 13: return "q4_affine_per_channel_keys";
         default: return "unknown type " + std::to_string(code);
     }
 }

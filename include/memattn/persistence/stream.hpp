@@ -164,6 +164,9 @@ enum class TypeCode : std::uint8_t {
     q8_rotated = 8,
     q4_rotated = 9,
     q4_affine_rotated = 10,
+    q8_per_channel_keys = 11,
+    q4_per_channel_keys = 12,
+    q4_affine_per_channel_keys = 13,
 };
 
 /// The type code of the scalar T: float32 or float64, or for a memory of 16-bit rows

@@ -33,6 +33,8 @@
 //   memattn::Rotated<S>     keys (and queries) Hadamard-rotated, stored as S.
 //   memattn::IntegerDot<S>  stored as S; a single query's q·k taken in integers on the
 //                    query rounded to int8 per block (StoredRows::integer_dot).
+//   memattn::PerChannelKeys<S>  keys quantised as S per channel over groups of 32
+//                    tokens (the newest, unfinished group exact), values as S (KIVI).
 //
 // One policy for every type (check_storable): a finite value that S would store as ±∞
 // or NaN (float16 from 65520 on, bfloat16 from ~3.3962e38, a double past float's range)
@@ -114,6 +116,23 @@ struct IntegerDot {
     static constexpr Index block = S::block;  ///< S's block
 };
 
+/// Keys quantised per channel (KIVI: Liu et al. 2024), values as S token by token, for
+/// KVCache (S = Q8, Q4 or Q4Affine). The keys of each group of `group` tokens share, per
+/// channel, one scale (and for Q4Affine one zero point) computed over the group, so a
+/// channel that is large in every token (the outlier channels of real models' keys) gets
+/// its own scale instead of setting the scale of the rest of its token's block. The
+/// newest tokens, fewer than a group, stay exact (in the cache's scalar) until their group
+/// is complete. What changes (docs/design.md §4.7, "Per-channel keys"): prefill attends
+/// its own keys exactly and the past as stored, so a decode step after a prefill equals
+/// the quantised reference rather than the prefill's rows; truncate cuts at group
+/// boundaries or inside the unfinished group only (can_truncate).
+template <class S>
+struct PerChannelKeys {
+    using storage = S;                        ///< how a finished group's keys, and the values, are stored
+    static constexpr Index group = 32;        ///< tokens whose keys share a channel's scale
+    static constexpr Index block = S::block;  ///< S's block (the values')
+};
+
 namespace detail {
 template <class S>
 inline constexpr bool is_rotated = false;
@@ -138,7 +157,27 @@ inline constexpr bool integer_dot_for = !integer_dot<S> || std::is_same_v<T, flo
 /// IntegerDot<...>): a concept, so that a constraint that names it in a primary template
 /// and in a partial specialization is the same one.
 template <class S>
-concept PlainKeys = !is_rotated<S> && !integer_dot<S>;
+inline constexpr bool per_channel_keys = false;
+template <class S>
+inline constexpr bool per_channel_keys<PerChannelKeys<S>> =
+    std::is_same_v<S, Q8> || std::is_same_v<S, Q4> || std::is_same_v<S, Q4Affine>;
+template <class S>
+concept PlainKeys = !is_rotated<S> && !integer_dot<S> && !per_channel_keys<S>;
+/// S stores each key on its own (not `PerChannelKeys<S>`, whose keys share scales across
+/// the tokens of a group): the storage a ring of pairs can overwrite one at a time.
+template <class S>
+concept TokenKeys = !per_channel_keys<S>;
+/// How a cache with storage S stores its values: S, or S's own for `PerChannelKeys<S>`.
+template <class S>
+struct value_storage {
+    using type = S;
+};
+template <class S>
+struct value_storage<PerChannelKeys<S>> {
+    using type = S;
+};
+template <class S>
+using value_storage_t = typename value_storage<S>::type;
 }  // namespace detail
 
 /// `Rotated<S>` over a block-scaled S.
@@ -152,7 +191,8 @@ concept IntegerDotStorage = detail::integer_dot<S>;
 namespace detail {
 template <class S>
 inline constexpr bool compact_storage = std::is_same_v<S, Eigen::bfloat16> || std::is_same_v<S, Eigen::half> ||
-                                        std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S> || IntegerDotStorage<S>;
+                                        std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S> || IntegerDotStorage<S> ||
+                                        per_channel_keys<S>;
 }  // namespace detail
 
 /// The element types a cache can store keys and values in besides its scalar. One atomic
@@ -186,6 +226,9 @@ inline constexpr const char* storage_name = std::is_same_v<S, Eigen::bfloat16>  
                                             : std::is_same_v<S, IntegerDot<Rotated<Q8>>> ? "IntegerDot<Rotated<Q8>>"
                                             : std::is_same_v<S, IntegerDot<Rotated<Q4>>> ? "IntegerDot<Rotated<Q4>>"
                                             : std::is_same_v<S, IntegerDot<Rotated<Q4Affine>>> ? "IntegerDot<Rotated<Q4Affine>>"
+                                            : std::is_same_v<S, PerChannelKeys<Q8>>       ? "PerChannelKeys<Q8>"
+                                            : std::is_same_v<S, PerChannelKeys<Q4>>       ? "PerChannelKeys<Q4>"
+                                            : std::is_same_v<S, PerChannelKeys<Q4Affine>> ? "PerChannelKeys<Q4Affine>"
                                             : std::is_same_v<S, float>             ? "float"
                                                                                    : "double";
 
@@ -211,6 +254,12 @@ constexpr snapshot::TypeCode storage_code() {
         return snapshot::TypeCode::q4_rotated;
     else if constexpr (std::is_same_v<S, Rotated<Q4Affine>>)
         return snapshot::TypeCode::q4_affine_rotated;
+    else if constexpr (std::is_same_v<S, PerChannelKeys<Q8>>)
+        return snapshot::TypeCode::q8_per_channel_keys;
+    else if constexpr (std::is_same_v<S, PerChannelKeys<Q4>>)
+        return snapshot::TypeCode::q4_per_channel_keys;
+    else if constexpr (std::is_same_v<S, PerChannelKeys<Q4Affine>>)
+        return snapshot::TypeCode::q4_affine_per_channel_keys;
     else
         return snapshot::type_code<T>();
 }
@@ -221,7 +270,8 @@ constexpr Index q8_blocks(Index cols) { return (cols + Q8::block - 1) / Q8::bloc
 /// Whether S keeps float scales per block (Q8, Q4, Q4Affine): it holds float's whole
 /// range, and only a double past it is lost.
 template <class S>
-inline constexpr bool scaled_storage = std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S> || IntegerDotStorage<S>;
+inline constexpr bool scaled_storage =
+    std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S> || IntegerDotStorage<S> || per_channel_keys<S>;
 
 /// The rotation of `Rotated<S>` storage on one head's row of n values, in place: the
 /// normalised Walsh–Hadamard transform H_m/√m on consecutive segments of m values, each
@@ -765,6 +815,32 @@ private:
     Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m_;
 };
 
+/// Q8's rounding of n values that share a scale (a block of a row, or a channel of a
+/// group of keys): returns s = max|x_i| / 127 and writes round(x_i / s) to
+/// codes[i·stride]; a block holding ±∞ or NaN gets a NaN scale and zero codes.
+inline float q8_quantise(const float* x, Index n, std::int8_t* codes, Index stride) {
+    float amax = 0;
+    bool finite = true;
+    for (Index i = 0; i < n; ++i) {
+        finite = finite && std::isfinite(x[i]);
+        amax = std::max(amax, std::abs(x[i]));
+    }
+    float s = !finite ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+    if (finite && !std::isfinite(127.0f * s))  // amax near FLT_MAX: s rounded up past it
+        s = std::nextafter(s, 0.0f);
+    // 127 / amax overflows float for amax below 127 / FLT_MAX (~3.7e-37): such a block is
+    // scaled in double, where it cannot, and rounds as float's would.
+    const float inverse = finite && amax > 0 ? 127.0f / amax : 0.0f;
+    const bool tiny = !std::isfinite(inverse);
+    const double tiny_inverse = tiny ? 127.0 / static_cast<double>(amax) : 0.0;
+    for (Index i = 0; i < n; ++i) {
+        const float scaled = tiny ? static_cast<float>(static_cast<double>(x[i]) * tiny_inverse)
+                                  : x[i] * inverse;  // |scaled| ≤ 127
+        codes[i * stride] = static_cast<std::int8_t>(finite ? std::nearbyint(scaled) : 0.0f);
+    }
+    return s;
+}
+
 /// Q8: int8 values and one float scale per block of 32 values of a row.
 template <class T>
 class StoredRows<T, Q8> {
@@ -784,28 +860,10 @@ public:
         for (Index r = 0; r < rows.rows(); ++r)
             for (Index b = 0; b < scales_.cols(); ++b) {
                 const Index c0 = b * Q8::block, n = std::min(Q8::block, cols() - c0);
-                float amax = 0;
-                bool finite = true;
-                for (Index c = c0; c < c0 + n; ++c) {
-                    const auto x = static_cast<float>(rows(r, c));
-                    finite = finite && std::isfinite(x);
-                    amax = std::max(amax, std::abs(x));
-                }
-                float s = !finite ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
-                if (finite && !std::isfinite(127.0f * s))  // amax near FLT_MAX: s rounded up past it
-                    s = std::nextafter(s, 0.0f);
-                scales_(first + r, b) = s;
-                // 127 / amax overflows float for amax below 127 / FLT_MAX (~3.7e-37): such
-                // a block is scaled in double, where it cannot, and rounds as float's would.
-                const float inverse = finite && amax > 0 ? 127.0f / amax : 0.0f;
-                const bool tiny = !std::isfinite(inverse);
-                const double tiny_inverse = tiny ? 127.0 / static_cast<double>(amax) : 0.0;
-                for (Index c = c0; c < c0 + n; ++c) {
-                    const float x = static_cast<float>(rows(r, c));
-                    const float scaled = tiny ? static_cast<float>(static_cast<double>(x) * tiny_inverse)
-                                              : x * inverse;  // |scaled| ≤ 127
-                    q_(first + r, c) = static_cast<std::int8_t>(finite ? std::nearbyint(scaled) : 0.0f);
-                }
+                float x[Q8::block];
+                for (Index c = 0; c < n; ++c)
+                    x[c] = static_cast<float>(rows(r, c0 + c));
+                scales_(first + r, b) = q8_quantise(x, n, &q_(first + r, c0), 1);
             }
     }
     void copy_rows_from(const StoredRows& other, Index n) {
@@ -958,6 +1016,56 @@ inline float q4_value(float u, float s, float m) {
     }
 }
 
+/// A 4-bit block's scale s and zero point m (0 for Q4).
+struct Q4Scale {
+    float s, m;
+};
+
+/// Q4's or Q4Affine's rounding of n values that share a scale (a block of a row, or a
+/// channel of a group of keys): returns s and m (Q4: s = max|x_i| / 7; Q4Affine:
+/// s = (max − min) / 15, m = min) and writes the codes u_i ∈ [0, 15] (value = q4_value<S>(u_i))
+/// to codes[i·stride], the quantisation in double (no overflow, one rounding). A block
+/// holding ±∞ or NaN gets s = m = NaN and zero codes.
+template <class S>
+inline Q4Scale q4_quantise(const float* x, Index n, std::uint8_t* codes, Index stride) {
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+    bool finite = true;
+    for (Index i = 0; i < n; ++i) {
+        finite = finite && std::isfinite(x[i]);
+        lo = std::min(lo, x[i]);
+        hi = std::max(hi, x[i]);
+    }
+    Q4Scale q{0, 0};
+    double inverse = 0;
+    if (!finite) {
+        q.s = q.m = std::numeric_limits<float>::quiet_NaN();
+    } else if constexpr (S::zero_point) {
+        q.m = lo;
+        const double range = static_cast<double>(hi) - static_cast<double>(lo);
+        q.s = static_cast<float>(range / 15.0);
+        // The largest code must read back finite: near FLT_MAX, s may round up past it.
+        while (!std::isfinite(q4_value<S>(15.0f, q.s, q.m)))
+            q.s = std::nextafter(q.s, 0.0f);
+        inverse = q.s > 0 ? 1.0 / static_cast<double>(q.s) : 0.0;
+    } else {
+        const double amax = std::max(-static_cast<double>(lo), static_cast<double>(hi));
+        q.s = static_cast<float>(amax / 7.0);
+        inverse = q.s > 0 ? 1.0 / static_cast<double>(q.s) : 0.0;
+    }
+    for (Index i = 0; i < n; ++i) {
+        int u = 0;
+        if (finite) {
+            const double v = static_cast<double>(x[i]);
+            if constexpr (S::zero_point)
+                u = std::clamp(static_cast<int>(std::nearbyint((v - static_cast<double>(q.m)) * inverse)), 0, 15);
+            else
+                u = std::clamp(static_cast<int>(std::nearbyint(v * inverse)), -7, 7) + 8;
+        }
+        codes[i * stride] = static_cast<std::uint8_t>(u);
+    }
+    return q;
+}
+
 /// Whether the packet paths compute q4_value<S> themselves (pmadd is one rounding, as
 /// std::fma): always for Q4, for Q4Affine only with FMA; else they read q4_value lane by lane.
 template <class S>
@@ -1019,48 +1127,18 @@ public:
         for (Index r = 0; r < rows.rows(); ++r)
             for (Index b = 0; b < scales_.cols(); ++b) {
                 const Index c0 = b * block, n = std::min(block, cols_ - c0);
-                float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-                bool finite = true;
-                for (Index c = c0; c < c0 + n; ++c) {
-                    const auto x = static_cast<float>(rows(r, c));
-                    finite = finite && std::isfinite(x);
-                    lo = std::min(lo, x);
-                    hi = std::max(hi, x);
-                }
+                float x[block];
+                std::uint8_t u[block];
+                for (Index c = 0; c < n; ++c)
+                    x[c] = static_cast<float>(rows(r, c0 + c));
+                const Q4Scale q = q4_quantise<S>(x, n, u, 1);
+                scales_(first + r, b) = q.s;
+                if constexpr (S::zero_point)
+                    zeros_(first + r, b) = q.m;
                 std::uint8_t* bytes = &u_(first + r, b * block_bytes);
                 std::fill(bytes, bytes + block_bytes, std::uint8_t{0});
-                float s = 0, m = 0;
-                double inverse = 0;  // the quantisation in double: no overflow, one rounding
-                if (!finite) {
-                    s = m = std::numeric_limits<float>::quiet_NaN();
-                } else if constexpr (S::zero_point) {
-                    m = lo;
-                    const double range = static_cast<double>(hi) - static_cast<double>(lo);
-                    s = static_cast<float>(range / 15.0);
-                    // The largest code must read back finite: near FLT_MAX, s may round up past it.
-                    while (!std::isfinite(q4_value<S>(15.0f, s, m)))
-                        s = std::nextafter(s, 0.0f);
-                    inverse = s > 0 ? 1.0 / static_cast<double>(s) : 0.0;
-                } else {
-                    const double amax = std::max(-static_cast<double>(lo), static_cast<double>(hi));
-                    s = static_cast<float>(amax / 7.0);
-                    inverse = s > 0 ? 1.0 / static_cast<double>(s) : 0.0;
-                }
-                scales_(first + r, b) = s;
-                if constexpr (S::zero_point)
-                    zeros_(first + r, b) = m;
-                if (!finite)
-                    continue;
-                for (Index c = c0; c < c0 + n; ++c) {
-                    const double x = static_cast<double>(static_cast<float>(rows(r, c)));
-                    int u;
-                    if constexpr (S::zero_point)
-                        u = std::clamp(static_cast<int>(std::nearbyint((x - static_cast<double>(m)) * inverse)), 0, 15);
-                    else
-                        u = std::clamp(static_cast<int>(std::nearbyint(x * inverse)), -7, 7) + 8;
-                    const Index i = c - c0;
-                    bytes[i % block_bytes] |= static_cast<std::uint8_t>(u << (i / block_bytes * 4));
-                }
+                for (Index i = 0; i < n; ++i)
+                    bytes[i % block_bytes] |= static_cast<std::uint8_t>(u[i] << (i / block_bytes * 4));
             }
     }
     void copy_rows_from(const StoredRows& other, Index n) {
@@ -1380,6 +1458,301 @@ class StoredRows<T, IntegerDot<S>> : public StoredRows<T, S> {
 public:
     using StoredRows<T, S>::StoredRows;
 };
+
+/// `PerChannelKeys<S>`'s keys (a cache stores its values as S, token by token). Rows come
+/// in groups of G = `group` tokens. A finished group's rows are S's codes, row by row
+/// (Q8: one int8 per value; Q4, Q4Affine: 4-bit codes laid out in blocks of 32 columns as
+/// StoredRows<T, Q4>'s rows), with one scale (and for Q4Affine one zero point) per channel
+/// of the group, computed over its G tokens (q8_quantise, q4_quantise on the channel).
+/// The rows of the unfinished group, fewer than G, are kept as T, exactly, in a buffer of
+/// G rows; put_rows quantises a group when its last row arrives. Rows are appended in
+/// order: put_rows at the first row not finished or later in the unfinished group, and
+/// keep(rows) (a cache's truncate) cuts at a group boundary or inside the unfinished group.
+template <class T, class S>
+class StoredRows<T, PerChannelKeys<S>> {
+public:
+    static constexpr bool compact = true;
+    static constexpr Index group = PerChannelKeys<S>::group;
+    static constexpr bool nibbles = Q4Storage<S>;
+    static constexpr bool zero_point = std::is_same_v<S, Q4Affine>;
+    static constexpr Index block = Q8::block;  ///< columns of one block of 4-bit codes (16 bytes)
+    static constexpr Index block_bytes = block / 2;
+    StoredRows(Index rows, Index cols)
+        : cols_(cols),
+          codes_(rows, code_bytes(cols)),
+          scales_((rows + group - 1) / group, cols),
+          zeros_(zero_point ? (rows + group - 1) / group : 0, cols),
+          tail_(group, cols) {}
+
+    [[nodiscard]] Index rows() const noexcept { return codes_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return cols_; }
+    /// Rows quantised: the finished groups' (a multiple of G).
+    [[nodiscard]] Index finished() const noexcept { return finished_; }
+    void swap(StoredRows& other) noexcept {
+        std::swap(cols_, other.cols_);
+        std::swap(finished_, other.finished_);
+        codes_.swap(other.codes_);
+        scales_.swap(other.scales_);
+        zeros_.swap(other.zeros_);
+        tail_.swap(other.tail_);
+    }
+
+    /// Rows [first, first + rows.rows()), first in the unfinished group (finished() ≤
+    /// first < finished() + G): each row joins it, and a group whose last row arrives is
+    /// quantised.
+    template <class D>
+    void put_rows(Index first, const D& rows) {
+        MEMATTN_DASSERT(first >= finished_ && first - finished_ < group);
+        for (Index r = 0; r < rows.rows(); ++r) {
+            const Index i = first + r - finished_;
+            tail_.row(i) = rows.row(r);
+            if (i == group - 1)
+                quantise_group();
+        }
+    }
+    /// Whether keep(rows) can keep the first `rows` rows (those stored): a group boundary,
+    /// or a row of the unfinished group.
+    [[nodiscard]] bool can_keep(Index rows) const noexcept { return rows >= finished_ || rows % group == 0; }
+    /// Keeps the first `rows` rows (can_keep(rows)): the rows after them are forgotten.
+    void keep(Index rows) noexcept {
+        MEMATTN_DASSERT(can_keep(rows));
+        finished_ = std::min(finished_, rows);
+    }
+    /// The first n rows of `other` (n its stored rows: its finished groups and its
+    /// unfinished group's rows).
+    void copy_rows_from(const StoredRows& other, Index n) {
+        MEMATTN_DASSERT(n >= other.finished_ && n - other.finished_ < group);
+        const Index f = other.finished_;
+        codes_.topRows(f) = other.codes_.topRows(f);
+        scales_.topRows(f / group) = other.scales_.topRows(f / group);
+        zeros_.topRows(zero_point ? f / group : 0) = other.zeros_.topRows(zero_point ? f / group : 0);
+        tail_.topRows(n - f) = other.tail_.topRows(n - f);
+        finished_ = f;
+    }
+    void decode_rows(Index first, Index n, T* out, Index ld) const {
+        for (Index r = first; r < first + n; ++r) {
+            T* row = out + (r - first) * ld;
+            if (r >= finished_) {
+                std::copy_n(&tail_(r - finished_, 0), cols_, row);
+                continue;
+            }
+            Index c = 0;
+            if constexpr (fused_storage && std::is_same_v<T, float>) {
+                for (; c + packet_lanes<float> <= cols_; c += packet_lanes<float>)
+                    Eigen::internal::pstoreu(row + c, stored_packet(r, c));
+            }
+            for (; c < cols_; ++c)
+                row[c] = static_cast<T>(stored_value(r, c));
+        }
+    }
+
+    /// Asks for a row, and its group's scales, towards the cache ahead of its use.
+    void prefetch_row(Index row) const {
+        if (row >= finished_)
+            return;
+        prefetch_rows(&codes_(row, 0), 1, 0, codes_.cols());
+        if (row % group == 0) {
+            prefetch_rows(&scales_(row / group, 0), 1, 0, cols_);
+            if constexpr (zero_point)
+                prefetch_rows(&zeros_(row / group, 0), 1, 0, cols_);
+        }
+    }
+
+    /// q·row in float: a finished row converted in registers packet by packet (its codes
+    /// times its group's scale packet, plus the zero point packet), two accumulators; a
+    /// row of the unfinished group read as it is (fused_storage, float).
+    [[nodiscard]] float dot(Index row, const float* q) const {
+        using namespace Eigen::internal;
+        using P = Packet<float>;
+        constexpr Index lanes = packet_lanes<float>;
+        if (row >= finished_)
+            return dot_in_order_float(q, &tail_(row - finished_, 0));
+        P a = pset1<P>(0.0f), b = a;
+        Index c = 0;
+        for (; c + 2 * lanes <= cols_; c += 2 * lanes) {
+            a = pmadd(ploadu<P>(q + c), stored_packet(row, c), a);
+            b = pmadd(ploadu<P>(q + c + lanes), stored_packet(row, c + lanes), b);
+        }
+        for (; c + lanes <= cols_; c += lanes)
+            a = pmadd(ploadu<P>(q + c), stored_packet(row, c), a);
+        float sum = predux(padd(a, b));
+        for (; c < cols_; ++c)
+            sum += q[c] * stored_value(row, c);
+        return sum;
+    }
+
+    /// The stored values as float, exactly as decode_rows gives them: a packet from column
+    /// c (c + lanes ≤ cols, c a multiple of the lanes; fused_storage, float), and one value.
+    [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const {
+        using namespace Eigen::internal;
+        using P = Packet<float>;
+        if (r >= finished_)
+            return ploadu<P>(&tail_(r - finished_, c));
+        const Index g = r / group;
+        const P s = ploadu<P>(&scales_(g, c));
+        if constexpr (!nibbles) {
+            return pmul(s, load_packet(&codes_(r, c)));
+        } else {
+            if constexpr (!q4_packets<S>) {
+                alignas(64) float v[packet_lanes<float>];
+                for (Index l = 0; l < packet_lanes<float>; ++l)
+                    v[l] = stored_value(r, c + l);
+                return pload<P>(v);
+            }
+            const Index i = c % block;
+            const P u = load_nibble_packet(&codes_(r, c / block * block_bytes + i % block_bytes), i >= block_bytes);
+            if constexpr (zero_point)
+                return pmadd(u, s, ploadu<P>(&zeros_(g, c)));
+            else
+                return pmul(s, psub(u, pset1<P>(8.0f)));
+        }
+    }
+    [[nodiscard]] float stored_value(Index r, Index c) const {
+        if (r >= finished_)
+            return static_cast<float>(tail_(r - finished_, c));
+        const Index g = r / group;
+        if constexpr (!nibbles)
+            return scales_(g, c) * to_float(codes_(r, c));
+        else
+            return q4_value<S>(static_cast<float>(code(r, c)), scales_(g, c), zero_point ? zeros_(g, c) : 0.0f);
+    }
+
+    /// Bytes of the first `rows` rows stored: their finished groups' codes and scales (and
+    /// zero points), and the unfinished group's rows in T.
+    [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return stored_bytes(rows, cols_); }
+    [[nodiscard]] static std::size_t stored_bytes(Index rows, Index cols) noexcept {
+        const auto c = static_cast<std::size_t>(cols);
+        const auto groups = static_cast<std::size_t>(rows / group), rest = static_cast<std::size_t>(rows % group);
+        return groups * (static_cast<std::size_t>(group) * static_cast<std::size_t>(code_bytes(cols)) +
+                         sizeof(float) * c * (zero_point ? 2 : 1)) +
+               rest * sizeof(T) * c;
+    }
+    /// A finished row's bytes, its share of the group's scales rounded up (what the
+    /// decode routes read per key, for their prefetch distances).
+    [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept {
+        return static_cast<std::size_t>(code_bytes(cols)) +
+               (sizeof(float) * static_cast<std::size_t>(cols) * (zero_point ? 2 : 1) + group - 1) / group;
+    }
+    /// The fewest bytes a stored row takes (its codes): bounds a snapshot's length.
+    [[nodiscard]] static std::size_t least_row_bytes(Index cols) noexcept {
+        return static_cast<std::size_t>(code_bytes(cols));
+    }
+
+    /// The first n rows (first = 0): each finished group as its scales, its zero points
+    /// (Q4Affine), then its rows' codes; then the unfinished group's rows as T.
+    void write_rows(snapshot::Writer& w, Index first, Index n) const {
+        MEMATTN_DASSERT(first == 0 && n / group * group == finished_);
+        static_cast<void>(first);
+        for (Index g = 0; g < finished_ / group; ++g) {
+            w.matrix(scales_.row(g));
+            if constexpr (zero_point)
+                w.matrix(zeros_.row(g));
+            w.matrix(codes_.middleRows(g * group, group));
+        }
+        w.matrix(tail_.topRows(n - finished_));
+    }
+    void read_rows(snapshot::Reader& rd, Index first, Index n) {
+        MEMATTN_DASSERT(first == 0);
+        static_cast<void>(first);
+        finished_ = n / group * group;
+        for (Index g = 0; g < finished_ / group; ++g) {
+            rd.matrix(scales_.row(g), "rows");
+            if constexpr (zero_point)
+                rd.matrix(zeros_.row(g), "rows");
+            rd.matrix(codes_.middleRows(g * group, group), "rows");
+        }
+        rd.matrix(tail_.topRows(n - finished_), "rows");
+    }
+
+private:
+    using Code = std::conditional_t<nibbles, std::uint8_t, std::int8_t>;
+
+    /// Bytes of a row's codes.
+    static constexpr Index code_bytes(Index cols) noexcept { return nibbles ? block_bytes * q8_blocks(cols) : cols; }
+
+    /// The 4-bit code of column c of finished row r.
+    [[nodiscard]] unsigned code(Index r, Index c) const {
+        const Index i = c % block;
+        return (static_cast<unsigned>(codes_(r, c / block * block_bytes + i % block_bytes)) >> (i / block_bytes * 4)) &
+               0x0Fu;
+    }
+
+    /// q·x over the cols values of a row of float (the unfinished group's).
+    [[nodiscard]] float dot_in_order_float(const float* q, const T* x) const {
+        float sum = 0;
+        if constexpr (std::is_same_v<T, float>) {
+            using namespace Eigen::internal;
+            using P = Packet<float>;
+            constexpr Index lanes = packet_lanes<float>;
+            P a = pset1<P>(0.0f), b = a;
+            Index c = 0;
+            for (; c + 2 * lanes <= cols_; c += 2 * lanes) {
+                a = pmadd(ploadu<P>(q + c), ploadu<P>(x + c), a);
+                b = pmadd(ploadu<P>(q + c + lanes), ploadu<P>(x + c + lanes), b);
+            }
+            for (; c + lanes <= cols_; c += lanes)
+                a = pmadd(ploadu<P>(q + c), ploadu<P>(x + c), a);
+            sum = predux(padd(a, b));
+            for (; c < cols_; ++c)
+                sum += q[c] * x[c];
+        }
+        return sum;
+    }
+
+    /// The G rows of the unfinished group become group finished() / G: per channel, its
+    /// G values rounded with one scale (and zero point).
+    void quantise_group() {
+        const Index g = finished_ / group;
+        Code* rows = &codes_(finished_, 0);
+        const Index stride = codes_.cols();
+        if constexpr (nibbles)
+            std::fill(rows, rows + group * stride, Code{0});
+        float x[group];
+        for (Index c = 0; c < cols_; ++c) {
+            for (Index i = 0; i < group; ++i)
+                x[i] = static_cast<float>(tail_(i, c));
+            if constexpr (!nibbles) {
+                scales_(g, c) = q8_quantise(x, group, rows + c, stride);
+            } else {
+                std::uint8_t u[group];
+                const Q4Scale q = q4_quantise<S>(x, group, u, 1);
+                scales_(g, c) = q.s;
+                if constexpr (zero_point)
+                    zeros_(g, c) = q.m;
+                const Index i = c % block, byte = c / block * block_bytes + i % block_bytes;
+                const int shift = static_cast<int>(i / block_bytes * 4);
+                for (Index t = 0; t < group; ++t)
+                    rows[t * stride + byte] |= static_cast<std::uint8_t>(u[t] << shift);
+            }
+        }
+        finished_ += group;
+    }
+
+    Index cols_;
+    Index finished_ = 0;
+    Eigen::Matrix<Code, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> codes_;
+    Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> scales_;
+    Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> zeros_;
+    Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> tail_;
+};
+
+/// Bytes of the first `rows` rows of `cols` values as Rows stores them, before any is stored.
+template <class Rows>
+std::size_t stored_bytes(Index rows, Index cols) noexcept {
+    if constexpr (requires { Rows::stored_bytes(rows, cols); })
+        return Rows::stored_bytes(rows, cols);
+    else
+        return Rows::row_bytes(cols) * static_cast<std::size_t>(rows);
+}
+
+/// The fewest bytes one stored row of `cols` values takes.
+template <class Rows>
+std::size_t least_row_bytes(Index cols) noexcept {
+    if constexpr (requires { Rows::least_row_bytes(cols); })
+        return Rows::least_row_bytes(cols);
+    else
+        return Rows::row_bytes(cols);
+}
 
 /// The rows as storage S would give them back: encoded into a scratch of their size, then
 /// decoded into `out` (rows × cols, row stride ld). What a prompt's pairs become once
