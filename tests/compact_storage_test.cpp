@@ -1097,6 +1097,24 @@ TEST_CASE("Per-channel keys: outlier channels cost per-channel Q4 less than per-
     Matrix<float> o(1, 2);
     poisoned.attend(random_matrix<float>(1, 4, 3).row(0), o.row(0));
     CHECK(!o.allFinite());
+    // A head wider than the single-query route's products with the scales hold takes the
+    // plain dot: the same reference.
+    {
+        const Index wide = detail::ChannelQuery::max_depth + 3, m = 40;
+        const Matrix<float> wq = random_matrix<float>(m, wide, 4), wk = random_matrix<float>(m, wide, 5),
+                            wv = random_matrix<float>(m, 3, 6);
+        KVCache<float, PerChannelKeys<Q4Affine>> cache(wide, 3);
+        Matrix<float> out(m, 3);
+        decode(cache, wq, wk, wv, out);
+        MatrixD expected(m, 3);
+        const MatrixD Vs = to_double(stored<float, Q4Affine>(wv));
+        for (Index t = 0; t < m; ++t)
+            expected.row(t) = reference::softmax_attention(to_double(wq.row(t)),
+                                                           per_channel_keys<Q4Affine>(Matrix<float>(wk.topRows(t + 1)), (t + 1) / 32 * 32),
+                                                           Vs.topRows(t + 1))
+                                  .out.row(0);
+        check_close(out, expected, tolerance<float>());
+    }
     // MultiHead: the split attend over per-channel caches, any executor.
     check_layer_against_heads({.q_heads = 4, .kv_heads = 2, .head_dim = 48, .value_dim = 16},
                               [] { return KVCache<float, PerChannelKeys<Q4>>(48, 16); });

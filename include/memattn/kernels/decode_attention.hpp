@@ -246,7 +246,9 @@ void attend_stored_rows(const Q& q, const StoredRows<T, SK>& K, const StoredRows
 /// of attend_contiguous (attend_stored_rows): the logits s_j = scale · q·k_j, in float
 /// with fused_storage by each row's dot product in registers. With IntegerDot<S> storage
 /// they are scale · q̃·k_j for the query rounded to int8 once here (IntegerQuery, on the
-/// stack; a head wider than its max_depth takes q·k_j).
+/// stack; a head wider than its max_depth takes q·k_j). With PerChannelKeys<S> keys, by
+/// the query's products with each group's scales, once per group (ChannelQuery, on the
+/// stack; a head wider than its max_depth takes the plain dot).
 template <class T, class SK, class SV, class Q, class Acc>
 void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, SV>& V, Index first, Index n, T scale,
                    SoftmaxState<T>& state, Acc&& acc) {
@@ -258,6 +260,14 @@ void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, S
             rounded.round(q.data(), K.cols());
             attend_stored_rows(q, K, V, first, n, scale, state, acc,
                                [&](Index row) { return scale * K.integer_dot(row, rounded); });
+            return;
+        }
+    }
+    if constexpr (per_channel_keys<SK> && fused_storage && std::is_same_v<T, float>) {
+        if (K.cols() <= ChannelQuery::max_depth) {
+            ChannelQuery channels;  // its group is none: dot fills qs before it reads them
+            attend_stored_rows(q, K, V, first, n, scale, state, acc,
+                               [&](Index row) { return scale * K.dot(row, q.data(), channels); });
             return;
         }
     }

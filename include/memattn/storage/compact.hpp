@@ -1459,6 +1459,19 @@ public:
     using StoredRows<T, S>::StoredRows;
 };
 
+/// A query's products with one group's per-channel scales, for the single-query dot of
+/// `PerChannelKeys<S>` keys: qs = q ⊙ s_g and the group's constant term (Q4Affine:
+/// Σ_c q_c·m_c; Q4: −8·Σ_c qs_c, so a code's u − 8 needs no subtraction; Q8: 0), taken
+/// when the keys reach a new group, so a key's logit is Σ_c qs_c·u_c + constant: one
+/// multiply-add per packet of codes instead of a scale and a zero-point packet per packet.
+struct ChannelQuery {
+    /// The widest query it holds (4 KiB on the stack); a wider head takes the plain dot.
+    static constexpr Index max_depth = 1024;
+    Index group = -1;  ///< the group qs is of (−1: none yet)
+    float constant = 0;
+    alignas(64) float qs[max_depth];
+};
+
 /// `PerChannelKeys<S>`'s keys (a cache stores its values as S, token by token). Rows come
 /// in groups of G = `group` tokens. A finished group's rows are S's codes, row by row
 /// (Q8: one int8 per value; Q4, Q4Affine: 4-bit codes laid out in blocks of 32 columns as
@@ -1581,6 +1594,48 @@ public:
         return sum;
     }
 
+    /// q·row in float by the group's products with q (ChannelQuery, brought to the row's
+    /// group first): Σ_c qs_c·u_c over the codes converted in registers, plus the group's
+    /// constant; a row of the unfinished group read as it is (fused_storage, float,
+    /// cols ≤ ChannelQuery::max_depth). The same value as dot(row, q) to float rounding.
+    [[nodiscard]] float dot(Index row, const float* q, ChannelQuery& cq) const {
+        using namespace Eigen::internal;
+        using P = Packet<float>;
+        constexpr Index lanes = packet_lanes<float>;
+        MEMATTN_DASSERT(cols_ <= ChannelQuery::max_depth);
+        if (row >= finished_)
+            return dot_in_order_float(q, &tail_(row - finished_, 0));
+        const Index g = row / group;
+        if (cq.group != g) {
+            float constant = 0;
+            for (Index c = 0; c < cols_; ++c) {
+                cq.qs[c] = q[c] * scales_(g, c);
+                if constexpr (zero_point)
+                    constant += q[c] * zeros_(g, c);
+                else if constexpr (nibbles)
+                    constant -= 8.0f * cq.qs[c];
+            }
+            cq.constant = constant;
+            cq.group = g;
+        }
+        P a = pset1<P>(0.0f), b = a;
+        Index c = 0;
+        for (; c + 2 * lanes <= cols_; c += 2 * lanes) {
+            a = pmadd(ploadu<P>(cq.qs + c), codes_packet(row, c), a);
+            b = pmadd(ploadu<P>(cq.qs + c + lanes), codes_packet(row, c + lanes), b);
+        }
+        for (; c + lanes <= cols_; c += lanes)
+            a = pmadd(ploadu<P>(cq.qs + c), codes_packet(row, c), a);
+        float sum = predux(padd(a, b));
+        for (; c < cols_; ++c) {
+            if constexpr (nibbles)
+                sum += cq.qs[c] * static_cast<float>(code(row, c));
+            else
+                sum += cq.qs[c] * to_float(codes_(row, c));
+        }
+        return sum + cq.constant;
+    }
+
     /// The stored values as float, exactly as decode_rows gives them: a packet from column
     /// c (c + lanes ≤ cols, c a multiple of the lanes; fused_storage, float), and one value.
     [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const {
@@ -1666,6 +1721,17 @@ public:
 
 private:
     using Code = std::conditional_t<nibbles, std::uint8_t, std::int8_t>;
+
+    /// The codes of finished row r from column c as float, a packet (u for Q4 and Q4Affine,
+    /// the signed code for Q8; fused_storage).
+    [[nodiscard]] Packet<float> codes_packet(Index r, Index c) const {
+        if constexpr (nibbles) {
+            const Index i = c % block;
+            return load_nibble_packet(&codes_(r, c / block * block_bytes + i % block_bytes), i >= block_bytes);
+        } else {
+            return load_packet(&codes_(r, c));
+        }
+    }
 
     /// Bytes of a row's codes.
     static constexpr Index code_bytes(Index cols) noexcept { return nibbles ? block_bytes * q8_blocks(cols) : cols; }
