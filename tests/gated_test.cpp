@@ -6,6 +6,8 @@
 #include <memattn/memory/gated_memories.hpp>
 
 #include <cmath>
+#include <initializer_list>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -448,4 +450,219 @@ TEST_CASE("Gated and delta kernels on bfloat16: bad gates and beta throw before 
                         Catch::Matchers::Contains("beta") && Catch::Matchers::Contains("row 290"));
     CHECK((O.array() == 7.0f).all());
     CHECK(state.mu.size() == 0);
+}
+
+namespace {
+
+/// Log-gates with −∞ (resets) at the given rows: every channel, or one in two.
+template <class T>
+Matrix<T> with_resets(Matrix<T> G, std::initializer_list<Index> rows) {
+    for (const Index r : rows)
+        if (r < G.rows())
+            for (Index c = 0; c < G.cols(); c += G.cols() == 1 ? 1 : 2)
+                G(r, c) = -std::numeric_limits<T>::infinity();
+    return G;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Gated and delta kernels: a log-gate of -inf resets the state exactly, chunk boundaries anywhere",
+                   "[gated][delta][reset]", float, double) {
+    using T = TestType;
+    const double tol = tolerance<T>() * 20;
+    const Index n = 70, d = 5, dv = 3;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1).cwiseAbs(), K = random_matrix<T>(n, d, 2).cwiseAbs() * T(0.5),
+                    V = random_matrix<T>(n, dv, 3), B = betas<T>(n, 4);
+    // Resets on a chunk's first token (0, 16, 64 for chunks of 16), inside chunks, twice in a row, last.
+    const std::initializer_list<Index> resets = {0, 5, 16, 17, 40, 64, 69};
+    for (const Index gate_cols : {Index(1), d}) {
+        const Matrix<T> G = with_resets(log_gates<T>(n, gate_cols, 5, 0.2), resets);
+        for (const bool normalize : {false, true}) {
+            INFO("gate columns " << gate_cols << ", normalize " << normalize);
+            MatrixD S = MatrixD::Zero(d, dv), z = MatrixD::Zero(1, d);
+            const MatrixD expected =
+                gated_reference(to_double(Q), to_double(K), to_double(V), to_double(G), normalize, 1e-6, S, z);
+            REQUIRE(expected.allFinite());
+            Matrix<T> O(n, dv);
+            LinearState<T> state;
+            recurrent_gated_linear_attention(Q, K, V, G, O, {.normalize = normalize}, &state);
+            check_close(O, expected, tol);
+            check_close(state.mu, S, tol);
+            for (const Index chunk : {1, 7, 16, 64}) {
+                INFO("chunk " << chunk);
+                LinearState<T> chunked_state;
+                Matrix<T> chunked(n, dv);
+                chunked_gated_linear_attention(Q, K, V, G, chunked, {.chunk_size = chunk, .normalize = normalize},
+                                               &chunked_state);
+                check_close(chunked, expected, tol);
+                check_close(chunked_state.mu, S, tol);
+                check_close(chunked_state.nu, z, tol);
+            }
+        }
+        // A reset forgets even a state that is not finite: 0, not 0·∞ = NaN. From token 40
+        // on, a reset first in every channel: the poisoned state's outputs are a fresh one's.
+        const Index m = n - 40;
+        const Matrix<T> gates = with_resets(Matrix<T>(G.bottomRows(m).leftCols(1).replicate(1, gate_cols)), {0});
+        for (const bool chunked : {false, true}) {
+            INFO("from a state of infinities, chunked " << chunked);
+            LinearState<T> poisoned{Matrix<T>::Constant(d, dv, std::numeric_limits<T>::infinity()),
+                                    Vector<T>::Constant(d, std::numeric_limits<T>::infinity())};
+            LinearState<T> fresh;
+            Matrix<T> a(m, dv), b(m, dv);
+            if (chunked) {
+                chunked_gated_linear_attention(Q.bottomRows(m), K.bottomRows(m), V.bottomRows(m), gates, a,
+                                               {.chunk_size = 16}, &poisoned);
+                chunked_gated_linear_attention(Q.bottomRows(m), K.bottomRows(m), V.bottomRows(m), gates, b,
+                                               {.chunk_size = 16}, &fresh);
+            } else {
+                recurrent_gated_linear_attention(Q.bottomRows(m), K.bottomRows(m), V.bottomRows(m), gates, a, {},
+                                                 &poisoned);
+                recurrent_gated_linear_attention(Q.bottomRows(m), K.bottomRows(m), V.bottomRows(m), gates, b, {},
+                                                 &fresh);
+            }
+            CHECK(a.allFinite());
+            CHECK(a.cwiseEqual(b).all());
+        }
+    }
+    // The gated delta rule: the same resets.
+    const Matrix<T> G = with_resets(log_gates<T>(n, 1, 6, 0.2), resets);
+    MatrixD S = MatrixD::Zero(d, dv);
+    const MatrixD Gd = to_double(G);
+    const MatrixD expected = delta_reference(to_double(Q), to_double(K), to_double(V), to_double(B), &Gd, true, S);
+    REQUIRE(expected.allFinite());
+    Matrix<T> O(n, dv);
+    recurrent_delta_rule_attention(Q, K, V, B, G, O, {.normalize_keys = true});
+    check_close(O, expected, tol);
+    for (const Index chunk : {1, 7, 16, 64}) {
+        INFO("delta, chunk " << chunk);
+        LinearState<T> state{Matrix<T>::Constant(d, dv, std::numeric_limits<T>::infinity()), {}};  // row 0 resets it
+        chunked_delta_rule_attention(Q, K, V, B, G, O, {.chunk_size = chunk, .normalize_keys = true}, &state);
+        check_close(O, expected, tol);
+        check_close(state.mu, S, tol);
+    }
+    // NaN and +inf are still refused, naming the place.
+    for (const T bad : {std::numeric_limits<T>::quiet_NaN(), std::numeric_limits<T>::infinity()}) {
+        Matrix<T> wrong = G;
+        wrong(3, 0) = bad;
+        CHECK_THROWS_WITH(chunked_gated_linear_attention(Q, K, V, wrong, O),
+                          Catch::Matchers::Contains("log_gates") && Catch::Matchers::Contains("at (3, 0)"));
+        CHECK_THROWS_WITH(recurrent_delta_rule_attention(Q, K, V, B, wrong, O),
+                          Catch::Matchers::Contains("log_gates") && Catch::Matchers::Contains("at row 3"));
+    }
+}
+
+TEMPLATE_TEST_CASE("Delta rule: beta in [0, 2] with allow_negative_eigenvalues", "[delta]", float, double) {
+    using T = TestType;
+    const double tol = tolerance<T>() * 20;
+    const Index n = 60, d = 6, dv = 4;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
+    const Matrix<T> B = T(2) * betas<T>(n, 4), G = log_gates<T>(n, 1, 5, 0.2);
+    for (const bool gated : {false, true}) {
+        INFO("gated " << gated);
+        MatrixD S = MatrixD::Zero(d, dv);
+        const MatrixD Gd = to_double(G);
+        const MatrixD expected =
+            delta_reference(to_double(Q), to_double(K), to_double(V), to_double(B), gated ? &Gd : nullptr, true, S);
+        const DeltaOptions options{.normalize_keys = true, .allow_negative_eigenvalues = true};
+        for (const Index chunk : {1, 7, 16}) {
+            DeltaOptions chunked = options;
+            chunked.chunk_size = chunk;
+            Matrix<T> O(n, dv), R(n, dv);
+            if (gated) {
+                recurrent_delta_rule_attention(Q, K, V, B, G, R, options);
+                chunked_delta_rule_attention(Q, K, V, B, G, O, chunked);
+            } else {
+                recurrent_delta_rule_attention(Q, K, V, B, R, options);
+                chunked_delta_rule_attention(Q, K, V, B, O, chunked);
+            }
+            check_close(R, expected, tol);
+            check_close(O, expected, tol);
+        }
+    }
+    Matrix<T> O(n, dv);
+    CHECK_THROWS_WITH(chunked_delta_rule_attention(Q, K, V, B, O, {.normalize_keys = true}),
+                      Catch::Matchers::Contains("expected a value in [0, 1]"));
+    Matrix<T> over = B;
+    over(7, 0) = T(2.5);
+    CHECK_THROWS_WITH(chunked_delta_rule_attention(Q, K, V, over, O, {.allow_negative_eigenvalues = true}),
+                      Catch::Matchers::Contains("expected a value in [0, 2] (options.allow_negative_eigenvalues)"));
+    // The memory takes β up to 2 with the option, and refuses 2.5, unchanged.
+    DeltaRuleMemory<T> memory(d, dv, {.normalize_keys = true, .allow_negative_eigenvalues = true});
+    Matrix<T> keys(n, d + 1);
+    keys << K, B;
+    Matrix<T> decoded(n, dv);
+    decode(memory, Q, keys, V, decoded);
+    MatrixD S = MatrixD::Zero(d, dv);
+    check_close(decoded, delta_reference(to_double(Q), to_double(K), to_double(V), to_double(B), nullptr, true, S), tol);
+    Matrix<T> bad = keys.topRows(1);
+    bad(0, d) = T(2.5);
+    CHECK_THROWS_WITH(memory.update(bad.row(0), V.row(0)), Catch::Matchers::Contains("expected a value in [0, 2]"));
+    CHECK(memory.length() == n);
+}
+
+TEMPLATE_TEST_CASE("Gated and delta memories: -inf log-gates reset; set_state resumes from a given state",
+                   "[gated][delta][memory][reset]", float, double) {
+    using T = TestType;
+    const Index n = 50, d = 6, dv = 4, cut = 23;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1).cwiseAbs(), K = random_matrix<T>(n, d, 2).cwiseAbs() * T(0.5);
+    const Matrix<T> V = random_matrix<T>(n, dv, 3), B = betas<T>(n, 4);
+    const Matrix<T> G1 = with_resets(log_gates<T>(n, 1, 5), {0, 9, 30}),
+                    Gd = with_resets(log_gates<T>(n, d, 6), {3, 16, 31});
+    // decode (the memory's own update) = prefill (the chunked kernel) = the recurrent kernel.
+    const auto check_memory = [&](auto make, const Matrix<T>& keys, const Matrix<T>& expected) {
+        auto decoded = make(), prefilled = make();
+        Matrix<T> O(n, dv);
+        decode(decoded, Q, keys, V, O);
+        check_close(O, to_double(expected), tolerance<T>() * 10);
+        prefill(prefilled, Q, keys, V, O);
+        check_close(O, to_double(expected), tolerance<T>() * 10);
+        // set_state: a memory given the state after `cut` tokens continues as the one that saw them.
+        auto first = make(), resumed = make();
+        Matrix<T> a(n - cut, dv), b(n - cut, dv), skip(cut, dv);
+        decode(first, Q.topRows(cut), keys.topRows(cut), V.topRows(cut), skip);
+        resumed.set_state(first.state(), cut);
+        CHECK(resumed.length() == cut);
+        decode(first, Q.bottomRows(n - cut), keys.bottomRows(n - cut), V.bottomRows(n - cut), a);
+        decode(resumed, Q.bottomRows(n - cut), keys.bottomRows(n - cut), V.bottomRows(n - cut), b);
+        CHECK(a.cwiseEqual(b).all());
+    };
+    Matrix<T> expected(n, dv);
+    recurrent_gated_linear_attention(Q, K, V, G1, expected);
+    Matrix<T> keys(n, d + 1);
+    keys << K, G1;
+    check_memory([&] { return GatedLinearAttentionMemory<T>(d, dv); }, keys, expected);
+    recurrent_gated_linear_attention(Q, K, V, Gd, expected, {.normalize = false});
+    Matrix<T> channel_keys(n, 2 * d);
+    channel_keys << K, Gd;
+    check_memory([&] { return GatedLinearAttentionMemory<T>(d, dv, GateKind::channel, {.normalize = false}); },
+                 channel_keys, expected);
+    recurrent_delta_rule_attention(Q, K, V, B, G1, expected);
+    Matrix<T> gated_keys(n, d + 2);
+    gated_keys << K, B, G1;
+    check_memory([&] { return DeltaRuleMemory<T>(d, dv, {.chunk_size = 5}, true); }, gated_keys, expected);
+    // set_state refuses a wrong shape or a value that is not finite, the memory unchanged.
+    GatedLinearAttentionMemory<T> gated(d, dv);
+    memattn::extend(gated, keys.topRows(5), V.topRows(5));
+    const LinearState<T> kept = gated.state();
+    CHECK_THROWS_WITH(gated.set_state({Matrix<T>::Zero(d, dv + 1), {}}),
+                      Catch::Matchers::Contains("GatedLinearAttentionMemory::set_state") &&
+                          Catch::Matchers::Contains("state.mu") && Catch::Matchers::Contains("expected 6x4"));
+    LinearState<T> nan_state{Matrix<T>::Zero(d, dv), Vector<T>::Zero(d)};
+    nan_state.nu(2) = std::numeric_limits<T>::quiet_NaN();
+    CHECK_THROWS_WITH(gated.set_state(nan_state), Catch::Matchers::Contains("state.nu") && Catch::Matchers::Contains("(0, 2)"));
+    CHECK(gated.state().mu == kept.mu);
+    CHECK(gated.state().nu == kept.nu);
+    CHECK(gated.length() == 5);
+    // An empty z is zero (as FLA's initial_state, which has none).
+    gated.set_state({Matrix<T>::Ones(d, dv), {}}, 7);
+    CHECK(gated.state().nu.isZero());
+    CHECK(gated.length() == 7);
+    DeltaRuleMemory<T> delta(d, dv);
+    CHECK_THROWS_WITH(delta.set_state(Matrix<T>::Zero(dv, d)),
+                      Catch::Matchers::Contains("DeltaRuleMemory::set_state") && Catch::Matchers::Contains("expected 6x4"));
+    CHECK_THROWS_WITH(delta.set_state(Matrix<T>::Zero(d, dv), -1), Catch::Matchers::Contains("length"));
+    // A NaN or positive log-gate is still refused by the memories.
+    Matrix<T> bad = keys.topRows(1);
+    bad(0, d) = std::numeric_limits<T>::quiet_NaN();
+    CHECK_THROWS_AS(gated.update(bad.row(0), V.row(0)), std::invalid_argument);
 }

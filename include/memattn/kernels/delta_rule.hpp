@@ -1,14 +1,16 @@
 #pragma once
 // The delta rule (DeltaNet) and the gated delta rule (Gated DeltaNet): a key overwrites
 // what the state already stores for it instead of only adding to it. State S (d×dv),
-// row vectors, β_i ∈ [0, 1], optional log-gates log g_i ≤ 0:
+// row vectors, β_i ∈ [0, 1] (or [0, 2]: DeltaOptions::allow_negative_eigenvalues),
+// optional log-gates log g_i ≤ 0:
 //
 //   S_i = g_i (I − β_i k_iᵀ k_i) S_{i−1} + β_i k_iᵀ v_i
 //       = g_i S_{i−1} + k_iᵀ u_i,   u_i = β_i (v_i − g_i k_i S_{i−1})
 //   o_i = q_i S_i
 //
 // (g_i = 1 without gates.) With unit keys and β_i = 1, k_i S_i = v_i exactly: the key
-// reads back its value. DeltaOptions::normalize_keys divides each key by its L2 norm
+// reads back its value. A log-gate of −∞ (g_i = 0) resets: S becomes exactly 0 before
+// the token's update, whatever it held; the chunked form starts a chunk at each one. DeltaOptions::normalize_keys divides each key by its L2 norm
 // first (a zero key stays zero); q is used as given. LinearState carries S in mu; nu is
 // not used (left empty).
 //
@@ -56,6 +58,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 
 namespace memattn {
@@ -64,6 +67,9 @@ namespace memattn {
 struct DeltaOptions {
     Index chunk_size = 16;        ///< tokens per chunk (chunked form; bench/linear_attention_bench.cpp)
     bool normalize_keys = false;  ///< divide each key by its L2 norm first
+    /// β ∈ [0, 2] instead of [0, 1] (flash-linear-attention's `allow_neg_eigval`, Grazzi et
+    /// al. 2025): for a unit key, I − β kᵀk then has the eigenvalue 1 − β down to −1.
+    bool allow_negative_eigenvalues = false;
 };
 
 namespace detail {
@@ -82,17 +88,19 @@ void check_delta_arguments(const char* function, const ConstMatrixRef<E>& q, con
             v.cols(), " (Q is ", shape(q), ", V is ", shape(v), ")");
     require(beta.rows() == q.rows() && beta.cols() == 1, function, "beta", "has shape ", shape(beta), ", expected ",
             q.rows(), "x1");
+    const T beta_max = options.allow_negative_eigenvalues ? T(2) : T(1);
     for (Index i = 0; i < beta.rows(); ++i) {
         const T x = static_cast<T>(beta(i, 0));
-        require(x >= 0 && x <= 1, function, "beta", "has ", x, " at row ", i, ", expected a value in [0, 1]");
+        require(x >= 0 && x <= beta_max, function, "beta", "has ", x, " at row ", i, ", expected a value in [0, ",
+                beta_max, options.allow_negative_eigenvalues ? "] (options.allow_negative_eigenvalues)" : "]");
     }
     if (gates != nullptr) {
         require(gates->rows() == q.rows() && gates->cols() == 1, function, "log_gates", "has shape ",
                 shape(*gates), ", expected ", q.rows(), "x1");
         for (Index i = 0; i < gates->rows(); ++i) {
             const T x = static_cast<T>((*gates)(i, 0));
-            require(std::isfinite(x) && x <= 0, function, "log_gates", "has ", x, " at row ", i,
-                    ", expected a finite log-gate <= 0 (a gate in (0, 1])");
+            require(x <= 0, function, "log_gates", "has ", x, " at row ", i,
+                    ", expected a log-gate <= 0 (a gate in [0, 1]; -inf resets the state)");
         }
     }
     if (state != nullptr && state->mu.size() != 0)
@@ -122,7 +130,9 @@ void delta_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, con
         delta_keys(K, i, 1, options.normalize_keys, k);
         if (gates != nullptr) {
             const T g = std::exp((*gates)(i, 0));
-            if (g != T(1))
+            if ((*gates)(i, 0) == -std::numeric_limits<T>::infinity())
+                S.setZero();  // a reset
+            else if (g != T(1))
                 S *= g;
         }
         u.noalias() = k * S;  // what the state now returns for k
@@ -149,8 +159,10 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
     const Index lines = c_max * (2 * d + 2 * dv) * static_cast<Index>(sizeof(T)) / 64;
     PrefetchQueue ahead(lines / (2 * strips_c * std::max<Index>(panels, 1) + (d + rows - 1) / rows + 3 * strips_c) + 1);
     ColumnVector<T> b(c_max), decays(gates != nullptr ? c_max : 0), state_decay(gates != nullptr ? d : 0);
-    for (Index t0 = 0; t0 < n; t0 += c_max) {
-        const Index c = std::min(c_max, n - t0);
+    for (Index t0 = 0, c = 0; t0 < n; t0 += c) {
+        c = std::min(c_max, n - t0);
+        if (gates != nullptr)
+            c = chunk_before_reset(*gates, t0, c);  // a reset starts the next chunk
         queue_next_chunk(ahead, t0 + c, std::min(c_max, n - t0 - c), Q, K, V, O);
         const T* kc = K.data() + t0 * K.outerStride();
         Index ldk = K.outerStride();
@@ -165,6 +177,10 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
         auto bc = b.head(c);  // b_t, the log-decay since the chunk's start (gated only)
         if (gates != nullptr) {
             bc(0) = (*gates)(t0, 0);
+            if (bc(0) == -std::numeric_limits<T>::infinity()) {  // a reset at the chunk's first token
+                S.setZero();
+                bc(0) = T(0);
+            }
             for (Index t = 1; t < c; ++t)
                 bc(t) = bc(t - 1) + (*gates)(t0 + t, 0);
         }
@@ -293,7 +309,7 @@ void delta_rule_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, 
 
 }  // namespace detail
 
-/// The delta rule token by token (see the top of the file). `beta`: N×1 in [0, 1].
+/// The delta rule token by token (see the top of the file). `beta`: N×1 in [0, 1] ([0, 2] with options.allow_negative_eigenvalues).
 /// `state`: initial S in state->mu (empty = zero), final S out.
 template <class DQ, class DK, class DV, class DB, detail::EigenMatrix DO>
 void recurrent_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
@@ -306,7 +322,7 @@ void recurrent_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
         state);
 }
 
-/// The gated delta rule token by token: `log_gates` N×1, finite, ≤ 0.
+/// The gated delta rule token by token: `log_gates` N×1, ≤ 0 (−∞: a reset).
 template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix DO>
 void recurrent_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
@@ -332,7 +348,7 @@ void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
         state);
 }
 
-/// The gated delta rule by chunks: `log_gates` N×1, finite, ≤ 0.
+/// The gated delta rule by chunks: `log_gates` N×1, ≤ 0 (−∞: a reset).
 template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix DO>
 void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,

@@ -8,8 +8,11 @@
 //   o_i = q_i S_i / (q_i·z_i + eps), or q_i S_i when options.normalize is false.
 //
 // q and k are used as given (a model applies its own feature map or normalisation
-// first). The gates arrive as log-gates, N×1 (scalar) or N×d (channel), each finite
-// and ≤ 0, so that long products never underflow to a wrong value. LinearState{mu = S,
+// first). The gates arrive as log-gates, N×1 (scalar) or N×d (channel), each ≤ 0, so
+// that long products never underflow to a wrong value. A log-gate of −∞ (a gate of 0)
+// resets: the state (or, per channel, its row of S and its entry of z) becomes exactly
+// 0 before the token's pair is added, whatever it held (no 0·∞ NaN); the chunked form
+// starts a chunk at every token that holds one. LinearState{mu = S,
 // nu = z} carries the state in and out as for linear attention; options.decay must be
 // 1 (the gates are the decay).
 //
@@ -39,6 +42,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace memattn {
 namespace detail {
@@ -85,12 +89,12 @@ Index check_gated_arguments(const char* function, const ConstMatrixRef<E>& q, co
     // Two vectorised reductions (x·0 is 0 exactly for a finite x), then, only if one
     // fails, the element by element search for the message.
     const auto gates = g.template cast<T>();
-    const bool all_good = g.size() == 0 || ((gates.array() * T(0)).sum() == T(0) && gates.maxCoeff() <= T(0));
+    const bool all_good = g.size() == 0 || (!gates.array().isNaN().any() && gates.maxCoeff() <= T(0));
     for (Index i = 0; !all_good && i < g.rows(); ++i)
         for (Index c = 0; c < g.cols(); ++c) {
             const T x = static_cast<T>(g(i, c));
-            require(std::isfinite(x) && x <= 0, function, "log_gates", "has ", x, " at (", i, ", ", c,
-                    "), expected a finite log-gate <= 0 (a gate in (0, 1])");
+            require(x <= 0, function, "log_gates", "has ", x, " at (", i, ", ", c,
+                    "), expected a log-gate <= 0 (a gate in [0, 1]; -inf resets the state)");
         }
     if (state != nullptr && (state->mu.size() != 0 || state->nu.size() != 0)) {
         require(state->mu.rows() == q.cols() && state->mu.cols() == v.cols(), function, "state->mu", "has shape ",
@@ -101,6 +105,17 @@ Index check_gated_arguments(const char* function, const ConstMatrixRef<E>& q, co
     return g.cols();
 }
 
+/// The rows of S and the entries of z whose log-gate in `gates` (one per channel) is −∞
+/// become exactly 0 (a reset; their product with 0 would be NaN for an infinite value).
+template <class T, class Gates>
+void reset_channels(const Gates& gates, LinearState<T>& s) {
+    for (Index r = 0; r < gates.size(); ++r)
+        if (gates(r) == -std::numeric_limits<T>::infinity()) {
+            s.mu.row(r).setZero();
+            s.nu(r) = T(0);
+        }
+}
+
 template <class T>
 void gated_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                      const ConstMatrixRef<T>& G, MatrixRef<T> O, const LinearOptions& options, LinearState<T>& s) {
@@ -109,7 +124,10 @@ void gated_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, con
     for (Index i = 0; i < Q.rows(); ++i) {
         if (G.cols() == 1) {
             const T g = std::exp(G(i, 0));
-            if (g != T(1)) {
+            if (G(i, 0) == -std::numeric_limits<T>::infinity()) {
+                s.mu.setZero();
+                s.nu.setZero();
+            } else if (g != T(1)) {
                 s.mu *= g;
                 s.nu *= g;
             }
@@ -117,6 +135,7 @@ void gated_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, con
             a = G.row(i).array().exp();
             s.mu.array().colwise() *= a.transpose().array();
             s.nu.array() *= a.array();
+            reset_channels(G.row(i), s);
         }
         s.mu.noalias() += K.row(i).transpose() * V.row(i);
         s.nu += K.row(i);
@@ -138,13 +157,22 @@ void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
     // About ⌈lines / strips⌉ lines a strip: Q Kᵀ, the two products of O, the fold.
     const Index rows = DefaultBlocking::rows, strips = 3 * ((c_max + rows - 1) / rows) + (d + rows - 1) / rows;
     PrefetchQueue ahead(c_max * (2 * d + 2 * dv + G.cols()) * static_cast<Index>(sizeof(T)) / 64 / strips + 1);
-    for (Index t0 = 0; t0 < n; t0 += c_max) {
-        const Index c = std::min(c_max, n - t0);
+    for (Index t0 = 0, c = 0; t0 < n; t0 += c) {
+        c = chunk_before_reset(G, t0, std::min(c_max, n - t0));  // a reset starts the next chunk
         queue_next_chunk(ahead, t0 + c, std::min(c_max, n - t0 - c), Q, K, V, O);
         const auto q = Q.middleRows(t0, c), k = K.middleRows(t0, c), v = V.middleRows(t0, c);
         auto o = O.middleRows(t0, c);
         auto bc = b.topRows(c);
         bc.row(0) = G.row(t0);
+        if (channel) {  // a reset at the chunk's first token: its rows of the state become 0, its gate 1
+            reset_channels(G.row(t0), s);
+        } else if (G(t0, 0) == -std::numeric_limits<T>::infinity()) {
+            s.mu.setZero();
+            s.nu.setZero();
+        }
+        for (Index j = 0; j < bc.cols(); ++j)
+            if (bc(0, j) == -std::numeric_limits<T>::infinity())
+                bc(0, j) = T(0);
         for (Index t = 1; t < c; ++t)
             bc.row(t) = bc.row(t - 1) + G.row(t0 + t);
         auto a = A.topLeftCorner(c, c);
@@ -255,7 +283,7 @@ void gated_linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q
 }  // namespace detail
 
 /// The gated recurrence token by token (see the top of the file). `log_gates`: N×1 or
-/// N×d, finite, ≤ 0. `state`: initial state in (empty = zero), final state out.
+/// N×d, ≤ 0 (−∞: a reset). `state`: initial state in (empty = zero), final state out.
 template <class DQ, class DK, class DV, class DG, detail::EigenMatrix DO>
 void recurrent_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                       const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, DO&& O,

@@ -195,6 +195,19 @@ void apply_causal_mask(Tile& a, const Vector<T>& mask, Index c, bool decays) {
 /// Starts `ahead` over on rows [first, first + rows) of K, Q and V (read) and O (written):
 /// a chunked form's next chunk, asked for a few lines per strip of the current one's
 /// products. Nothing when rows ≤ 0 (the last chunk).
+/// The tokens of the chunk of at most `c` from row t0 of the log-gates G: up to the next
+/// row after t0 that holds a −∞ (a reset: the gated kernels start a chunk at each one,
+/// so no e^{b_t − b_s} meets −∞ − (−∞)).
+template <class T>
+Index chunk_before_reset(const ConstMatrixRef<T>& G, Index t0, Index c) {
+    constexpr T minus_infinity = -std::numeric_limits<T>::infinity();
+    for (Index t = t0 + 1; t < t0 + c; ++t)
+        for (Index j = 0; j < G.cols(); ++j)
+            if (G(t, j) == minus_infinity)
+                return t - t0;
+    return c;
+}
+
 template <class T>
 void queue_next_chunk(PrefetchQueue& ahead, Index first, Index rows, const ConstMatrixRef<T>& Q,
                       const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, const MatrixRef<T>& O) {

@@ -13,9 +13,12 @@
 //
 // key_dim() is the key row's width; a query is d wide and an output dv wide, which the
 // memories declare with query_dim()/output_dim() (as MultiHead does for its wider
-// rows), so the generic algorithms check Q and O against those. A gate that is not a
-// finite log-gate ≤ 0, or a β outside [0, 1], throws std::invalid_argument and changes
-// nothing. prefill runs the chunked kernel on the memory's own state.
+// rows), so the generic algorithms check Q and O against those. A log-gate that is NaN
+// or above 0, or a β outside [0, 1] ([0, 2] with DeltaOptions::allow_negative_eigenvalues),
+// throws std::invalid_argument and changes nothing; a log-gate of −∞ resets the state
+// (its channel's part of it). prefill runs the chunked kernel on the memory's own state.
+// state() and set_state() take the state out and put one in (a model's initial state, a
+// state computed elsewhere).
 //
 //   DeltaRuleMemory<float> memory(64, 64, {.normalize_keys = true});
 //   Matrix<float> keys(n, 65);  keys << K, beta;
@@ -41,20 +44,32 @@ enum class GateKind { scalar, channel };
 
 namespace detail {
 
-/// The extra columns of a key row hold valid gates (and β), or the call throws.
+/// The extra columns of a key row hold valid gates (and β ∈ [0, beta_max]), or the call throws.
 template <class K>
-void check_extras(const PairSite& site, const K& keys, Index d, Index beta_column, Index first_gate) {
+void check_extras(const PairSite& site, const K& keys, Index d, Index beta_column, Index first_gate,
+                  double beta_max = 1) {
     for (Index i = 0; i < keys.rows(); ++i) {
         if (beta_column >= 0) {
             const auto beta = keys(i, beta_column);
-            require(beta >= 0 && beta <= 1, site.function, site.key_name, "row ", site.first_row + i, " has beta ", beta,
-                    " in column ", SiteColumn{site, beta_column}, ", expected a value in [0, 1]");
+            require(beta >= 0 && beta <= beta_max, site.function, site.key_name, "row ", site.first_row + i, " has beta ",
+                    beta, " in column ", SiteColumn{site, beta_column}, ", expected a value in [0, ", beta_max, "]");
         }
         for (Index c = first_gate; c < keys.cols(); ++c)
-            require(std::isfinite(keys(i, c)) && keys(i, c) <= 0, site.function, site.key_name, "row ", site.first_row + i,
-                    " has log-gate ", keys(i, c), " in column ", SiteColumn{site, c},
-                    ", expected a finite value <= 0 (the first ", d, " columns are the key)");
+            require(keys(i, c) <= 0, site.function, site.key_name, "row ", site.first_row + i, " has log-gate ",
+                    keys(i, c), " in column ", SiteColumn{site, c},
+                    ", expected a value <= 0, -inf to reset (the first ", d, " columns are the key)");
     }
+}
+
+/// A state given to set_state: m is rows × cols and finite, or the call throws.
+template <class M>
+void check_state(const char* function, const char* name, const M& m, Index rows, Index cols) {
+    require(m.rows() == rows && m.cols() == cols, function, name, "has shape ", shape(m), ", expected ", rows, 'x',
+            cols);
+    for (Index r = 0; r < m.rows(); ++r)
+        for (Index c = 0; c < m.cols(); ++c)
+            require(std::isfinite(m(r, c)), function, name, "has ", m(r, c), " at (", r, ", ", c,
+                    "), expected finite values");
 }
 
 }  // namespace detail
@@ -85,22 +100,28 @@ public:
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {"GatedLinearAttentionMemory::update", "key", "value"});
         if (gates_ == GateKind::scalar) {
-            const T g = std::exp(key(d_));
-            state_.mu *= g;
-            state_.nu *= g;
+            if (key(d_) == -std::numeric_limits<T>::infinity()) {  // a reset
+                state_.mu.setZero();
+                state_.nu.setZero();
+            } else {
+                const T g = std::exp(key(d_));
+                state_.mu *= g;
+                state_.nu *= g;
+            }
         } else {
             a_ = key.tail(d_).array().exp();
             state_.mu.array().colwise() *= a_.transpose().array();
             state_.nu.array() *= a_.array();
+            detail::reset_channels(key.tail(d_), state_);
         }
         state_.mu.noalias() += key.head(d_).transpose() * value;
         state_.nu += key.head(d_);
         ++length_;
     }
 
-    /// Throws what update would throw for these pairs (a log-gate that is not finite and
-    /// <= 0), changing nothing; std::length_error past memattn::max_length. `site` names
-    /// the caller (a layer's check of one head's part of its packed rows).
+    /// Throws what update would throw for these pairs (a log-gate that is NaN or above 0),
+    /// changing nothing; std::length_error past memattn::max_length. `site` names the
+    /// caller (a layer's check of one head's part of its packed rows).
     void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
                   const detail::PairSite& site = {"GatedLinearAttentionMemory::validate"}) const {
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), dv_, length_);
@@ -171,6 +192,24 @@ public:
     [[nodiscard]] const LinearOptions& options() const noexcept { return options_; }
     /// The state: mu = S (d × dv), nu = z (1 × d).
     [[nodiscard]] const LinearState<T>& state() const noexcept { return state_; }
+    /// Resumes from a state (a saved state(), or one computed elsewhere: FLA's
+    /// `initial_state` is S with z unused, as normalize = false ignores it), as after
+    /// `length` tokens. Throws std::invalid_argument, changing nothing, unless mu is d × dv
+    /// and nu 1 × d (or empty: z = 0), all finite; copies into the memory's own storage.
+    void set_state(const LinearState<T>& state, Index length = 0) {
+        constexpr const char* function = "GatedLinearAttentionMemory::set_state";
+        detail::check_state(function, "state.mu", state.mu, d_, dv_);
+        if (state.nu.size() != 0)
+            detail::check_state(function, "state.nu", state.nu, 1, d_);
+        detail::require(length >= 0 && length <= max_length, function, "length", "is ", length,
+                        ", expected 0 .. memattn::max_length = 2^62");
+        state_.mu = state.mu;
+        if (state.nu.size() != 0)
+            state_.nu = state.nu;
+        else
+            state_.nu.setZero();
+        length_ = length;
+    }
 
     /// Snapshots: d, dv, the gate kind, the options, length, S, z.
     [[nodiscard]] static std::string snapshot_kind() { return "GatedLinearAttentionMemory"; }
@@ -239,7 +278,9 @@ public:
         k_ = key.head(d_);
         if (options_.normalize_keys && k_.norm() > T(0))
             k_ /= k_.norm();
-        if (gated_)
+        if (gated_ && key(d_ + 1) == -std::numeric_limits<T>::infinity())
+            S_.setZero();  // a reset
+        else if (gated_)
             S_ *= std::exp(key(d_ + 1));
         u_.noalias() = k_ * S_;
         u_ = key(d_) * (value - u_);
@@ -247,13 +288,14 @@ public:
         ++length_;
     }
 
-    /// Throws what update would throw for these pairs (β outside [0, 1], a log-gate that
-    /// is not finite and <= 0), changing nothing; std::length_error past
-    /// memattn::max_length. `site` names the caller (a layer's check of one head's part).
+    /// Throws what update would throw for these pairs (β outside [0, 1], or [0, 2] with
+    /// options.allow_negative_eigenvalues; a log-gate that is NaN or above 0), changing
+    /// nothing; std::length_error past memattn::max_length. `site` names the caller (a
+    /// layer's check of one head's part).
     void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
                   const detail::PairSite& site = {"DeltaRuleMemory::validate"}) const {
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), dv_, length_);
-        detail::check_extras(site, keys, d_, d_, d_ + 1);
+        detail::check_extras(site, keys, d_, d_, d_ + 1, options_.allow_negative_eigenvalues ? 2.0 : 1.0);
     }
 
     /// out = q S; zero before any update.
@@ -313,8 +355,21 @@ public:
     [[nodiscard]] const DeltaOptions& options() const noexcept { return options_; }
     /// The state S (d × dv).
     [[nodiscard]] const Matrix<T>& state() const noexcept { return S_; }
+    /// Resumes from a state S (a saved state(), or one computed elsewhere: FLA's
+    /// `initial_state`, transposed to d × dv if it is dv × d), as after `length` tokens.
+    /// Throws std::invalid_argument, changing nothing, unless S is d × dv and finite;
+    /// copies into the memory's own storage.
+    void set_state(const Matrix<T>& S, Index length = 0) {
+        constexpr const char* function = "DeltaRuleMemory::set_state";
+        detail::check_state(function, "S", S, d_, dv_);
+        detail::require(length >= 0 && length <= max_length, function, "length", "is ", length,
+                        ", expected 0 .. memattn::max_length = 2^62");
+        S_ = S;
+        length_ = length;
+    }
 
-    /// Snapshots: d, dv, gated, the options, length, S.
+    /// Snapshots: d, dv, gated, the options (chunk_size, normalize_keys; not
+    /// allow_negative_eigenvalues, which only widens what update accepts), length, S.
     [[nodiscard]] static std::string snapshot_kind() { return "DeltaRuleMemory"; }
     /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
