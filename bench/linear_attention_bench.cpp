@@ -135,14 +135,15 @@ BENCHMARK(BM_Linear<Form::chunked>)
 // beside BM_LinearChunked/BM_LinearRecurrent of the same run: tokens/s of the recurrent
 // and chunked forms. Keys are L2-normalised (the delta rule's usual input); gates are
 // log g ∈ [−0.1, 0], β ∈ [0, 1]. chunk 0: the default of the options.
-enum class Gate { scalar, channel, delta, gated_delta };
+enum class Gate { scalar, channel, delta, gated_delta, kda };
 
 template <Gate gate, bool chunked>
 void BM_Gated(benchmark::State& state) {
     const Index n = state.range(0), d = state.range(1);
     Inputs in(n, d);
     in.K.rowwise().normalize();
-    const Matrix<float> log_gates = -0.1f * random_matrix<float>(n, gate == Gate::channel ? d : 1, 4).cwiseAbs();
+    const Index gate_cols = gate == Gate::channel || gate == Gate::kda ? d : 1;
+    const Matrix<float> log_gates = -0.1f * random_matrix<float>(n, gate_cols, 4).cwiseAbs();
     const Matrix<float> beta = random_matrix<float>(n, 1, 5).cwiseAbs();
     memattn::LinearOptions linear{.normalize = false};
     memattn::DeltaOptions delta{};
@@ -159,11 +160,16 @@ void BM_Gated(benchmark::State& state) {
                 memattn::chunked_delta_rule_attention(in.Q, in.K, in.V, beta, in.O, delta);
             else
                 memattn::recurrent_delta_rule_attention(in.Q, in.K, in.V, beta, in.O, delta);
-        } else {
+        } else if constexpr (gate == Gate::gated_delta) {
             if constexpr (chunked)
                 memattn::chunked_delta_rule_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
             else
                 memattn::recurrent_delta_rule_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
+        } else {
+            if constexpr (chunked)
+                memattn::chunked_kda_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
+            else
+                memattn::recurrent_kda_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
         }
         benchmark::DoNotOptimize(in.O.data());
         benchmark::ClobberMemory();
@@ -187,6 +193,7 @@ MEMATTN_GATED_BENCH(Gate::scalar, "GatedScalar");
 MEMATTN_GATED_BENCH(Gate::channel, "GatedChannel");
 MEMATTN_GATED_BENCH(Gate::delta, "Delta");
 MEMATTN_GATED_BENCH(Gate::gated_delta, "GatedDelta");
+MEMATTN_GATED_BENCH(Gate::kda, "Kda");
 
 // How the chunk sizes of the gated kernels were chosen.
 BENCHMARK(BM_Gated<Gate::scalar, true>)
@@ -198,6 +205,11 @@ BENCHMARK(BM_Gated<Gate::delta, true>)
     ->Name("BM_DeltaChunkSize")
     ->ArgNames({"n", "d", "chunk"})
     ->ArgsProduct({{65536}, {128}, {16, 32, 64, 128}})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Gated<Gate::kda, true>)
+    ->Name("BM_KdaChunkSize")
+    ->ArgNames({"n", "d", "chunk"})
+    ->ArgsProduct({{65536}, {128}, {16, 32, 64}})
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -666,3 +666,149 @@ TEMPLATE_TEST_CASE("Gated and delta memories: -inf log-gates reset; set_state re
     bad(0, d) = std::numeric_limits<T>::quiet_NaN();
     CHECK_THROWS_AS(gated.update(bad.row(0), V.row(0)), std::invalid_argument);
 }
+
+namespace {
+
+/// KDA in double, token by token, from the recurrence (Kimi Team 2025):
+/// S = (I − β kᵀk) Diag(α) S + β kᵀ v, o = q S; log α = G (N×d), exp(−∞) = 0.
+MatrixD kda_reference(const MatrixD& Q, const MatrixD& K, const MatrixD& V, const MatrixD& B, const MatrixD& G,
+                      bool normalize_keys, MatrixD& S) {
+    const Index n = Q.rows(), d = Q.cols();
+    MatrixD O(n, V.cols());
+    for (Index i = 0; i < n; ++i) {
+        MatrixD k = K.row(i);
+        if (normalize_keys && k.norm() > 0)
+            k /= k.norm();
+        MatrixD D = MatrixD::Zero(d, d);
+        for (Index r = 0; r < d; ++r)
+            D(r, r) = std::exp(G(i, r));
+        const MatrixD I = MatrixD::Identity(d, d);
+        S = (I - B(i, 0) * k.transpose() * k) * D * S + B(i, 0) * k.transpose() * V.row(i);
+        O.row(i) = Q.row(i) * S;
+    }
+    return O;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("KDA: recurrent equals the double reference, chunked equals recurrent, with strong gates and "
+                   "resets",
+                   "[delta][kda]", float, double) {
+    using T = TestType;
+    const double tol = tolerance<T>() * 20;
+    for (const Index n : {0, 1, 7, 70, 200}) {
+        for (const bool normalize_keys : {false, true}) {
+            for (const bool negative : {false, true}) {
+                INFO("n = " << n << ", normalize_keys " << normalize_keys << ", beta in [0, " << (negative ? 2 : 1)
+                            << "]");
+                const Index d = 6, dv = 4;
+                const Matrix<T> Q = random_matrix<T>(n, d, 1), V = random_matrix<T>(n, dv, 3);
+                const Matrix<T> K = random_matrix<T>(n, d, 2, normalize_keys ? 1.0 : 0.5);
+                const Matrix<T> B = (negative && normalize_keys ? T(2) : T(1)) * betas<T>(n, 4);
+                // Gates from e^-20 per token (channel 0) to mild, and resets in channels 0, 2, 4.
+                Matrix<T> G = log_gates<T>(n, d, 5, 0.3);
+                G.col(0) *= T(60);
+                G = with_resets(G, {3, 16, 50, 51});
+                MatrixD S = MatrixD::Zero(d, dv);
+                const MatrixD expected =
+                    kda_reference(to_double(Q), to_double(K), to_double(V), to_double(B), to_double(G), normalize_keys, S);
+                REQUIRE(expected.allFinite());
+                const DeltaOptions base{.normalize_keys = normalize_keys, .allow_negative_eigenvalues = negative};
+                Matrix<T> O(n, dv);
+                LinearState<T> state;
+                recurrent_kda_attention(Q, K, V, B, G, O, base, &state);
+                check_close(O, expected, tol);
+                check_close(state.mu, S, tol);
+                for (const Index chunk : {1, 7, 16, 64}) {
+                    INFO("chunk " << chunk);
+                    DeltaOptions options = base;
+                    options.chunk_size = chunk;
+                    const Index cut = (2 * n) / 5;  // the state carried across two calls
+                    LinearState<T> carried;
+                    Matrix<T> chunked(n, dv);
+                    chunked_kda_attention(Q.topRows(cut), K.topRows(cut), V.topRows(cut), B.topRows(cut),
+                                          G.topRows(cut), chunked.topRows(cut), options, &carried);
+                    chunked_kda_attention(Q.bottomRows(n - cut), K.bottomRows(n - cut), V.bottomRows(n - cut),
+                                          B.bottomRows(n - cut), G.bottomRows(n - cut), chunked.bottomRows(n - cut),
+                                          options, &carried);
+                    check_close(chunked, expected, tol);
+                    check_close(carried.mu, S, tol);
+                }
+            }
+        }
+    }
+    // Gates of 1 (log 0) in every channel: the (ungated) delta rule.
+    const Index n = 40, d = 5, dv = 3;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3),
+                    B = betas<T>(n, 4);
+    Matrix<T> O(n, dv), plain(n, dv);
+    chunked_kda_attention(Q, K, V, B, Matrix<T>::Zero(n, d), O, {.chunk_size = 7, .normalize_keys = true});
+    chunked_delta_rule_attention(Q, K, V, B, plain, {.chunk_size = 7, .normalize_keys = true});
+    check_close(O, to_double(plain), tol);
+    // One log-gate per token is the gated delta rule's, not KDA's: refused by the KDA names.
+    CHECK_THROWS_WITH(chunked_kda_attention(Q, K, V, B, Matrix<T>::Zero(n, 1), O),
+                      Catch::Matchers::Contains("chunked_kda_attention") &&
+                          Catch::Matchers::Contains("expected 40x5 (a log-gate per key channel"));
+    Matrix<T> bad = Matrix<T>::Zero(n, d);
+    bad(4, 2) = T(0.1);
+    CHECK_THROWS_WITH(recurrent_kda_attention(Q, K, V, B, bad, O),
+                      Catch::Matchers::Contains("log_gates") && Catch::Matchers::Contains("at (4, 2)"));
+}
+
+TEMPLATE_TEST_CASE("KdaMemory: decode, prefill and the kernels agree; snapshots of its own kind; bad gates change "
+                   "nothing",
+                   "[delta][kda][memory]", float, double) {
+    using T = TestType;
+    const Index n = 45, d = 6, dv = 4;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3),
+                    B = betas<T>(n, 4), G = with_resets(log_gates<T>(n, d, 5), {20});
+    Matrix<T> expected(n, dv);
+    recurrent_kda_attention(Q, K, V, B, G, expected, {.normalize_keys = true});
+    Matrix<T> keys(n, 2 * d + 1);
+    keys << K, B, G;
+    KdaMemory<T> decoded(d, dv, {.chunk_size = 8, .normalize_keys = true}), prefilled = decoded, split = decoded;
+    CHECK(decoded.key_dim() == 2 * d + 1);
+    CHECK(decoded.query_dim() == d);
+    Matrix<T> O(n, dv);
+    decode(decoded, Q, keys, V, O);
+    check_close(O, to_double(expected), tolerance<T>() * 10);
+    prefill(prefilled, Q, keys, V, O);
+    check_close(O, to_double(expected), tolerance<T>() * 10);
+    memattn::extend(split, keys.topRows(17), V.topRows(17));
+    prefill(split, Q.bottomRows(n - 17), keys.bottomRows(n - 17), V.bottomRows(n - 17), O.bottomRows(n - 17));
+    check_close(O.bottomRows(n - 17), to_double(expected.bottomRows(n - 17)), tolerance<T>() * 10);
+    // A positive log-gate in channel 3 throws, naming the memory, and changes nothing.
+    Matrix<T> bad = keys.topRows(1);
+    bad(0, d + 1 + 3) = T(0.5);
+    std::ostringstream before;
+    save(decoded, before);
+    CHECK_THROWS_WITH(decoded.update(bad.row(0), V.row(0)),
+                      Catch::Matchers::Contains("KdaMemory::update") && Catch::Matchers::Contains("log-gate 0.5"));
+    std::ostringstream after;
+    save(decoded, after);
+    CHECK(before.str() == after.str());
+    // Its snapshots load into a KdaMemory, not a DeltaRuleMemory (another kind).
+    KdaMemory<T> resumed(d, dv, {.chunk_size = 8, .normalize_keys = true});
+    std::istringstream in(before.str());
+    load(resumed, in);
+    Vector<T> a(dv), b(dv);
+    decoded.attend(Q.row(0), a);
+    resumed.attend(Q.row(0), b);
+    CHECK(a == b);
+    DeltaRuleMemory<T> other(d, dv, {.chunk_size = 8, .normalize_keys = true}, true);
+    std::istringstream again(before.str());
+    CHECK_THROWS_AS(load(other, again), SnapshotError);
+    static_assert(Memory<KdaMemory<T>> && Snapshottable<KdaMemory<T>>);
+    // Of bfloat16 rows: the float memory fed the rows as float, to the bit.
+    const Matrix<Eigen::bfloat16> k16 = keys.template cast<float>().template cast<Eigen::bfloat16>(),
+                                  v16 = V.template cast<float>().template cast<Eigen::bfloat16>(),
+                                  q16 = Q.template cast<float>().template cast<Eigen::bfloat16>();
+    KdaMemory<Eigen::bfloat16> narrow(d, dv, {.normalize_keys = true});
+    KdaMemory<float> wide(d, dv, {.normalize_keys = true});
+    Matrix<Eigen::bfloat16> o16(n, dv);
+    Matrix<float> o32(n, dv);
+    decode(narrow, q16, k16, v16, o16);
+    decode(wide, Matrix<float>(q16.template cast<float>()), Matrix<float>(k16.template cast<float>()),
+           Matrix<float>(v16.template cast<float>()), o32);
+    CHECK(o16.cwiseEqual(o32.template cast<Eigen::bfloat16>()).all());
+}

@@ -134,6 +134,8 @@ void everything(memattn::Index n, memattn::Index d) {
         memattn::recurrent_gated_linear_attention(h, h, h, gates.template cast<Eigen::half>(), out);
         memattn::chunked_delta_rule_attention(b, b, b, beta, out_b);
         memattn::recurrent_delta_rule_attention(b, b, b, beta, gates, out);
+        const memattn::Matrix<float> channel_gates = memattn::Matrix<float>::Constant(n, d, -0.5f);
+        memattn::chunked_kda_attention(b, b, b, beta, channel_gates, out_b);
         memattn::multi_head_causal_softmax_attention(b, b, b, out_b, memattn::HeadLayout{1, 1, d});
         memattn::multi_head_chunked_linear_attention(h, h, h, out, memattn::HeadLayout{1, 1, d});
     }
@@ -215,6 +217,8 @@ void everything(memattn::Index n, memattn::Index d) {
             // (recurrent) and prefill (chunked), keys widened by their gate columns.
             const memattn::Matrix<T> gated_keys = memattn::Matrix<T>::Zero(x.rows(), d + 2);
             use_memory(memattn::DeltaRuleMemory<T>(d, d, {}, true), x, gated_keys, out);
+            const memattn::Matrix<T> kda_keys = memattn::Matrix<T>::Zero(x.rows(), 2 * d + 1);
+            use_memory(memattn::KdaMemory<T>(d, d), x, kda_keys, out);
             use_memory(memattn::GatedLinearAttentionMemory<T>(d, d, memattn::GateKind::scalar), x, gated_keys.leftCols(d + 1),
                        out);
         }

@@ -8,8 +8,13 @@
 //       = g_i S_{i−1} + k_iᵀ u_i,   u_i = β_i (v_i − g_i k_i S_{i−1})
 //   o_i = q_i S_i
 //
-// (g_i = 1 without gates.) With unit keys and β_i = 1, k_i S_i = v_i exactly: the key
-// reads back its value. A log-gate of −∞ (g_i = 0) resets: S becomes exactly 0 before
+// (g_i = 1 without gates.) With log-gates per key channel (N×d: KDA, Kimi Delta
+// Attention, Kimi Team 2025) the decay is Diag(α_i) in place of g_i:
+//
+//   S_i = (I − β_i k_iᵀ k_i) Diag(α_i) S_{i−1} + β_i k_iᵀ v_i
+//
+// (recurrent_kda_attention / chunked_kda_attention; kda_chunked below for its chunks).
+// With unit keys and β_i = 1, k_i S_i = v_i exactly: the key reads back its value. A log-gate of −∞ (g_i = 0) resets: S becomes exactly 0 before
 // the token's update, whatever it held; the chunked form starts a chunk at each one. DeltaOptions::normalize_keys divides each key by its L2 norm
 // first (a zero key stays zero); q is used as given. LinearState carries S in mu; nu is
 // not used (left empty).
@@ -89,19 +94,31 @@ void check_delta_arguments(const char* function, const ConstMatrixRef<E>& q, con
     require(beta.rows() == q.rows() && beta.cols() == 1, function, "beta", "has shape ", shape(beta), ", expected ",
             q.rows(), "x1");
     const T beta_max = options.allow_negative_eigenvalues ? T(2) : T(1);
-    for (Index i = 0; i < beta.rows(); ++i) {
+    const auto betas = beta.template cast<T>().array();
+    const bool betas_good = beta.size() == 0 || ((betas >= T(0)).all() && (betas <= beta_max).all());
+    for (Index i = 0; !betas_good && i < beta.rows(); ++i) {
         const T x = static_cast<T>(beta(i, 0));
         require(x >= 0 && x <= beta_max, function, "beta", "has ", x, " at row ", i, ", expected a value in [0, ",
                 beta_max, options.allow_negative_eigenvalues ? "] (options.allow_negative_eigenvalues)" : "]");
     }
     if (gates != nullptr) {
-        require(gates->rows() == q.rows() && gates->cols() == 1, function, "log_gates", "has shape ",
-                shape(*gates), ", expected ", q.rows(), "x1");
-        for (Index i = 0; i < gates->rows(); ++i) {
-            const T x = static_cast<T>((*gates)(i, 0));
-            require(x <= 0, function, "log_gates", "has ", x, " at row ", i,
-                    ", expected a log-gate <= 0 (a gate in [0, 1]; -inf resets the state)");
-        }
+        require(gates->rows() == q.rows() && (gates->cols() == 1 || gates->cols() == q.cols()), function,
+                "log_gates", "has shape ", shape(*gates), ", expected ", q.rows(), "x1 (a gate per token) or ",
+                q.rows(), 'x', q.cols(), " (a gate per key channel: KDA)");
+        // A vectorised test first (no NaN, none above 0); the element by element search
+        // for the message only if it fails.
+        const bool all_good =
+            gates->size() == 0 || gates->template cast<T>().template maxCoeff<Eigen::PropagateNaN>() <= T(0);
+        for (Index i = 0; !all_good && i < gates->rows(); ++i)
+            for (Index c = 0; c < gates->cols(); ++c) {
+                const T x = static_cast<T>((*gates)(i, c));
+                if (gates->cols() == 1)
+                    require(x <= 0, function, "log_gates", "has ", x, " at row ", i,
+                            ", expected a log-gate <= 0 (a gate in [0, 1]; -inf resets the state)");
+                else
+                    require(x <= 0, function, "log_gates", "has ", x, " at (", i, ", ", c,
+                            "), expected a log-gate <= 0 (a gate in [0, 1]; -inf resets the channel)");
+            }
     }
     if (state != nullptr && state->mu.size() != 0)
         require(state->mu.rows() == q.cols() && state->mu.cols() == v.cols(), function, "state->mu", "has shape ",
@@ -128,7 +145,15 @@ void delta_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, con
     Vector<T> u(V.cols());
     for (Index i = 0; i < Q.rows(); ++i) {
         delta_keys(K, i, 1, options.normalize_keys, k);
-        if (gates != nullptr) {
+        if (gates != nullptr && gates->cols() > 1) {  // KDA: S ← Diag(α) S, a −∞ resets its row
+            for (Index r = 0; r < S.rows(); ++r) {
+                const T x = (*gates)(i, r);
+                if (x == -std::numeric_limits<T>::infinity())
+                    S.row(r).setZero();
+                else if (x != T(0))
+                    S.row(r) *= std::exp(x);
+            }
+        } else if (gates != nullptr) {
             const T g = std::exp((*gates)(i, 0));
             if ((*gates)(i, 0) == -std::numeric_limits<T>::infinity())
                 S.setZero();  // a reset
@@ -142,10 +167,86 @@ void delta_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, con
     }
 }
 
+/// KDA by chunks (the gated delta rule with a log-gate per key channel; see the top of
+/// the file): per chunk, b_t = Σ_{s≤t} log α_s per channel,
+///   (I + L) U = diag(β)(V − (K ⊙ e^{b}) S_0),  L_ts = β_t Σ_r k_tr k_sr e^{b_tr − b_sr} (s < t),
+///   O = (Q ⊙ e^{b}) S_0 + A U,  A_ts = Σ_r q_tr k_sr e^{b_tr − b_sr} (s ≤ t),
+///   S_C = diag(e^{b_C}) S_0 + (K ⊙ e^{b_C − b})ᵀ U,
+/// the pairs by channel_pair (C²·d exponentials per chunk, as channel-gated linear
+/// attention), the products by the register-blocked tile product.
+template <class T>
+void kda_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                 const ConstMatrixRef<T>& beta, const ConstMatrixRef<T>& G, MatrixRef<T> O, const DeltaOptions& options,
+                 Matrix<T>& S) {
+    const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
+    const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
+    Matrix<T> keys(c_max, d), b(c_max, d), qg(c_max, d), kg(c_max, d), uc_all(c_max, dv), l_all(c_max, c_max),
+        a_all(c_max, c_max);
+    Vector<T> last(d);
+    const ExpNonpositiveOp<T> exp;
+    constexpr T minus_infinity = -std::numeric_limits<T>::infinity();
+    for (Index t0 = 0, c = 0; t0 < n; t0 += c) {
+        c = chunk_before_reset(G, t0, std::min(c_max, n - t0));  // a reset starts the next chunk
+        auto kc = keys.topRows(c);
+        delta_keys(K, t0, c, options.normalize_keys, kc);
+        const auto q = Q.middleRows(t0, c);
+        auto bc = b.topRows(c);
+        bc.row(0) = G.row(t0);
+        for (Index r = 0; r < d; ++r)
+            if (bc(0, r) == minus_infinity) {  // a reset at the chunk's first token: its row of S is 0, its gate 1
+                S.row(r).setZero();
+                bc(0, r) = T(0);
+            }
+        for (Index t = 1; t < c; ++t)
+            bc.row(t) = bc.row(t - 1) + G.row(t0 + t);
+        auto qc = qg.topRows(c), kd = kg.topRows(c);
+        for (Index t = 0; t < c; ++t) {  // row by row, so that Eigen vectorises the exponentials
+            last = bc.row(t).array().unaryExpr(exp);  // e^{b_t}, for both
+            qc.row(t) = q.row(t).array() * last.array();
+            kd.row(t) = kc.row(t).array() * last.array();
+        }
+        // RHS = diag(β)(V − (K ⊙ e^b) S_0) and O = (Q ⊙ e^b) S_0.
+        auto uc = uc_all.topRows(c);
+        auto o = O.middleRows(t0, c);
+        tile_product<T>(c, dv, d, kd.data(), kd.outerStride(), 1, S.data(), S.outerStride(), uc.data(),
+                        uc.outerStride(), nullptr);
+        tile_product<T>(c, dv, d, qc.data(), qc.outerStride(), 1, S.data(), S.outerStride(), o.data(), o.outerStride(),
+                        nullptr);
+        uc = (V.middleRows(t0, c) - uc).array().colwise() * beta.middleRows(t0, c).col(0).array();
+        // −L (the substitution adds) and A, zero above their triangles.
+        auto l = l_all.topLeftCorner(c, c);
+        auto a = a_all.topLeftCorner(c, c);
+        for (Index t = 0; t < c; ++t) {
+            const T minus_beta = -beta(t0 + t, 0);
+            for (Index s2 = 0; s2 < t; ++s2) {  // one exponential per channel for both
+                T lk, qk;
+                channel_pairs(q.row(t).data(), kc.row(t).data(), kc.row(s2).data(), &bc(t, 0), &bc(s2, 0), d, lk, qk);
+                l(t, s2) = minus_beta * lk;
+                a(t, s2) = qk;
+            }
+            a(t, t) = q.row(t).dot(kc.row(t));  // e^{b_t − b_t} = 1
+            a.row(t).tail(c - 1 - t).setZero();
+        }
+        forward_substitution<T>(c, dv, l.data(), l.outerStride(), uc.data(), uc.outerStride());  // U = (I + L)⁻¹ RHS
+        tile_product<T, DefaultBlocking, true>(c, dv, c, a.data(), a.outerStride(), 1, uc.data(), uc.outerStride(),
+                                               o.data(), o.outerStride(), nullptr, LowerTerms{0});
+        // S = diag(e^{b_C}) S_0 + (K ⊙ e^{b_C − b})ᵀ U, the decay as the product's row scale.
+        for (Index t = 0; t < c; ++t)
+            kd.row(t) = kc.row(t).array() * (bc.row(c - 1) - bc.row(t)).array().unaryExpr(exp);
+        last = bc.row(c - 1).array().unaryExpr(exp);
+        tile_product<T, FoldBlocking>(d, dv, c, kd.data(), 1, kd.outerStride(), uc.data(), uc.outerStride(), S.data(),
+                                      S.outerStride(), last.data());
+    }
+}
+
 template <class T>
 void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                    const ConstMatrixRef<T>& beta, const ConstMatrixRef<T>* gates, MatrixRef<T> O,
                    const DeltaOptions& options, Matrix<T>& S) {
+    if (gates != nullptr && gates->cols() > 1) {
+        kda_chunked(Q, K, V, beta, *gates, O, options, S);
+        return;
+    }
     const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
     const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
     // Keys are read in place unless they are normalised or decayed (a copy in `keys`);
@@ -322,7 +423,8 @@ void recurrent_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
         state);
 }
 
-/// The gated delta rule token by token: `log_gates` N×1, ≤ 0 (−∞: a reset).
+/// The gated delta rule token by token: `log_gates` N×1 (Gated DeltaNet) or N×d (a gate
+/// per key channel: KDA), ≤ 0 (−∞: a reset).
 template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix DO>
 void recurrent_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
@@ -348,7 +450,7 @@ void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
         state);
 }
 
-/// The gated delta rule by chunks: `log_gates` N×1, ≤ 0 (−∞: a reset).
+/// The gated delta rule by chunks: `log_gates` N×1 or N×d (KDA), ≤ 0 (−∞: a reset).
 template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix DO>
 void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
@@ -359,6 +461,50 @@ void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
                   "memattn: log_gates must have the scalar type of Q (of bfloat16 or half: or float).");
     const ConstMatrixRef<G> g = detail::sequence(log_gates);
     detail::delta_rule_attention<detail::DeltaForm::chunked>("chunked_delta_rule_attention", Q, K, V, beta, &g,
+                                                             std::forward<DO>(O), options, state);
+}
+
+namespace detail {
+/// KDA's log-gates are one per key channel.
+template <class DK, class DG>
+void check_kda_gates(const char* function, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DG>& log_gates) {
+    require(log_gates.rows() == K.rows() && log_gates.cols() == K.cols(), function, "log_gates", "has shape ",
+            shape(log_gates), ", expected ", K.rows(), 'x', K.cols(), " (a log-gate per key channel; the gated delta ",
+            "rule's chunked_delta_rule_attention takes one per token)");
+}
+}  // namespace detail
+
+/// KDA (Kimi Delta Attention; Kimi Team 2025) token by token: the delta rule with a gate
+/// per key channel, S_t = (I − β_t k_tᵀ k_t) Diag(α_t) S_{t−1} + β_t k_tᵀ v_t, o_t = q_t S_t,
+/// `log_gates` = log α: N×d, ≤ 0 (−∞ resets the channel's row of S). The gated delta
+/// rule's overload with N×d log-gates, by this name (docs/design.md §4.2b).
+template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix DO>
+void recurrent_kda_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                             const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                             const Eigen::MatrixBase<DG>& log_gates, DO&& O, const DeltaOptions& options = {},
+                             LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+    using G = typename DG::Scalar;
+    static_assert(std::is_same_v<G, typename DQ::Scalar> || std::is_same_v<G, arithmetic_t<typename DQ::Scalar>>,
+                  "memattn: log_gates must have the scalar type of Q (of bfloat16 or half: or float).");
+    detail::check_kda_gates("recurrent_kda_attention", K, log_gates);
+    const ConstMatrixRef<G> g = detail::sequence(log_gates);
+    detail::delta_rule_attention<detail::DeltaForm::recurrent>("recurrent_kda_attention", Q, K, V, beta, &g,
+                                                               std::forward<DO>(O), options, state);
+}
+
+/// KDA by chunks of options.chunk_size tokens (the WY form with channel decays,
+/// detail::kda_chunked): the outputs and final state of recurrent_kda_attention.
+template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix DO>
+void chunked_kda_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                           const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
+                           const Eigen::MatrixBase<DG>& log_gates, DO&& O, const DeltaOptions& options = {},
+                           LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+    using G = typename DG::Scalar;
+    static_assert(std::is_same_v<G, typename DQ::Scalar> || std::is_same_v<G, arithmetic_t<typename DQ::Scalar>>,
+                  "memattn: log_gates must have the scalar type of Q (of bfloat16 or half: or float).");
+    detail::check_kda_gates("chunked_kda_attention", K, log_gates);
+    const ConstMatrixRef<G> g = detail::sequence(log_gates);
+    detail::delta_rule_attention<detail::DeltaForm::chunked>("chunked_kda_attention", Q, K, V, beta, &g,
                                                              std::forward<DO>(O), options, state);
 }
 

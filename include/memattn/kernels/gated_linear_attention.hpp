@@ -47,25 +47,6 @@
 namespace memattn {
 namespace detail {
 
-/// A_ts = Σ_r q_tr k_sr e^{b_tr − b_sr} for one pair s ≤ t of a chunk with channel gates
-/// (every exponent ≤ 0): packets across the channels, the exponential of detail/packet.hpp.
-template <class T>
-T channel_pair(const T* q, const T* k, const T* bt, const T* bs, Index d) {
-    using namespace Eigen::internal;
-    using P = Packet<T>;
-    constexpr Index lanes = packet_lanes<T>;
-    const ExpNonpositiveOp<T> exp;
-    P acc = pset1<P>(T(0));
-    Index r = 0;
-    for (; r + lanes <= d; r += lanes)
-        acc = pmadd(pmul(ploadu<P>(q + r), ploadu<P>(k + r)), exp.packetOp(psub(ploadu<P>(bt + r), ploadu<P>(bs + r))),
-                    acc);
-    T sum = predux(acc);
-    for (; r < d; ++r)
-        sum += q[r] * k[r] * exp(bt[r] - bs[r]);
-    return sum;
-}
-
 /// Every check of the gated kernels, before anything is written; returns the gate width.
 /// T: the scalar the call computes in; E the inputs', G the log-gates' (E or T).
 template <class T, class E, class G>
@@ -86,10 +67,10 @@ Index check_gated_arguments(const char* function, const ConstMatrixRef<E>& q, co
     require(g.rows() == q.rows() && (g.cols() == 1 || g.cols() == q.cols()), function, "log_gates", "has shape ",
             shape(g), ", expected ", q.rows(), "x1 (a gate per token) or ", q.rows(), 'x', q.cols(),
             " (a gate per key channel)");
-    // Two vectorised reductions (x·0 is 0 exactly for a finite x), then, only if one
-    // fails, the element by element search for the message.
     const auto gates = g.template cast<T>();
-    const bool all_good = g.size() == 0 || (!gates.array().isNaN().any() && gates.maxCoeff() <= T(0));
+    // One vectorised reduction (NaN propagates to the maximum, and fails the test), then,
+    // only if it fails, the element by element search for the message.
+    const bool all_good = g.size() == 0 || gates.template maxCoeff<Eigen::PropagateNaN>() <= T(0);
     for (Index i = 0; !all_good && i < g.rows(); ++i)
         for (Index c = 0; c < g.cols(); ++c) {
             const T x = static_cast<T>(g(i, c));

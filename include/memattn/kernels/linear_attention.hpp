@@ -195,6 +195,50 @@ void apply_causal_mask(Tile& a, const Vector<T>& mask, Index c, bool decays) {
 /// Starts `ahead` over on rows [first, first + rows) of K, Q and V (read) and O (written):
 /// a chunked form's next chunk, asked for a few lines per strip of the current one's
 /// products. Nothing when rows ≤ 0 (the last chunk).
+/// Σ_r q_tr k_sr e^{b_tr − b_sr} for one pair s ≤ t of a chunk with channel gates (gated
+/// linear attention's A_ts, KDA's L_ts and A_ts; every exponent ≤ 0): packets across the
+/// channels, the exponential of detail/packet.hpp.
+template <class T>
+T channel_pair(const T* q, const T* k, const T* bt, const T* bs, Index d) {
+    using namespace Eigen::internal;
+    using P = Packet<T>;
+    constexpr Index lanes = packet_lanes<T>;
+    const ExpNonpositiveOp<T> exp;
+    P acc = pset1<P>(T(0));
+    Index r = 0;
+    for (; r + lanes <= d; r += lanes)
+        acc = pmadd(pmul(ploadu<P>(q + r), ploadu<P>(k + r)), exp.packetOp(psub(ploadu<P>(bt + r), ploadu<P>(bs + r))),
+                    acc);
+    T sum = predux(acc);
+    for (; r < d; ++r)
+        sum += q[r] * k[r] * exp(bt[r] - bs[r]);
+    return sum;
+}
+
+/// The two pair terms of KDA's chunk for s < t, sharing their exponentials: Σ_r x_tr k_sr
+/// e^{b_tr − b_sr} for x = k_t (L_ts) into `lk` and for x = q_t (A_ts) into `qk`.
+template <class T>
+void channel_pairs(const T* q, const T* kt, const T* ks, const T* bt, const T* bs, Index d, T& lk, T& qk) {
+    using namespace Eigen::internal;
+    using P = Packet<T>;
+    constexpr Index lanes = packet_lanes<T>;
+    const ExpNonpositiveOp<T> exp;
+    P l = pset1<P>(T(0)), a = l;
+    Index r = 0;
+    for (; r + lanes <= d; r += lanes) {
+        const P w = pmul(ploadu<P>(ks + r), exp.packetOp(psub(ploadu<P>(bt + r), ploadu<P>(bs + r))));
+        l = pmadd(ploadu<P>(kt + r), w, l);
+        a = pmadd(ploadu<P>(q + r), w, a);
+    }
+    lk = predux(l);
+    qk = predux(a);
+    for (; r < d; ++r) {
+        const T w = ks[r] * exp(bt[r] - bs[r]);
+        lk += kt[r] * w;
+        qk += q[r] * w;
+    }
+}
+
 /// The tokens of the chunk of at most `c` from row t0 of the log-gates G: up to the next
 /// row after t0 that holds a −∞ (a reset: the gated kernels start a chunk at each one,
 /// so no e^{b_t − b_s} meets −∞ − (−∞)).

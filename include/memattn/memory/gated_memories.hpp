@@ -1,6 +1,6 @@
 #pragma once
 // Memories for the data-dependent recurrences (kernels/gated_linear_attention.hpp,
-// kernels/delta_rule.hpp): GatedLinearAttentionMemory and DeltaRuleMemory.
+// kernels/delta_rule.hpp): GatedLinearAttentionMemory, DeltaRuleMemory and KdaMemory.
 //
 // Their update needs the token's gate or β besides (k, v). They take it as extra
 // trailing columns of the key row, so they model memattn::Memory unchanged and
@@ -10,6 +10,7 @@
 //   GatedLinearAttentionMemory(d, dv, GateKind::channel)  key row: [k (d) | log a (d)]
 //   DeltaRuleMemory(d, dv)                                key row: [k (d) | β (1)]
 //   DeltaRuleMemory(d, dv, {}, /*gated=*/true)            key row: [k (d) | β (1) | log g (1)]
+//   KdaMemory(d, dv)                                      key row: [k (d) | β (1) | log α (d)]
 //
 // key_dim() is the key row's width; a query is d wide and an output dv wide, which the
 // memories declare with query_dim()/output_dim() (as MultiHead does for its wider
@@ -261,27 +262,28 @@ public:
     /// k of width `key_dim` (d; the key row adds β and, when `gated`, a log-gate), values
     /// of width `value_dim` (dv).
     DeltaRuleMemory(Index key_dim, Index value_dim, DeltaOptions options = {}, bool gated = false)
-        : d_(detail::at_least(key_dim, 1, "DeltaRuleMemory", "key_dim")),
-          dv_(detail::at_least(value_dim, 1, "DeltaRuleMemory", "value_dim")),
-          options_(options),
-          gated_(gated),
-          k_(1, d_),
-          u_(dv_) {
-        detail::require(options_.chunk_size > 0, "DeltaRuleMemory", "options.chunk_size", "is ", options_.chunk_size,
-                        ", expected > 0");
-        reset();
-    }
+        : DeltaRuleMemory(key_dim, value_dim, options, gated ? 1 : 0, delta_names) {}
 
-    /// key = [k | β (| log g)]: S ← g S, then S ← S + β kᵀ (v − k S).
+    /// key = [k | β (| log g | log α)]: S ← g S (KDA: Diag(α) S), then S ← S + β kᵀ (v − k S).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        validate(key, value, {"DeltaRuleMemory::update", "key", "value"});
+        validate(key, value, {names_->update, "key", "value"});
         k_ = key.head(d_);
         if (options_.normalize_keys && k_.norm() > T(0))
             k_ /= k_.norm();
-        if (gated_ && key(d_ + 1) == -std::numeric_limits<T>::infinity())
+        constexpr T minus_infinity = -std::numeric_limits<T>::infinity();
+        if (gate_cols_ == 1 && key(d_ + 1) == minus_infinity) {
             S_.setZero();  // a reset
-        else if (gated_)
+        } else if (gate_cols_ == 1) {
             S_ *= std::exp(key(d_ + 1));
+        } else if (gate_cols_ > 1) {  // a decay per key channel; −∞ resets its row
+            for (Index r = 0; r < d_; ++r) {
+                const T x = key(d_ + 1 + r);
+                if (x == minus_infinity)
+                    S_.row(r).setZero();
+                else if (x != T(0))
+                    S_.row(r) *= std::exp(x);
+            }
+        }
         u_.noalias() = k_ * S_;
         u_ = key(d_) * (value - u_);
         S_.noalias() += k_.transpose() * u_;
@@ -292,22 +294,23 @@ public:
     /// options.allow_negative_eigenvalues; a log-gate that is NaN or above 0), changing
     /// nothing; std::length_error past memattn::max_length. `site` names the caller (a
     /// layer's check of one head's part).
-    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
-                  const detail::PairSite& site = {"DeltaRuleMemory::validate"}) const {
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values, const detail::PairSite& site) const {
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), dv_, length_);
         detail::check_extras(site, keys, d_, d_, d_ + 1, options_.allow_negative_eigenvalues ? 2.0 : 1.0);
     }
+    /// The same, naming this memory's validate.
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) const { validate(keys, values, {names_->validate}); }
 
     /// out = q S; zero before any update.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
-        detail::check_query("DeltaRuleMemory::attend", query, out, d_, dv_);
+        detail::check_query(names_->attend, query, out, d_, dv_);
         out.noalias() = query * S_;
     }
 
     /// Row r of `out` = attend(row r of `queries`), to rounding: S read once for the
     /// group, one register-blocked product Q_g S. Allocates nothing.
     void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
-        detail::check_group_query("DeltaRuleMemory::attend_group", queries, out, d_, dv_);
+        detail::check_group_query(names_->attend_group, queries, out, d_, dv_);
         if (queries.rows() == 0)
             return;
         detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, S_.data(), dv_,
@@ -316,15 +319,15 @@ public:
 
     /// chunked_delta_rule_attention over the keys' columns, from and into the memory's state.
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
-        constexpr const char* function = "DeltaRuleMemory::prefill";
+        const char* function = names_->prefill;
         validate(keys, values, {function});  // shapes, gates (and beta)
         detail::check_prefill(function, queries, keys, values, out, d_, dv_);
         if (keys.rows() == 0)
             return;
         LinearState<T> state{S_, {}};  // a throw (no memory) leaves the memory as it was
-        if (gated_)
-            chunked_delta_rule_attention(queries, keys.leftCols(d_), values, keys.col(d_), keys.col(d_ + 1), out,
-                                         options_, &state);
+        if (gate_cols_ > 0)  // N×1 (the gated delta rule) or N×d (KDA) log-gates
+            chunked_delta_rule_attention(queries, keys.leftCols(d_), values, keys.col(d_), keys.rightCols(gate_cols_),
+                                         out, options_, &state);
         else
             chunked_delta_rule_attention(queries, keys.leftCols(d_), values, keys.col(d_), out, options_, &state);
         S_.swap(state.mu);
@@ -341,16 +344,16 @@ public:
         length_ = 0;
     }
 
-    /// The key row's width: d, β, and the log-gate when gated.
-    [[nodiscard]] Index key_dim() const noexcept { return d_ + (gated_ ? 2 : 1); }
+    /// The key row's width: d, β, and the log-gate when gated (KDA: d log-gates).
+    [[nodiscard]] Index key_dim() const noexcept { return d_ + 1 + gate_cols_; }
     /// The value width dv.
     [[nodiscard]] Index value_dim() const noexcept { return dv_; }
     /// The query width d: the key row without β and the gate.
     [[nodiscard]] Index query_dim() const noexcept { return d_; }
     /// The output width dv.
     [[nodiscard]] Index output_dim() const noexcept { return dv_; }
-    /// Whether the key row carries a log-gate (the gated delta rule).
-    [[nodiscard]] bool gated() const noexcept { return gated_; }
+    /// Whether the key row carries log-gates (the gated delta rule, KDA).
+    [[nodiscard]] bool gated() const noexcept { return gate_cols_ > 0; }
     /// The options it was built with.
     [[nodiscard]] const DeltaOptions& options() const noexcept { return options_; }
     /// The state S (d × dv).
@@ -360,7 +363,7 @@ public:
     /// Throws std::invalid_argument, changing nothing, unless S is d × dv and finite;
     /// copies into the memory's own storage.
     void set_state(const Matrix<T>& S, Index length = 0) {
-        constexpr const char* function = "DeltaRuleMemory::set_state";
+        const char* function = names_->set_state;
         detail::check_state(function, "S", S, d_, dv_);
         detail::require(length >= 0 && length <= max_length, function, "length", "is ", length,
                         ", expected 0 .. memattn::max_length = 2^62");
@@ -375,7 +378,7 @@ public:
     void write_snapshot(snapshot::Writer& w) const {
         w.index(d_);
         w.index(dv_);
-        w.flag(gated_);
+        w.flag(gate_cols_ > 0);
         w.index(options_.chunk_size);
         w.flag(options_.normalize_keys);
         w.index(length_);
@@ -386,7 +389,7 @@ public:
     void read_snapshot(snapshot::Reader& r) {
         r.expect("key_dim", d_);
         r.expect("value_dim", dv_);
-        r.expect("gated", gated_);
+        r.expect("gated", gate_cols_ > 0);
         r.expect("chunk_size", options_.chunk_size);
         r.expect("normalize_keys", options_.normalize_keys);
         const Index length = r.count("length", 0, max_length);
@@ -395,14 +398,63 @@ public:
         length_ = length;
     }
 
+protected:
+    /// The names its messages give (DeltaRuleMemory's or KdaMemory's).
+    struct Names {
+        const char* type;
+        const char* update;
+        const char* validate;
+        const char* attend;
+        const char* attend_group;
+        const char* prefill;
+        const char* set_state;
+    };
+    static constexpr Names delta_names{"DeltaRuleMemory",           "DeltaRuleMemory::update",
+                                       "DeltaRuleMemory::validate", "DeltaRuleMemory::attend",
+                                       "DeltaRuleMemory::attend_group", "DeltaRuleMemory::prefill",
+                                       "DeltaRuleMemory::set_state"};
+    static constexpr Names kda_names{"KdaMemory",           "KdaMemory::update",       "KdaMemory::validate",
+                                     "KdaMemory::attend",   "KdaMemory::attend_group", "KdaMemory::prefill",
+                                     "KdaMemory::set_state"};
+
+    /// `gate_cols` log-gates in the key row after β: 0, 1, or −1 for one per key channel (KDA).
+    DeltaRuleMemory(Index key_dim, Index value_dim, DeltaOptions options, Index gate_cols, const Names& names)
+        : d_(detail::at_least(key_dim, 1, names.type, "key_dim")),
+          dv_(detail::at_least(value_dim, 1, names.type, "value_dim")),
+          options_(options),
+          gate_cols_(gate_cols < 0 ? d_ : gate_cols),
+          names_(&names),
+          k_(1, d_),
+          u_(dv_) {
+        detail::require(options_.chunk_size > 0, names.type, "options.chunk_size", "is ", options_.chunk_size,
+                        ", expected > 0");
+        reset();
+    }
+
 private:
     Index d_, dv_;
     DeltaOptions options_;
-    bool gated_;
+    Index gate_cols_;  ///< log-gates in the key row: 0, 1 or d
+    const Names* names_;
     Matrix<T> S_;
     Matrix<T> k_;   ///< update's key, normalised (allocated once)
     Vector<T> u_;   ///< update's correction
     Index length_ = 0;
+};
+
+/// KDA's state S as a Memory (kernels/delta_rule.hpp, recurrent_kda_attention): the delta
+/// rule with a log-gate per key channel, key row [k (d) | β (1) | log α (d)], so
+/// key_dim() = 2d + 1. DeltaRuleMemory's members, snapshots of its own kind.
+template <RowScalar T>
+class KdaMemory : public DeltaRuleMemory<T> {
+public:
+    /// k of width `key_dim` (d; the key row adds β and d log-gates), values of width
+    /// `value_dim` (dv).
+    KdaMemory(Index key_dim, Index value_dim, DeltaOptions options = {})
+        : DeltaRuleMemory<T>(key_dim, value_dim, options, -1, DeltaRuleMemory<T>::kda_names) {}
+
+    /// Snapshots: DeltaRuleMemory's fields (gated: true), under this kind.
+    [[nodiscard]] static std::string snapshot_kind() { return "KdaMemory"; }
 };
 
 /// GatedLinearAttentionMemory of 16-bit rows (E = Eigen::bfloat16 or Eigen::half): GatedLinearAttentionMemory<float>
@@ -425,11 +477,21 @@ public:
     using detail::LowPrecisionMemory<DeltaRuleMemory<float>, E>::LowPrecisionMemory;
 };
 
+/// KdaMemory of 16-bit rows: KdaMemory<float> behind members that take and give rows of
+/// E, as DeltaRuleMemory's.
+template <LowPrecision E>
+class KdaMemory<E> : public detail::LowPrecisionMemory<KdaMemory<float>, E> {
+public:
+    using detail::LowPrecisionMemory<KdaMemory<float>, E>::LowPrecisionMemory;
+};
+
 namespace detail {
 template <>
 inline constexpr std::string_view memory_name<GatedLinearAttentionMemory<float>> = "GatedLinearAttentionMemory";
 template <>
 inline constexpr std::string_view memory_name<DeltaRuleMemory<float>> = "DeltaRuleMemory";
+template <>
+inline constexpr std::string_view memory_name<KdaMemory<float>> = "KdaMemory";
 }  // namespace detail
 
 }  // namespace memattn
