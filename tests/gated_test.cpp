@@ -812,3 +812,31 @@ TEMPLATE_TEST_CASE("KdaMemory: decode, prefill and the kernels agree; snapshots 
            Matrix<float>(v16.template cast<float>()), o32);
     CHECK(o16.cwiseEqual(o32.template cast<Eigen::bfloat16>()).all());
 }
+
+TEST_CASE("Mamba-2's SSD layer is the scalar-gated form: log g = dt*A, k = dt*B, v = x, q = C (docs/design.md)",
+          "[gated][mamba2]") {
+    // One head of Mamba-2's selective state-space recurrence (Dao & Gu 2024, SSD), written
+    // from its definition with state h (N × P): h_t = exp(dt_t·A) h_{t−1} + dt_t B_tᵀ x_t,
+    // y_t = C_t h_t + D x_t, A < 0 a scalar per head, dt_t > 0 (after its softplus).
+    const Index n = 90, N = 16, P = 8;
+    const MatrixD x = to_double(random_matrix<double>(n, P, 1)), B = to_double(random_matrix<double>(n, N, 2)),
+                  C = to_double(random_matrix<double>(n, N, 3));
+    const MatrixD dt = (to_double(random_matrix<double>(n, 1, 4)).array().abs() * 0.5 + 0.01).matrix();
+    const double A = -1.7, D = 0.3;
+    MatrixD h = MatrixD::Zero(N, P), y(n, P);
+    for (Index t = 0; t < n; ++t) {
+        h = std::exp(dt(t, 0) * A) * h + dt(t, 0) * B.row(t).transpose() * x.row(t);
+        y.row(t) = C.row(t) * h + D * x.row(t);
+    }
+    // memattn: q = C, k = dt·B, v = x, log g = dt·A, no normaliser; D·x added by the caller.
+    const Matrix<double> k = B.array().colwise() * dt.col(0).array(), log_g = dt * A;
+    Matrix<double> o(n, P);
+    for (const Index chunk : {1, 16, 64}) {
+        chunked_gated_linear_attention(C, k, x, log_g, o, {.chunk_size = chunk, .normalize = false});
+        o += D * x;
+        check_close(o, y, 1e-12);
+    }
+    recurrent_gated_linear_attention(C, k, x, log_g, o, {.normalize = false});
+    o += D * x;
+    check_close(o, y, 1e-12);
+}
