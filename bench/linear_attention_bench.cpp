@@ -14,6 +14,7 @@
 #include <memattn/kernels/delta_rule.hpp>
 #include <memattn/kernels/gated_linear_attention.hpp>
 #include <memattn/kernels/linear_attention.hpp>
+#include <memattn/kernels/rwkv7.hpp>
 
 namespace {
 
@@ -135,20 +136,25 @@ BENCHMARK(BM_Linear<Form::chunked>)
 // beside BM_LinearChunked/BM_LinearRecurrent of the same run: tokens/s of the recurrent
 // and chunked forms. Keys are L2-normalised (the delta rule's usual input); gates are
 // log g ∈ [−0.1, 0], β ∈ [0, 1]. chunk 0: the default of the options.
-enum class Gate { scalar, channel, delta, gated_delta, kda };
+enum class Gate { scalar, channel, delta, gated_delta, kda, rwkv7 };
 
 template <Gate gate, bool chunked>
 void BM_Gated(benchmark::State& state) {
     const Index n = state.range(0), d = state.range(1);
     Inputs in(n, d);
     in.K.rowwise().normalize();
-    const Index gate_cols = gate == Gate::channel || gate == Gate::kda ? d : 1;
+    const Index gate_cols = gate == Gate::channel || gate == Gate::kda || gate == Gate::rwkv7 ? d : 1;
     const Matrix<float> log_gates = -0.1f * random_matrix<float>(n, gate_cols, 4).cwiseAbs();
     const Matrix<float> beta = random_matrix<float>(n, 1, 5).cwiseAbs();
     memattn::LinearOptions linear{.normalize = false};
     memattn::DeltaOptions delta{};
+    memattn::Rwkv7Options rwkv7{};
     if (state.range(2) > 0)
-        linear.chunk_size = delta.chunk_size = state.range(2);
+        linear.chunk_size = delta.chunk_size = rwkv7.chunk_size = state.range(2);
+    // RWKV-7's transition vectors as it builds them: a = −κ̂ (the unit keys), b = κ̂ ⊙ α.
+    const Matrix<float> removal = gate == Gate::rwkv7 ? Matrix<float>(-in.K) : Matrix<float>(0, d);
+    const Matrix<float> rate =
+        gate == Gate::rwkv7 ? Matrix<float>(in.K.cwiseProduct(random_matrix<float>(n, d, 6).cwiseAbs())) : Matrix<float>(0, d);
     for (auto _ : state) {
         if constexpr (gate == Gate::scalar || gate == Gate::channel) {
             if constexpr (chunked)
@@ -165,11 +171,16 @@ void BM_Gated(benchmark::State& state) {
                 memattn::chunked_delta_rule_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
             else
                 memattn::recurrent_delta_rule_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
-        } else {
+        } else if constexpr (gate == Gate::kda) {
             if constexpr (chunked)
                 memattn::chunked_kda_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
             else
                 memattn::recurrent_kda_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
+        } else {
+            if constexpr (chunked)
+                memattn::chunked_rwkv7_attention(in.Q, in.K, in.V, removal, rate, log_gates, in.O, rwkv7);
+            else
+                memattn::recurrent_rwkv7_attention(in.Q, in.K, in.V, removal, rate, log_gates, in.O, rwkv7);
         }
         benchmark::DoNotOptimize(in.O.data());
         benchmark::ClobberMemory();
@@ -194,6 +205,7 @@ MEMATTN_GATED_BENCH(Gate::channel, "GatedChannel");
 MEMATTN_GATED_BENCH(Gate::delta, "Delta");
 MEMATTN_GATED_BENCH(Gate::gated_delta, "GatedDelta");
 MEMATTN_GATED_BENCH(Gate::kda, "Kda");
+MEMATTN_GATED_BENCH(Gate::rwkv7, "Rwkv7");
 
 // How the chunk sizes of the gated kernels were chosen.
 BENCHMARK(BM_Gated<Gate::scalar, true>)

@@ -840,3 +840,129 @@ TEST_CASE("Mamba-2's SSD layer is the scalar-gated form: log g = dt*A, k = dt*B,
     o += D * x;
     check_close(o, y, 1e-12);
 }
+
+namespace {
+
+/// RWKV-7 in double, in flash-linear-attention's own layout (S: dv × d, S_t = S_{t−1}
+/// (Diag(w_t) + a_tᵀ b_t) + v_tᵀ k_t, o_t = S_t r_t), exp(−∞) = 0: memattn's state is its
+/// transpose.
+MatrixD rwkv7_reference(const MatrixD& R, const MatrixD& K, const MatrixD& V, const MatrixD& A, const MatrixD& B,
+                        const MatrixD& W, MatrixD& S) {
+    const Index n = R.rows(), d = R.cols();
+    MatrixD O(n, V.cols());
+    for (Index i = 0; i < n; ++i) {
+        MatrixD D = MatrixD::Zero(d, d);
+        for (Index r = 0; r < d; ++r)
+            D(r, r) = std::exp(W(i, r));
+        S = S * (D + A.row(i).transpose() * B.row(i)) + V.row(i).transpose() * K.row(i);
+        O.row(i) = (S * R.row(i).transpose()).transpose();
+    }
+    return O;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("RWKV-7: recurrent equals the double reference in FLA's layout, chunked equals recurrent",
+                   "[rwkv7]", float, double) {
+    using T = TestType;
+    const double tol = tolerance<T>() * 20;
+    const Index d = 6, dv = 4;
+    for (const Index n : {0, 1, 7, 70, 200}) {
+        INFO("n = " << n);
+        // As RWKV-7 builds them: a = −κ̂, b = κ̂ ⊙ α (κ̂ a unit removal key, α ∈ [0, 1]),
+        // log w ∈ [−0.6, 0]; then a few log-decays of −∞ in channels 0, 2, 4.
+        const Matrix<T> R = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2, 0.5), V = random_matrix<T>(n, dv, 3);
+        const Matrix<T> kappa = unit_rows<T>(random_matrix<T>(n, d, 4));
+        const Matrix<T> alpha = random_matrix<T>(n, d, 5).cwiseAbs();
+        const Matrix<T> A = -kappa, B = kappa.cwiseProduct(alpha);
+        const Matrix<T> W = with_resets(log_gates<T>(n, d, 6, 0.6), {3, 30, 64});
+        MatrixD S = MatrixD::Zero(dv, d);
+        const MatrixD expected =
+            rwkv7_reference(to_double(R), to_double(K), to_double(V), to_double(A), to_double(B), to_double(W), S);
+        REQUIRE(expected.allFinite());
+        Matrix<T> O(n, dv);
+        LinearState<T> state;
+        recurrent_rwkv7_attention(R, K, V, A, B, W, O, {}, &state);
+        check_close(O, expected, tol);
+        check_close(state.mu, MatrixD(S.transpose()), tol);
+        for (const Index chunk : {1, 7, 16, 64}) {
+            INFO("chunk " << chunk);
+            const Index cut = (2 * n) / 5;
+            LinearState<T> carried;
+            Matrix<T> chunked(n, dv);
+            chunked_rwkv7_attention(R.topRows(cut), K.topRows(cut), V.topRows(cut), A.topRows(cut), B.topRows(cut),
+                                    W.topRows(cut), chunked.topRows(cut), {.chunk_size = chunk}, &carried);
+            chunked_rwkv7_attention(R.bottomRows(n - cut), K.bottomRows(n - cut), V.bottomRows(n - cut),
+                                    A.bottomRows(n - cut), B.bottomRows(n - cut), W.bottomRows(n - cut),
+                                    chunked.bottomRows(n - cut), {.chunk_size = chunk}, &carried);
+            check_close(chunked, expected, tol);
+            check_close(carried.mu, MatrixD(S.transpose()), tol);
+        }
+    }
+    // With a = −β k, b = k (unit keys), w = 1 and v scaled by β it is the delta rule.
+    const Index n = 50;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = unit_rows<T>(random_matrix<T>(n, d, 2)),
+                    V = random_matrix<T>(n, dv, 3), beta = betas<T>(n, 4);
+    Matrix<T> O(n, dv), delta(n, dv);
+    chunked_rwkv7_attention(Q, K, Matrix<T>(V.array().colwise() * beta.col(0).array()),
+                            Matrix<T>(-(K.array().colwise() * beta.col(0).array())), K, Matrix<T>::Zero(n, d), O,
+                            {.chunk_size = 16});
+    chunked_delta_rule_attention(Q, K, V, beta, delta);
+    check_close(O, to_double(delta), tol);
+    // Bad input names the function, the argument and the place.
+    Matrix<T> bad = Matrix<T>::Zero(n, d);
+    bad(9, 1) = std::numeric_limits<T>::quiet_NaN();
+    CHECK_THROWS_WITH(chunked_rwkv7_attention(Q, K, V, K, K, bad, O),
+                      Catch::Matchers::Contains("chunked_rwkv7_attention") && Catch::Matchers::Contains("log_w") &&
+                          Catch::Matchers::Contains("at (9, 1)"));
+    CHECK_THROWS_WITH(recurrent_rwkv7_attention(Q, K, V, Matrix<T>::Zero(n, d + 1), K, Matrix<T>::Zero(n, d), O),
+                      Catch::Matchers::Contains("A") && Catch::Matchers::Contains("expected the shape of Q"));
+}
+
+TEMPLATE_TEST_CASE("Rwkv7Memory: decode, prefill and the kernels agree; snapshots; set_state; bad decays change "
+                   "nothing",
+                   "[rwkv7][memory]", float, double) {
+    using T = TestType;
+    const Index n = 45, d = 5, dv = 3;
+    const Matrix<T> R = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2, 0.5), V = random_matrix<T>(n, dv, 3);
+    const Matrix<T> kappa = unit_rows<T>(random_matrix<T>(n, d, 4)), alpha = random_matrix<T>(n, d, 5).cwiseAbs();
+    const Matrix<T> A = -kappa, B = kappa.cwiseProduct(alpha), W = with_resets(log_gates<T>(n, d, 6, 0.6), {20});
+    Matrix<T> expected(n, dv);
+    recurrent_rwkv7_attention(R, K, V, A, B, W, expected);
+    Matrix<T> keys(n, 4 * d);
+    keys << K, A, B, W;
+    Rwkv7Memory<T> decoded(d, dv, {.chunk_size = 8}), prefilled = decoded, split = decoded;
+    CHECK(decoded.key_dim() == 4 * d);
+    Matrix<T> O(n, dv);
+    decode(decoded, R, keys, V, O);
+    check_close(O, to_double(expected), tolerance<T>() * 10);
+    prefill(prefilled, R, keys, V, O);
+    check_close(O, to_double(expected), tolerance<T>() * 10);
+    memattn::extend(split, keys.topRows(17), V.topRows(17));
+    prefill(split, R.bottomRows(n - 17), keys.bottomRows(n - 17), V.bottomRows(n - 17), O.bottomRows(n - 17));
+    check_close(O.bottomRows(n - 17), to_double(expected.bottomRows(n - 17)), tolerance<T>() * 10);
+    // A positive log-decay throws, naming the memory, and changes nothing.
+    Matrix<T> bad = keys.topRows(1);
+    bad(0, 3 * d + 2) = T(0.5);
+    std::ostringstream before;
+    save(decoded, before);
+    CHECK_THROWS_WITH(decoded.update(bad.row(0), V.row(0)), Catch::Matchers::Contains("Rwkv7Memory::update"));
+    Matrix<T> o1(1, dv);
+    CHECK_THROWS_AS(prefill(decoded, R.topRows(1), bad, V.topRows(1), o1), std::invalid_argument);
+    std::ostringstream after;
+    save(decoded, after);
+    CHECK(before.str() == after.str());
+    // Snapshots and set_state resume it exactly.
+    Rwkv7Memory<T> loaded(d, dv, {.chunk_size = 8}), given(d, dv, {.chunk_size = 8});
+    std::istringstream in(before.str());
+    load(loaded, in);
+    given.set_state(decoded.state(), decoded.length());
+    Vector<T> a(dv), b(dv), c(dv);
+    decoded.attend(R.row(0), a);
+    loaded.attend(R.row(0), b);
+    given.attend(R.row(0), c);
+    CHECK(a == b);
+    CHECK(a == c);
+    CHECK_THROWS_WITH(given.set_state(Matrix<T>::Zero(dv, d)), Catch::Matchers::Contains("expected 5x3"));
+    static_assert(Memory<Rwkv7Memory<T>> && Snapshottable<Rwkv7Memory<T>> && Memory<Rwkv7Memory<Eigen::bfloat16>>);
+}

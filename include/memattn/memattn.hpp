@@ -23,6 +23,7 @@
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/kernels/gated_linear_attention.hpp"
 #include "memattn/kernels/delta_rule.hpp"
+#include "memattn/kernels/rwkv7.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/kv_cache.hpp"
 #include "memattn/memory/linear_attention_memory.hpp"

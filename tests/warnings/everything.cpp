@@ -219,6 +219,11 @@ void everything(memattn::Index n, memattn::Index d) {
             use_memory(memattn::DeltaRuleMemory<T>(d, d, {}, true), x, gated_keys, out);
             const memattn::Matrix<T> kda_keys = memattn::Matrix<T>::Zero(x.rows(), 2 * d + 1);
             use_memory(memattn::KdaMemory<T>(d, d), x, kda_keys, out);
+            const memattn::Matrix<T> rwkv7_keys = memattn::Matrix<T>::Zero(x.rows(), 4 * d);
+            use_memory(memattn::Rwkv7Memory<T>(d, d), x, rwkv7_keys, out);
+            const memattn::Matrix<T> log_w = memattn::Matrix<T>::Zero(x.rows(), d);
+            memattn::chunked_rwkv7_attention(x, x, x, x, x, log_w, out);
+            memattn::recurrent_rwkv7_attention(x, x, x, x, x, log_w, out);
             use_memory(memattn::GatedLinearAttentionMemory<T>(d, d, memattn::GateKind::scalar), x, gated_keys.leftCols(d + 1),
                        out);
         }

@@ -220,7 +220,8 @@ void kda_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
             const T minus_beta = -beta(t0 + t, 0);
             for (Index s2 = 0; s2 < t; ++s2) {  // one exponential per channel for both
                 T lk, qk;
-                channel_pairs(q.row(t).data(), kc.row(t).data(), kc.row(s2).data(), &bc(t, 0), &bc(s2, 0), d, lk, qk);
+                channel_pairs(kc.row(t).data(), kc.row(s2).data(), q.row(t).data(), kc.row(s2).data(), &bc(t, 0),
+                              &bc(s2, 0), d, lk, qk);
                 l(t, s2) = minus_beta * lk;
                 a(t, s2) = qk;
             }

@@ -215,27 +215,29 @@ T channel_pair(const T* q, const T* k, const T* bt, const T* bs, Index d) {
     return sum;
 }
 
-/// The two pair terms of KDA's chunk for s < t, sharing their exponentials: Σ_r x_tr k_sr
-/// e^{b_tr − b_sr} for x = k_t (L_ts) into `lk` and for x = q_t (A_ts) into `qk`.
+/// Two pair terms of a chunk sharing their exponentials: Σ_r x1_r y1_r e^{bt_r − bs_r} into
+/// `first` and Σ_r x2_r y2_r e^{bt_r − bs_r} into `second` (every exponent ≤ 0; KDA's L_ts
+/// and A_ts, RWKV-7's M_ab and M_ak, P_qb and P_qk).
 template <class T>
-void channel_pairs(const T* q, const T* kt, const T* ks, const T* bt, const T* bs, Index d, T& lk, T& qk) {
+void channel_pairs(const T* x1, const T* y1, const T* x2, const T* y2, const T* bt, const T* bs, Index d, T& first,
+                   T& second) {
     using namespace Eigen::internal;
     using P = Packet<T>;
     constexpr Index lanes = packet_lanes<T>;
     const ExpNonpositiveOp<T> exp;
-    P l = pset1<P>(T(0)), a = l;
+    P f = pset1<P>(T(0)), g = f;
     Index r = 0;
     for (; r + lanes <= d; r += lanes) {
-        const P w = pmul(ploadu<P>(ks + r), exp.packetOp(psub(ploadu<P>(bt + r), ploadu<P>(bs + r))));
-        l = pmadd(ploadu<P>(kt + r), w, l);
-        a = pmadd(ploadu<P>(q + r), w, a);
+        const P e = exp.packetOp(psub(ploadu<P>(bt + r), ploadu<P>(bs + r)));
+        f = pmadd(pmul(ploadu<P>(x1 + r), ploadu<P>(y1 + r)), e, f);
+        g = pmadd(pmul(ploadu<P>(x2 + r), ploadu<P>(y2 + r)), e, g);
     }
-    lk = predux(l);
-    qk = predux(a);
+    first = predux(f);
+    second = predux(g);
     for (; r < d; ++r) {
-        const T w = ks[r] * exp(bt[r] - bs[r]);
-        lk += kt[r] * w;
-        qk += q[r] * w;
+        const T e = exp(bt[r] - bs[r]);
+        first += x1[r] * y1[r] * e;
+        second += x2[r] * y2[r] * e;
     }
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 // Memories for the data-dependent recurrences (kernels/gated_linear_attention.hpp,
-// kernels/delta_rule.hpp): GatedLinearAttentionMemory, DeltaRuleMemory and KdaMemory.
+// kernels/delta_rule.hpp, kernels/rwkv7.hpp): GatedLinearAttentionMemory, DeltaRuleMemory,
+// KdaMemory and Rwkv7Memory.
 //
 // Their update needs the token's gate or β besides (k, v). They take it as extra
 // trailing columns of the key row, so they model memattn::Memory unchanged and
@@ -11,6 +12,7 @@
 //   DeltaRuleMemory(d, dv)                                key row: [k (d) | β (1)]
 //   DeltaRuleMemory(d, dv, {}, /*gated=*/true)            key row: [k (d) | β (1) | log g (1)]
 //   KdaMemory(d, dv)                                      key row: [k (d) | β (1) | log α (d)]
+//   Rwkv7Memory(d, dv)                                    key row: [k (d) | a (d) | b (d) | log w (d)]
 //
 // key_dim() is the key row's width; a query is d wide and an output dv wide, which the
 // memories declare with query_dim()/output_dim() (as MultiHead does for its wider
@@ -27,6 +29,7 @@
 
 #include "memattn/kernels/delta_rule.hpp"
 #include "memattn/kernels/gated_linear_attention.hpp"
+#include "memattn/kernels/rwkv7.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
@@ -457,6 +460,152 @@ public:
     [[nodiscard]] static std::string snapshot_kind() { return "KdaMemory"; }
 };
 
+/// RWKV-7's state S as a Memory (kernels/rwkv7.hpp): key row [k (d) | a (d) | b (d) |
+/// log w (d)], so key_dim() = 4d; S ← (Diag(w) + bᵀa) S + kᵀv, out = q S.
+template <RowScalar T>
+class Rwkv7Memory {
+public:
+    using Scalar = T;  ///< float or double: the rows' scalar and the state's
+
+    /// k, a, b and log w of width `key_dim` (d) in one key row, values of width `value_dim` (dv).
+    Rwkv7Memory(Index key_dim, Index value_dim, Rwkv7Options options = {})
+        : d_(detail::at_least(key_dim, 1, "Rwkv7Memory", "key_dim")),
+          dv_(detail::at_least(value_dim, 1, "Rwkv7Memory", "value_dim")),
+          options_(options),
+          read_(dv_) {
+        detail::require(options_.chunk_size > 0, "Rwkv7Memory", "options.chunk_size", "is ", options_.chunk_size,
+                        ", expected > 0");
+        reset();
+    }
+
+    /// key = [k | a | b | log w]: S ← (Diag(w) + bᵀa) S + kᵀv.
+    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
+        validate(key, value, {"Rwkv7Memory::update", "key", "value"});
+        read_.noalias() = key.segment(d_, d_) * S_;
+        for (Index r = 0; r < d_; ++r) {
+            const T x = key(3 * d_ + r);
+            if (x == -std::numeric_limits<T>::infinity())
+                S_.row(r).setZero();
+            else if (x != T(0))
+                S_.row(r) *= std::exp(x);
+        }
+        S_.noalias() += key.segment(2 * d_, d_).transpose() * read_;
+        S_.noalias() += key.head(d_).transpose() * value;
+        ++length_;
+    }
+
+    /// Throws what update would throw for these pairs (a log-decay that is NaN or above 0),
+    /// changing nothing; std::length_error past memattn::max_length.
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values, const detail::PairSite& site) const {
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), dv_, length_);
+        detail::check_extras(site, keys, d_, -1, 3 * d_);
+    }
+    /// The same, naming this memory's validate.
+    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) const {
+        validate(keys, values, {"Rwkv7Memory::validate"});
+    }
+
+    /// out = q S; zero before any update.
+    void attend(ConstRowRef<T> query, RowRef<T> out) const {
+        detail::check_query("Rwkv7Memory::attend", query, out, d_, dv_);
+        out.noalias() = query * S_;
+    }
+
+    /// Row r of `out` = attend(row r of `queries`), to rounding: one register-blocked
+    /// product Q_g S. Allocates nothing.
+    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+        detail::check_group_query("Rwkv7Memory::attend_group", queries, out, d_, dv_);
+        if (queries.rows() == 0)
+            return;
+        detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, S_.data(), dv_,
+                                out.data(), out.outerStride(), nullptr);
+    }
+
+    /// chunked_rwkv7_attention over the keys' columns, from and into the memory's state.
+    void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
+        constexpr const char* function = "Rwkv7Memory::prefill";
+        validate(keys, values, {function});
+        detail::check_prefill(function, queries, keys, values, out, d_, dv_);
+        if (keys.rows() == 0)
+            return;
+        LinearState<T> state{S_, {}};  // a throw (no memory) leaves the memory as it was
+        chunked_rwkv7_attention(queries, keys.leftCols(d_), values, keys.middleCols(d_, d_), keys.middleCols(2 * d_, d_),
+                                keys.rightCols(d_), out, options_, &state);
+        S_.swap(state.mu);
+        length_ += keys.rows();
+    }
+
+    /// Tokens seen since reset.
+    [[nodiscard]] Index length() const noexcept { return length_; }
+    /// Bytes of state held now: S, whatever the length.
+    [[nodiscard]] std::size_t footprint() const noexcept { return sizeof(T) * static_cast<std::size_t>(S_.size()); }
+    /// Forgets every token: S = 0.
+    void reset() {
+        S_.setZero(d_, dv_);
+        length_ = 0;
+    }
+
+    /// The key row's width: k, a, b and log w, 4d.
+    [[nodiscard]] Index key_dim() const noexcept { return 4 * d_; }
+    /// The value width dv.
+    [[nodiscard]] Index value_dim() const noexcept { return dv_; }
+    /// The query width d.
+    [[nodiscard]] Index query_dim() const noexcept { return d_; }
+    /// The output width dv.
+    [[nodiscard]] Index output_dim() const noexcept { return dv_; }
+    /// The options it was built with.
+    [[nodiscard]] const Rwkv7Options& options() const noexcept { return options_; }
+    /// The state S (d × dv: flash-linear-attention's, dv × d, transposed).
+    [[nodiscard]] const Matrix<T>& state() const noexcept { return S_; }
+    /// Resumes from a state S, as after `length` tokens. Throws std::invalid_argument,
+    /// changing nothing, unless S is d × dv and finite.
+    void set_state(const Matrix<T>& S, Index length = 0) {
+        constexpr const char* function = "Rwkv7Memory::set_state";
+        detail::check_state(function, "S", S, d_, dv_);
+        detail::require(length >= 0 && length <= max_length, function, "length", "is ", length,
+                        ", expected 0 .. memattn::max_length = 2^62");
+        S_ = S;
+        length_ = length;
+    }
+
+    /// Snapshots: d, dv, chunk_size, length, S.
+    [[nodiscard]] static std::string snapshot_kind() { return "Rwkv7Memory"; }
+    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
+    void write_snapshot(snapshot::Writer& w) const {
+        w.index(d_);
+        w.index(dv_);
+        w.index(options_.chunk_size);
+        w.index(length_);
+        w.matrix(S_);
+    }
+    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
+    /// memory unchanged, unless d, dv and chunk_size are its own.
+    void read_snapshot(snapshot::Reader& r) {
+        r.expect("key_dim", d_);
+        r.expect("value_dim", dv_);
+        r.expect("chunk_size", options_.chunk_size);
+        const Index length = r.count("length", 0, max_length);
+        r.expect_remaining(sizeof(T) * static_cast<std::size_t>(S_.size()), "S");
+        r.matrix(S_, "S");
+        length_ = length;
+    }
+
+private:
+    Index d_, dv_;
+    Rwkv7Options options_;
+    Matrix<T> S_;
+    Vector<T> read_;  ///< update's a S (allocated once)
+    Index length_ = 0;
+};
+
+/// Rwkv7Memory of 16-bit rows: Rwkv7Memory<float> behind members that take and give rows
+/// of E, as DeltaRuleMemory's.
+template <LowPrecision E>
+class Rwkv7Memory<E> : public detail::LowPrecisionMemory<Rwkv7Memory<float>, E> {
+public:
+    using detail::LowPrecisionMemory<Rwkv7Memory<float>, E>::LowPrecisionMemory;
+};
+
 /// GatedLinearAttentionMemory of 16-bit rows (E = Eigen::bfloat16 or Eigen::half): GatedLinearAttentionMemory<float>
 /// behind members that take and give rows of E (memory/detail/low_precision.hpp): the
 /// gates (and β) in a key row's extra columns are E too; the state is float. The
@@ -492,6 +641,8 @@ template <>
 inline constexpr std::string_view memory_name<DeltaRuleMemory<float>> = "DeltaRuleMemory";
 template <>
 inline constexpr std::string_view memory_name<KdaMemory<float>> = "KdaMemory";
+template <>
+inline constexpr std::string_view memory_name<Rwkv7Memory<float>> = "Rwkv7Memory";
 }  // namespace detail
 
 }  // namespace memattn

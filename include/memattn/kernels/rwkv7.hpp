@@ -1,0 +1,236 @@
+#pragma once
+// RWKV-7's generalised delta rule (Peng et al. 2025, "RWKV-7 Goose"): a state with a
+// per-channel decay and a rank-one transition of two free vectors. State S (d×dv), row
+// vectors, per token a query q_t (RWKV's r), a key k_t, a value v_t, log-decays
+// log w_t (1×d, each ≤ 0) and the transition's vectors a_t, b_t (1×d):
+//
+//   S_t = (Diag(w_t) + b_tᵀ a_t) S_{t−1} + k_tᵀ v_t,     o_t = q_t S_t
+//
+// (flash-linear-attention writes the transpose, S_t = S_{t−1}(Diag(w_t) + a_tᵀ b_t) + v_tᵀ k_t
+// with S = dv×d and o_t = S_t r_t: its state is this one transposed, its r is q). RWKV-7
+// itself takes a = −κ̂ and b = κ̂ ⊙ α (κ̂ the normalised removal key, α the in-context
+// learning rate), which a model computes before the call. With a = −β k, b = k, w = 1 and
+// v scaled by β it is the delta rule. A log-decay of −∞ zeroes its channel's row of the
+// decayed term Diag(w_t) S_{t−1} (a reset of that part; the rank-one term still reads
+// S_{t−1}).
+//
+// Chunked form, a chunk of C tokens from S_0, λ_t = Σ_{s≤t} log w_s per channel (λ_{−1} =
+// 0), and the rank-one term's read of the state w̃_t = a_t S_{t−1} (1×dv): S_t =
+// Diag(e^{λ_t}) S_0 + Σ_{s≤t} Diag(e^{λ_t − λ_s}) (b_sᵀ w̃_s + k_sᵀ v_s), so
+//
+//   (I − M_ab) W̃ = (A ⊙ e^{λ_{t−1}}) S_0 + M_ak V,
+//       M_xy(t, s) = Σ_r x_tr y_sr e^{λ_{t−1,r} − λ_{s,r}}   (s < t), one unit-lower solve;
+//   O = (Q ⊙ e^{λ}) S_0 + P_qb W̃ + P_qk V,   P_xy(t, s) = Σ_r x_tr y_sr e^{λ_tr − λ_sr} (s ≤ t);
+//   S_C = Diag(e^{λ_C}) S_0 + (B ⊙ e^{λ_C − λ})ᵀ W̃ + (K ⊙ e^{λ_C − λ})ᵀ V.
+//
+// Every exponent is ≤ 0. A chunk ends before a token whose log-decay holds −∞, and that
+// token is taken by the recurrence, so no exponent meets −∞ − (−∞).
+
+#include "memattn/kernels/linear_attention.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace memattn {
+
+/// Options of the RWKV-7 kernels.
+struct Rwkv7Options {
+    Index chunk_size = 16;  ///< tokens per chunk (chunked form)
+};
+
+namespace detail {
+
+/// Every check of the RWKV-7 kernels, before anything is written.
+template <class T>
+void check_rwkv7_arguments(const char* function, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
+                           const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& a, const ConstMatrixRef<T>& b,
+                           const ConstMatrixRef<T>& log_w, Shape o, const Rwkv7Options& options,
+                           const LinearState<T>* state) {
+    require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
+    const auto same_as_q = [&](const ConstMatrixRef<T>& x, const char* name) {
+        require(x.rows() == q.rows() && x.cols() == q.cols(), function, name, "has shape ", shape(x),
+                ", expected the shape of Q (", shape(q), ")");
+    };
+    same_as_q(k, "K");
+    same_as_q(a, "A");
+    same_as_q(b, "B");
+    same_as_q(log_w, "log_w");
+    require(v.rows() == q.rows(), function, "V", "has shape ", shape(v), ", expected ", q.rows(), " rows as Q (",
+            shape(q), ")");
+    require(o.rows == q.rows() && o.cols == v.cols(), function, "O", "has shape ", o, ", expected ", q.rows(), 'x',
+            v.cols(), " (Q is ", shape(q), ", V is ", shape(v), ")");
+    const bool all_good = log_w.size() == 0 || log_w.template maxCoeff<Eigen::PropagateNaN>() <= T(0);
+    for (Index i = 0; !all_good && i < log_w.rows(); ++i)
+        for (Index c = 0; c < log_w.cols(); ++c)
+            require(log_w(i, c) <= 0, function, "log_w", "has ", log_w(i, c), " at (", i, ", ", c,
+                    "), expected a log-decay <= 0 (a decay in [0, 1])");
+    if (state != nullptr && state->mu.size() != 0)
+        require(state->mu.rows() == q.cols() && state->mu.cols() == v.cols(), function, "state->mu", "has shape ",
+                shape(state->mu), ", expected ", q.cols(), 'x', v.cols(), " (key dim x value dim)");
+}
+
+/// One token of the recurrence: S ← (Diag(w) + bᵀa) S + kᵀv (a −∞ log-decay zeroes its
+/// channel's row of Diag(w) S), o = q S. `read` holds a S (1×dv).
+template <class T, class Row, class Out>
+void rwkv7_step(const Row& q, const Row& k, const Row& v, const Row& a, const Row& b, const Row& log_w, Matrix<T>& S,
+                Vector<T>& read, Out&& o) {
+    read.noalias() = a * S;
+    for (Index r = 0; r < S.rows(); ++r) {
+        const T x = log_w(r);
+        if (x == -std::numeric_limits<T>::infinity())
+            S.row(r).setZero();
+        else if (x != T(0))
+            S.row(r) *= std::exp(x);
+    }
+    S.noalias() += b.transpose() * read;
+    S.noalias() += k.transpose() * v;
+    o.noalias() = q * S;
+}
+
+template <class T>
+void rwkv7_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                     const ConstMatrixRef<T>& A, const ConstMatrixRef<T>& B, const ConstMatrixRef<T>& W, MatrixRef<T> O,
+                     Matrix<T>& S) {
+    Vector<T> read(V.cols());
+    for (Index i = 0; i < Q.rows(); ++i)
+        rwkv7_step(Q.row(i), K.row(i), V.row(i), A.row(i), B.row(i), W.row(i), S, read, O.row(i));
+}
+
+/// The chunked form (see the top of the file), the pair terms by channel_pairs (two per
+/// exponential), the products by the register-blocked tile product.
+template <class T>
+void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                   const ConstMatrixRef<T>& A, const ConstMatrixRef<T>& B, const ConstMatrixRef<T>& W, MatrixRef<T> O,
+                   const Rwkv7Options& options, Matrix<T>& S) {
+    const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
+    const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
+    // λ with a leading row of zeros: row t + 1 is λ_t, row t is λ_{t−1}.
+    Matrix<T> lambda(c_max + 1, d), scaled(c_max, d), w_read(c_max, dv), m_ab(c_max, c_max), m_ak(c_max, c_max),
+        p_qb(c_max, c_max), p_qk(c_max, c_max);
+    Vector<T> read(dv), last(d);
+    const ExpNonpositiveOp<T> exp;
+    for (Index t0 = 0, c = 0; t0 < n; t0 += c) {
+        if ((W.row(t0).array() == -std::numeric_limits<T>::infinity()).any()) {  // a reset: the recurrence takes it
+            c = 1;
+            rwkv7_step(Q.row(t0), K.row(t0), V.row(t0), A.row(t0), B.row(t0), W.row(t0), S, read, O.row(t0));
+            continue;
+        }
+        c = chunk_before_reset(W, t0, std::min(c_max, n - t0));
+        const auto q = Q.middleRows(t0, c), k = K.middleRows(t0, c), v = V.middleRows(t0, c), a = A.middleRows(t0, c),
+                   b = B.middleRows(t0, c);
+        lambda.row(0).setZero();
+        for (Index t = 0; t < c; ++t)
+            lambda.row(t + 1) = lambda.row(t) + W.row(t0 + t);
+        const auto at = [&](Index row) { return &lambda(row, 0); };
+        // The pair terms: M below the diagonal (λ_{t−1} − λ_s), P on and below it (λ_t − λ_s).
+        auto mab = m_ab.topLeftCorner(c, c), mak = m_ak.topLeftCorner(c, c), pqb = p_qb.topLeftCorner(c, c),
+             pqk = p_qk.topLeftCorner(c, c);
+        mab.setZero();
+        mak.setZero();
+        pqb.setZero();
+        pqk.setZero();
+        for (Index t = 0; t < c; ++t) {
+            const T* at_row = a.row(t).data();
+            const T* qt_row = q.row(t).data();
+            for (Index s2 = 0; s2 < t; ++s2)
+                channel_pairs(at_row, b.row(s2).data(), at_row, k.row(s2).data(), at(t), at(s2 + 1), d, mab(t, s2),
+                              mak(t, s2));
+            for (Index s2 = 0; s2 <= t; ++s2)
+                channel_pairs(qt_row, b.row(s2).data(), qt_row, k.row(s2).data(), at(t + 1), at(s2 + 1), d, pqb(t, s2),
+                              pqk(t, s2));
+        }
+        // W̃ = (I − M_ab)⁻¹ ((A ⊙ e^{λ_{t−1}}) S_0 + M_ak V).
+        auto wr = w_read.topRows(c);
+        auto sc = scaled.topRows(c);
+        for (Index t = 0; t < c; ++t)
+            sc.row(t) = a.row(t).array() * lambda.row(t).array().unaryExpr(exp);
+        tile_product<T>(c, dv, d, sc.data(), sc.outerStride(), 1, S.data(), S.outerStride(), wr.data(),
+                        wr.outerStride(), nullptr);
+        tile_product<T, DefaultBlocking, true>(c, dv, c, mak.data(), mak.outerStride(), 1, v.data(), V.outerStride(),
+                                               wr.data(), wr.outerStride(), nullptr);
+        forward_substitution<T>(c, dv, mab.data(), mab.outerStride(), wr.data(), wr.outerStride());
+        // O = (Q ⊙ e^{λ}) S_0 + P_qb W̃ + P_qk V.
+        auto o = O.middleRows(t0, c);
+        for (Index t = 0; t < c; ++t)
+            sc.row(t) = q.row(t).array() * lambda.row(t + 1).array().unaryExpr(exp);
+        tile_product<T>(c, dv, d, sc.data(), sc.outerStride(), 1, S.data(), S.outerStride(), o.data(), o.outerStride(),
+                        nullptr);
+        tile_product<T, DefaultBlocking, true>(c, dv, c, pqb.data(), pqb.outerStride(), 1, wr.data(), wr.outerStride(),
+                                               o.data(), o.outerStride(), nullptr);
+        tile_product<T, DefaultBlocking, true>(c, dv, c, pqk.data(), pqk.outerStride(), 1, v.data(), V.outerStride(),
+                                               o.data(), o.outerStride(), nullptr);
+        // S = Diag(e^{λ_C}) S_0 + (B ⊙ e^{λ_C − λ})ᵀ W̃ + (K ⊙ e^{λ_C − λ})ᵀ V, the decay the
+        // first product's row scale.
+        last = lambda.row(c).array().unaryExpr(exp);
+        for (Index t = 0; t < c; ++t)
+            sc.row(t) = b.row(t).array() * (lambda.row(c) - lambda.row(t + 1)).array().unaryExpr(exp);
+        tile_product<T, FoldBlocking>(d, dv, c, sc.data(), 1, sc.outerStride(), wr.data(), wr.outerStride(), S.data(),
+                                      S.outerStride(), last.data());
+        for (Index t = 0; t < c; ++t)
+            sc.row(t) = k.row(t).array() * (lambda.row(c) - lambda.row(t + 1)).array().unaryExpr(exp);
+        tile_product_add<T, FoldBlocking>(d, dv, c, sc.data(), 1, sc.outerStride(), v.data(), V.outerStride(), S.data(),
+                                          S.outerStride());
+    }
+}
+
+enum class Rwkv7Form { recurrent, chunked };
+
+template <Rwkv7Form form, class DQ, class DK, class DV, class DA, class DB, class DW, class DO>
+void rwkv7_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DA>& A, const Eigen::MatrixBase<DB>& B,
+                     const Eigen::MatrixBase<DW>& log_w, DO&& O, const Rwkv7Options& options,
+                     LinearState<typename DQ::Scalar>* state) {
+    using T = typename DQ::Scalar;
+    static_assert(Scalar<T>, "memattn RWKV-7 attention works on float or double matrices.");
+    static_assert(same_scalar<DQ, DK, DV> && same_scalar<DQ, DA, DB> && same_scalar<DQ, DW, DQ>,
+                  "memattn RWKV-7 attention: Q, K, V, A, B and log_w must share one scalar type.");
+    static_assert(std::is_same_v<typename std::remove_cvref_t<DO>::Scalar, T>,
+                  "memattn RWKV-7 attention: O must have the scalar type of Q.");
+    const ConstMatrixRef<T> q = sequence(Q), k = sequence(K), v = sequence(V), a = sequence(A), b = sequence(B),
+                            w = sequence(log_w);
+    MatrixRef<T> o = output(std::forward<DO>(O));
+    check_rwkv7_arguments<T>(function, q, k, v, a, b, w, shape(o), options, state);
+    require_disjoint(function, "O", o, "Q", q);
+    require_disjoint(function, "O", o, "K", k);
+    require_disjoint(function, "O", o, "V", v);
+    require_disjoint(function, "O", o, "A", a);
+    require_disjoint(function, "O", o, "B", b);
+    require_disjoint(function, "O", o, "log_w", w);
+    require_state_disjoint(function, o, state);
+    LinearState<T> local;
+    LinearState<T>& s = state != nullptr ? *state : local;
+    if (s.mu.size() == 0)
+        s.mu.setZero(q.cols(), v.cols());
+    if constexpr (form == Rwkv7Form::chunked)
+        rwkv7_chunked(q, k, v, a, b, w, o, options, s.mu);
+    else
+        rwkv7_recurrent(q, k, v, a, b, w, o, s.mu);
+}
+
+}  // namespace detail
+
+/// RWKV-7's generalised delta rule token by token (see the top of the file): Q (RWKV's
+/// r), K, A, B and log_w N×d, V N×dv, log_w ≤ 0 (−∞ zeroes a channel's decayed term).
+/// `state`: initial S in state->mu (empty = zero), final S out; nu is not used.
+template <class DQ, class DK, class DV, class DA, class DB, class DW, detail::EigenMatrix DO>
+void recurrent_rwkv7_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                               const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DA>& A,
+                               const Eigen::MatrixBase<DB>& B, const Eigen::MatrixBase<DW>& log_w, DO&& O,
+                               const Rwkv7Options& options = {}, LinearState<typename DQ::Scalar>* state = nullptr) {
+    detail::rwkv7_attention<detail::Rwkv7Form::recurrent>("recurrent_rwkv7_attention", Q, K, V, A, B, log_w,
+                                                          std::forward<DO>(O), options, state);
+}
+
+/// The same outputs and final state by chunks of options.chunk_size tokens.
+template <class DQ, class DK, class DV, class DA, class DB, class DW, detail::EigenMatrix DO>
+void chunked_rwkv7_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                             const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DA>& A,
+                             const Eigen::MatrixBase<DB>& B, const Eigen::MatrixBase<DW>& log_w, DO&& O,
+                             const Rwkv7Options& options = {}, LinearState<typename DQ::Scalar>* state = nullptr) {
+    detail::rwkv7_attention<detail::Rwkv7Form::chunked>("chunked_rwkv7_attention", Q, K, V, A, B, log_w,
+                                                        std::forward<DO>(O), options, state);
+}
+
+}  // namespace memattn
