@@ -404,18 +404,20 @@ public:
 protected:
     /// The names its messages give (DeltaRuleMemory's or KdaMemory's).
     struct Names {
-        const char* type;
-        const char* update;
-        const char* validate;
-        const char* attend;
-        const char* attend_group;
-        const char* prefill;
-        const char* set_state;
+        const char* type;          ///< the class
+        const char* update;        ///< its update
+        const char* validate;      ///< its validate
+        const char* attend;        ///< its attend
+        const char* attend_group;  ///< its attend_group
+        const char* prefill;       ///< its prefill
+        const char* set_state;     ///< its set_state
     };
+    /// DeltaRuleMemory's names.
     static constexpr Names delta_names{"DeltaRuleMemory",           "DeltaRuleMemory::update",
                                        "DeltaRuleMemory::validate", "DeltaRuleMemory::attend",
                                        "DeltaRuleMemory::attend_group", "DeltaRuleMemory::prefill",
                                        "DeltaRuleMemory::set_state"};
+    /// KdaMemory's names.
     static constexpr Names kda_names{"KdaMemory",           "KdaMemory::update",       "KdaMemory::validate",
                                      "KdaMemory::attend",   "KdaMemory::attend_group", "KdaMemory::prefill",
                                      "KdaMemory::set_state"};
