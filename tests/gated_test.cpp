@@ -966,3 +966,39 @@ TEMPLATE_TEST_CASE("Rwkv7Memory: decode, prefill and the kernels agree; snapshot
     CHECK_THROWS_WITH(given.set_state(Matrix<T>::Zero(dv, d)), Catch::Matchers::Contains("expected 5x3"));
     static_assert(Memory<Rwkv7Memory<T>> && Snapshottable<Rwkv7Memory<T>> && Memory<Rwkv7Memory<Eigen::bfloat16>>);
 }
+
+TEST_CASE("KdaMemory and Rwkv7Memory in a MultiHead layer: each query head its KV head's memory", "[kda][rwkv7][multihead]") {
+    const Index d = 4, dv = 3, n = 24;
+    const HeadLayout layout{.q_heads = 4, .kv_heads = 2, .head_dim = d, .value_dim = dv};
+    const Matrix<float> Q = random_matrix<float>(n, 4 * d, 1), V = random_matrix<float>(n, 2 * dv, 8);
+    const auto check_layer = [&](auto make, const Matrix<float>& keys) {
+        using M = decltype(make());
+        const Index width = make().key_dim();
+        MultiHead<M> layer(layout, [&](Index) { return make(); }), prefilled(layout, [&](Index) { return make(); });
+        CHECK(layer.key_dim() == 2 * width);
+        Matrix<float> O(n, 4 * dv), by_prefill(n, 4 * dv);
+        decode(layer, Q, keys, V, O);
+        prefill(prefilled, Q, keys, V, by_prefill);
+        check_close(by_prefill, to_double(O), 1e-5);
+        for (Index h = 0; h < 4; ++h) {
+            const Index kv = h / 2;
+            M head = make();
+            Matrix<float> expected(n, dv);
+            decode(head, Q.middleCols(h * d, d), keys.middleCols(kv * width, width), V.middleCols(kv * dv, dv),
+                   expected);
+            check_close(O.middleCols(h * dv, dv), to_double(expected), 1e-5);
+        }
+    };
+    Matrix<float> kda_keys(n, 2 * (2 * d + 1));  // per KV head [k | β | log α]
+    for (Index h = 0; h < 2; ++h)
+        kda_keys.middleCols(h * (2 * d + 1), 2 * d + 1) << random_matrix<float>(n, d, 2 + h), betas<float>(n, 4 + h),
+            log_gates<float>(n, d, 6 + h);
+    check_layer([] { return KdaMemory<float>(d, dv, {.normalize_keys = true}); }, kda_keys);
+    Matrix<float> rwkv7_keys(n, 2 * 4 * d);  // per KV head [k | a | b | log w]
+    for (Index h = 0; h < 2; ++h) {
+        const Matrix<float> kappa = unit_rows<float>(random_matrix<float>(n, d, 10 + h));
+        rwkv7_keys.middleCols(h * 4 * d, 4 * d) << random_matrix<float>(n, d, 12 + h, 0.5), -kappa,
+            kappa.cwiseProduct(random_matrix<float>(n, d, 14 + h).cwiseAbs()), log_gates<float>(n, d, 16 + h, 0.6);
+    }
+    check_layer([] { return Rwkv7Memory<float>(d, dv); }, rwkv7_keys);
+}
