@@ -146,7 +146,7 @@ void BM_Gated(benchmark::State& state) {
     const Index gate_cols = gate == Gate::channel || gate == Gate::kda || gate == Gate::rwkv7 ? d : 1;
     const Matrix<float> log_gates = -0.1f * random_matrix<float>(n, gate_cols, 4).cwiseAbs();
     const Matrix<float> beta = random_matrix<float>(n, 1, 5).cwiseAbs();
-    memattn::LinearOptions linear{.normalize = false};
+    memattn::GatedOptions linear{};
     memattn::DeltaOptions delta{};
     memattn::Rwkv7Options rwkv7{};
     if (state.range(2) > 0)
@@ -206,6 +206,40 @@ MEMATTN_GATED_BENCH(Gate::delta, "Delta");
 MEMATTN_GATED_BENCH(Gate::gated_delta, "GatedDelta");
 MEMATTN_GATED_BENCH(Gate::kda, "Kda");
 MEMATTN_GATED_BENCH(Gate::rwkv7, "Rwkv7");
+
+// One long sequence on several threads (GatedOptions::span_tokens): the chunked gated
+// form by spans against one span (span 0) in the same run, gates per token (channels 0)
+// or per channel (1), on an OpenMP team of `threads`. Wall time: the team's.
+void BM_GatedSpans(benchmark::State& state) {
+    const Index n = state.range(0), d = state.range(1), span = state.range(3);
+    const bool channel = state.range(2) != 0;
+    Inputs in(n, d);
+    in.K.rowwise().normalize();
+    const Matrix<float> log_gates = -0.1f * random_matrix<float>(n, channel ? d : 1, 4).cwiseAbs();
+    const memattn::OpenMPExecutor team{.threads = static_cast<int>(state.range(4))};
+    const memattn::GatedOptions options{.span_tokens = span};
+    for (auto _ : state) {
+        memattn::chunked_gated_linear_attention(in.Q, in.K, in.V, log_gates, in.O, options, nullptr, team);
+        benchmark::DoNotOptimize(in.O.data());
+        benchmark::ClobberMemory();
+    }
+    set_tokens(state, n);
+}
+BENCHMARK(BM_GatedSpans)
+    ->ArgNames({"n", "d", "channel", "span", "threads"})
+    ->Args({65536, 64, 0, 0, 1})
+    ->Args({65536, 64, 0, 32768, 1})
+    ->Args({65536, 64, 0, 32768, 2})
+    ->Args({65536, 64, 0, 8192, 2})
+    ->Args({65536, 128, 0, 0, 1})
+    ->Args({65536, 128, 0, 32768, 1})
+    ->Args({65536, 128, 0, 32768, 2})
+    ->Args({65536, 128, 0, 8192, 2})
+    ->Args({65536, 128, 1, 0, 1})
+    ->Args({65536, 128, 1, 32768, 2})
+    ->Args({65536, 128, 1, 8192, 2})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 // How the chunk sizes of the gated kernels were chosen.
 BENCHMARK(BM_Gated<Gate::scalar, true>)

@@ -927,6 +927,12 @@ TEMPLATE_TEST_CASE("Per-channel keys: a decode step is the double reference over
         CHECK(cache.footprint() == std::size_t(n / G) * (std::size_t(G) * code_bytes + scales) +
                                        std::size_t(n % G) * sizeof(T) * std::size_t(d) +
                                        std::size_t(n) * detail::StoredRows<T, S>::row_bytes(dv));
+        // The allocation: codes and scales for every row it can hold, the G exact rows of
+        // the unfinished group whatever the length, the values.
+        const auto rows = std::size_t(cache.pair_capacity()), groups = (rows + std::size_t(G) - 1) / std::size_t(G);
+        CHECK(cache.capacity() == rows * code_bytes + groups * scales + std::size_t(G) * sizeof(T) * std::size_t(d) +
+                                      rows * detail::StoredRows<T, S>::row_bytes(dv));
+        CHECK(cache.capacity() >= cache.footprint());
         // A group of queries (GQA) reads the same keys: attend_group = attend per query.
         if (n > 0) {
             const Index g = std::min<Index>(n, 7);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -38,15 +39,28 @@ MatrixD gated_reference(const MatrixD& Q, const MatrixD& K, const MatrixD& V, co
     return O;
 }
 
-/// The (gated) delta rule in double: S = g (I − β kᵀk) S + β kᵀ v, o = q S.
+/// flash-linear-attention's conventions in double, from the formulas: each row divided by
+/// √(Σx² + eps) when l2norm (FLA's l2norm), then multiplied by scale.
+MatrixD fla_rows(MatrixD X, bool l2norm, double scale = 1.0, double eps = 1e-6) {
+    for (Index i = 0; i < X.rows(); ++i) {
+        if (l2norm)
+            X.row(i) /= std::sqrt(X.row(i).squaredNorm() + eps);
+        X.row(i) *= scale;
+    }
+    return X;
+}
+
+/// The default scale of q for d-wide heads: 1/√d.
+double default_scale(Index d) { return 1.0 / std::sqrt(double(d)); }
+
+/// The (gated) delta rule in double: S = g (I − β kᵀk) S + β kᵀ v, o = q S (q and k as
+/// given: fla_rows applies the conventions).
 MatrixD delta_reference(const MatrixD& Q, const MatrixD& K, const MatrixD& V, const MatrixD& B, const MatrixD* G,
-                        bool normalize_keys, MatrixD& S) {
+                        MatrixD& S) {
     const Index n = Q.rows(), d = Q.cols();
     MatrixD O(n, V.cols());
     for (Index i = 0; i < n; ++i) {
-        MatrixD k = K.row(i);
-        if (normalize_keys && k.norm() > 0)
-            k /= k.norm();
+        const MatrixD k = K.row(i);
         const double g = G != nullptr ? std::exp((*G)(i, 0)) : 1.0;
         const MatrixD I = MatrixD::Identity(d, d);
         S = g * (I - B(i, 0) * k.transpose() * k) * S + B(i, 0) * k.transpose() * V.row(i);
@@ -80,15 +94,19 @@ TEMPLATE_TEST_CASE("Gated linear attention: recurrent equals the double referenc
     for (const Index n : {0, 1, 7, 70, 200}) {
         for (const Index gate_cols : {1, 5}) {
             for (const bool normalize : {false, true}) {
-                INFO("n = " << n << ", gate columns " << gate_cols << ", normalize " << normalize);
+              for (const bool l2 : {false, true}) {
+                INFO("n = " << n << ", gate columns " << gate_cols << ", normalize " << normalize << ", qk_l2norm "
+                            << l2);
                 const Index d = 5, dv = 3;
                 // Positive features keep the normaliser away from 0, as a model's would.
                 const Matrix<T> Q = random_matrix<T>(n, d, 1).cwiseAbs(), K = random_matrix<T>(n, d, 2).cwiseAbs();
                 const Matrix<T> V = random_matrix<T>(n, dv, 3), G = log_gates<T>(n, gate_cols, 4);
                 MatrixD S = MatrixD::Zero(d, dv), z = MatrixD::Zero(1, d);
+                // The defaults: q scaled by 1/√d; qk_l2norm divides q and k by √(Σx² + 1e-6) first.
                 const MatrixD expected =
-                    gated_reference(to_double(Q), to_double(K), to_double(V), to_double(G), normalize, 1e-6, S, z);
-                const LinearOptions base{.normalize = normalize};
+                    gated_reference(fla_rows(to_double(Q), l2, default_scale(d)), fla_rows(to_double(K), l2),
+                                    to_double(V), to_double(G), normalize, 1e-6, S, z);
+                const GatedOptions base{.normalize = normalize, .qk_l2norm = l2};
                 Matrix<T> O(n, dv);
                 LinearState<T> state;
                 recurrent_gated_linear_attention(Q, K, V, G, O, base, &state);
@@ -96,7 +114,7 @@ TEMPLATE_TEST_CASE("Gated linear attention: recurrent equals the double referenc
                 check_close(state.mu, S, tol);
                 for (const Index chunk : {1, 7, 16, 64}) {
                     INFO("chunk " << chunk);
-                    LinearOptions options = base;
+                    GatedOptions options = base;
                     options.chunk_size = chunk;
                     // Any split with the carried state: [0, cut) then [cut, n).
                     const Index cut = n / 3;
@@ -111,6 +129,7 @@ TEMPLATE_TEST_CASE("Gated linear attention: recurrent equals the double referenc
                     check_close(carried.mu, to_double(state.mu), tol);
                     check_close(carried.nu, to_double(state.nu), tol);
                 }
+              }
             }
         }
     }
@@ -125,17 +144,17 @@ TEMPLATE_TEST_CASE("Gated linear attention: gates near 0 forget, gates of exactl
     Matrix<T> O(n, dv), chunked(n, dv), plain(n, dv);
     // log g = −50: each token sees itself alone, o_i = q_i k_iᵀ v_i (to e^-50).
     const Matrix<T> forget = Matrix<T>::Constant(n, 1, T(-50));
-    recurrent_gated_linear_attention(Q, K, V, forget, O, {.normalize = false});
-    chunked_gated_linear_attention(Q, K, V, forget, chunked, {.chunk_size = 16, .normalize = false});
+    recurrent_gated_linear_attention(Q, K, V, forget, O, {.scale = 1.0});
+    chunked_gated_linear_attention(Q, K, V, forget, chunked, {.chunk_size = 16, .scale = 1.0});
     MatrixD alone(n, dv);
     for (Index i = 0; i < n; ++i)
         alone.row(i) = double(Q.row(i).dot(K.row(i))) * to_double(V.row(i));
     check_close(O, alone, tolerance<T>());
     check_close(chunked, alone, tolerance<T>());
     REQUIRE(chunked.allFinite());
-    // log g = 0: the recurrence of linear attention with φ = identity and no decay.
+    // log g = 0: the recurrence of linear attention with φ = identity, no decay, its normaliser.
     const Matrix<T> keep = Matrix<T>::Zero(n, d);
-    chunked_gated_linear_attention(Q, K, V, keep, O, {.chunk_size = 7});
+    chunked_gated_linear_attention(Q, K, V, keep, O, {.chunk_size = 7, .scale = 1.0, .normalize = true});
     recurrent_linear_attention(Q, K, V, plain, Identity{});
     check_close(O, to_double(plain), tolerance<T>() * 10);
 }
@@ -146,20 +165,21 @@ TEMPLATE_TEST_CASE("Delta rule: recurrent equals the double reference, chunked e
     const double tol = tolerance<T>() * 20;
     for (const Index n : {0, 1, 7, 70, 200}) {
         for (const bool gated : {false, true}) {
-            for (const bool normalize_keys : {false, true}) {
-                INFO("n = " << n << ", gated " << gated << ", normalize_keys " << normalize_keys);
+            for (const bool l2 : {false, true}) {
+                INFO("n = " << n << ", gated " << gated << ", qk_l2norm " << l2);
                 const Index d = 6, dv = 4;
                 const Matrix<T> Q = random_matrix<T>(n, d, 1), V = random_matrix<T>(n, dv, 3);
                 // Unnormalised keys scaled so that β‖k‖² ≤ 2: the recurrence stays bounded.
-                const Matrix<T> K = random_matrix<T>(n, d, 2, normalize_keys ? 1.0 : 0.5);
+                const Matrix<T> K = random_matrix<T>(n, d, 2, l2 ? 1.0 : 0.5);
                 const Matrix<T> B = betas<T>(n, 4), G = log_gates<T>(n, 1, 5, 0.2);
                 MatrixD S = MatrixD::Zero(d, dv);
                 const MatrixD Gd = to_double(G);
-                const MatrixD expected = delta_reference(to_double(Q), to_double(K), to_double(V), to_double(B),
-                                                         gated ? &Gd : nullptr, normalize_keys, S);
+                const MatrixD expected =
+                    delta_reference(fla_rows(to_double(Q), l2, default_scale(d)), fla_rows(to_double(K), l2),
+                                    to_double(V), to_double(B), gated ? &Gd : nullptr, S);
                 Matrix<T> O(n, dv);
                 LinearState<T> state;
-                const DeltaOptions base{.normalize_keys = normalize_keys};
+                const DeltaOptions base{.qk_l2norm = l2};
                 if (gated)
                     recurrent_delta_rule_attention(Q, K, V, B, G, O, base, &state);
                 else
@@ -204,16 +224,18 @@ TEMPLATE_TEST_CASE("Delta rule: beta 0 leaves the state, beta 1 with unit keys o
         LinearState<T> state;
         Matrix<T> O(n, dv);
         const auto run = [&](const auto& q, const auto& k, const auto& v, const auto& b, auto&& o) {
+            // ε = 0: exact unit keys (and queries), so that β = 1 overwrites exactly.
+            const DeltaOptions options{.chunk_size = 7, .scale = 1.0, .qk_l2norm = true, .l2norm_eps = 0};
             if (chunked)
-                chunked_delta_rule_attention(q, k, v, b, o, {.chunk_size = 7, .normalize_keys = true}, &state);
+                chunked_delta_rule_attention(q, k, v, b, o, options, &state);
             else
-                recurrent_delta_rule_attention(q, k, v, b, o, {.normalize_keys = true}, &state);
+                recurrent_delta_rule_attention(q, k, v, b, o, options, &state);
         };
         run(Q, K, V, betas<T>(n, 4), O);
         const Matrix<T> before = state.mu;
         run(Q, K, V, Matrix<T>::Zero(n, 1), O);  // β = 0: nothing is written
         CHECK(state.mu.isApprox(before, T(10) * std::numeric_limits<T>::epsilon()));
-        check_close(O, to_double(Q * before), tolerance<T>());
+        check_close(O, fla_rows(to_double(Q), true, 1.0, 0.0) * to_double(before), tolerance<T>());
         // β = 1: the key now reads back exactly its value, whatever the state held.
         const Matrix<T> k = unit_rows<T>(random_matrix<T>(1, d, 9)), v = random_matrix<T>(1, dv, 10);
         Matrix<T> o(1, dv);
@@ -237,10 +259,10 @@ TEST_CASE("Gated and delta kernels: 10^6 tokens in float stay within 1e-3 of dou
     CHECK((O.cast<double>() - Od).cwiseAbs().maxCoeff() <= 1e-3 * std::max(1.0, Od.cwiseAbs().maxCoeff()));
     const Matrix<float> B = betas<float>(n, 5);
     const Matrix<double> Bd = B.cast<double>();
-    recurrent_delta_rule_attention(Qd, Kd, Vd, Bd, Od, {.normalize_keys = true});
-    chunked_delta_rule_attention(Q, K, V, B, O, {.normalize_keys = true});
+    recurrent_delta_rule_attention(Qd, Kd, Vd, Bd, Od, {.qk_l2norm = true});
+    chunked_delta_rule_attention(Q, K, V, B, O, {.qk_l2norm = true});
     CHECK((O.cast<double>() - Od).cwiseAbs().maxCoeff() <= 1e-3 * std::max(1.0, Od.cwiseAbs().maxCoeff()));
-    recurrent_delta_rule_attention(Q, K, V, B, O, {.normalize_keys = true});
+    recurrent_delta_rule_attention(Q, K, V, B, O, {.qk_l2norm = true});
     CHECK((O.cast<double>() - Od).cwiseAbs().maxCoeff() <= 1e-3 * std::max(1.0, Od.cwiseAbs().maxCoeff()));
 }
 
@@ -295,10 +317,9 @@ TEMPLATE_TEST_CASE("Gated and delta memories: decode and prefill equal the kerne
     channel_keys << K, Gd;
     check_memory([&] { return GatedLinearAttentionMemory<T>(d, dv, GateKind::channel, {.normalize = false}); },
                  channel_keys, expected);
-    recurrent_delta_rule_attention(Q, K, V, B, expected, {.chunk_size = 16, .normalize_keys = true});
+    recurrent_delta_rule_attention(Q, K, V, B, expected, {.chunk_size = 16, .qk_l2norm = true});
     keys << K, B;
-    check_memory([&] { return DeltaRuleMemory<T>(d, dv, {.chunk_size = 16, .normalize_keys = true}); }, keys,
-                 expected);
+    check_memory([&] { return DeltaRuleMemory<T>(d, dv, {.chunk_size = 16, .qk_l2norm = true}); }, keys, expected);
     recurrent_delta_rule_attention(Q, K, V, B, G1, expected);
     Matrix<T> gated_keys(n, d + 2);
     gated_keys << K, B, G1;
@@ -315,8 +336,8 @@ TEST_CASE("Gated and delta kernels: bad input names the function, the argument a
                           Catch::Matchers::Contains("log_gates") && Catch::Matchers::Contains("0.5"));
     CHECK_THROWS_WITH(recurrent_gated_linear_attention(Q, Q, V, Matrix<float>::Zero(5, 2), O),
                       Catch::Matchers::Contains("expected 5x1 (a gate per token) or 5x3"));
-    CHECK_THROWS_WITH(chunked_gated_linear_attention(Q, Q, V, Matrix<float>::Zero(5, 1), O, {.decay = 0.9}),
-                      Catch::Matchers::Contains("options.decay"));
+    CHECK_THROWS_WITH(chunked_gated_linear_attention(Q, Q, V, Matrix<float>::Zero(5, 1), O, {.eps = -1}),
+                      Catch::Matchers::Contains("options.eps"));
     CHECK_THROWS_WITH(chunked_delta_rule_attention(Q, Q, V, Matrix<float>::Constant(5, 1, 2.f), O),
                       Catch::Matchers::Contains("beta") && Catch::Matchers::Contains("expected a value in [0, 1]"));
     CHECK_THROWS_WITH(recurrent_delta_rule_attention(Q, Q, V, Matrix<float>::Zero(4, 1), O),
@@ -336,19 +357,19 @@ TEST_CASE("Gated and delta memories in a MultiHead layer: gates per head", "[gat
             log_gates<float>(n, 1, 6 + h);
     const Matrix<float> V = random_matrix<float>(n, 2 * dv, 8);
     MultiHead<DeltaRuleMemory<float>> layer(layout, [](Index) {
-        return DeltaRuleMemory<float>(d, dv, {.normalize_keys = true}, true);
+        return DeltaRuleMemory<float>(d, dv, {.qk_l2norm = true}, true);
     });
     CHECK(layer.key_dim() == 2 * (d + 2));
     Matrix<float> O(n, 4 * dv), by_prefill(n, 4 * dv);
     decode(layer, Q, keys, V, O);
     auto other = MultiHead<DeltaRuleMemory<float>>(layout, [](Index) {
-        return DeltaRuleMemory<float>(d, dv, {.normalize_keys = true}, true);
+        return DeltaRuleMemory<float>(d, dv, {.qk_l2norm = true}, true);
     });
     prefill(other, Q, keys, V, by_prefill);
     check_close(by_prefill, to_double(O), 1e-5);
     for (Index h = 0; h < 4; ++h) {
         const Index kv = h / 2;
-        DeltaRuleMemory<float> head(d, dv, {.normalize_keys = true}, true);
+        DeltaRuleMemory<float> head(d, dv, {.qk_l2norm = true}, true);
         Matrix<float> expected(n, dv);
         decode(head, Q.middleCols(h * d, d), keys.middleCols(kv * (d + 2), d + 2), V.middleCols(kv * dv, dv),
                expected);
@@ -396,8 +417,8 @@ TEMPLATE_TEST_CASE("Gated and delta kernels on bfloat16 and float16 equal the fl
     LinearState<float> start;
     start.mu = random_matrix<float>(d, dv, 6);
     start.nu = random_matrix<float>(1, d, 7).cwiseAbs();
-    const LinearOptions lo{.chunk_size = chunk, .normalize = false};
-    const DeltaOptions deltas{.chunk_size = chunk, .normalize_keys = true};
+    const GatedOptions lo{.chunk_size = chunk, .qk_l2norm = true};
+    const DeltaOptions deltas{.chunk_size = chunk, .qk_l2norm = true};
 
     // Each call: 16-bit inputs with float O, with 16-bit O, against the float twin.
     const auto check = [&](auto low, auto twin) {
@@ -480,8 +501,8 @@ TEMPLATE_TEST_CASE("Gated and delta kernels: a log-gate of -inf resets the state
         for (const bool normalize : {false, true}) {
             INFO("gate columns " << gate_cols << ", normalize " << normalize);
             MatrixD S = MatrixD::Zero(d, dv), z = MatrixD::Zero(1, d);
-            const MatrixD expected =
-                gated_reference(to_double(Q), to_double(K), to_double(V), to_double(G), normalize, 1e-6, S, z);
+            const MatrixD expected = gated_reference(fla_rows(to_double(Q), false, default_scale(d)), to_double(K),
+                                                     to_double(V), to_double(G), normalize, 1e-6, S, z);
             REQUIRE(expected.allFinite());
             Matrix<T> O(n, dv);
             LinearState<T> state;
@@ -528,15 +549,16 @@ TEMPLATE_TEST_CASE("Gated and delta kernels: a log-gate of -inf resets the state
     const Matrix<T> G = with_resets(log_gates<T>(n, 1, 6, 0.2), resets);
     MatrixD S = MatrixD::Zero(d, dv);
     const MatrixD Gd = to_double(G);
-    const MatrixD expected = delta_reference(to_double(Q), to_double(K), to_double(V), to_double(B), &Gd, true, S);
+    const MatrixD expected = delta_reference(fla_rows(to_double(Q), true, default_scale(d)), fla_rows(to_double(K), true),
+                                             to_double(V), to_double(B), &Gd, S);
     REQUIRE(expected.allFinite());
     Matrix<T> O(n, dv);
-    recurrent_delta_rule_attention(Q, K, V, B, G, O, {.normalize_keys = true});
+    recurrent_delta_rule_attention(Q, K, V, B, G, O, {.qk_l2norm = true});
     check_close(O, expected, tol);
     for (const Index chunk : {1, 7, 16, 64}) {
         INFO("delta, chunk " << chunk);
         LinearState<T> state{Matrix<T>::Constant(d, dv, std::numeric_limits<T>::infinity()), {}};  // row 0 resets it
-        chunked_delta_rule_attention(Q, K, V, B, G, O, {.chunk_size = chunk, .normalize_keys = true}, &state);
+        chunked_delta_rule_attention(Q, K, V, B, G, O, {.chunk_size = chunk, .qk_l2norm = true}, &state);
         check_close(O, expected, tol);
         check_close(state.mu, S, tol);
     }
@@ -561,9 +583,10 @@ TEMPLATE_TEST_CASE("Delta rule: beta in [0, 2] with allow_negative_eigenvalues",
         INFO("gated " << gated);
         MatrixD S = MatrixD::Zero(d, dv);
         const MatrixD Gd = to_double(G);
-        const MatrixD expected =
-            delta_reference(to_double(Q), to_double(K), to_double(V), to_double(B), gated ? &Gd : nullptr, true, S);
-        const DeltaOptions options{.normalize_keys = true, .allow_negative_eigenvalues = true};
+        const MatrixD expected = delta_reference(fla_rows(to_double(Q), true, default_scale(d)),
+                                                 fla_rows(to_double(K), true), to_double(V), to_double(B),
+                                                 gated ? &Gd : nullptr, S);
+        const DeltaOptions options{.qk_l2norm = true, .allow_negative_eigenvalues = true};
         for (const Index chunk : {1, 7, 16}) {
             DeltaOptions chunked = options;
             chunked.chunk_size = chunk;
@@ -580,20 +603,23 @@ TEMPLATE_TEST_CASE("Delta rule: beta in [0, 2] with allow_negative_eigenvalues",
         }
     }
     Matrix<T> O(n, dv);
-    CHECK_THROWS_WITH(chunked_delta_rule_attention(Q, K, V, B, O, {.normalize_keys = true}),
+    CHECK_THROWS_WITH(chunked_delta_rule_attention(Q, K, V, B, O, {.qk_l2norm = true}),
                       Catch::Matchers::Contains("expected a value in [0, 1]"));
     Matrix<T> over = B;
     over(7, 0) = T(2.5);
     CHECK_THROWS_WITH(chunked_delta_rule_attention(Q, K, V, over, O, {.allow_negative_eigenvalues = true}),
                       Catch::Matchers::Contains("expected a value in [0, 2] (options.allow_negative_eigenvalues)"));
     // The memory takes β up to 2 with the option, and refuses 2.5, unchanged.
-    DeltaRuleMemory<T> memory(d, dv, {.normalize_keys = true, .allow_negative_eigenvalues = true});
+    DeltaRuleMemory<T> memory(d, dv, {.qk_l2norm = true, .allow_negative_eigenvalues = true});
     Matrix<T> keys(n, d + 1);
     keys << K, B;
     Matrix<T> decoded(n, dv);
     decode(memory, Q, keys, V, decoded);
     MatrixD S = MatrixD::Zero(d, dv);
-    check_close(decoded, delta_reference(to_double(Q), to_double(K), to_double(V), to_double(B), nullptr, true, S), tol);
+    check_close(decoded,
+                delta_reference(fla_rows(to_double(Q), true, default_scale(d)), fla_rows(to_double(K), true),
+                                to_double(V), to_double(B), nullptr, S),
+                tol);
     Matrix<T> bad = keys.topRows(1);
     bad(0, d) = T(2.5);
     CHECK_THROWS_WITH(memory.update(bad.row(0), V.row(0)), Catch::Matchers::Contains("expected a value in [0, 2]"));
@@ -672,13 +698,11 @@ namespace {
 /// KDA in double, token by token, from the recurrence (Kimi Team 2025):
 /// S = (I − β kᵀk) Diag(α) S + β kᵀ v, o = q S; log α = G (N×d), exp(−∞) = 0.
 MatrixD kda_reference(const MatrixD& Q, const MatrixD& K, const MatrixD& V, const MatrixD& B, const MatrixD& G,
-                      bool normalize_keys, MatrixD& S) {
+                      MatrixD& S) {
     const Index n = Q.rows(), d = Q.cols();
     MatrixD O(n, V.cols());
     for (Index i = 0; i < n; ++i) {
-        MatrixD k = K.row(i);
-        if (normalize_keys && k.norm() > 0)
-            k /= k.norm();
+        const MatrixD k = K.row(i);
         MatrixD D = MatrixD::Zero(d, d);
         for (Index r = 0; r < d; ++r)
             D(r, r) = std::exp(G(i, r));
@@ -697,23 +721,23 @@ TEMPLATE_TEST_CASE("KDA: recurrent equals the double reference, chunked equals r
     using T = TestType;
     const double tol = tolerance<T>() * 20;
     for (const Index n : {0, 1, 7, 70, 200}) {
-        for (const bool normalize_keys : {false, true}) {
+        for (const bool l2 : {false, true}) {
             for (const bool negative : {false, true}) {
-                INFO("n = " << n << ", normalize_keys " << normalize_keys << ", beta in [0, " << (negative ? 2 : 1)
-                            << "]");
+                INFO("n = " << n << ", qk_l2norm " << l2 << ", beta in [0, " << (negative ? 2 : 1) << "]");
                 const Index d = 6, dv = 4;
                 const Matrix<T> Q = random_matrix<T>(n, d, 1), V = random_matrix<T>(n, dv, 3);
-                const Matrix<T> K = random_matrix<T>(n, d, 2, normalize_keys ? 1.0 : 0.5);
-                const Matrix<T> B = (negative && normalize_keys ? T(2) : T(1)) * betas<T>(n, 4);
+                const Matrix<T> K = random_matrix<T>(n, d, 2, l2 ? 1.0 : 0.5);
+                const Matrix<T> B = (negative && l2 ? T(2) : T(1)) * betas<T>(n, 4);
                 // Gates from e^-20 per token (channel 0) to mild, and resets in channels 0, 2, 4.
                 Matrix<T> G = log_gates<T>(n, d, 5, 0.3);
                 G.col(0) *= T(60);
                 G = with_resets(G, {3, 16, 50, 51});
                 MatrixD S = MatrixD::Zero(d, dv);
                 const MatrixD expected =
-                    kda_reference(to_double(Q), to_double(K), to_double(V), to_double(B), to_double(G), normalize_keys, S);
+                    kda_reference(fla_rows(to_double(Q), l2, default_scale(d)), fla_rows(to_double(K), l2),
+                                  to_double(V), to_double(B), to_double(G), S);
                 REQUIRE(expected.allFinite());
-                const DeltaOptions base{.normalize_keys = normalize_keys, .allow_negative_eigenvalues = negative};
+                const DeltaOptions base{.qk_l2norm = l2, .allow_negative_eigenvalues = negative};
                 Matrix<T> O(n, dv);
                 LinearState<T> state;
                 recurrent_kda_attention(Q, K, V, B, G, O, base, &state);
@@ -742,8 +766,8 @@ TEMPLATE_TEST_CASE("KDA: recurrent equals the double reference, chunked equals r
     const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3),
                     B = betas<T>(n, 4);
     Matrix<T> O(n, dv), plain(n, dv);
-    chunked_kda_attention(Q, K, V, B, Matrix<T>::Zero(n, d), O, {.chunk_size = 7, .normalize_keys = true});
-    chunked_delta_rule_attention(Q, K, V, B, plain, {.chunk_size = 7, .normalize_keys = true});
+    chunked_kda_attention(Q, K, V, B, Matrix<T>::Zero(n, d), O, {.chunk_size = 7, .qk_l2norm = true});
+    chunked_delta_rule_attention(Q, K, V, B, plain, {.chunk_size = 7, .qk_l2norm = true});
     check_close(O, to_double(plain), tol);
     // One log-gate per token is the gated delta rule's, not KDA's: refused by the KDA names.
     CHECK_THROWS_WITH(chunked_kda_attention(Q, K, V, B, Matrix<T>::Zero(n, 1), O),
@@ -763,10 +787,10 @@ TEMPLATE_TEST_CASE("KdaMemory: decode, prefill and the kernels agree; snapshots 
     const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3),
                     B = betas<T>(n, 4), G = with_resets(log_gates<T>(n, d, 5), {20});
     Matrix<T> expected(n, dv);
-    recurrent_kda_attention(Q, K, V, B, G, expected, {.normalize_keys = true});
+    recurrent_kda_attention(Q, K, V, B, G, expected, {.qk_l2norm = true});
     Matrix<T> keys(n, 2 * d + 1);
     keys << K, B, G;
-    KdaMemory<T> decoded(d, dv, {.chunk_size = 8, .normalize_keys = true}), prefilled = decoded, split = decoded;
+    KdaMemory<T> decoded(d, dv, {.chunk_size = 8, .qk_l2norm = true}), prefilled = decoded, split = decoded;
     CHECK(decoded.key_dim() == 2 * d + 1);
     CHECK(decoded.query_dim() == d);
     Matrix<T> O(n, dv);
@@ -788,14 +812,14 @@ TEMPLATE_TEST_CASE("KdaMemory: decode, prefill and the kernels agree; snapshots 
     save(decoded, after);
     CHECK(before.str() == after.str());
     // Its snapshots load into a KdaMemory, not a DeltaRuleMemory (another kind).
-    KdaMemory<T> resumed(d, dv, {.chunk_size = 8, .normalize_keys = true});
+    KdaMemory<T> resumed(d, dv, {.chunk_size = 8, .qk_l2norm = true});
     std::istringstream in(before.str());
     load(resumed, in);
     Vector<T> a(dv), b(dv);
     decoded.attend(Q.row(0), a);
     resumed.attend(Q.row(0), b);
     CHECK(a == b);
-    DeltaRuleMemory<T> other(d, dv, {.chunk_size = 8, .normalize_keys = true}, true);
+    DeltaRuleMemory<T> other(d, dv, {.chunk_size = 8, .qk_l2norm = true}, true);
     std::istringstream again(before.str());
     CHECK_THROWS_AS(load(other, again), SnapshotError);
     static_assert(Memory<KdaMemory<T>> && Snapshottable<KdaMemory<T>>);
@@ -803,8 +827,8 @@ TEMPLATE_TEST_CASE("KdaMemory: decode, prefill and the kernels agree; snapshots 
     const Matrix<Eigen::bfloat16> k16 = keys.template cast<float>().template cast<Eigen::bfloat16>(),
                                   v16 = V.template cast<float>().template cast<Eigen::bfloat16>(),
                                   q16 = Q.template cast<float>().template cast<Eigen::bfloat16>();
-    KdaMemory<Eigen::bfloat16> narrow(d, dv, {.normalize_keys = true});
-    KdaMemory<float> wide(d, dv, {.normalize_keys = true});
+    KdaMemory<Eigen::bfloat16> narrow(d, dv, {.qk_l2norm = true});
+    KdaMemory<float> wide(d, dv, {.qk_l2norm = true});
     Matrix<Eigen::bfloat16> o16(n, dv);
     Matrix<float> o32(n, dv);
     decode(narrow, q16, k16, v16, o16);
@@ -828,15 +852,16 @@ TEST_CASE("Mamba-2's SSD layer is the scalar-gated form: log g = dt*A, k = dt*B,
         h = std::exp(dt(t, 0) * A) * h + dt(t, 0) * B.row(t).transpose() * x.row(t);
         y.row(t) = C.row(t) * h + D * x.row(t);
     }
-    // memattn: q = C, k = dt·B, v = x, log g = dt·A, no normaliser; D·x added by the caller.
+    // memattn: q = C, k = dt·B, v = x, log g = dt·A, scale 1 (the default normaliser-free
+    // form); D·x added by the caller.
     const Matrix<double> k = B.array().colwise() * dt.col(0).array(), log_g = dt * A;
     Matrix<double> o(n, P);
     for (const Index chunk : {1, 16, 64}) {
-        chunked_gated_linear_attention(C, k, x, log_g, o, {.chunk_size = chunk, .normalize = false});
+        chunked_gated_linear_attention(C, k, x, log_g, o, {.chunk_size = chunk, .scale = 1.0});
         o += D * x;
         check_close(o, y, 1e-12);
     }
-    recurrent_gated_linear_attention(C, k, x, log_g, o, {.normalize = false});
+    recurrent_gated_linear_attention(C, k, x, log_g, o, {.scale = 1.0});
     o += D * x;
     check_close(o, y, 1e-12);
 }
@@ -907,7 +932,7 @@ TEMPLATE_TEST_CASE("RWKV-7: recurrent equals the double reference in FLA's layou
     chunked_rwkv7_attention(Q, K, Matrix<T>(V.array().colwise() * beta.col(0).array()),
                             Matrix<T>(-(K.array().colwise() * beta.col(0).array())), K, Matrix<T>::Zero(n, d), O,
                             {.chunk_size = 16});
-    chunked_delta_rule_attention(Q, K, V, beta, delta);
+    chunked_delta_rule_attention(Q, K, V, beta, delta, {.scale = 1.0});  // RWKV-7's scale is 1
     check_close(O, to_double(delta), tol);
     // Bad input names the function, the argument and the place.
     Matrix<T> bad = Matrix<T>::Zero(n, d);
@@ -993,7 +1018,7 @@ TEST_CASE("KdaMemory and Rwkv7Memory in a MultiHead layer: each query head its K
     for (Index h = 0; h < 2; ++h)
         kda_keys.middleCols(h * (2 * d + 1), 2 * d + 1) << random_matrix<float>(n, d, 2 + h), betas<float>(n, 4 + h),
             log_gates<float>(n, d, 6 + h);
-    check_layer([] { return KdaMemory<float>(d, dv, {.normalize_keys = true}); }, kda_keys);
+    check_layer([] { return KdaMemory<float>(d, dv, {.qk_l2norm = true}); }, kda_keys);
     Matrix<float> rwkv7_keys(n, 2 * 4 * d);  // per KV head [k | a | b | log w]
     for (Index h = 0; h < 2; ++h) {
         const Matrix<float> kappa = unit_rows<float>(random_matrix<float>(n, d, 10 + h));
@@ -1001,4 +1026,188 @@ TEST_CASE("KdaMemory and Rwkv7Memory in a MultiHead layer: each query head its K
             kappa.cwiseProduct(random_matrix<float>(n, d, 14 + h).cwiseAbs()), log_gates<float>(n, d, 16 + h, 0.6);
     }
     check_layer([] { return Rwkv7Memory<float>(d, dv); }, rwkv7_keys);
+}
+
+TEMPLATE_TEST_CASE("FLA's conventions: q scaled by 1/sqrt(d) unless given, qk_l2norm with its epsilon, the same in "
+                   "every kernel and memory",
+                   "[gated][delta][kda][rwkv7][conventions]", float, double) {
+    using T = TestType;
+    const double tol = tolerance<T>() * 20;
+    const Index n = 45, d = 8, dv = 5;
+    Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2, 0.5);
+    // A zero query and a zero key: with qk_l2norm they stay zero (√ε in the norm), no NaN.
+    Q.row(4).setZero();
+    K.row(9).setZero();
+    const Matrix<T> V = random_matrix<T>(n, dv, 3), B = betas<T>(n, 4), G1 = log_gates<T>(n, 1, 5, 0.2),
+                    Gd = log_gates<T>(n, d, 6, 0.2);
+    const MatrixD Qd = to_double(Q), Kd = to_double(K), Vd = to_double(V), Bd = to_double(B), G1d = to_double(G1);
+    for (const std::optional<double> scale : {std::optional<double>{}, std::optional<double>{0.37}}) {
+        for (const bool l2 : {false, true}) {
+            INFO("scale " << (scale ? *scale : -1.0) << " (-1: the default), qk_l2norm " << l2);
+            const double s = scale ? *scale : 1 / std::sqrt(double(d));
+            const MatrixD q = fla_rows(Qd, l2, s), k = fla_rows(Kd, l2);
+            // Gated linear attention, with and without its normaliser (of q̂·z + eps).
+            for (const bool normalize : {false, true}) {
+                MatrixD S = MatrixD::Zero(d, dv), z = MatrixD::Zero(1, d);
+                const MatrixD expected = gated_reference(q, k, Vd, G1d, normalize, 1e-6, S, z);
+                const GatedOptions options{.chunk_size = 7, .scale = scale, .normalize = normalize, .qk_l2norm = l2};
+                Matrix<T> O(n, dv);
+                chunked_gated_linear_attention(Q, K, V, G1, O, options);
+                // The normaliser of a zero query is eps alone: only its output row is large.
+                if (!normalize)
+                    check_close(O, expected, tol);
+                else
+                    check_close(O.topRows(4), expected.topRows(4), tol);
+                recurrent_gated_linear_attention(Q, K, V, G1, O, options);
+                if (!normalize)
+                    check_close(O, expected, tol);
+                REQUIRE(O.allFinite());
+                // The memory: decode and prefill.
+                GatedLinearAttentionMemory<T> decoded(d, dv, GateKind::scalar, options), prefilled = decoded;
+                Matrix<T> keys(n, d + 1);
+                keys << K, G1;
+                Matrix<T> Om(n, dv);
+                decode(decoded, Q, keys, V, Om);
+                if (!normalize)
+                    check_close(Om, expected, tol);
+                else
+                    check_close(Om.topRows(4), expected.topRows(4), tol);
+                prefill(prefilled, Q, keys, V, Om);
+                if (!normalize)
+                    check_close(Om, expected, tol);
+            }
+            // The delta rule, gated, and KDA.
+            const DeltaOptions options{.chunk_size = 7, .scale = scale, .qk_l2norm = l2};
+            MatrixD S = MatrixD::Zero(d, dv);
+            const MatrixD delta = delta_reference(q, k, Vd, Bd, &G1d, S);
+            S.setZero();
+            const MatrixD kda = kda_reference(q, k, Vd, Bd, to_double(Gd), S);
+            Matrix<T> O(n, dv);
+            chunked_delta_rule_attention(Q, K, V, B, G1, O, options);
+            check_close(O, delta, tol);
+            recurrent_delta_rule_attention(Q, K, V, B, G1, O, options);
+            check_close(O, delta, tol);
+            chunked_kda_attention(Q, K, V, B, Gd, O, options);
+            check_close(O, kda, tol);
+            recurrent_kda_attention(Q, K, V, B, Gd, O, options);
+            check_close(O, kda, tol);
+            Matrix<T> delta_keys(n, d + 2), kda_keys(n, 2 * d + 1);
+            delta_keys << K, B, G1;
+            kda_keys << K, B, Gd;
+            DeltaRuleMemory<T> delta_memory(d, dv, options, true);
+            KdaMemory<T> kda_memory(d, dv, options);
+            decode(delta_memory, Q, delta_keys, V, O);
+            check_close(O, delta, tol);
+            decode(kda_memory, Q, kda_keys, V, O);
+            check_close(O, kda, tol);
+            // attend_group applies each query's own factor.
+            Matrix<T> group(3, dv), one(1, dv);
+            kda_memory.attend_group(Q.middleRows(3, 3), group);
+            for (Index r = 0; r < 3; ++r) {
+                kda_memory.attend(Q.row(3 + r), one.row(0));
+                check_close(group.row(r), to_double(one), tol);
+            }
+        }
+    }
+    // RWKV-7: o = scale · q S (scale 1 by default, as FLA's).
+    const Matrix<T> kappa = unit_rows<T>(random_matrix<T>(n, d, 7));
+    const Matrix<T> A = -kappa, Bt = kappa.cwiseProduct(random_matrix<T>(n, d, 8).cwiseAbs());
+    MatrixD S = MatrixD::Zero(dv, d);
+    const MatrixD expected = 0.37 * rwkv7_reference(Qd, Kd, Vd, to_double(A), to_double(Bt), to_double(Gd), S);
+    Matrix<T> O(n, dv);
+    chunked_rwkv7_attention(Q, K, V, A, Bt, Gd, O, {.chunk_size = 7, .scale = 0.37});
+    check_close(O, expected, tol);
+    recurrent_rwkv7_attention(Q, K, V, A, Bt, Gd, O, {.scale = 0.37});
+    check_close(O, expected, tol);
+    Rwkv7Memory<T> rwkv(d, dv, {.scale = 0.37});
+    Matrix<T> rwkv_keys(n, 4 * d);
+    rwkv_keys << K, A, Bt, Gd;
+    decode(rwkv, Q, rwkv_keys, V, O);
+    check_close(O, expected, tol);
+
+    // Bad options name the function and the option; a snapshot records the resolved scale.
+    const T nan = std::numeric_limits<T>::quiet_NaN();
+    CHECK_THROWS_WITH(chunked_gated_linear_attention(Q, K, V, G1, O, {.scale = double(nan)}),
+                      Catch::Matchers::Contains("chunked_gated_linear_attention") &&
+                          Catch::Matchers::Contains("options.scale"));
+    CHECK_THROWS_WITH(recurrent_delta_rule_attention(Q, K, V, B, O, {.qk_l2norm = true, .l2norm_eps = -1}),
+                      Catch::Matchers::Contains("recurrent_delta_rule_attention") &&
+                          Catch::Matchers::Contains("options.l2norm_eps"));
+    CHECK_THROWS_WITH(chunked_rwkv7_attention(Q, K, V, A, Bt, Gd, O, {.scale = double(nan)}),
+                      Catch::Matchers::Contains("options.scale"));
+    CHECK_THROWS_WITH(KdaMemory<T>(d, dv, {.scale = std::numeric_limits<double>::infinity()}),
+                      Catch::Matchers::Contains("KdaMemory") && Catch::Matchers::Contains("options.scale"));
+    CHECK_THROWS_WITH(GatedLinearAttentionMemory<T>(d, dv, GateKind::scalar, {.l2norm_eps = nan}),
+                      Catch::Matchers::Contains("options.l2norm_eps"));
+    DeltaRuleMemory<T> plain(d, dv), explicit_default(d, dv, {.scale = 1 / std::sqrt(double(d))}),
+        other(d, dv, {.scale = 1.0});
+    std::stringstream saved;
+    save(plain, saved);
+    load(explicit_default, saved);  // the same resolved scale
+    std::istringstream again(saved.str());
+    CHECK_THROWS_WITH(load(other, again), Catch::Matchers::Contains("scale"));
+}
+
+TEMPLATE_TEST_CASE("Gated linear attention by spans: bitwise the same on 1, 2 and 3 threads, one span's outputs to "
+                   "rounding",
+                   "[gated][spans][threads]", float, double) {
+    using T = TestType;
+    const double tol = tolerance<T>() * 20;
+    const Index d = 6, dv = 5;
+    const OpenMPExecutor one{.threads = 1}, two{.threads = 2}, three{.threads = 3};
+    // Spans shorter than a chunk (rounded up to one), off the chunks, longer than the
+    // sequence (one span); lengths that end a span exactly or leave a short last one;
+    // resets on a span's first token and inside spans.
+    for (const Index n : {0, 1, 33, 300, 700}) {
+        for (const Index gate_cols : {Index(1), d}) {
+            for (const Index span : {5, 40, 100, 256, 1000}) {
+                for (const bool normalize : {false, true}) {
+                    INFO("n = " << n << ", gate columns " << gate_cols << ", span " << span << ", normalize "
+                                << normalize);
+                    const Matrix<T> Q = random_matrix<T>(n, d, 1).cwiseAbs(), K = random_matrix<T>(n, d, 2).cwiseAbs(),
+                                    V = random_matrix<T>(n, dv, 3);
+                    const Matrix<T> G = with_resets(log_gates<T>(n, gate_cols, 4, 0.1), {n / 2, 2 * span, 250});
+                    const GatedOptions serial{.chunk_size = 8, .normalize = normalize, .qk_l2norm = normalize};
+                    GatedOptions options = serial;
+                    options.span_tokens = span;
+                    LinearState<T> initial{random_matrix<T>(d, dv, 5), random_matrix<T>(1, d, 6).cwiseAbs()};
+                    LinearState<T> s1 = initial, s2 = initial, s3 = initial, reference = initial;
+                    Matrix<T> O1(n, dv), O2(n, dv), O3(n, dv), expected(n, dv);
+                    chunked_gated_linear_attention(Q, K, V, G, expected, serial, &reference);
+                    chunked_gated_linear_attention(Q, K, V, G, O1, options, &s1, one);
+                    chunked_gated_linear_attention(Q, K, V, G, O2, options, &s2, two);
+                    chunked_gated_linear_attention(Q, K, V, G, O3, options, &s3, three);
+                    CHECK(O1.cwiseEqual(O2).all());
+                    CHECK(O1.cwiseEqual(O3).all());
+                    CHECK(s1.mu.cwiseEqual(s2.mu).all());
+                    CHECK(s1.mu.cwiseEqual(s3.mu).all());
+                    CHECK(s1.nu.cwiseEqual(s3.nu).all());
+                    check_close(O1, to_double(expected), tol);
+                    check_close(s1.mu, to_double(reference.mu), tol);
+                    check_close(s1.nu, to_double(reference.nu), tol);
+                    // The double reference, from the given state.
+                    MatrixD S = to_double(initial.mu), z = to_double(initial.nu);
+                    const double scale = 1 / std::sqrt(double(d));
+                    const MatrixD direct = gated_reference(fla_rows(to_double(Q), normalize, scale),
+                                                           fla_rows(to_double(K), normalize), to_double(V),
+                                                           to_double(G), normalize, 1e-6, S, z);
+                    check_close(O2, direct, tol);
+                    check_close(s2.mu, S, tol);
+                }
+            }
+        }
+    }
+    // A state that is not finite runs as one span: a reset still forgets it, bit for bit.
+    const Index n = 200;
+    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
+    const Matrix<T> G = with_resets(log_gates<T>(n, 1, 4, 0.1), {0});
+    LinearState<T> poisoned{Matrix<T>::Constant(d, dv, std::numeric_limits<T>::infinity()), Vector<T>::Zero(d)},
+        also = poisoned;
+    Matrix<T> a(n, dv), b(n, dv);
+    chunked_gated_linear_attention(Q, K, V, G, a, {.span_tokens = 64}, &poisoned, two);
+    chunked_gated_linear_attention(Q, K, V, G, b, {}, &also);
+    CHECK(a.allFinite());
+    CHECK(a.cwiseEqual(b).all());
+    CHECK_THROWS_WITH(chunked_gated_linear_attention(Q, K, V, G, a, {.span_tokens = -1}),
+                      Catch::Matchers::Contains("options.span_tokens"));
 }

@@ -168,7 +168,7 @@ TEMPLATE_TEST_CASE("16-bit memories: bitwise their float memories on the convert
     }
     SECTION("DeltaRuleMemory") {
         const Matrix<float> keys = gated_keys<E>(K, 1, 5, true);
-        check_twin([] { return DeltaRuleMemory<E>(d, dv, {.chunk_size = 16, .normalize_keys = true}); }, Q, keys, V);
+        check_twin([] { return DeltaRuleMemory<E>(d, dv, {.chunk_size = 16, .qk_l2norm = true}); }, Q, keys, V);
     }
     SECTION("MultiHead<KVCache>, groups of two") {
         const HeadLayout layout{.q_heads = 4, .kv_heads = 2, .head_dim = 8};

@@ -362,7 +362,7 @@ TEST_CASE("attend_group equals g single attends", "[layer][memory]") {
     LinearAttentionMemory<float, Taylor2> taylor(8, 5);                        // d' = 45
     LinearAttentionMemory<float, Taylor2> wide(130, 5);                         // d' past the stack buffer
     GatedLinearAttentionMemory<float> gated(8, 5, GateKind::channel);
-    DeltaRuleMemory<float> delta(8, 5, {.normalize_keys = true}, true);
+    DeltaRuleMemory<float> delta(8, 5, {.qk_l2norm = true}, true);
     extend(linear, K, V);
     extend(taylor, K, V);
     Matrix<float> gate_keys(700, 16), delta_keys(700, 10);

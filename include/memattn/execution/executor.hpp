@@ -40,7 +40,9 @@
 
 #include <algorithm>
 #include <concepts>
+#include <exception>
 #include <type_traits>
+#include <vector>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -159,6 +161,32 @@ private:
     int (*concurrency_)(const void*);
     void (*run_)(const void*, Index, void*, Call);
 };
+
+namespace detail {
+
+/// body(first, last) over min(n, concurrency()) contiguous ranges of equal count that
+/// cover [0, n), on `executor`; an exception a range throws (std::bad_alloc from its
+/// scratch) is rethrown here once every range has returned. A range allocates its
+/// scratch once; what an item computes must not depend on the cut.
+template <class Body>
+void run_ranges(ExecutorRef executor, Index n, Body&& body) {
+    if (n <= 0)
+        return;
+    const Index parts = std::min<Index>(n, executor.concurrency());
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(parts));
+    executor.parallel_for(parts, [&](Index r) {
+        try {
+            body(n * r / parts, n * (r + 1) / parts);
+        } catch (...) {
+            errors[static_cast<std::size_t>(r)] = std::current_exception();
+        }
+    });
+    for (const std::exception_ptr& e : errors)
+        if (e)
+            std::rethrow_exception(e);
+}
+
+}  // namespace detail
 
 /// The executor an object keeps for its calls (memattn::MultiHead, memattn::PagedKVCache
 /// derive from it): a reference, so the executor must outlive the calls that use it.

@@ -14,10 +14,15 @@
 //   S_i = (I − β_i k_iᵀ k_i) Diag(α_i) S_{i−1} + β_i k_iᵀ v_i
 //
 // (recurrent_kda_attention / chunked_kda_attention; kda_chunked below for its chunks).
-// With unit keys and β_i = 1, k_i S_i = v_i exactly: the key reads back its value. A log-gate of −∞ (g_i = 0) resets: S becomes exactly 0 before
-// the token's update, whatever it held; the chunked form starts a chunk at each one. DeltaOptions::normalize_keys divides each key by its L2 norm
-// first (a zero key stays zero); q is used as given. LinearState carries S in mu; nu is
-// not used (left empty).
+// With unit keys and β_i = 1, k_i S_i = v_i exactly: the key reads back its value. A
+// log-gate of −∞ (g_i = 0) resets: S becomes exactly 0 before the token's update,
+// whatever it held; the chunked form starts a chunk at each one.
+//
+// The query is scaled as flash-linear-attention's: o_i = scale · q_i S_i, scale 1/√d
+// unless DeltaOptions::scale gives one; DeltaOptions::qk_l2norm divides q and k by
+// √(Σx² + l2norm_eps) first (a zero key stays zero; detail/query_key_norm.hpp: the
+// query's factor multiplies the output row, the keys are normalised a chunk at a
+// time). LinearState carries S in mu; nu is not used (left empty).
 //
 // Chunked form (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta
 // Rule over Sequence Length": the WY / UT representation), a chunk of C tokens from
@@ -58,6 +63,7 @@
 // cache): one burst per operand gained 2%, about what its stalls on the line-fill
 // buffers cost.
 
+#include "memattn/detail/query_key_norm.hpp"
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/types.hpp"
 
@@ -68,10 +74,15 @@
 
 namespace memattn {
 
-/// Options of the (gated) delta rule kernels and DeltaRuleMemory.
+/// Options of the (gated) delta rule and KDA kernels and of DeltaRuleMemory and KdaMemory
+/// (flash-linear-attention's conventions by default: q scaled by 1/√d).
 struct DeltaOptions {
     Index chunk_size = 16;        ///< tokens per chunk (chunked form; bench/linear_attention_bench.cpp)
-    bool normalize_keys = false;  ///< divide each key by its L2 norm first
+    std::optional<double> scale = std::nullopt;  ///< q's scale (FLA's `scale`); unset: 1/√d
+    /// Divide q and k by √(Σx² + l2norm_eps) first (FLA's `use_qk_l2norm_in_kernel`; a
+    /// zero key stays zero).
+    bool qk_l2norm = false;
+    double l2norm_eps = 1e-6;  ///< ε of qk_l2norm
     /// β ∈ [0, 2] instead of [0, 1] (flash-linear-attention's `allow_neg_eigval`, Grazzi et
     /// al. 2025): for a unit key, I − β kᵀk then has the eigenvalue 1 − β down to −1.
     bool allow_negative_eigenvalues = false;
@@ -85,6 +96,7 @@ void check_delta_arguments(const char* function, const ConstMatrixRef<E>& q, con
                            const ConstMatrixRef<E>& v, const ConstMatrixRef<B>& beta, const ConstMatrixRef<G>* gates,
                            Shape o, const DeltaOptions& options, const LinearState<T>* state) {
     require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
+    check_query_key_options<T>(function, options.scale, options.l2norm_eps);
     require(k.rows() == q.rows() && k.cols() == q.cols(), function, "K", "has shape ", shape(k),
             ", expected the shape of Q (", shape(q), ")");
     require(v.rows() == q.rows(), function, "V", "has shape ", shape(v), ", expected ", q.rows(), " rows as Q (",
@@ -125,45 +137,58 @@ void check_delta_arguments(const char* function, const ConstMatrixRef<E>& q, con
                 shape(state->mu), ", expected ", q.cols(), 'x', v.cols(), " (key dim x value dim)");
 }
 
-/// Keys [t0, t0 + c), L2-normalised when asked, into `out`.
+/// The query factor of a delta-rule or KDA call in T over d-wide queries.
+template <class T>
+QueryFactor<T> query_factor(const DeltaOptions& options, Index d) {
+    return {static_cast<T>(resolved_scale(options.scale, d)), options.qk_l2norm, static_cast<T>(options.l2norm_eps)};
+}
+
+/// Keys [t0, t0 + c), L2-normalised with qk_l2norm, into `out`.
 template <class T, class Out>
-void delta_keys(const ConstMatrixRef<T>& K, Index t0, Index c, bool normalize, Out& out) {
+void delta_keys(const ConstMatrixRef<T>& K, Index t0, Index c, const DeltaOptions& options, Out& out) {
     out = K.middleRows(t0, c);
-    if (normalize)
-        for (Index t = 0; t < c; ++t) {
-            const T norm = out.row(t).norm();
-            if (norm > T(0))
-                out.row(t) /= norm;
+    if (options.qk_l2norm)
+        l2_normalise_rows(out, static_cast<T>(options.l2norm_eps));
+}
+
+/// S ← g S for a log-gate row of one column (−∞: S = 0), S ← Diag(α) S for one of d
+/// columns (KDA; −∞ zeroes its row): the decay before a token's delta update, shared by
+/// the recurrence and the memories.
+template <class T, class Gates>
+void delta_decay(const Gates& log_gates, Matrix<T>& S) {
+    constexpr T minus_infinity = -std::numeric_limits<T>::infinity();
+    if (log_gates.size() > 1) {
+        for (Index r = 0; r < S.rows(); ++r) {
+            const T x = log_gates(r);
+            if (x == minus_infinity)
+                S.row(r).setZero();
+            else if (x != T(0))
+                S.row(r) *= std::exp(x);
         }
+    } else if (log_gates(0) == minus_infinity) {
+        S.setZero();  // a reset
+    } else if (log_gates(0) != T(0)) {
+        S *= std::exp(log_gates(0));
+    }
 }
 
 template <class T>
 void delta_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                      const ConstMatrixRef<T>& beta, const ConstMatrixRef<T>* gates, MatrixRef<T> O,
                      const DeltaOptions& options, Matrix<T>& S) {
+    const QueryFactor<T> factor = query_factor<T>(options, Q.cols());
     Matrix<T> k(1, K.cols());
     Vector<T> u(V.cols());
     for (Index i = 0; i < Q.rows(); ++i) {
-        delta_keys(K, i, 1, options.normalize_keys, k);
-        if (gates != nullptr && gates->cols() > 1) {  // KDA: S ← Diag(α) S, a −∞ resets its row
-            for (Index r = 0; r < S.rows(); ++r) {
-                const T x = (*gates)(i, r);
-                if (x == -std::numeric_limits<T>::infinity())
-                    S.row(r).setZero();
-                else if (x != T(0))
-                    S.row(r) *= std::exp(x);
-            }
-        } else if (gates != nullptr) {
-            const T g = std::exp((*gates)(i, 0));
-            if ((*gates)(i, 0) == -std::numeric_limits<T>::infinity())
-                S.setZero();  // a reset
-            else if (g != T(1))
-                S *= g;
-        }
+        delta_keys(K, i, 1, options, k);
+        if (gates != nullptr)  // S ← g S, or KDA's S ← Diag(α) S; −∞ resets
+            delta_decay(gates->row(i), S);
         u.noalias() = k * S;  // what the state now returns for k
         u = beta(i, 0) * (V.row(i) - u);
         S.noalias() += k.transpose() * u;
         O.row(i).noalias() = Q.row(i) * S;
+        if (factor.active())
+            O.row(i) *= factor(Q.row(i).data(), Q.cols());
     }
 }
 
@@ -180,6 +205,7 @@ void kda_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
                  Matrix<T>& S) {
     const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
     const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
+    const QueryFactor<T> factor = query_factor<T>(options, d);
     Matrix<T> keys(c_max, d), b(c_max, d), qg(c_max, d), kg(c_max, d), uc_all(c_max, dv), l_all(c_max, c_max),
         a_all(c_max, c_max);
     Vector<T> last(d);
@@ -188,7 +214,7 @@ void kda_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
     for (Index t0 = 0, c = 0; t0 < n; t0 += c) {
         c = chunk_before_reset(G, t0, std::min(c_max, n - t0));  // a reset starts the next chunk
         auto kc = keys.topRows(c);
-        delta_keys(K, t0, c, options.normalize_keys, kc);
+        delta_keys(K, t0, c, options, kc);
         const auto q = Q.middleRows(t0, c);
         auto bc = b.topRows(c);
         bc.row(0) = G.row(t0);
@@ -237,6 +263,7 @@ void kda_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
         last = bc.row(c - 1).array().unaryExpr(exp);
         tile_product<T, FoldBlocking>(d, dv, c, kd.data(), 1, kd.outerStride(), uc.data(), uc.outerStride(), S.data(),
                                       S.outerStride(), last.data());
+        scale_by_queries(factor, q, o);
     }
 }
 
@@ -251,8 +278,9 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
     const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
     const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
     // Keys are read in place unless they are normalised or decayed (a copy in `keys`);
-    // queries always are.
-    const bool copy_keys = options.normalize_keys || gates != nullptr;
+    // queries always are (their factor multiplies the outputs).
+    const QueryFactor<T> factor = query_factor<T>(options, d);
+    const bool copy_keys = options.qk_l2norm || gates != nullptr;
     Matrix<T> keys(copy_keys ? c_max : 0, d), ks(c_max, dv), kk(c_max, c_max), qk(c_max, c_max), kt(d, c_max);
     // The next chunk's lines spread over this chunk's strips: those of K S_0 and Q S_0 (in
     // column panels), of Kᵀ U and of the three C-row products.
@@ -270,7 +298,7 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
         Index ldk = K.outerStride();
         if (copy_keys) {
             auto kn = keys.topRows(c);
-            delta_keys(K, t0, c, options.normalize_keys, kn);
+            delta_keys(K, t0, c, options, kn);
             kc = keys.data();
             ldk = keys.outerStride();
         }
@@ -348,6 +376,7 @@ void delta_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
             tile_product_add<T, FoldBlocking>(d, dv, c, kc, 1, ldk, uc.data(), uc.outerStride(), S.data(),
                                               S.outerStride(), &ahead);
         }
+        scale_by_queries(factor, Q.middleRows(t0, c), o);
     }
 }
 

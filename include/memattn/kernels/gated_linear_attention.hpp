@@ -5,16 +5,19 @@
 //
 //   scalar gate:   S_i = g_i S_{i−1} + k_iᵀ v_i,          z_i = g_i z_{i−1} + k_i
 //   channel gate:  S_i = diag(a_i) S_{i−1} + k_iᵀ v_i,    z_i = a_i ⊙ z_{i−1} + k_i
-//   o_i = q_i S_i / (q_i·z_i + eps), or q_i S_i when options.normalize is false.
+//   o_i = q̂_i S_i, or q̂_i S_i / (q̂_i·z_i + eps) with options.normalize,
+//   q̂_i = scale · q_i (scale 1/√d unless given), k_i used as given,
 //
-// q and k are used as given (a model applies its own feature map or normalisation
-// first). The gates arrive as log-gates, N×1 (scalar) or N×d (channel), each ≤ 0, so
-// that long products never underflow to a wrong value. A log-gate of −∞ (a gate of 0)
-// resets: the state (or, per channel, its row of S and its entry of z) becomes exactly
-// 0 before the token's pair is added, whatever it held (no 0·∞ NaN); the chunked form
-// starts a chunk at every token that holds one. LinearState{mu = S,
-// nu = z} carries the state in and out as for linear attention; options.decay must be
-// 1 (the gates are the decay).
+// or with options.qk_l2norm, q_i and k_i first divided by √(Σx² + l2norm_eps): the
+// conventions of flash-linear-attention's GLA and of Mamba-2, which never normalise by
+// q·z (detail/query_key_norm.hpp; the factor of q̂ multiplies the output row).
+//
+// The gates arrive as log-gates, N×1 (scalar) or N×d (channel), each ≤ 0, so that long
+// products never underflow to a wrong value. A log-gate of −∞ (a gate of 0) resets: the
+// state (or, per channel, its row of S and its entry of z) becomes exactly 0 before the
+// token's pair is added, whatever it held (no 0·∞ NaN); the chunked form starts a chunk
+// at every token that holds one. LinearState{mu = S, nu = z} carries the state in and
+// out as for linear attention.
 //
 // Chunked form, chunk of C tokens from state (S_0, z_0), b_t = Σ_{s≤t} log a_s inside
 // the chunk (per channel; a scalar gate is the same in every channel):
@@ -31,33 +34,66 @@
 // decay as its row scale) go through the register-blocked tile product, with the next
 // chunk's rows prefetched a few lines per strip (detail::PrefetchQueue).
 //
+// One sequence on several threads (GatedOptions::span_tokens; detail::gated_spans): the
+// state after a span is affine in the state before it, S_end = diag(e^{Λ}) S_start + B,
+// and every output row is linear in it. The spans run at once from zero, their starting
+// states follow in order, and each later span's rows add (Q ⊙ e^{b}) S_start; bitwise the
+// same for any thread count (docs/design.md §4.2b).
+//
 // Measured (bench/linear_attention_bench.cpp, N = 65536, d = dv = 128, float, one thread
 // of an Intel Xeon with AVX-512, medians of 5, interleaved), chunked against recurrent:
 //   scalar gate:   4.9× (1.33M against 274k tokens/s); 3.0× with Eigen's products
 //   channel gates: 3.3× (885k against 267k); 2.65× with Eigen's products, 1.81× while
 //                  the channel exponentials went one scalar exp at a time.
 
+#include "memattn/detail/query_key_norm.hpp"
+#include "memattn/execution/executor.hpp"
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <vector>
 
 namespace memattn {
+
+/// Options of the gated linear-attention kernels and GatedLinearAttentionMemory
+/// (flash-linear-attention's conventions by default: q scaled by 1/√d, no normaliser).
+struct GatedOptions {
+    Index chunk_size = 16;        ///< tokens per chunk (chunked form)
+    std::optional<double> scale = std::nullopt;  ///< q's scale (FLA's `scale`); unset: 1/√d
+    bool normalize = false;       ///< divide by q̂·z + eps (linear attention's normaliser; GLA, Mamba-2 and FLA do not)
+    double eps = 1e-6;            ///< added to q̂·z when normalize
+    bool qk_l2norm = false;       ///< divide q and k by √(Σx² + l2norm_eps) first (FLA's `use_qk_l2norm_in_kernel`)
+    double l2norm_eps = 1e-6;     ///< ε of qk_l2norm
+    /// Chunked form: cut the sequence every span_tokens tokens (rounded up to whole
+    /// chunks) and run the spans on the executor's threads (see the top of the file); 0:
+    /// one span. The outputs depend on it and on the length, never on the threads.
+    Index span_tokens = 0;
+};
+
 namespace detail {
+
+/// The query factor of a gated call in T over d-wide queries.
+template <class T>
+QueryFactor<T> query_factor(const GatedOptions& options, Index d) {
+    return {static_cast<T>(resolved_scale(options.scale, d)), options.qk_l2norm, static_cast<T>(options.l2norm_eps)};
+}
 
 /// Every check of the gated kernels, before anything is written; returns the gate width.
 /// T: the scalar the call computes in; E the inputs', G the log-gates' (E or T).
 template <class T, class E, class G>
 Index check_gated_arguments(const char* function, const ConstMatrixRef<E>& q, const ConstMatrixRef<E>& k,
                             const ConstMatrixRef<E>& v, const ConstMatrixRef<G>& g, Shape o,
-                            const LinearOptions& options, const LinearState<T>* state) {
+                            const GatedOptions& options, const LinearState<T>* state) {
     require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
     require(options.eps >= 0 && finite_in<T>(options.eps), function, "options.eps", "is ", options.eps,
             ", expected a number >= 0 finite as ", scalar_name<T>);
-    require(options.decay == 1, function, "options.decay", "is ", options.decay,
-            ", expected 1: the log-gates are the decay of the gated kernels");
+    require(options.span_tokens >= 0 && options.span_tokens <= max_length, function, "options.span_tokens", "is ",
+            options.span_tokens, ", expected 0 (one span) .. 2^62");
+    check_query_key_options<T>(function, options.scale, options.l2norm_eps);
     require(k.rows() == q.rows() && k.cols() == q.cols(), function, "K", "has shape ", shape(k),
             ", expected the shape of Q (", shape(q), ")");
     require(v.rows() == q.rows(), function, "V", "has shape ", shape(v), ", expected ", q.rows(), " rows as Q (",
@@ -99,9 +135,10 @@ void reset_channels(const Gates& gates, LinearState<T>& s) {
 
 template <class T>
 void gated_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
-                     const ConstMatrixRef<T>& G, MatrixRef<T> O, const LinearOptions& options, LinearState<T>& s) {
+                     const ConstMatrixRef<T>& G, MatrixRef<T> O, const GatedOptions& options, LinearState<T>& s) {
     const Index d = Q.cols();
-    Vector<T> a(d);
+    const QueryFactor<T> factor = query_factor<T>(options, d);
+    Vector<T> a(d), k(d);
     for (Index i = 0; i < Q.rows(); ++i) {
         if (G.cols() == 1) {
             const T g = std::exp(G(i, 0));
@@ -118,21 +155,33 @@ void gated_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, con
             s.nu.array() *= a.array();
             reset_channels(G.row(i), s);
         }
-        s.mu.noalias() += K.row(i).transpose() * V.row(i);
-        s.nu += K.row(i);
+        k = K.row(i);
+        if (options.qk_l2norm)
+            k *= l2norm_factor<T>(k.data(), d, factor.eps);
+        s.mu.noalias() += k.transpose() * V.row(i);
+        s.nu += k;
         O.row(i).noalias() = Q.row(i) * s.mu;
+        const T f = factor(Q.row(i).data(), d);
         if (options.normalize)
-            O.row(i) *= T(1) / (Q.row(i).dot(s.nu) + static_cast<T>(options.eps));
+            O.row(i) *= f / (f * Q.row(i).dot(s.nu) + static_cast<T>(options.eps));
+        else if (factor.active())
+            O.row(i) *= f;
     }
 }
 
+/// The chunked form. `raw`: a later span of gated_spans, whose rows are left as q S (the
+/// state gathered inside the span, no query factor) with q·z into raw_den[t] when
+/// normalising, for gated_spans to add the carried state to and finish.
 template <class T>
 void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
-                   const ConstMatrixRef<T>& G, MatrixRef<T> O, const LinearOptions& options, LinearState<T>& s) {
+                   const ConstMatrixRef<T>& G, MatrixRef<T> O, const GatedOptions& options, LinearState<T>& s,
+                   bool raw = false, T* raw_den = nullptr) {
     const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
     const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
     const bool channel = G.cols() > 1;
-    Matrix<T> b(c_max, G.cols()), A(c_max, c_max), qg(c_max, d), kg(c_max, d), kt(channel ? 0 : d, c_max);
+    const QueryFactor<T> factor = query_factor<T>(options, d);
+    Matrix<T> b(c_max, G.cols()), A(c_max, c_max), qg(c_max, d), kg(c_max, d), kt(channel ? 0 : d, c_max),
+        keys(options.qk_l2norm ? c_max : 0, d);
     ColumnVector<T> den(c_max);
     Vector<T> last(d);
     // About ⌈lines / strips⌉ lines a strip: Q Kᵀ, the two products of O, the fold.
@@ -141,7 +190,13 @@ void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
     for (Index t0 = 0, c = 0; t0 < n; t0 += c) {
         c = chunk_before_reset(G, t0, std::min(c_max, n - t0));  // a reset starts the next chunk
         queue_next_chunk(ahead, t0 + c, std::min(c_max, n - t0 - c), Q, K, V, O);
-        const auto q = Q.middleRows(t0, c), k = K.middleRows(t0, c), v = V.middleRows(t0, c);
+        const auto q = Q.middleRows(t0, c), v = V.middleRows(t0, c);
+        if (options.qk_l2norm) {  // the chunk's keys, normalised
+            keys.topRows(c) = K.middleRows(t0, c);
+            l2_normalise_rows(keys.topRows(c), factor.eps);
+        }
+        const ConstMatrixRef<T> k =
+            options.qk_l2norm ? ConstMatrixRef<T>(keys.topRows(c)) : ConstMatrixRef<T>(K.middleRows(t0, c));
         auto o = O.middleRows(t0, c);
         auto bc = b.topRows(c);
         bc.row(0) = G.row(t0);
@@ -162,7 +217,7 @@ void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
         const ExpNonpositiveOp<T> exp;
         if (!channel) {
             // A = (Q Kᵀ) ⊙ e^{b_t − b_s} on and below the diagonal, 0 above.
-            transpose(k.data(), c, d, K.outerStride(), kt.data(), c_max);
+            transpose(k.data(), c, d, k.outerStride(), kt.data(), c_max);
             tile_product<T>(c, c, d, q.data(), Q.outerStride(), 1, kt.data(), c_max, a.data(), a.outerStride(),
                             nullptr, LowerColumns{0}, &ahead);
             for (Index t = 0; t < c; ++t) {
@@ -194,11 +249,21 @@ void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
                         o.outerStride(), nullptr, {}, &ahead);
         tile_product<T, DefaultBlocking, true>(c, dv, c, a.data(), a.outerStride(), 1, v.data(), V.outerStride(),
                                                o.data(), o.outerStride(), nullptr, LowerTerms{0}, &ahead);
-        if (options.normalize) {
+        if (raw) {
+            if (options.normalize) {
+                Eigen::Map<ColumnVector<T>> raw_rows(raw_den + t0, c);
+                raw_rows = a.rowwise().sum();
+                raw_rows.noalias() += qc * s.nu.transpose();
+            }
+        } else if (options.normalize) {
             den.head(c) = a.rowwise().sum();
             den.head(c).noalias() += qc * s.nu.transpose();
-            for (Index t = 0; t < c; ++t)
-                o.row(t) *= T(1) / (den(t) + static_cast<T>(options.eps));
+            for (Index t = 0; t < c; ++t) {
+                const T f = factor(q.row(t).data(), d);
+                o.row(t) *= f / (f * den(t) + static_cast<T>(options.eps));
+            }
+        } else {
+            scale_by_queries(factor, q, o);
         }
         // S ← diag(e^{b_C}) S + (K ⊙ e^{b_C − b})ᵀ V, the decay as the product's row scale
         // (Kᵀ read in place: A(r, s) = kc(s, r)); z likewise with V = 1.
@@ -206,6 +271,140 @@ void gated_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
                                       s.mu.data(), s.mu.outerStride(), last.data(), {}, &ahead);
         s.nu = s.nu.cwiseProduct(last) + kc.colwise().sum();
     }
+}
+
+/// S ← diag(e^{Λ}) S + B (z likewise): a state carried over a span whose log-gates sum to
+/// Λ (1 or d wide) and whose pairs alone, from a zero state, leave B. A Λ of −∞ zeroes its
+/// rows (no 0·∞).
+template <class T>
+void carry_over(LinearState<T>& s, const Vector<T>& log_decay, const LinearState<T>& b) {
+    const Index d = s.mu.rows();
+    for (Index r = 0; r < d; ++r) {
+        const T x = log_decay(log_decay.size() == 1 ? 0 : r);
+        if (x == -std::numeric_limits<T>::infinity()) {
+            s.mu.row(r).setZero();
+            s.nu(r) = T(0);
+        } else if (x != T(0)) {
+            const T g = std::exp(x);
+            s.mu.row(r) *= g;
+            s.nu(r) *= g;
+        }
+    }
+    s.mu += b.mu;
+    s.nu += b.nu;
+}
+
+/// The chunked form by spans of options.span_tokens tokens (whole chunks), on the
+/// executor's threads, in three steps:
+///   1. every span runs the chunked form at once: the first from the given state, each
+///      later one from zero and raw (its rows q S_in-span, no query factor, q·z kept), and
+///      sums its log-gates (Λ) and their running sum at each block of rows;
+///   2. in order, the state before each span: S_{j+1} = diag(e^{Λ_j}) S_j + B_j, B_j the
+///      span's final state from zero (carry_over);
+///   3. blocks of rows of the later spans at once: o_t += (q_t ⊙ e^{b_t}) S_j with b_t the
+///      log-gates summed from the span's start through t (q·z likewise), then the query
+///      factor and the normaliser.
+/// Every step's arithmetic depends on the length and the span, not on the threads: the
+/// outputs and the final state are bitwise the same for any executor. Work beyond one
+/// span's: step 3's product, c·d·dv per row of the later spans (about a quarter more).
+/// An initial state that is not finite runs as one span (a reset must forget it, and
+/// step 3 would multiply it by 0).
+template <class T>
+void gated_spans(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                 const ConstMatrixRef<T>& G, MatrixRef<T> O, const GatedOptions& options, LinearState<T>& s,
+                 ExecutorRef executor) {
+    const Index n = Q.rows(), d = Q.cols(), dv = V.cols(), gc = G.cols(), chunk = options.chunk_size;
+    const Index span = std::max<Index>(1, options.span_tokens / chunk + (options.span_tokens % chunk != 0)) * chunk;
+    const Index spans = options.span_tokens == 0 ? 1 : n / span + (n % span != 0);
+    if (spans <= 1 || !s.mu.allFinite() || !s.nu.allFinite()) {
+        gated_chunked(Q, K, V, G, O, options, s);
+        return;
+    }
+    // Step 3's blocks: 256 rows each, span by span (the later spans only).
+    constexpr Index block_rows = 256;
+    struct Block {
+        Index span, first, rows;
+    };
+    std::vector<Block> blocks;
+    std::vector<std::size_t> first_block(static_cast<std::size_t>(spans), 0);
+    for (Index j = 1; j < spans; ++j) {
+        first_block[static_cast<std::size_t>(j)] = blocks.size();
+        const Index end = std::min(n, (j + 1) * span);
+        for (Index r = j * span; r < end; r += block_rows)
+            blocks.push_back({j, r, std::min(block_rows, end - r)});
+    }
+    const auto block_count = static_cast<Index>(blocks.size());
+    Matrix<T> starts(block_count, gc), totals(spans, gc);
+    std::vector<LinearState<T>> ends(static_cast<std::size_t>(spans));
+    ColumnVector<T> den(options.normalize ? n : 0);
+    // 1. The spans at once.
+    run_ranges(executor, spans, [&](Index first, Index last) {
+        Vector<T> sum(gc);
+        for (Index j = first; j < last; ++j) {
+            const Index r0 = j * span, m = std::min(span, n - r0);
+            LinearState<T>& e = ends[static_cast<std::size_t>(j)];
+            if (j == 0) {
+                e = s;
+            } else {
+                e.mu.setZero(d, dv);
+                e.nu.setZero(d);
+            }
+            gated_chunked<T>(Q.middleRows(r0, m), K.middleRows(r0, m), V.middleRows(r0, m), G.middleRows(r0, m),
+                             O.middleRows(r0, m), options, e, j > 0, options.normalize ? den.data() + r0 : nullptr);
+            sum.setZero();
+            auto b = static_cast<Index>(first_block[static_cast<std::size_t>(j)]);
+            for (Index t = 0; t < m; ++t) {
+                if (j > 0 && b < block_count && blocks[static_cast<std::size_t>(b)].first == r0 + t)
+                    starts.row(b++) = sum;
+                sum += G.row(r0 + t);
+            }
+            totals.row(j) = sum;
+        }
+    });
+    // 2. The state before each span, in order; the final state.
+    std::vector<LinearState<T>> before(static_cast<std::size_t>(spans));
+    before[1] = ends[0];
+    Vector<T> total(gc);
+    for (Index j = 1; j < spans; ++j) {
+        LinearState<T>& next = j + 1 < spans ? before[static_cast<std::size_t>(j + 1)] : s;
+        next = before[static_cast<std::size_t>(j)];
+        total = totals.row(j);
+        carry_over(next, total, ends[static_cast<std::size_t>(j)]);
+    }
+    // 3. The later spans' rows: the carried state's part, then the factor and normaliser.
+    const QueryFactor<T> factor = query_factor<T>(options, d);
+    const ExpNonpositiveOp<T> exp;
+    run_ranges(executor, block_count, [&](Index first, Index last) {
+        Matrix<T> qd(block_rows, d);
+        Vector<T> b(gc), decay(d);
+        for (Index i = first; i < last; ++i) {
+            const Block& block = blocks[static_cast<std::size_t>(i)];
+            const LinearState<T>& in = before[static_cast<std::size_t>(block.span)];
+            const auto q = Q.middleRows(block.first, block.rows);
+            auto o = O.middleRows(block.first, block.rows);
+            auto qc = qd.topRows(block.rows);
+            b = starts.row(i);
+            for (Index t = 0; t < block.rows; ++t) {
+                b += G.row(block.first + t);
+                if (gc == 1)
+                    qc.row(t) = q.row(t) * exp(b(0));
+                else
+                    qc.row(t) = q.row(t).array() * b.array().unaryExpr(exp);
+            }
+            tile_product_add<T>(block.rows, dv, d, qc.data(), qc.outerStride(), 1, in.mu.data(), in.mu.outerStride(),
+                                o.data(), o.outerStride());
+            if (options.normalize) {
+                auto dn = den.segment(block.first, block.rows);
+                dn.noalias() += qc * in.nu.transpose();
+                for (Index t = 0; t < block.rows; ++t) {
+                    const T f = factor(q.row(t).data(), d);
+                    o.row(t) *= f / (f * dn(t) + static_cast<T>(options.eps));
+                }
+            } else {
+                scale_by_queries(factor, q, o);
+            }
+        }
+    });
 }
 
 enum class GatedForm { recurrent, chunked };
@@ -216,7 +415,8 @@ enum class GatedForm { recurrent, chunked };
 template <GatedForm form, class DQ, class DK, class DV, class DG, class DO>
 void gated_linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                             const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, DO&& O,
-                            const LinearOptions& options, LinearState<arithmetic_t<typename DQ::Scalar>>* state) {
+                            const GatedOptions& options, LinearState<arithmetic_t<typename DQ::Scalar>>* state,
+                            ExecutorRef executor = {}) {
     using E = typename DQ::Scalar;
     using T = arithmetic_t<E>;
     using G = typename DG::Scalar;
@@ -246,7 +446,9 @@ void gated_linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q
     }
     const auto run = [&](const ConstMatrixRef<T>& qs, const ConstMatrixRef<T>& ks, const ConstMatrixRef<T>& vs,
                          const ConstMatrixRef<T>& gs, MatrixRef<T> os) {
-        if constexpr (form == GatedForm::chunked)
+        if constexpr (form == GatedForm::chunked && !LowPrecision<E>)
+            gated_spans(qs, ks, vs, gs, os, options, s, executor);
+        else if constexpr (form == GatedForm::chunked)
             gated_chunked(qs, ks, vs, gs, os, options, s);
         else
             gated_recurrent(qs, ks, vs, gs, os, options, s);
@@ -268,7 +470,7 @@ void gated_linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q
 template <class DQ, class DK, class DV, class DG, detail::EigenMatrix DO>
 void recurrent_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                       const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, DO&& O,
-                                      const LinearOptions& options = {},
+                                      const GatedOptions& options = {},
                                       LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
     detail::gated_linear_attention<detail::GatedForm::recurrent>("recurrent_gated_linear_attention", Q, K, V,
                                                                  log_gates, std::forward<DO>(O), options, state);
@@ -276,13 +478,17 @@ void recurrent_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eige
 
 /// The same outputs and final state by chunks of options.chunk_size tokens: the pairs
 /// of a chunk, the carried state, one product to fold the chunk (see the top of the file).
+/// With options.span_tokens, one long sequence runs by spans on `executor`'s threads
+/// (float and double inputs; 16-bit inputs run as one span), its outputs the same for
+/// any executor.
 template <class DQ, class DK, class DV, class DG, detail::EigenMatrix DO>
 void chunked_gated_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                     const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DG>& log_gates, DO&& O,
-                                    const LinearOptions& options = {},
-                                    LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+                                    const GatedOptions& options = {},
+                                    LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr,
+                                    ExecutorRef executor = {}) {
     detail::gated_linear_attention<detail::GatedForm::chunked>("chunked_gated_linear_attention", Q, K, V, log_gates,
-                                                               std::forward<DO>(O), options, state);
+                                                               std::forward<DO>(O), options, state, executor);
 }
 
 }  // namespace memattn

@@ -76,8 +76,8 @@
 
 namespace memattn {
 
-/// Options of linear attention: the kernels, the gated kernels, LinearAttentionMemory and
-/// GatedLinearAttentionMemory.
+/// Options of linear attention: the kernels and LinearAttentionMemory (the gated kernels
+/// take GatedOptions).
 struct LinearOptions {
     Index chunk_size = 16;  ///< tokens per chunk (chunked form), per φ application (recurrent form)
     double eps = 1e-6;      ///< added to the normaliser q'·ν

@@ -4,7 +4,9 @@
 // vectors, per token a query q_t (RWKV's r), a key k_t, a value v_t, log-decays
 // log w_t (1×d, each ≤ 0) and the transition's vectors a_t, b_t (1×d):
 //
-//   S_t = (Diag(w_t) + b_tᵀ a_t) S_{t−1} + k_tᵀ v_t,     o_t = q_t S_t
+//   S_t = (Diag(w_t) + b_tᵀ a_t) S_{t−1} + k_tᵀ v_t,     o_t = scale · q_t S_t
+//
+// (scale: Rwkv7Options::scale, 1 by default as flash-linear-attention's RWKV-7 kernels)
 //
 // (flash-linear-attention writes the transpose, S_t = S_{t−1}(Diag(w_t) + a_tᵀ b_t) + v_tᵀ k_t
 // with S = dv×d and o_t = S_t r_t: its state is this one transposed, its r is q). RWKV-7
@@ -38,6 +40,7 @@ namespace memattn {
 /// Options of the RWKV-7 kernels.
 struct Rwkv7Options {
     Index chunk_size = 16;  ///< tokens per chunk (chunked form)
+    double scale = 1;       ///< o = scale · q S (flash-linear-attention's `scale`, 1 for RWKV-7 as there)
 };
 
 namespace detail {
@@ -49,6 +52,8 @@ void check_rwkv7_arguments(const char* function, const ConstMatrixRef<T>& q, con
                            const ConstMatrixRef<T>& log_w, Shape o, const Rwkv7Options& options,
                            const LinearState<T>* state) {
     require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
+    require(finite_in<T>(options.scale), function, "options.scale", "is ", options.scale,
+            ", expected a number finite as ", scalar_name<T>);
     const auto same_as_q = [&](const ConstMatrixRef<T>& x, const char* name) {
         require(x.rows() == q.rows() && x.cols() == q.cols(), function, name, "has shape ", shape(x),
                 ", expected the shape of Q (", shape(q), ")");
@@ -71,11 +76,10 @@ void check_rwkv7_arguments(const char* function, const ConstMatrixRef<T>& q, con
                 shape(state->mu), ", expected ", q.cols(), 'x', v.cols(), " (key dim x value dim)");
 }
 
-/// One token of the recurrence: S ← (Diag(w) + bᵀa) S + kᵀv (a −∞ log-decay zeroes its
-/// channel's row of Diag(w) S), o = q S. `read` holds a S (1×dv).
-template <class T, class Row, class Out>
-void rwkv7_step(const Row& q, const Row& k, const Row& v, const Row& a, const Row& b, const Row& log_w, Matrix<T>& S,
-                Vector<T>& read, Out&& o) {
+/// One token's state update: S ← (Diag(w) + bᵀa) S + kᵀv (a −∞ log-decay zeroes its
+/// channel's row of Diag(w) S). `read` holds a S (1×dv). Rwkv7Memory::update's too.
+template <class T, class K, class V, class A, class B, class W>
+void rwkv7_update(const K& k, const V& v, const A& a, const B& b, const W& log_w, Matrix<T>& S, Vector<T>& read) {
     read.noalias() = a * S;
     for (Index r = 0; r < S.rows(); ++r) {
         const T x = log_w(r);
@@ -86,16 +90,26 @@ void rwkv7_step(const Row& q, const Row& k, const Row& v, const Row& a, const Ro
     }
     S.noalias() += b.transpose() * read;
     S.noalias() += k.transpose() * v;
-    o.noalias() = q * S;
+}
+
+/// One token of the recurrence: the update, then o = scale · q S.
+template <class T, class Out>
+void rwkv7_step(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
+                const ConstMatrixRef<T>& A, const ConstMatrixRef<T>& B, const ConstMatrixRef<T>& W, Index i, T scale,
+                Matrix<T>& S, Vector<T>& read, Out&& o) {
+    rwkv7_update(K.row(i), V.row(i), A.row(i), B.row(i), W.row(i), S, read);
+    o.noalias() = Q.row(i) * S;
+    if (scale != T(1))
+        o *= scale;
 }
 
 template <class T>
 void rwkv7_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                      const ConstMatrixRef<T>& A, const ConstMatrixRef<T>& B, const ConstMatrixRef<T>& W, MatrixRef<T> O,
-                     Matrix<T>& S) {
+                     const Rwkv7Options& options, Matrix<T>& S) {
     Vector<T> read(V.cols());
     for (Index i = 0; i < Q.rows(); ++i)
-        rwkv7_step(Q.row(i), K.row(i), V.row(i), A.row(i), B.row(i), W.row(i), S, read, O.row(i));
+        rwkv7_step(Q, K, V, A, B, W, i, static_cast<T>(options.scale), S, read, O.row(i));
 }
 
 /// The chunked form (see the top of the file), the pair terms by channel_pairs (two per
@@ -111,10 +125,11 @@ void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
         p_qb(c_max, c_max), p_qk(c_max, c_max);
     Vector<T> read(dv), last(d);
     const ExpNonpositiveOp<T> exp;
+    const T scale = static_cast<T>(options.scale);
     for (Index t0 = 0, c = 0; t0 < n; t0 += c) {
         if ((W.row(t0).array() == -std::numeric_limits<T>::infinity()).any()) {  // a reset: the recurrence takes it
             c = 1;
-            rwkv7_step(Q.row(t0), K.row(t0), V.row(t0), A.row(t0), B.row(t0), W.row(t0), S, read, O.row(t0));
+            rwkv7_step(Q, K, V, A, B, W, t0, scale, S, read, O.row(t0));
             continue;
         }
         c = chunk_before_reset(W, t0, std::min(c_max, n - t0));
@@ -161,6 +176,8 @@ void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
                                                o.data(), o.outerStride(), nullptr);
         tile_product<T, DefaultBlocking, true>(c, dv, c, pqk.data(), pqk.outerStride(), 1, v.data(), V.outerStride(),
                                                o.data(), o.outerStride(), nullptr);
+        if (scale != T(1))
+            o *= scale;
         // S = Diag(e^{λ_C}) S_0 + (B ⊙ e^{λ_C − λ})ᵀ W̃ + (K ⊙ e^{λ_C − λ})ᵀ V, the decay the
         // first product's row scale.
         last = lambda.row(c).array().unaryExpr(exp);
@@ -206,7 +223,7 @@ void rwkv7_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const
     if constexpr (form == Rwkv7Form::chunked)
         rwkv7_chunked(q, k, v, a, b, w, o, options, s.mu);
     else
-        rwkv7_recurrent(q, k, v, a, b, w, o, s.mu);
+        rwkv7_recurrent(q, k, v, a, b, w, o, options, s.mu);
 }
 
 }  // namespace detail

@@ -23,7 +23,7 @@
 // state() and set_state() take the state out and put one in (a model's initial state, a
 // state computed elsewhere).
 //
-//   DeltaRuleMemory<float> memory(64, 64, {.normalize_keys = true});
+//   DeltaRuleMemory<float> memory(64, 64, {.qk_l2norm = true});
 //   Matrix<float> keys(n, 65);  keys << K, beta;
 //   memattn::prefill(memory, Q, keys, V, O);    // = chunked_delta_rule_attention(Q, K, V, beta, O, ...)
 
@@ -85,18 +85,20 @@ public:
     using Scalar = T;  ///< float or double: the rows' scalar and the state's
 
     /// k of width `key_dim` (d; the key row adds the gate columns), values of width
-    /// `value_dim` (dv); `options` as for the gated kernels, so decay must be 1 (the gates
-    /// are the decay).
+    /// `value_dim` (dv); `options` as for the gated kernels (q scaled by 1/√d unless
+    /// options.scale is given; no normaliser unless options.normalize).
     GatedLinearAttentionMemory(Index key_dim, Index value_dim, GateKind gates = GateKind::scalar,
-                               LinearOptions options = {})
+                               GatedOptions options = {})
         : d_(detail::at_least(key_dim, 1, "GatedLinearAttentionMemory", "key_dim")),
           dv_(detail::at_least(value_dim, 1, "GatedLinearAttentionMemory", "value_dim")),
           gates_(gates),
           options_(options),
-          a_(gates == GateKind::channel ? d_ : 0) {
+          a_(gates == GateKind::channel ? d_ : 0),
+          k_(d_) {
         const Matrix<T> none(0, d_), values(0, dv_), gate(0, gate_cols());
         detail::check_gated_arguments<T, T, T>("GatedLinearAttentionMemory", none, none, values, gate, {0, dv_}, options_,
                                          nullptr);
+        factor_ = detail::query_factor<T>(options_, d_);
         reset();
     }
 
@@ -118,8 +120,11 @@ public:
             state_.nu.array() *= a_.array();
             detail::reset_channels(key.tail(d_), state_);
         }
-        state_.mu.noalias() += key.head(d_).transpose() * value;
-        state_.nu += key.head(d_);
+        k_ = key.head(d_);
+        if (options_.qk_l2norm)
+            k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
+        state_.mu.noalias() += k_.transpose() * value;
+        state_.nu += k_;
         ++length_;
     }
 
@@ -132,12 +137,12 @@ public:
         detail::check_extras(site, keys, d_, -1, d_);
     }
 
-    /// out = q S / (q·z + eps), or q S; zero before any update.
+    /// out = q̂ S, or q̂ S / (q̂·z + eps) with options.normalize (q̂ = q's scale and norm
+    /// applied, as the kernels); zero before any update.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
         detail::check_query("GatedLinearAttentionMemory::attend", query, out, d_, dv_);
         out.noalias() = query * state_.mu;
-        if (options_.normalize && length_ > 0)
-            out *= T(1) / (query.dot(state_.nu) + static_cast<T>(options_.eps));
+        finish(query, out);
     }
 
     /// Row r of `out` = attend(row r of `queries`), to rounding: S and z read once for the
@@ -148,9 +153,8 @@ public:
             return;
         detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, state_.mu.data(),
                                 dv_, out.data(), out.outerStride(), nullptr);
-        if (options_.normalize && length_ > 0)
-            for (Index r = 0; r < queries.rows(); ++r)
-                out.row(r) *= T(1) / (queries.row(r).dot(state_.nu) + static_cast<T>(options_.eps));
+        for (Index r = 0; r < queries.rows(); ++r)
+            finish(queries.row(r), out.row(r));
     }
 
     /// chunked_gated_linear_attention over the keys' first d columns and their gates, from
@@ -193,7 +197,7 @@ public:
     /// One log-gate per token (scalar) or one per key channel.
     [[nodiscard]] GateKind gates() const noexcept { return gates_; }
     /// The options it was built with.
-    [[nodiscard]] const LinearOptions& options() const noexcept { return options_; }
+    [[nodiscard]] const GatedOptions& options() const noexcept { return options_; }
     /// The state: mu = S (d × dv), nu = z (1 × d).
     [[nodiscard]] const LinearState<T>& state() const noexcept { return state_; }
     /// Resumes from a state (a saved state(), or one computed elsewhere: FLA's
@@ -215,7 +219,8 @@ public:
         length_ = length;
     }
 
-    /// Snapshots: d, dv, the gate kind, the options, length, S, z.
+    /// Snapshots: d, dv, the gate kind, the options (chunk_size, the resolved scale,
+    /// normalize, eps, qk_l2norm, l2norm_eps), length, S, z.
     [[nodiscard]] static std::string snapshot_kind() { return "GatedLinearAttentionMemory"; }
     /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
@@ -223,8 +228,11 @@ public:
         w.index(dv_);
         w.index(static_cast<Index>(gates_));
         w.index(options_.chunk_size);
-        w.number(options_.eps);
+        w.number(detail::resolved_scale(options_.scale, d_));
         w.flag(options_.normalize);
+        w.number(options_.eps);
+        w.flag(options_.qk_l2norm);
+        w.number(options_.l2norm_eps);
         w.index(length_);
         w.matrix(state_.mu);
         w.matrix(state_.nu);
@@ -236,8 +244,11 @@ public:
         r.expect("value_dim", dv_);
         r.expect("gate kind", static_cast<Index>(gates_));
         r.expect("chunk_size", options_.chunk_size);
-        r.expect("eps", options_.eps);
+        r.expect("scale", detail::resolved_scale(options_.scale, d_));
         r.expect("normalize", options_.normalize);
+        r.expect("eps", options_.eps);
+        r.expect("qk_l2norm", options_.qk_l2norm);
+        r.expect("l2norm_eps", options_.l2norm_eps);
         const Index length = r.count("length", 0, max_length);
         r.expect_remaining(sizeof(T) * static_cast<std::size_t>(state_.mu.size() + state_.nu.size()), "S and z");
         r.matrix(state_.mu, "S");
@@ -248,10 +259,23 @@ public:
 private:
     [[nodiscard]] Index gate_cols() const noexcept { return gates_ == GateKind::scalar ? 1 : d_; }
 
+    /// out (= q S) times the query's factor, divided by q̂·z + eps with options.normalize
+    /// (after an update; the kernels' recurrent form, operation for operation).
+    template <class Q, class O>
+    void finish(const Q& query, O&& out) const {
+        const T f = factor_(query.data(), d_);
+        if (options_.normalize && length_ > 0)
+            out *= f / (f * query.dot(state_.nu) + static_cast<T>(options_.eps));
+        else if (factor_.active())
+            out *= f;
+    }
+
     Index d_, dv_;
     GateKind gates_;
-    LinearOptions options_;
+    GatedOptions options_;
+    detail::QueryFactor<T> factor_;  ///< q's scale and norm
     Vector<T> a_;  ///< update's channel gates (allocated once)
+    Vector<T> k_;  ///< update's key, normalised (allocated once)
     LinearState<T> state_;
     Index length_ = 0;
 };
@@ -271,22 +295,10 @@ public:
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {names_->update, "key", "value"});
         k_ = key.head(d_);
-        if (options_.normalize_keys && k_.norm() > T(0))
-            k_ /= k_.norm();
-        constexpr T minus_infinity = -std::numeric_limits<T>::infinity();
-        if (gate_cols_ == 1 && key(d_ + 1) == minus_infinity) {
-            S_.setZero();  // a reset
-        } else if (gate_cols_ == 1) {
-            S_ *= std::exp(key(d_ + 1));
-        } else if (gate_cols_ > 1) {  // a decay per key channel; −∞ resets its row
-            for (Index r = 0; r < d_; ++r) {
-                const T x = key(d_ + 1 + r);
-                if (x == minus_infinity)
-                    S_.row(r).setZero();
-                else if (x != T(0))
-                    S_.row(r) *= std::exp(x);
-            }
-        }
+        if (options_.qk_l2norm)
+            k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
+        if (gate_cols_ > 0)  // S ← g S, or KDA's S ← Diag(α) S; −∞ resets
+            detail::delta_decay(key.tail(gate_cols_), S_);
         u_.noalias() = k_ * S_;
         u_ = key(d_) * (value - u_);
         S_.noalias() += k_.transpose() * u_;
@@ -304,10 +316,13 @@ public:
     /// The same, naming this memory's validate.
     void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) const { validate(keys, values, {names_->validate}); }
 
-    /// out = q S; zero before any update.
+    /// out = q̂ S (q̂: q scaled, and normalised with qk_l2norm, as the kernels); zero
+    /// before any update.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
         detail::check_query(names_->attend, query, out, d_, dv_);
         out.noalias() = query * S_;
+        if (factor_.active())
+            out *= factor_(query.data(), d_);
     }
 
     /// Row r of `out` = attend(row r of `queries`), to rounding: S read once for the
@@ -318,6 +333,7 @@ public:
             return;
         detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, S_.data(), dv_,
                                 out.data(), out.outerStride(), nullptr);
+        detail::scale_by_queries(factor_, queries, out);
     }
 
     /// chunked_delta_rule_attention over the keys' columns, from and into the memory's state.
@@ -374,8 +390,9 @@ public:
         length_ = length;
     }
 
-    /// Snapshots: d, dv, gated, the options (chunk_size, normalize_keys; not
-    /// allow_negative_eigenvalues, which only widens what update accepts), length, S.
+    /// Snapshots: d, dv, gated, the options (chunk_size, the resolved scale, qk_l2norm,
+    /// l2norm_eps; not allow_negative_eigenvalues, which only widens what update
+    /// accepts), length, S.
     [[nodiscard]] static std::string snapshot_kind() { return "DeltaRuleMemory"; }
     /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
@@ -383,7 +400,9 @@ public:
         w.index(dv_);
         w.flag(gate_cols_ > 0);
         w.index(options_.chunk_size);
-        w.flag(options_.normalize_keys);
+        w.number(detail::resolved_scale(options_.scale, d_));
+        w.flag(options_.qk_l2norm);
+        w.number(options_.l2norm_eps);
         w.index(length_);
         w.matrix(S_);
     }
@@ -394,7 +413,9 @@ public:
         r.expect("value_dim", dv_);
         r.expect("gated", gate_cols_ > 0);
         r.expect("chunk_size", options_.chunk_size);
-        r.expect("normalize_keys", options_.normalize_keys);
+        r.expect("scale", detail::resolved_scale(options_.scale, d_));
+        r.expect("qk_l2norm", options_.qk_l2norm);
+        r.expect("l2norm_eps", options_.l2norm_eps);
         const Index length = r.count("length", 0, max_length);
         r.expect_remaining(sizeof(T) * static_cast<std::size_t>(S_.size()), "S");
         r.matrix(S_, "S");
@@ -433,12 +454,15 @@ protected:
           u_(dv_) {
         detail::require(options_.chunk_size > 0, names.type, "options.chunk_size", "is ", options_.chunk_size,
                         ", expected > 0");
+        detail::check_query_key_options<T>(names.type, options_.scale, options_.l2norm_eps);
+        factor_ = detail::query_factor<T>(options_, d_);
         reset();
     }
 
 private:
     Index d_, dv_;
     DeltaOptions options_;
+    detail::QueryFactor<T> factor_;  ///< q's scale and norm
     Index gate_cols_;  ///< log-gates in the key row: 0, 1 or d
     const Names* names_;
     Matrix<T> S_;
@@ -477,22 +501,16 @@ public:
           read_(dv_) {
         detail::require(options_.chunk_size > 0, "Rwkv7Memory", "options.chunk_size", "is ", options_.chunk_size,
                         ", expected > 0");
+        detail::require(detail::finite_in<T>(options_.scale), "Rwkv7Memory", "options.scale", "is ", options_.scale,
+                        ", expected a number finite as ", detail::scalar_name<T>);
         reset();
     }
 
     /// key = [k | a | b | log w]: S ← (Diag(w) + bᵀa) S + kᵀv.
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {"Rwkv7Memory::update", "key", "value"});
-        read_.noalias() = key.segment(d_, d_) * S_;
-        for (Index r = 0; r < d_; ++r) {
-            const T x = key(3 * d_ + r);
-            if (x == -std::numeric_limits<T>::infinity())
-                S_.row(r).setZero();
-            else if (x != T(0))
-                S_.row(r) *= std::exp(x);
-        }
-        S_.noalias() += key.segment(2 * d_, d_).transpose() * read_;
-        S_.noalias() += key.head(d_).transpose() * value;
+        detail::rwkv7_update(key.head(d_), value, key.segment(d_, d_), key.segment(2 * d_, d_), key.tail(d_), S_,
+                             read_);
         ++length_;
     }
 
@@ -507,10 +525,12 @@ public:
         validate(keys, values, {"Rwkv7Memory::validate"});
     }
 
-    /// out = q S; zero before any update.
+    /// out = scale · q S; zero before any update.
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
         detail::check_query("Rwkv7Memory::attend", query, out, d_, dv_);
         out.noalias() = query * S_;
+        if (options_.scale != 1)
+            out *= static_cast<T>(options_.scale);
     }
 
     /// Row r of `out` = attend(row r of `queries`), to rounding: one register-blocked
@@ -521,6 +541,8 @@ public:
             return;
         detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, S_.data(), dv_,
                                 out.data(), out.outerStride(), nullptr);
+        if (options_.scale != 1)
+            out *= static_cast<T>(options_.scale);
     }
 
     /// chunked_rwkv7_attention over the keys' columns, from and into the memory's state.
@@ -570,22 +592,24 @@ public:
         length_ = length;
     }
 
-    /// Snapshots: d, dv, chunk_size, length, S.
+    /// Snapshots: d, dv, chunk_size, scale, length, S.
     [[nodiscard]] static std::string snapshot_kind() { return "Rwkv7Memory"; }
     /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
     void write_snapshot(snapshot::Writer& w) const {
         w.index(d_);
         w.index(dv_);
         w.index(options_.chunk_size);
+        w.number(options_.scale);
         w.index(length_);
         w.matrix(S_);
     }
     /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
-    /// memory unchanged, unless d, dv and chunk_size are its own.
+    /// memory unchanged, unless d, dv, chunk_size and scale are its own.
     void read_snapshot(snapshot::Reader& r) {
         r.expect("key_dim", d_);
         r.expect("value_dim", dv_);
         r.expect("chunk_size", options_.chunk_size);
+        r.expect("scale", options_.scale);
         const Index length = r.count("length", 0, max_length);
         r.expect_remaining(sizeof(T) * static_cast<std::size_t>(S_.size()), "S");
         r.matrix(S_, "S");

@@ -202,8 +202,14 @@ public:
     [[nodiscard]] std::size_t footprint() const noexcept { return bytes(length_); }
     /// Pairs it can hold before it allocates again.
     [[nodiscard]] Index pair_capacity() const noexcept { return keys_.rows(); }
-    /// Bytes allocated (held pairs plus room to grow).
-    [[nodiscard]] std::size_t capacity() const noexcept { return bytes(keys_.rows()); }
+    /// Bytes allocated (held pairs plus room to grow; with PerChannelKeys, also the exact
+    /// rows kept for the unfinished group of keys and the scales of the last group).
+    [[nodiscard]] std::size_t capacity() const noexcept {
+        if constexpr (requires { keys_.allocated_bytes(); })
+            return keys_.allocated_bytes() + detail::stored_bytes<ValueRows>(values_.rows(), value_dim_);
+        else
+            return bytes(keys_.rows());
+    }
     /// Forgets every pair and keeps the allocation.
     void reset() noexcept { keep(0); }
     /// Forgets the newest pairs, keeping the first `tokens` (at most length()): takes the

@@ -1499,6 +1499,13 @@ public:
 
     [[nodiscard]] Index rows() const noexcept { return codes_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return cols_; }
+    /// Bytes allocated: the codes, scales and zero points of rows() rows, and the exact
+    /// rows of the unfinished group (G rows of T, held whatever the length).
+    [[nodiscard]] std::size_t allocated_bytes() const noexcept {
+        return static_cast<std::size_t>(codes_.size()) * sizeof(Code) +
+               sizeof(float) * static_cast<std::size_t>(scales_.size() + zeros_.size()) +
+               sizeof(T) * static_cast<std::size_t>(tail_.size());
+    }
     /// Rows quantised: the finished groups' (a multiple of G).
     [[nodiscard]] Index finished() const noexcept { return finished_; }
     void swap(StoredRows& other) noexcept {
