@@ -207,6 +207,29 @@ MEMATTN_GATED_BENCH(Gate::gated_delta, "GatedDelta");
 MEMATTN_GATED_BENCH(Gate::kda, "Kda");
 MEMATTN_GATED_BENCH(Gate::rwkv7, "Rwkv7");
 
+// One long sequence on several threads (LinearOptions::span_tokens): the chunked linear
+// form by spans against one span (span 0) in the same run, elu+1, on an OpenMP team of
+// `threads`. Wall time: the team's.
+void BM_LinearSpans(benchmark::State& state) {
+    const Index n = state.range(0), d = state.range(1);
+    Inputs in(n, d);
+    const memattn::OpenMPExecutor team{.threads = static_cast<int>(state.range(3))};
+    const memattn::LinearOptions options{.span_tokens = state.range(2)};
+    for (auto _ : state) {
+        memattn::chunked_linear_attention(in.Q, in.K, in.V, in.O, memattn::EluPlusOne{}, options, nullptr, team);
+        benchmark::DoNotOptimize(in.O.data());
+        benchmark::ClobberMemory();
+    }
+    set_tokens(state, n);
+}
+BENCHMARK(BM_LinearSpans)
+    ->ArgNames({"n", "d", "span", "threads"})
+    ->ArgsProduct({{65536}, {64, 128}, {0}, {1}})
+    ->ArgsProduct({{65536}, {64, 128}, {32768}, {1, 2}})
+    ->ArgsProduct({{65536}, {64, 128}, {8192}, {2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
 // One long sequence on several threads (GatedOptions::span_tokens): the chunked gated
 // form by spans against one span (span 0) in the same run, gates per token (channels 0)
 // or per channel (1), on an OpenMP team of `threads`. Wall time: the team's.

@@ -455,3 +455,51 @@ TEMPLATE_TEST_CASE("Linear attention on bfloat16 and float16 equals the float fo
     if (n > 0)
         check_close(a.mu, b.mu.cast<double>(), tolerance<float>());
 }
+
+TEMPLATE_TEST_CASE("Linear attention by spans: bitwise the same on 1, 2 and 3 threads, one span's outputs to "
+                   "rounding, the double reference",
+                   "[linear][spans][threads]", float, double) {
+    using T = TestType;
+    const double tol = tolerance<T>() * 20;
+    const Index d = 6, dv = 5;
+    const OpenMPExecutor one{.threads = 1}, two{.threads = 2}, three{.threads = 3};
+    for (const Index n : {0, 1, 33, 300, 700}) {
+        for (const Index span : {5, 40, 100, 256, 1000}) {
+            for (const double decay : {1.0, 0.97}) {
+                for (const bool normalize : {false, true}) {
+                    INFO("n = " << n << ", span " << span << ", decay " << decay << ", normalize " << normalize);
+                    const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2),
+                                    V = random_matrix<T>(n, dv, 3);
+                    const LinearOptions serial{.chunk_size = 8, .decay = decay, .normalize = normalize};
+                    LinearOptions options = serial;
+                    options.span_tokens = span;
+                    const LinearState<T> initial{random_matrix<T>(d, dv, 5), random_matrix<T>(1, d, 6).cwiseAbs()};
+                    LinearState<T> s1 = initial, s2 = initial, s3 = initial, whole = initial;
+                    Matrix<T> O1(n, dv), O2(n, dv), O3(n, dv), expected(n, dv);
+                    chunked_linear_attention(Q, K, V, expected, EluPlusOne{}, serial, &whole);
+                    chunked_linear_attention(Q, K, V, O1, EluPlusOne{}, options, &s1, one);
+                    chunked_linear_attention(Q, K, V, O2, EluPlusOne{}, options, &s2, two);
+                    chunked_linear_attention(Q, K, V, O3, EluPlusOne{}, options, &s3, three);
+                    CHECK(O1.cwiseEqual(O2).all());
+                    CHECK(O1.cwiseEqual(O3).all());
+                    CHECK(s1.mu.cwiseEqual(s2.mu).all());
+                    CHECK(s1.nu.cwiseEqual(s3.nu).all());
+                    check_close(O1, reference::to_double(expected), tol);
+                    check_close(s1.mu, reference::to_double(whole.mu), tol);
+                    check_close(s1.nu, reference::to_double(whole.nu), tol);
+                    const auto direct = reference::linear_attention(
+                        features(EluPlusOne{}, reference::to_double(Q)), features(EluPlusOne{}, reference::to_double(K)),
+                        reference::to_double(V), decay, 1e-6, normalize, reference::to_double(initial.mu),
+                        reference::to_double(initial.nu));
+                    check_close(O3, direct.out, tol);
+                    check_close(s3.mu, direct.mu, tol);
+                }
+            }
+        }
+    }
+    const Matrix<float> Q = random_matrix<float>(10, d, 1), V = random_matrix<float>(10, dv, 3);
+    Matrix<float> O(10, dv);
+    CHECK_THROWS_WITH(chunked_linear_attention(Q, Q, V, O, EluPlusOne{}, {.span_tokens = -3}),
+                      Catch::Matchers::Contains("chunked_linear_attention") &&
+                          Catch::Matchers::Contains("options.span_tokens"));
+}

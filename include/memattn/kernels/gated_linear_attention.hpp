@@ -313,35 +313,20 @@ template <class T>
 void gated_spans(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                  const ConstMatrixRef<T>& G, MatrixRef<T> O, const GatedOptions& options, LinearState<T>& s,
                  ExecutorRef executor) {
-    const Index n = Q.rows(), d = Q.cols(), dv = V.cols(), gc = G.cols(), chunk = options.chunk_size;
-    const Index span = std::max<Index>(1, options.span_tokens / chunk + (options.span_tokens % chunk != 0)) * chunk;
-    const Index spans = options.span_tokens == 0 ? 1 : n / span + (n % span != 0);
-    if (spans <= 1 || !s.mu.allFinite() || !s.nu.allFinite()) {
+    const SpanPlan plan(Q.rows(), options.span_tokens, options.chunk_size);
+    if (plan.spans() <= 1 || !s.mu.allFinite() || !s.nu.allFinite()) {
         gated_chunked(Q, K, V, G, O, options, s);
         return;
     }
-    // Step 3's blocks: 256 rows each, span by span (the later spans only).
-    constexpr Index block_rows = 256;
-    struct Block {
-        Index span, first, rows;
-    };
-    std::vector<Block> blocks;
-    std::vector<std::size_t> first_block(static_cast<std::size_t>(spans), 0);
-    for (Index j = 1; j < spans; ++j) {
-        first_block[static_cast<std::size_t>(j)] = blocks.size();
-        const Index end = std::min(n, (j + 1) * span);
-        for (Index r = j * span; r < end; r += block_rows)
-            blocks.push_back({j, r, std::min(block_rows, end - r)});
-    }
-    const auto block_count = static_cast<Index>(blocks.size());
-    Matrix<T> starts(block_count, gc), totals(spans, gc);
+    const Index spans = plan.spans(), d = Q.cols(), dv = V.cols(), gc = G.cols();
+    Matrix<T> starts(plan.block_count(), gc), totals(spans, gc);  // log-gates summed to each block, over each span
     std::vector<LinearState<T>> ends(static_cast<std::size_t>(spans));
-    ColumnVector<T> den(options.normalize ? n : 0);
+    ColumnVector<T> den(options.normalize ? Q.rows() : 0);
     // 1. The spans at once.
     run_ranges(executor, spans, [&](Index first, Index last) {
         Vector<T> sum(gc);
         for (Index j = first; j < last; ++j) {
-            const Index r0 = j * span, m = std::min(span, n - r0);
+            const Index r0 = plan.first(j), m = plan.rows(j);
             LinearState<T>& e = ends[static_cast<std::size_t>(j)];
             if (j == 0) {
                 e = s;
@@ -352,9 +337,9 @@ void gated_spans(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
             gated_chunked<T>(Q.middleRows(r0, m), K.middleRows(r0, m), V.middleRows(r0, m), G.middleRows(r0, m),
                              O.middleRows(r0, m), options, e, j > 0, options.normalize ? den.data() + r0 : nullptr);
             sum.setZero();
-            auto b = static_cast<Index>(first_block[static_cast<std::size_t>(j)]);
+            Index b = j > 0 ? plan.first_block(j) : 0;
             for (Index t = 0; t < m; ++t) {
-                if (j > 0 && b < block_count && blocks[static_cast<std::size_t>(b)].first == r0 + t)
+                if (j > 0 && b < plan.first_block(j + 1) && plan.block(b).first == r0 + t)
                     starts.row(b++) = sum;
                 sum += G.row(r0 + t);
             }
@@ -374,11 +359,11 @@ void gated_spans(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
     // 3. The later spans' rows: the carried state's part, then the factor and normaliser.
     const QueryFactor<T> factor = query_factor<T>(options, d);
     const ExpNonpositiveOp<T> exp;
-    run_ranges(executor, block_count, [&](Index first, Index last) {
-        Matrix<T> qd(block_rows, d);
-        Vector<T> b(gc), decay(d);
+    run_ranges(executor, plan.block_count(), [&](Index first, Index last) {
+        Matrix<T> qd(SpanPlan::block_rows, d);
+        Vector<T> b(gc);
         for (Index i = first; i < last; ++i) {
-            const Block& block = blocks[static_cast<std::size_t>(i)];
+            const SpanPlan::Block& block = plan.block(i);
             const LinearState<T>& in = before[static_cast<std::size_t>(block.span)];
             const auto q = Q.middleRows(block.first, block.rows);
             auto o = O.middleRows(block.first, block.rows);

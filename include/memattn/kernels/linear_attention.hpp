@@ -66,6 +66,7 @@
 #include "memattn/detail/assert.hpp"
 #include "memattn/detail/float_spans.hpp"
 #include "memattn/detail/tile_product.hpp"
+#include "memattn/execution/executor.hpp"
 #include "memattn/feature_maps.hpp"
 #include "memattn/types.hpp"
 
@@ -73,6 +74,7 @@
 #include <cmath>
 #include <limits>
 #include <utility>
+#include <vector>
 
 namespace memattn {
 
@@ -83,6 +85,10 @@ struct LinearOptions {
     double eps = 1e-6;      ///< added to the normaliser q'·ν
     double decay = 1;       ///< γ ∈ (0, 1]: the state is multiplied by γ before each token
     bool normalize = true;  ///< divide by q'·ν + eps
+    /// Chunked form: cut the sequence every span_tokens tokens (rounded up to whole
+    /// chunks) and run the spans on the executor's threads (detail::linear_spans); 0:
+    /// one span. The outputs depend on it and on the length, never on the threads.
+    Index span_tokens = 0;
 };
 
 /// The running state of linear attention. Empty (both of size 0) means zero; a
@@ -108,6 +114,8 @@ Index check_linear_arguments(const char* function, const Phi& phi, Shape q, Shap
             ", expected a number >= 0 finite as ", scalar_name<T>);
     require(options.decay > 0 && options.decay <= 1 && static_cast<T>(options.decay) > 0, function, "options.decay",
             "is ", options.decay, ", expected a value in (0, 1] that is not 0 as ", scalar_name<T>);
+    require(options.span_tokens >= 0 && options.span_tokens <= max_length, function, "options.span_tokens", "is ",
+            options.span_tokens, ", expected 0 (one span) .. 2^62");
     require(k.rows == q.rows && k.cols == q.cols, function, "K", "has shape ", k, ", expected the shape of Q (", q,
             ")");
     require(v.rows == q.rows, function, "V", "has shape ", v, ", expected ", q.rows, " rows as Q (", q, ")");
@@ -298,6 +306,46 @@ void normalize_rows(OB& o, ColumnVector<T>& den, Index n, T eps) {
     o.array().colwise() *= inv;
 }
 
+/// The cut of one sequence into spans for the span-parallel chunked forms (linear_spans,
+/// gated_spans): spans of `span_tokens` rounded up to whole chunks (none: one span), and
+/// the later spans' rows in blocks of 256 for their correction. A function of the length
+/// and the options only, never of the threads.
+class SpanPlan {
+public:
+    static constexpr Index block_rows = 256;  ///< rows of a correction block
+    /// One block of rows of a later span.
+    struct Block {
+        Index span;   ///< its span
+        Index first;  ///< its first row
+        Index rows;   ///< its rows
+    };
+
+    SpanPlan(Index n, Index span_tokens, Index chunk)
+        : n_(n),
+          span_(std::max<Index>(1, span_tokens / chunk + (span_tokens % chunk != 0)) * chunk),
+          spans_(span_tokens == 0 || n == 0 ? 1 : n / span_ + (n % span_ != 0)),
+          first_block_(static_cast<std::size_t>(spans_) + 1, 0) {
+        for (Index j = 1; j < spans_; ++j) {
+            first_block_[static_cast<std::size_t>(j)] = static_cast<Index>(blocks_.size());
+            for (Index r = first(j); r < first(j) + rows(j); r += block_rows)
+                blocks_.push_back({j, r, std::min(block_rows, first(j) + rows(j) - r)});
+        }
+        first_block_[static_cast<std::size_t>(spans_)] = static_cast<Index>(blocks_.size());
+    }
+    [[nodiscard]] Index spans() const noexcept { return spans_; }                 ///< the number of spans
+    [[nodiscard]] Index first(Index j) const noexcept { return j * span_; }       ///< span j's first row
+    [[nodiscard]] Index rows(Index j) const noexcept { return std::min(span_, n_ - j * span_); }  ///< its rows
+    [[nodiscard]] Index block_count() const noexcept { return static_cast<Index>(blocks_.size()); }
+    [[nodiscard]] const Block& block(Index i) const noexcept { return blocks_[static_cast<std::size_t>(i)]; }
+    /// Span j's first block (j ≥ 1); blocks [first_block(j), first_block(j + 1)) are its.
+    [[nodiscard]] Index first_block(Index j) const noexcept { return first_block_[static_cast<std::size_t>(j)]; }
+
+private:
+    Index n_, span_, spans_;
+    std::vector<Block> blocks_;
+    std::vector<Index> first_block_;
+};
+
 // ------------------------------------------------------------------------- chunked
 
 /// One chunk of n ≤ C tokens is three GEMMs and a GEMV over a scratch laid out so that
@@ -327,10 +375,14 @@ void normalize_rows(OB& o, ColumnVector<T>& den, Index n, T eps) {
 /// `sequence_tokens`, so every call lays out its scratch alike: Eigen's small products
 /// round differently at different alignments, and the pieces then give the bits of the
 /// whole.
+///
+/// `raw_den`: a later span of linear_spans (one member), whose rows are left as q'μ of
+/// the state gathered inside the span, with q'·ν into raw_den[t] when normalising, for
+/// linear_spans to add the carried state to.
 template <class T, class Phi>
 void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, MatrixRef<T> O,
                   const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& s,
-                  Index sequence_tokens = -1) {
+                  Index sequence_tokens = -1, T* raw_den = nullptr) {
     const Index tokens = Q.rows();
     const Index c = std::min(options.chunk_size, std::max<Index>(sequence_tokens >= 0 ? sequence_tokens : tokens, 1));
     const Index f = features, d = K.cols(), dv = V.cols(), members = Q.cols() / d;
@@ -376,7 +428,10 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
             // C-row products).
             tile_product<T>(n, dv, f + n, operands.data(), operands.outerStride(), 1, right.data(),
                             right.outerStride(), o.data(), o.outerStride(), nullptr, LowerTerms{f}, &ahead);
-            if (options.normalize) {
+            if (options.normalize && raw_den != nullptr) {
+                Eigen::Map<ColumnVector<T>> raw(raw_den + start, n);
+                raw.noalias() = operands * total.head(f + n).transpose();
+            } else if (options.normalize) {
                 den.head(n).noalias() = operands * total.head(f + n).transpose();  // γ^{i+1} q'·ν + Σ_j A_ij
                 normalize_rows(o, den, n, eps);
             }
@@ -385,6 +440,83 @@ void chunked_form(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
     }
     s.mu = right.topRows(f);
     s.nu = total.head(f);
+}
+
+/// The chunked form by spans (LinearOptions::span_tokens) on the executor's threads: the
+/// state after a span of m tokens is γ^m μ_start + B (B what its pairs leave from zero),
+/// and each output row is linear in μ_start and ν_start. So (1) every span runs at once,
+/// the first from the given state, the later ones from zero and raw (no normaliser, q'·ν
+/// kept); (2) in order, the state before each span; (3) blocks of the later spans' rows
+/// at once add γ^{t+1} q'_t μ_start (and γ^{t+1} q'_t·ν_start, t counted from the span's
+/// start), then normalise. The arithmetic depends on the length and the option, never
+/// on the threads: the outputs and the final state are bitwise the same on any executor.
+/// An initial state that is not finite runs as one span.
+template <class T, class Phi>
+void linear_spans(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V, MatrixRef<T> O,
+                  const Phi& phi, const LinearOptions& options, Index features, LinearState<T>& s,
+                  ExecutorRef executor) {
+    const SpanPlan plan(Q.rows(), options.span_tokens, options.chunk_size);
+    if (plan.spans() <= 1 || !s.mu.allFinite() || !s.nu.allFinite()) {
+        chunked_form(Q, K, V, O, phi, options, features, s);
+        return;
+    }
+    const Index spans = plan.spans(), dv = V.cols();
+    std::vector<LinearState<T>> ends(static_cast<std::size_t>(spans));
+    ColumnVector<T> den(options.normalize ? Q.rows() : 0);
+    // 1. The spans at once.
+    run_ranges(executor, spans, [&](Index first, Index last) {
+        for (Index j = first; j < last; ++j) {
+            const Index r0 = plan.first(j), m = plan.rows(j);
+            LinearState<T>& e = ends[static_cast<std::size_t>(j)];
+            if (j == 0) {
+                e = s;
+            } else {
+                e.mu.setZero(features, dv);
+                e.nu.setZero(features);
+            }
+            chunked_form<T>(Q.middleRows(r0, m), K.middleRows(r0, m), V.middleRows(r0, m), O.middleRows(r0, m), phi,
+                            options, features, e, -1, j > 0 && options.normalize ? den.data() + r0 : nullptr);
+        }
+    });
+    // 2. The state before each span, in order; the final state.
+    std::vector<LinearState<T>> before(static_cast<std::size_t>(spans));
+    before[1] = ends[0];
+    for (Index j = 1; j < spans; ++j) {
+        LinearState<T>& next = j + 1 < spans ? before[static_cast<std::size_t>(j + 1)] : s;
+        next = before[static_cast<std::size_t>(j)];
+        const T g = decay_power<T>(options.decay, plan.rows(j));
+        if (g != T(1)) {
+            next.mu *= g;
+            next.nu *= g;
+        }
+        next.mu += ends[static_cast<std::size_t>(j)].mu;
+        next.nu += ends[static_cast<std::size_t>(j)].nu;
+    }
+    // 3. The later spans' rows: the carried state's part, then the normaliser.
+    const ColumnVector<T> powers = decay_powers<T>(options.decay, SpanPlan::block_rows);
+    const bool decays = options.decay != 1;
+    run_ranges(executor, plan.block_count(), [&](Index first, Index last) {
+        Matrix<T> qf(SpanPlan::block_rows, features);
+        for (Index i = first; i < last; ++i) {
+            const SpanPlan::Block& block = plan.block(i);
+            const LinearState<T>& in = before[static_cast<std::size_t>(block.span)];
+            auto q = qf.topRows(block.rows);
+            apply_features<T>(phi, Q.middleRows(block.first, block.rows), q);
+            if (decays) {  // γ^{t+1}, t from the span's start: γ^{offset+1} γ^{row in block}
+                const T base = decay_power<T>(options.decay, block.first - plan.first(block.span) + 1);
+                for (Index t = 0; t < block.rows; ++t)
+                    q.row(t) *= base * powers(t);
+            }
+            auto o = O.middleRows(block.first, block.rows);
+            tile_product_add<T>(block.rows, dv, features, q.data(), q.outerStride(), 1, in.mu.data(),
+                                in.mu.outerStride(), o.data(), o.outerStride());
+            if (options.normalize) {
+                auto dn = den.segment(block.first, block.rows);
+                dn.noalias() += q * in.nu.transpose();
+                o.array().colwise() /= dn.array() + static_cast<T>(options.eps);
+            }
+        }
+    });
 }
 
 // ------------------------------------------------------------------------- recurrent
@@ -493,7 +625,7 @@ enum class LinearForm { quadratic, recurrent, chunked };
 template <LinearForm form, class DQ, class DK, class DV, class DO, class Phi>
 void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                       const Eigen::MatrixBase<DV>& V, DO&& O, const Phi& phi, const LinearOptions& options,
-                      LinearState<arithmetic_t<typename DQ::Scalar>>* state) {
+                      LinearState<arithmetic_t<typename DQ::Scalar>>* state, ExecutorRef executor = {}) {
     using E = typename DQ::Scalar;
     using T = arithmetic_t<E>;
     using Out = typename std::remove_cvref_t<DO>::Scalar;
@@ -523,7 +655,9 @@ void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, cons
     }
     const auto run = [&](const ConstMatrixRef<T>& qs, const ConstMatrixRef<T>& ks, const ConstMatrixRef<T>& vs,
                          MatrixRef<T> os, bool initial, bool wants_state) {
-        if constexpr (form == LinearForm::chunked)
+        if constexpr (form == LinearForm::chunked && !LowPrecision<E>)
+            linear_spans(qs, ks, vs, os, phi, options, features, s, executor);
+        else if constexpr (form == LinearForm::chunked)
             chunked_form(qs, ks, vs, os, phi, options, features, s);
         else if constexpr (form == LinearForm::recurrent)
             recurrent_form(qs, ks, vs, os, phi, options, features, s);
@@ -570,6 +704,9 @@ void recurrent_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Mat
 
 /// Chunks of options.chunk_size tokens: pairs inside the chunk, the carried state across
 /// chunks, one GEMM to fold the chunk into the state. The fastest form for long inputs.
+/// With options.span_tokens, one long sequence runs by spans on `executor`'s threads
+/// (float and double inputs; 16-bit inputs run as one span), its outputs the same for
+/// any executor (detail::linear_spans).
 ///
 ///   Matrix<float> O(N, dv);
 ///   LinearState<float> state;                       // empty: start from zero
@@ -578,9 +715,10 @@ template <class DQ, class DK, class DV, detail::EigenMatrix DO, class Phi = EluP
 void chunked_linear_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, DO&& O, const Phi& phi = {},
                               const LinearOptions& options = {},
-                              LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+                              LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr,
+                              ExecutorRef executor = {}) {
     detail::linear_attention<detail::LinearForm::chunked>("chunked_linear_attention", Q, K, V, std::forward<DO>(O), phi, options,
-                                                          state);
+                                                          state, executor);
 }
 
 }  // namespace memattn
