@@ -8,9 +8,11 @@
 // Prints min and median seconds of each, their ratio, and the bytes each rank sends
 // against the minimum the algorithm needs:
 //   ring attention, causal softmax, N = 16384, d = dv = 64, contiguous and zigzag shards;
-//   sequence-parallel chunked linear attention, N = 2^20, d = dv = 64.
+//   sequence-parallel chunked linear attention, N = 2^20, d = dv = 64;
+//   sequence-parallel chunked gated linear attention (scalar gates), N = 2^18, d = dv = 128.
 #include <memattn/distributed/mpi.hpp>
 #include <memattn/kernels/causal_softmax.hpp>
+#include <memattn/kernels/gated_linear_attention.hpp>
 #include <memattn/kernels/linear_attention.hpp>
 
 
@@ -168,6 +170,34 @@ int main(int argc, char** argv) {
                         "the minimum being one summary\n",
                         static_cast<long>(3 + d + d * d),
                         size > 1 ? 32 - __builtin_clz(static_cast<unsigned>(size - 1)) : 0);
+        }
+    }
+    {  // Sequence-parallel gated linear attention.
+        const Index n = Index(1) << 18, d = 128;
+        const Index first = rank * n / size, last = (rank + 1) * n / size;
+        const Mat Q = random_matrix(n, d, 7), K = random_matrix(n, d, 8), V = random_matrix(n, d, 9);
+        const Mat G = -0.05f * random_matrix(n, 1, 10).cwiseAbs();
+        Mat whole(n, d), o(last - first, d);
+        std::vector<double> one, parallel;
+        for (int r = 0; r < reps; ++r) {
+            one.push_back(timed([&] {
+                if (rank == 0)
+                    memattn::chunked_gated_linear_attention(Q, K, V, G, whole);
+            }));
+            parallel.push_back(timed([&] {
+                memattn::distributed_chunked_gated_linear_attention(
+                    MPI_COMM_WORLD, Q.middleRows(first, last - first), K.middleRows(first, last - first),
+                    V.middleRows(first, last - first), G.middleRows(first, last - first), o);
+            }));
+        }
+        if (rank == 0) {
+            const Stats a = stats(one), b = stats(parallel);
+            std::printf("gated linear attention N=%ld d=%ld: one rank %.4f s (median %.4f), %d ranks %.4f s (median "
+                        "%.4f), speed-up %.2fx (medians %.2fx)\n",
+                        static_cast<long>(n), static_cast<long>(d), a.min, a.median, size, b.min, b.median,
+                        a.min / b.min, a.median / b.median);
+            std::printf("  bytes sent per rank: one summary of %ld doubles per scan round\n",
+                        static_cast<long>(3 + 1 + d + d * d));
         }
     }
     MPI_Finalize();

@@ -8,10 +8,12 @@
 #include "support.hpp"
 
 #include <memattn/kernels/causal_softmax.hpp>
+#include <memattn/kernels/gated_linear_attention.hpp>
 #include <memattn/kernels/linear_attention.hpp>
 #include <memattn/memory/kv_cache.hpp>
 
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -258,6 +260,62 @@ TEMPLATE_TEST_CASE("sequence-parallel linear attention equals the chunked form",
     };
     run(EluPlusOne{});
     run(SquarePlusOne{});
+}
+
+TEMPLATE_TEST_CASE("sequence-parallel gated linear attention equals the chunked form", "[mpi][gated]", float,
+                   double) {
+    using T = TestType;
+    const Index gate_cols = GENERATE(Index(1), Index(12));
+    const bool normalize = GENERATE(false, true), with_state = GENERATE(false, true), empty = GENERATE(false, true);
+    const Index base = GENERATE(Index(1), Index(70));
+    if (empty && size_of() < 2)
+        return;
+    const std::vector<Index> lengths = shard_lengths(base, empty);
+    const Index n = total(lengths);
+    const Index d = 12, dv = 9;
+    const Matrix<T> Q = random_matrix<T>(n, d, 4).cwiseAbs(), K = random_matrix<T>(n, d, 5).cwiseAbs(),
+                    V = random_matrix<T>(n, dv, 6);
+    // Gates down to e^-3 per token, and resets (log-gates of -inf) at a few tokens, some on
+    // a shard's first token.
+    Matrix<T> G = -random_matrix<T>(n, gate_cols, 7, 0.3).cwiseAbs();
+    G.col(0) *= T(10);
+    for (const Index r : {Index(0), Index(3), base, 2 * base + 1})
+        if (r < n)
+            G(r, 0) = -std::numeric_limits<T>::infinity();
+    const GatedOptions options{.chunk_size = 16, .normalize = normalize, .qk_l2norm = normalize};
+    const std::vector<Index> mine = tokens_of(lengths, rank_of(), RingLayout::contiguous);
+    LinearState<T> initial;
+    if (with_state) {
+        initial.mu = random_matrix<T>(d, dv, 8, 0.5);
+        initial.nu = random_matrix<T>(1, d, 9, 0.5).cwiseAbs();
+    }
+    LinearState<T> state = initial;
+    if (rank_of() != 0 && with_state) {  // only rank 0's state is read on the way in
+        state.mu.setConstant(T(1e30));
+        state.nu.resize(3);
+    }
+    Matrix<T> O(static_cast<Index>(mine.size()), dv);
+    distributed_chunked_gated_linear_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine), rows_of(V, mine),
+                                               rows_of(G, mine), O, options, &state);
+    // The whole sequence in double through the chunked form, from the same state.
+    LinearState<double> expected_state{initial.mu.template cast<double>(), initial.nu.template cast<double>()};
+    Matrix<double> expected(n, dv);
+    chunked_gated_linear_attention(Q.template cast<double>().eval(), K.template cast<double>().eval(),
+                                   V.template cast<double>().eval(), G.template cast<double>().eval(), expected, options,
+                                   &expected_state);
+    CAPTURE(n, gate_cols, normalize, with_state, empty, rank_of());
+    check_close(O, rows_of(MatrixD(expected), mine), tolerance<T>() * 10);
+    check_close(state.mu, expected_state.mu, tolerance<T>() * 10);
+    check_close(state.nu, expected_state.nu, tolerance<T>() * 10);
+    // A positive log-gate on the last rank: every rank throws.
+    Matrix<T> bad = rows_of(G, mine);
+    if (rank_of() == size_of() - 1 && bad.rows() > 0)
+        bad(0, 0) = T(0.5);
+    if (lengths.back() > 0)
+        expect_all_throw("distributed_chunked_gated_linear_attention", [&] {
+            distributed_chunked_gated_linear_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine),
+                                                       rows_of(V, mine), bad, O, options);
+        });
 }
 
 TEMPLATE_TEST_CASE("ShardedKVCache decodes as KVCache, the same bits on every rank and run", "[mpi][memory]", float,

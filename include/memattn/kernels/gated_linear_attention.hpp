@@ -294,6 +294,45 @@ void carry_over(LinearState<T>& s, const Vector<T>& log_decay, const LinearState
     s.nu += b.nu;
 }
 
+/// Rows of a span left raw by gated_chunked (q S of the span's own state, q·z in `den`)
+/// finished with the state `in` the span started from: o_t += (q_t ⊙ e^{b_t}) S_in and
+/// den_t += (q_t ⊙ e^{b_t})·z_in, b_t the span's log-gates summed through row t (`b` holds
+/// the sum before the first row, and the sum through the last on return), then the query
+/// factor and the normaliser. `scratch` holds SpanPlan::block_rows × d; rows go in blocks
+/// of that many, one product each.
+template <class T>
+void gated_carried_rows(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& G, MatrixRef<T> O, T* den,
+                        const LinearState<T>& in, const GatedOptions& options, Vector<T>& b, Matrix<T>& scratch) {
+    const Index d = Q.cols(), dv = O.cols(), gc = G.cols();
+    const QueryFactor<T> factor = query_factor<T>(options, d);
+    const ExpNonpositiveOp<T> exp;
+    for (Index r0 = 0; r0 < Q.rows(); r0 += scratch.rows()) {
+        const Index rows = std::min(scratch.rows(), Q.rows() - r0);
+        const auto q = Q.middleRows(r0, rows);
+        auto o = O.middleRows(r0, rows);
+        auto qc = scratch.topRows(rows);
+        for (Index t = 0; t < rows; ++t) {
+            b += G.row(r0 + t);
+            if (gc == 1)
+                qc.row(t) = q.row(t) * exp(b(0));
+            else
+                qc.row(t) = q.row(t).array() * b.array().unaryExpr(exp);
+        }
+        tile_product_add<T>(rows, dv, d, qc.data(), qc.outerStride(), 1, in.mu.data(), in.mu.outerStride(), o.data(),
+                            o.outerStride());
+        if (options.normalize) {
+            Eigen::Map<ColumnVector<T>> dn(den + r0, rows);
+            dn.noalias() += qc * in.nu.transpose();
+            for (Index t = 0; t < rows; ++t) {
+                const T f = factor(q.row(t).data(), d);
+                o.row(t) *= f / (f * dn(t) + static_cast<T>(options.eps));
+            }
+        } else {
+            scale_by_queries(factor, q, o);
+        }
+    }
+}
+
 /// The chunked form by spans of options.span_tokens tokens (whole chunks), on the
 /// executor's threads, in three steps:
 ///   1. every span runs the chunked form at once: the first from the given state, each
@@ -357,37 +396,16 @@ void gated_spans(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
         carry_over(next, total, ends[static_cast<std::size_t>(j)]);
     }
     // 3. The later spans' rows: the carried state's part, then the factor and normaliser.
-    const QueryFactor<T> factor = query_factor<T>(options, d);
-    const ExpNonpositiveOp<T> exp;
     run_ranges(executor, plan.block_count(), [&](Index first, Index last) {
-        Matrix<T> qd(SpanPlan::block_rows, d);
+        Matrix<T> scratch(SpanPlan::block_rows, d);
         Vector<T> b(gc);
         for (Index i = first; i < last; ++i) {
             const SpanPlan::Block& block = plan.block(i);
-            const LinearState<T>& in = before[static_cast<std::size_t>(block.span)];
-            const auto q = Q.middleRows(block.first, block.rows);
-            auto o = O.middleRows(block.first, block.rows);
-            auto qc = qd.topRows(block.rows);
             b = starts.row(i);
-            for (Index t = 0; t < block.rows; ++t) {
-                b += G.row(block.first + t);
-                if (gc == 1)
-                    qc.row(t) = q.row(t) * exp(b(0));
-                else
-                    qc.row(t) = q.row(t).array() * b.array().unaryExpr(exp);
-            }
-            tile_product_add<T>(block.rows, dv, d, qc.data(), qc.outerStride(), 1, in.mu.data(), in.mu.outerStride(),
-                                o.data(), o.outerStride());
-            if (options.normalize) {
-                auto dn = den.segment(block.first, block.rows);
-                dn.noalias() += qc * in.nu.transpose();
-                for (Index t = 0; t < block.rows; ++t) {
-                    const T f = factor(q.row(t).data(), d);
-                    o.row(t) *= f / (f * dn(t) + static_cast<T>(options.eps));
-                }
-            } else {
-                scale_by_queries(factor, q, o);
-            }
+            gated_carried_rows<T>(Q.middleRows(block.first, block.rows), G.middleRows(block.first, block.rows),
+                                  O.middleRows(block.first, block.rows),
+                                  options.normalize ? den.data() + block.first : nullptr,
+                                  before[static_cast<std::size_t>(block.span)], options, b, scratch);
         }
     });
 }
