@@ -149,6 +149,8 @@ void BM_Gated(benchmark::State& state) {
     memattn::GatedOptions linear{};
     memattn::DeltaOptions delta{};
     memattn::Rwkv7Options rwkv7{};
+    // One thread unless the 4th argument asks for more (the value columns over a team).
+    const memattn::OpenMPExecutor team{.threads = state.range(3) > 0 ? static_cast<int>(state.range(3)) : 1};
     if (state.range(2) > 0)
         linear.chunk_size = delta.chunk_size = rwkv7.chunk_size = state.range(2);
     // RWKV-7's transition vectors as it builds them: a = −κ̂ (the unit keys), b = κ̂ ⊙ α.
@@ -163,17 +165,17 @@ void BM_Gated(benchmark::State& state) {
                 memattn::recurrent_gated_linear_attention(in.Q, in.K, in.V, log_gates, in.O, linear);
         } else if constexpr (gate == Gate::delta) {
             if constexpr (chunked)
-                memattn::chunked_delta_rule_attention(in.Q, in.K, in.V, beta, in.O, delta);
+                memattn::chunked_delta_rule_attention(in.Q, in.K, in.V, beta, in.O, delta, nullptr, team);
             else
                 memattn::recurrent_delta_rule_attention(in.Q, in.K, in.V, beta, in.O, delta);
         } else if constexpr (gate == Gate::gated_delta) {
             if constexpr (chunked)
-                memattn::chunked_delta_rule_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
+                memattn::chunked_delta_rule_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta, nullptr, team);
             else
                 memattn::recurrent_delta_rule_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
         } else if constexpr (gate == Gate::kda) {
             if constexpr (chunked)
-                memattn::chunked_kda_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
+                memattn::chunked_kda_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta, nullptr, team);
             else
                 memattn::recurrent_kda_attention(in.Q, in.K, in.V, beta, log_gates, in.O, delta);
         } else {
@@ -191,13 +193,13 @@ void BM_Gated(benchmark::State& state) {
 #define MEMATTN_GATED_BENCH(gate, name)                                                                    \
     BENCHMARK(BM_Gated<gate, true>)                                                                       \
         ->Name("BM_" name "Chunked")                                                                      \
-        ->ArgNames({"n", "d", "chunk"})                                                                   \
-        ->ArgsProduct({{65536}, {64, 128}, {0}})                                                          \
+        ->ArgNames({"n", "d", "chunk", "threads"})                                                        \
+        ->ArgsProduct({{65536}, {64, 128}, {0}, {1}})                                                     \
         ->Unit(benchmark::kMillisecond);                                                                  \
     BENCHMARK(BM_Gated<gate, false>)                                                                      \
         ->Name("BM_" name "Recurrent")                                                                    \
-        ->ArgNames({"n", "d", "chunk"})                                                                   \
-        ->ArgsProduct({{65536}, {64, 128}, {0}})                                                          \
+        ->ArgNames({"n", "d", "chunk", "threads"})                                                        \
+        ->ArgsProduct({{65536}, {64, 128}, {0}, {1}})                                                     \
         ->Unit(benchmark::kMillisecond)
 
 MEMATTN_GATED_BENCH(Gate::scalar, "GatedScalar");
@@ -264,21 +266,37 @@ BENCHMARK(BM_GatedSpans)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
+// One long sequence of the delta family on two threads: the value columns split over the
+// team (detail::ValueColumns; parts of 64 columns, so d = 64 stays on one thread),
+// against one thread in the same run. Wall time.
+BENCHMARK(BM_Gated<Gate::gated_delta, true>)
+    ->Name("BM_GatedDeltaThreads")
+    ->ArgNames({"n", "d", "chunk", "threads"})
+    ->ArgsProduct({{65536}, {64, 128}, {0}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Gated<Gate::kda, true>)
+    ->Name("BM_KdaThreads")
+    ->ArgNames({"n", "d", "chunk", "threads"})
+    ->ArgsProduct({{65536}, {64, 128}, {0}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
 // How the chunk sizes of the gated kernels were chosen.
 BENCHMARK(BM_Gated<Gate::scalar, true>)
     ->Name("BM_GatedChunkSize")
-    ->ArgNames({"n", "d", "chunk"})
-    ->ArgsProduct({{65536}, {128}, {16, 32, 64, 128}})
+    ->ArgNames({"n", "d", "chunk", "threads"})
+    ->ArgsProduct({{65536}, {128}, {16, 32, 64, 128}, {1}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Gated<Gate::delta, true>)
     ->Name("BM_DeltaChunkSize")
-    ->ArgNames({"n", "d", "chunk"})
-    ->ArgsProduct({{65536}, {128}, {16, 32, 64, 128}})
+    ->ArgNames({"n", "d", "chunk", "threads"})
+    ->ArgsProduct({{65536}, {128}, {16, 32, 64, 128}, {1}})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Gated<Gate::kda, true>)
     ->Name("BM_KdaChunkSize")
-    ->ArgNames({"n", "d", "chunk"})
-    ->ArgsProduct({{65536}, {128}, {16, 32, 64}})
+    ->ArgNames({"n", "d", "chunk", "threads"})
+    ->ArgsProduct({{65536}, {128}, {16, 32, 64}, {1}})
     ->Unit(benchmark::kMillisecond);
 
 }  // namespace

@@ -1211,3 +1211,42 @@ TEMPLATE_TEST_CASE("Gated linear attention by spans: bitwise the same on 1, 2 an
     CHECK_THROWS_WITH(chunked_gated_linear_attention(Q, K, V, G, a, {.span_tokens = -1}),
                       Catch::Matchers::Contains("options.span_tokens"));
 }
+
+TEMPLATE_TEST_CASE("Delta rule and KDA: the value columns over 2 and 3 threads give one thread's bits",
+                   "[delta][kda][threads]", float, double) {
+    using T = TestType;
+    const OpenMPExecutor one{.threads = 1}, two{.threads = 2}, three{.threads = 3};
+    const Index n = 1100, d = 8;  // past ValueColumns::min_rows
+    // One part (100 columns), two (128), three of 64, 64 and 77 (205); chunks of 7 and 16.
+    for (const Index dv : {100, 128, 205}) {
+        INFO("dv = " << dv);
+        const Matrix<T> Q = random_matrix<T>(n, d, 1), K = unit_rows<T>(random_matrix<T>(n, d, 2)),
+                        V = random_matrix<T>(n, dv, 3), B = betas<T>(n, 4), G1 = log_gates<T>(n, 1, 5, 0.1),
+                        Gd = with_resets(log_gates<T>(n, d, 6, 0.1), {500});
+        const LinearState<T> initial{random_matrix<T>(d, dv, 8, 0.3), {}};
+        const auto same = [&](auto call) {
+            Matrix<T> o1(n, dv), o2(n, dv), o3(n, dv);
+            LinearState<T> s1 = initial, s2 = initial, s3 = initial;
+            call(o1, s1, one);
+            call(o2, s2, two);
+            call(o3, s3, three);
+            CHECK(o1.allFinite());
+            CHECK(o1.cwiseEqual(o2).all());
+            CHECK(o1.cwiseEqual(o3).all());
+            CHECK(s1.mu.cwiseEqual(s2.mu).all());
+            CHECK(s1.mu.cwiseEqual(s3.mu).all());
+        };
+        for (const Index chunk : {7, 16}) {
+            const DeltaOptions options{.chunk_size = chunk, .qk_l2norm = true};
+            same([&](Matrix<T>& o, LinearState<T>& s, const OpenMPExecutor& e) {
+                chunked_delta_rule_attention(Q, K, V, B, o, options, &s, e);
+            });
+            same([&](Matrix<T>& o, LinearState<T>& s, const OpenMPExecutor& e) {
+                chunked_delta_rule_attention(Q, K, V, B, G1, o, options, &s, e);
+            });
+            same([&](Matrix<T>& o, LinearState<T>& s, const OpenMPExecutor& e) {
+                chunked_kda_attention(Q, K, V, B, Gd, o, options, &s, e);
+            });
+        }
+    }
+}

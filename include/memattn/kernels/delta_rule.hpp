@@ -389,7 +389,7 @@ template <DeltaForm form, class DQ, class DK, class DV, class DB, class G, class
 void delta_rule_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                           const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                           const ConstMatrixRef<G>* gates, DO&& O, const DeltaOptions& options,
-                          LinearState<arithmetic_t<typename DQ::Scalar>>* state) {
+                          LinearState<arithmetic_t<typename DQ::Scalar>>* state, ExecutorRef executor = {}) {
     using E = typename DQ::Scalar;
     using T = arithmetic_t<E>;
     using Bt = typename DB::Scalar;
@@ -419,7 +419,12 @@ void delta_rule_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, 
         s.mu.setZero(q.cols(), v.cols());
     const auto run = [&](const ConstMatrixRef<T>& qs, const ConstMatrixRef<T>& ks, const ConstMatrixRef<T>& vs,
                          const ConstMatrixRef<T>& bs, const ConstMatrixRef<T>* gs, MatrixRef<T> os) {
-        if constexpr (form == DeltaForm::chunked)
+        if constexpr (form == DeltaForm::chunked && !LowPrecision<E>)  // the value columns over the threads
+            by_value_columns<T>(vs, os, s.mu, executor,
+                                [&](const ConstMatrixRef<T>& vc, MatrixRef<T> oc, Matrix<T>& sc) {
+                                    delta_chunked(qs, ks, vc, bs, gs, oc, options, sc);
+                                });
+        else if constexpr (form == DeltaForm::chunked)
             delta_chunked(qs, ks, vs, bs, gs, os, options, s.mu);
         else
             delta_recurrent(qs, ks, vs, bs, gs, os, options, s.mu);
@@ -469,15 +474,19 @@ void recurrent_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen:
 }
 
 /// The same outputs and final state by chunks of options.chunk_size tokens (WY form).
+/// From 1024 tokens on, the value columns go in parts over `executor`'s threads, each
+/// part the whole sequence (detail::ValueColumns): bitwise the same outputs and state
+/// for any thread count (float and double inputs; 16-bit ones run on one thread).
 template <class DQ, class DK, class DV, class DB, detail::EigenMatrix DO>
 void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta, DO&& O,
                                   const DeltaOptions& options = {},
-                                  LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+                                  LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr,
+                                  ExecutorRef executor = {}) {
     detail::delta_rule_attention<detail::DeltaForm::chunked>(
         "chunked_delta_rule_attention", Q, K, V, beta,
         static_cast<const ConstMatrixRef<arithmetic_t<typename DQ::Scalar>>*>(nullptr), std::forward<DO>(O), options,
-        state);
+        state, executor);
 }
 
 /// The gated delta rule by chunks: `log_gates` N×1 or N×d (KDA), ≤ 0 (−∞: a reset).
@@ -485,13 +494,14 @@ template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix 
 void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                   const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                                   const Eigen::MatrixBase<DG>& log_gates, DO&& O, const DeltaOptions& options = {},
-                                  LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+                                  LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr,
+                                  ExecutorRef executor = {}) {
     using G = typename DG::Scalar;
     static_assert(std::is_same_v<G, typename DQ::Scalar> || std::is_same_v<G, arithmetic_t<typename DQ::Scalar>>,
                   "memattn: log_gates must have the scalar type of Q (of bfloat16 or half: or float).");
     const ConstMatrixRef<G> g = detail::sequence(log_gates);
     detail::delta_rule_attention<detail::DeltaForm::chunked>("chunked_delta_rule_attention", Q, K, V, beta, &g,
-                                                             std::forward<DO>(O), options, state);
+                                                             std::forward<DO>(O), options, state, executor);
 }
 
 namespace detail {
@@ -523,19 +533,21 @@ void recurrent_kda_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matrix
 }
 
 /// KDA by chunks of options.chunk_size tokens (the WY form with channel decays,
-/// detail::kda_chunked): the outputs and final state of recurrent_kda_attention.
+/// detail::kda_chunked): the outputs and final state of recurrent_kda_attention; the
+/// value columns over `executor`'s threads as chunked_delta_rule_attention's.
 template <class DQ, class DK, class DV, class DB, class DG, detail::EigenMatrix DO>
 void chunked_kda_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                            const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DB>& beta,
                            const Eigen::MatrixBase<DG>& log_gates, DO&& O, const DeltaOptions& options = {},
-                           LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
+                           LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr,
+                           ExecutorRef executor = {}) {
     using G = typename DG::Scalar;
     static_assert(std::is_same_v<G, typename DQ::Scalar> || std::is_same_v<G, arithmetic_t<typename DQ::Scalar>>,
                   "memattn: log_gates must have the scalar type of Q (of bfloat16 or half: or float).");
     detail::check_kda_gates("chunked_kda_attention", K, log_gates);
     const ConstMatrixRef<G> g = detail::sequence(log_gates);
     detail::delta_rule_attention<detail::DeltaForm::chunked>("chunked_kda_attention", Q, K, V, beta, &g,
-                                                             std::forward<DO>(O), options, state);
+                                                             std::forward<DO>(O), options, state, executor);
 }
 
 }  // namespace memattn

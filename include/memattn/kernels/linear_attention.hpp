@@ -306,6 +306,55 @@ void normalize_rows(OB& o, ColumnVector<T>& den, Index n, T eps) {
     o.array().colwise() *= inv;
 }
 
+/// The value columns of a chunked recurrent form split over an executor's threads. In
+/// the delta rule and KDA every column of the state S (d × dv) evolves under the same
+/// per-token keys, β and gates, independently of the other columns; so do the columns
+/// of V, U (the delta corrections) and O. Each thread runs the whole sequence on its
+/// columns, recomputing the chunks' pairs and triangles (the work that depends on Q and
+/// K only), with no synchronisation until the end. Every element of every product is the
+/// same sum in the same order whatever the columns around it (detail/tile_product.hpp)
+/// and the elementwise steps act column by column, so the outputs and the state are
+/// bitwise those of one thread, for any thread count. Parts are whole multiples of 64
+/// columns: narrower ones lose the tile product's register blocking (4 packets of 16
+/// floats), and the recomputed pairs then cost more than the split saves (measured:
+/// docs/performance.md); the split is used from `min_rows` rows on, with more than one
+/// thread.
+struct ValueColumns {
+    static constexpr Index granule = 64;     ///< columns per unit of the split
+    static constexpr Index min_rows = 1024;  ///< shorter sequences stay on the calling thread
+
+    /// Parts for dv columns and n rows on `executor` (1: no split).
+    static Index parts(Index n, Index dv, ExecutorRef executor) {
+        if (n < min_rows)
+            return 1;
+        return std::max<Index>(1, std::min<Index>(executor.concurrency(), dv / granule));
+    }
+    /// Part p's first column of dv split into `parts` (whole granules, the last takes the rest).
+    static Index first(Index p, Index parts, Index dv) {
+        return p == parts ? dv : (dv / granule) * p / parts * granule;
+    }
+};
+
+/// run(V_cols, O_cols, S_cols) for each part of the value columns (ValueColumns) on the
+/// executor: V_cols and O_cols the part's columns of V and O, S_cols a copy of the part's
+/// columns of S, written back after the part has run. One part: run(V, O, S) here.
+template <class T, class Run>
+void by_value_columns(const ConstMatrixRef<T>& V, MatrixRef<T> O, Matrix<T>& S, ExecutorRef executor, Run&& run) {
+    const Index dv = V.cols(), parts = ValueColumns::parts(V.rows(), dv, executor);
+    if (parts <= 1) {
+        run(V, O, S);
+        return;
+    }
+    run_ranges(executor, parts, [&](Index first, Index last) {
+        for (Index p = first; p < last; ++p) {
+            const Index c0 = ValueColumns::first(p, parts, dv), w = ValueColumns::first(p + 1, parts, dv) - c0;
+            Matrix<T> part = S.middleCols(c0, w);
+            run(ConstMatrixRef<T>(V.middleCols(c0, w)), MatrixRef<T>(O.middleCols(c0, w)), part);
+            S.middleCols(c0, w) = part;
+        }
+    });
+}
+
 /// The cut of one sequence into spans for the span-parallel chunked forms (linear_spans,
 /// gated_spans): spans of `span_tokens` rounded up to whole chunks (none: one span), and
 /// the later spans' rows in blocks of 256 for their correction. A function of the length
