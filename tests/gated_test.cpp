@@ -452,6 +452,15 @@ TEMPLATE_TEST_CASE("Gated and delta kernels on bfloat16 and float16 equal the fl
         check([&](auto& O, LinearState<float>& s) { chunked_delta_rule_attention(Q, K, V, beta, gate, O, deltas, &s); },
               [&](auto& O, LinearState<float>& s) { chunked_delta_rule_attention(q, k, v, beta, gate, O, deltas, &s); });
     }
+    SECTION("RWKV-7, all six inputs of the 16-bit type, chunked and recurrent") {
+        const Matrix<E> A = (-0.3f * Kf).cast<E>(), B = (0.2f * Vf.leftCols(1).replicate(1, d)).cast<E>();
+        const Matrix<float> a = A.template cast<float>(), b = B.template cast<float>();
+        const Rwkv7Options r7{.chunk_size = chunk, .scale = 0.5};
+        check([&](auto& O, LinearState<float>& s) { chunked_rwkv7_attention(Q, K, V, A, B, gates16, O, r7, &s); },
+              [&](auto& O, LinearState<float>& s) { chunked_rwkv7_attention(q, k, v, a, b, gates_e, O, r7, &s); });
+        check([&](auto& O, LinearState<float>& s) { recurrent_rwkv7_attention(Q, K, V, A, B, gates16, O, r7, &s); },
+              [&](auto& O, LinearState<float>& s) { recurrent_rwkv7_attention(q, k, v, a, b, gates_e, O, r7, &s); });
+    }
 }
 
 TEST_CASE("Gated and delta kernels on bfloat16: bad gates and beta throw before anything is written",

@@ -19,7 +19,7 @@ namespace memattn::detail {
 /// Rows per span: 256 rounded to whole chunks (one chunk at least).
 constexpr Index span_rows(Index chunk) { return std::max<Index>(1, 256 / std::max<Index>(chunk, 1)) * chunk; }
 
-/// The buffers of one span: up to five inputs and one output, in float.
+/// The buffers of one span: up to six inputs and one output, in float.
 class FloatSpans {
 public:
     /// Rows [r0, r0 + m) of `src` as float: the rows themselves for a float source, else
@@ -70,7 +70,7 @@ public:
     }
 
 private:
-    std::array<Matrix<float>, 5> in_;
+    std::array<Matrix<float>, 6> in_;
     Matrix<float> out_;
 };
 

@@ -45,16 +45,17 @@ struct Rwkv7Options {
 
 namespace detail {
 
-/// Every check of the RWKV-7 kernels, before anything is written.
-template <class T>
-void check_rwkv7_arguments(const char* function, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k,
-                           const ConstMatrixRef<T>& v, const ConstMatrixRef<T>& a, const ConstMatrixRef<T>& b,
-                           const ConstMatrixRef<T>& log_w, Shape o, const Rwkv7Options& options,
+/// Every check of the RWKV-7 kernels, before anything is written. T: the scalar the call
+/// computes in; E the inputs' (T, or bfloat16 / float16 with T = float).
+template <class T, class E>
+void check_rwkv7_arguments(const char* function, const ConstMatrixRef<E>& q, const ConstMatrixRef<E>& k,
+                           const ConstMatrixRef<E>& v, const ConstMatrixRef<E>& a, const ConstMatrixRef<E>& b,
+                           const ConstMatrixRef<E>& log_w, Shape o, const Rwkv7Options& options,
                            const LinearState<T>* state) {
     require(options.chunk_size > 0, function, "options.chunk_size", "is ", options.chunk_size, ", expected > 0");
     require(finite_in<T>(options.scale), function, "options.scale", "is ", options.scale,
             ", expected a number finite as ", scalar_name<T>);
-    const auto same_as_q = [&](const ConstMatrixRef<T>& x, const char* name) {
+    const auto same_as_q = [&](const ConstMatrixRef<E>& x, const char* name) {
         require(x.rows() == q.rows() && x.cols() == q.cols(), function, name, "has shape ", shape(x),
                 ", expected the shape of Q (", shape(q), ")");
     };
@@ -66,11 +67,14 @@ void check_rwkv7_arguments(const char* function, const ConstMatrixRef<T>& q, con
             shape(q), ")");
     require(o.rows == q.rows() && o.cols == v.cols(), function, "O", "has shape ", o, ", expected ", q.rows(), 'x',
             v.cols(), " (Q is ", shape(q), ", V is ", shape(v), ")");
-    const bool all_good = log_w.size() == 0 || log_w.template maxCoeff<Eigen::PropagateNaN>() <= T(0);
+    const bool all_good =
+        log_w.size() == 0 || log_w.template cast<T>().template maxCoeff<Eigen::PropagateNaN>() <= T(0);
     for (Index i = 0; !all_good && i < log_w.rows(); ++i)
-        for (Index c = 0; c < log_w.cols(); ++c)
-            require(log_w(i, c) <= 0, function, "log_w", "has ", log_w(i, c), " at (", i, ", ", c,
+        for (Index c = 0; c < log_w.cols(); ++c) {
+            const T x = static_cast<T>(log_w(i, c));
+            require(x <= 0, function, "log_w", "has ", x, " at (", i, ", ", c,
                     "), expected a log-decay <= 0 (a decay in [0, 1])");
+        }
     if (state != nullptr && state->mu.size() != 0)
         require(state->mu.rows() == q.cols() && state->mu.cols() == v.cols(), function, "state->mu", "has shape ",
                 shape(state->mu), ", expected ", q.cols(), 'x', v.cols(), " (key dim x value dim)");
@@ -194,20 +198,25 @@ void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
 
 enum class Rwkv7Form { recurrent, chunked };
 
+/// Inputs of bfloat16 or float16 (O of that type or float, the state float) run the same
+/// form in float, span by span (detail/float_spans.hpp).
 template <Rwkv7Form form, class DQ, class DK, class DV, class DA, class DB, class DW, class DO>
 void rwkv7_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                      const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DA>& A, const Eigen::MatrixBase<DB>& B,
                      const Eigen::MatrixBase<DW>& log_w, DO&& O, const Rwkv7Options& options,
-                     LinearState<typename DQ::Scalar>* state) {
-    using T = typename DQ::Scalar;
-    static_assert(Scalar<T>, "memattn RWKV-7 attention works on float or double matrices.");
+                     LinearState<arithmetic_t<typename DQ::Scalar>>* state) {
+    using E = typename DQ::Scalar;
+    using T = arithmetic_t<E>;
+    using Out = typename std::remove_cvref_t<DO>::Scalar;
+    static_assert(Scalar<E> || LowPrecision<E>,
+                  "memattn RWKV-7 attention works on float, double, Eigen::bfloat16 or Eigen::half matrices.");
     static_assert(same_scalar<DQ, DK, DV> && same_scalar<DQ, DA, DB> && same_scalar<DQ, DW, DQ>,
                   "memattn RWKV-7 attention: Q, K, V, A, B and log_w must share one scalar type.");
-    static_assert(std::is_same_v<typename std::remove_cvref_t<DO>::Scalar, T>,
-                  "memattn RWKV-7 attention: O must have the scalar type of Q.");
-    const ConstMatrixRef<T> q = sequence(Q), k = sequence(K), v = sequence(V), a = sequence(A), b = sequence(B),
+    static_assert(std::is_same_v<Out, E> || std::is_same_v<Out, T>,
+                  "memattn RWKV-7 attention: O must have the scalar type of Q (of bfloat16 or half: or float).");
+    const ConstMatrixRef<E> q = sequence(Q), k = sequence(K), v = sequence(V), a = sequence(A), b = sequence(B),
                             w = sequence(log_w);
-    MatrixRef<T> o = output(std::forward<DO>(O));
+    MatrixRef<Out> o = output(std::forward<DO>(O));
     check_rwkv7_arguments<T>(function, q, k, v, a, b, w, shape(o), options, state);
     require_disjoint(function, "O", o, "Q", q);
     require_disjoint(function, "O", o, "K", k);
@@ -220,22 +229,38 @@ void rwkv7_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const
     LinearState<T>& s = state != nullptr ? *state : local;
     if (s.mu.size() == 0)
         s.mu.setZero(q.cols(), v.cols());
-    if constexpr (form == Rwkv7Form::chunked)
-        rwkv7_chunked(q, k, v, a, b, w, o, options, s.mu);
-    else
-        rwkv7_recurrent(q, k, v, a, b, w, o, options, s.mu);
+    const auto run = [&](const ConstMatrixRef<T>& qs, const ConstMatrixRef<T>& ks, const ConstMatrixRef<T>& vs,
+                         const ConstMatrixRef<T>& as, const ConstMatrixRef<T>& bs, const ConstMatrixRef<T>& ws,
+                         MatrixRef<T> os) {
+        if constexpr (form == Rwkv7Form::chunked)
+            rwkv7_chunked(qs, ks, vs, as, bs, ws, os, options, s.mu);
+        else
+            rwkv7_recurrent(qs, ks, vs, as, bs, ws, os, options, s.mu);
+    };
+    if constexpr (LowPrecision<E>) {
+        FloatSpans spans;
+        spans.each(q.rows(), options.chunk_size, o, [&](Index r0, Index m, MatrixRef<T> os) {
+            run(spans.rows(0, q, r0, m), spans.rows(1, k, r0, m), spans.rows(2, v, r0, m), spans.rows(3, a, r0, m),
+                spans.rows(4, b, r0, m), spans.rows(5, w, r0, m), os);
+        });
+    } else {
+        run(q, k, v, a, b, w, o);
+    }
 }
 
 }  // namespace detail
 
 /// RWKV-7's generalised delta rule token by token (see the top of the file): Q (RWKV's
-/// r), K, A, B and log_w N×d, V N×dv, log_w ≤ 0 (−∞ zeroes a channel's decayed term).
+/// r), K, A, B and log_w N×d, V N×dv, log_w ≤ 0 (−∞ zeroes a channel's decayed term);
+/// float, double, or all six of bfloat16 or float16 (then O of that type or float, the
+/// state float: the float kernel on the converted inputs, bit for bit).
 /// `state`: initial S in state->mu (empty = zero), final S out; nu is not used.
 template <class DQ, class DK, class DV, class DA, class DB, class DW, detail::EigenMatrix DO>
 void recurrent_rwkv7_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DA>& A,
                                const Eigen::MatrixBase<DB>& B, const Eigen::MatrixBase<DW>& log_w, DO&& O,
-                               const Rwkv7Options& options = {}, LinearState<typename DQ::Scalar>* state = nullptr) {
+                               const Rwkv7Options& options = {},
+                               LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
     detail::rwkv7_attention<detail::Rwkv7Form::recurrent>("recurrent_rwkv7_attention", Q, K, V, A, B, log_w,
                                                           std::forward<DO>(O), options, state);
 }
@@ -245,7 +270,8 @@ template <class DQ, class DK, class DV, class DA, class DB, class DW, detail::Ei
 void chunked_rwkv7_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                              const Eigen::MatrixBase<DV>& V, const Eigen::MatrixBase<DA>& A,
                              const Eigen::MatrixBase<DB>& B, const Eigen::MatrixBase<DW>& log_w, DO&& O,
-                             const Rwkv7Options& options = {}, LinearState<typename DQ::Scalar>* state = nullptr) {
+                             const Rwkv7Options& options = {},
+                             LinearState<arithmetic_t<typename DQ::Scalar>>* state = nullptr) {
     detail::rwkv7_attention<detail::Rwkv7Form::chunked>("chunked_rwkv7_attention", Q, K, V, A, B, log_w,
                                                         std::forward<DO>(O), options, state);
 }
