@@ -1219,6 +1219,10 @@ TEMPLATE_TEST_CASE("Gated linear attention by spans: bitwise the same on 1, 2 an
     CHECK(a.cwiseEqual(b).all());
     CHECK_THROWS_WITH(chunked_gated_linear_attention(Q, K, V, G, a, {.span_tokens = -1}),
                       Catch::Matchers::Contains("options.span_tokens"));
+    // A memory prefills its own state as one span: the option is refused, not ignored.
+    CHECK_THROWS_WITH(GatedLinearAttentionMemory<T>(d, dv, GateKind::scalar, {.span_tokens = 64}),
+                      Catch::Matchers::Contains("GatedLinearAttentionMemory") &&
+                          Catch::Matchers::Contains("options.span_tokens"));
 }
 
 TEMPLATE_TEST_CASE("Delta rule and KDA: the value columns over 2 and 3 threads give one thread's bits",

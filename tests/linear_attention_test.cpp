@@ -502,4 +502,8 @@ TEMPLATE_TEST_CASE("Linear attention by spans: bitwise the same on 1, 2 and 3 th
     CHECK_THROWS_WITH(chunked_linear_attention(Q, Q, V, O, EluPlusOne{}, {.span_tokens = -3}),
                       Catch::Matchers::Contains("chunked_linear_attention") &&
                           Catch::Matchers::Contains("options.span_tokens"));
+    // A memory prefills its own state as one span: the option is refused, not ignored.
+    CHECK_THROWS_WITH(LinearAttentionMemory<float>(d, dv, EluPlusOne{}, {.span_tokens = 64}),
+                      Catch::Matchers::Contains("LinearAttentionMemory") &&
+                          Catch::Matchers::Contains("options.span_tokens"));
 }

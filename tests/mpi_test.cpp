@@ -316,6 +316,13 @@ TEMPLATE_TEST_CASE("sequence-parallel gated linear attention equals the chunked 
             distributed_chunked_gated_linear_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine),
                                                        rows_of(V, mine), bad, O, options);
         });
+    // The shards are the spans: span_tokens is refused on every rank.
+    GatedOptions spans = options;
+    spans.span_tokens = 64;
+    expect_all_throw("distributed_chunked_gated_linear_attention", [&] {
+        distributed_chunked_gated_linear_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine),
+                                                   rows_of(V, mine), rows_of(G, mine), O, spans);
+    });
 }
 
 TEMPLATE_TEST_CASE("ShardedKVCache decodes as KVCache, the same bits on every rank and run", "[mpi][memory]", float,

@@ -504,6 +504,7 @@ void distributed_chunked_linear_attention(MPI_Comm comm, const Eigen::MatrixBase
         features = detail::check_linear_arguments<T>(function, phi, detail::shape(q), detail::shape(k),
                                                      detail::shape(v), detail::shape(o), options,
                                                      rank == 0 ? state : nullptr);
+        detail::require_one_span(function, options.span_tokens, "the ranks' shards are the spans");
         detail::require_disjoint(function, "O", o, "Q", q);
         detail::require_disjoint(function, "O", o, "K", k);
         detail::require_disjoint(function, "O", o, "V", v);
@@ -640,6 +641,7 @@ void distributed_chunked_gated_linear_attention(MPI_Comm comm, const Eigen::Matr
     const std::string error = detail::mpi::local_error([&] {
         detail::check_gated_arguments<T>(function, q, k, v, g, detail::shape(o), options,
                                          rank == 0 ? state : nullptr);
+        detail::require_one_span(function, options.span_tokens, "the ranks' shards are the spans");
         detail::require_disjoint(function, "O", o, "Q", q);
         detail::require_disjoint(function, "O", o, "K", k);
         detail::require_disjoint(function, "O", o, "V", v);

@@ -133,6 +133,13 @@ Index check_linear_arguments(const char* function, const Phi& phi, Shape q, Shap
     return features;
 }
 
+/// Where the cut of a sequence into spans is not the caller's to make (a layer spreads
+/// its heads, MPI its ranks, a memory prefills its own state as one span), a non-zero
+/// options.span_tokens is refused rather than ignored.
+inline void require_one_span(const char* function, Index span_tokens, const char* why) {
+    require(span_tokens == 0, function, "options.span_tokens", "is ", span_tokens, ", expected 0: ", why);
+}
+
 /// The in/out state is an output too: O must not share memory with it (the final state
 /// would be written over outputs, or outputs over the state being read).
 template <class T, class Out>

@@ -410,6 +410,7 @@ void check_linear_layer(const char* function, const HeadLayout& layout, const Ph
     }
     const Index d = layout.head_dim, dv = layout.values();
     features = check_linear_arguments<T>(function, phi, {0, d}, {0, d}, {0, dv}, {0, dv}, options, nullptr);
+    require_one_span(function, options.span_tokens, "the layer spreads its (sequence, KV head) pairs over the threads");
     const std::size_t expected = sequences * static_cast<std::size_t>(layout.kv_heads);
     require(states.empty() || states.size() == expected, function, "states", "has ", states.size(),
             " states, expected 0 or ", expected, " (sequences ", sequences, " x kv_heads ", layout.kv_heads, ")");

@@ -98,6 +98,8 @@ public:
         const Matrix<T> none(0, d_), values(0, dv_), gate(0, gate_cols());
         detail::check_gated_arguments<T, T, T>("GatedLinearAttentionMemory", none, none, values, gate, {0, dv_}, options_,
                                          nullptr);
+        detail::require_one_span("GatedLinearAttentionMemory", options_.span_tokens,
+                                 "a memory prefills its state as one span (a MultiHead layer spreads its heads)");
         factor_ = detail::query_factor<T>(options_, d_);
         reset();
     }

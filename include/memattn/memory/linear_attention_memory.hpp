@@ -61,6 +61,8 @@ public:
         // The options as every kernel checks them (no tokens: only chunk_size, eps, decay).
         detail::check_linear_arguments<T>("LinearAttentionMemory", phi_, {0, key_dim}, {0, key_dim}, {0, value_dim},
                                           {0, value_dim}, options_, nullptr);
+        detail::require_one_span("LinearAttentionMemory", options_.span_tokens,
+                                 "a memory prefills its state as one span (a MultiHead layer spreads its heads)");
         state_.mu.setZero(feature_dim_, value_dim_);
         state_.nu.setZero(feature_dim_);
         extend_rows_ = std::clamp<Index>(extend_scratch_elements / feature_dim_, 1, extend_block);
