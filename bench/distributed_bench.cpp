@@ -9,8 +9,11 @@
 // against the minimum the algorithm needs:
 //   ring attention, causal softmax, N = 16384, d = dv = 64, contiguous and zigzag shards;
 //   sequence-parallel chunked linear attention, N = 2^20, d = dv = 64;
-//   sequence-parallel chunked gated linear attention (scalar gates), N = 2^18, d = dv = 128.
+//   sequence-parallel chunked gated linear attention (scalar gates), N = 2^18, d = dv = 128;
+//   sequence-parallel gated delta rule (scalar gates) and KDA, N = 2^16, d = dv = 128, with
+//   equal shards and with rank 0 holding twice the tokens of each other rank.
 #include <memattn/distributed/mpi.hpp>
+#include <memattn/kernels/delta_rule.hpp>
 #include <memattn/kernels/causal_softmax.hpp>
 #include <memattn/kernels/gated_linear_attention.hpp>
 #include <memattn/kernels/linear_attention.hpp>
@@ -198,6 +201,57 @@ int main(int argc, char** argv) {
                         a.min / b.min, a.median / b.median);
             std::printf("  bytes sent per rank: one summary of %ld doubles per scan round\n",
                         static_cast<long>(3 + 1 + d + d * d));
+        }
+    }
+    // Sequence-parallel gated delta rule (scalar gates) and KDA: equal shards, then rank 0
+    // holding twice as many tokens as each other rank (a later rank's pass carries d + dv
+    // value columns, about twice the work per token).
+    for (const bool kda : {false, true}) {
+        const Index n = Index(1) << 16, d = 128;
+        Mat K = random_matrix(n, d, 11);
+        for (Index t = 0; t < n; ++t)
+            K.row(t).normalize();
+        const Mat Q = random_matrix(n, d, 12), V = random_matrix(n, d, 13);
+        const Mat beta = 0.5f * (random_matrix(n, 1, 14).array() + 1.0f).matrix();
+        const Mat G = -0.05f * random_matrix(n, kda ? d : 1, 15).cwiseAbs();
+        Mat whole(n, d);
+        std::vector<double> one, equal, balanced;
+        const auto run = [&](Index first, Index last) {
+            const Index m = last - first;
+            Mat o(m, d);
+            if (kda)
+                memattn::distributed_chunked_kda_attention(MPI_COMM_WORLD, Q.middleRows(first, m),
+                                                           K.middleRows(first, m), V.middleRows(first, m),
+                                                           beta.middleRows(first, m), G.middleRows(first, m), o);
+            else
+                memattn::distributed_chunked_delta_rule_attention(MPI_COMM_WORLD, Q.middleRows(first, m),
+                                                                  K.middleRows(first, m), V.middleRows(first, m),
+                                                                  beta.middleRows(first, m), G.middleRows(first, m), o);
+        };
+        for (int r = 0; r < reps; ++r) {
+            one.push_back(timed([&] {
+                if (rank == 0) {
+                    if (kda)
+                        memattn::chunked_kda_attention(Q, K, V, beta, G, whole);
+                    else
+                        memattn::chunked_delta_rule_attention(Q, K, V, beta, G, whole);
+                }
+            }));
+            equal.push_back(timed([&] { run(rank * n / size, (rank + 1) * n / size); }));
+            balanced.push_back(timed([&] {
+                run(rank == 0 ? 0 : n * (rank + 1) / (size + 1), n * (rank + 2) / (size + 1));
+            }));
+        }
+        if (rank == 0) {
+            const Stats a = stats(one), b = stats(equal), c = stats(balanced);
+            std::printf("%s N=%ld d=%ld: one rank %.4f s (median %.4f); %d ranks, equal shards %.4f s (median %.4f), "
+                        "speed-up %.2fx (medians %.2fx); rank 0 twice the tokens %.4f s (median %.4f), speed-up "
+                        "%.2fx (medians %.2fx)\n",
+                        kda ? "KDA" : "gated delta rule", static_cast<long>(n), static_cast<long>(d), a.min,
+                        a.median, size, b.min, b.median, a.min / b.min, a.median / b.median, c.min, c.median,
+                        a.min / c.min, a.median / c.median);
+            std::printf("  bytes sent per rank: one summary of %ld doubles per scan round\n",
+                        static_cast<long>(3 + 2 * d * d));
         }
     }
     MPI_Finalize();

@@ -8,6 +8,7 @@
 #include "support.hpp"
 
 #include <memattn/kernels/causal_softmax.hpp>
+#include <memattn/kernels/delta_rule.hpp>
 #include <memattn/kernels/gated_linear_attention.hpp>
 #include <memattn/kernels/linear_attention.hpp>
 #include <memattn/memory/kv_cache.hpp>
@@ -323,6 +324,103 @@ TEMPLATE_TEST_CASE("sequence-parallel gated linear attention equals the chunked 
         distributed_chunked_gated_linear_attention(MPI_COMM_WORLD, rows_of(Q, mine), rows_of(K, mine),
                                                    rows_of(V, mine), rows_of(G, mine), O, spans);
     });
+}
+
+TEMPLATE_TEST_CASE("sequence-parallel delta rule, gated delta rule and KDA equal the chunked form",
+                   "[mpi][delta]", float, double) {
+    using T = TestType;
+    // 0: the delta rule, 1: the gated delta rule, 2: KDA.
+    const int kind = GENERATE(0, 1, 2);
+    const bool l2norm = GENERATE(false, true), with_state = GENERATE(false, true), empty = GENERATE(false, true);
+    // Shards of 300 tokens or more: past the first piece of a later rank's run (256
+    // tokens), after a reset has made its state map 0.
+    const Index base = GENERATE(Index(1), Index(70), Index(300));
+    if (empty && size_of() < 2)
+        return;
+    const std::vector<Index> lengths = shard_lengths(base, empty);
+    const Index n = total(lengths);
+    const Index d = 12, dv = 9;
+    // Keys of norm 0.9 or less (the kernel normalises them again under qk_l2norm), so the
+    // transitions contract; β across [0, 2] with the negative eigenvalues allowed.
+    Matrix<T> K = random_matrix<T>(n, d, 5);
+    for (Index t = 0; t < n; ++t)
+        K.row(t) *= T(0.9) / std::max(K.row(t).norm(), T(1));
+    const Matrix<T> Q = random_matrix<T>(n, d, 4), V = random_matrix<T>(n, dv, 6);
+    const Matrix<T> beta = (random_matrix<T>(n, 1, 7).array() + T(1)).matrix();
+    Matrix<T> G = -random_matrix<T>(n, kind == 2 ? d : 1, 8, 0.3).cwiseAbs();
+    G.col(0) *= T(10);  // gates down to e^-3 per token
+    // Resets, some on a shard's first token.
+    for (const Index r : {Index(0), Index(3), base, base + 5, 2 * base + 1})
+        if (r < n)
+            G(r, 0) = -std::numeric_limits<T>::infinity();
+    const DeltaOptions options{.chunk_size = 16, .qk_l2norm = l2norm, .allow_negative_eigenvalues = true};
+    const std::vector<Index> mine = tokens_of(lengths, rank_of(), RingLayout::contiguous);
+    LinearState<T> initial;
+    if (with_state)
+        initial.mu = random_matrix<T>(d, dv, 9, 0.5);
+    LinearState<T> state = initial;
+    if (rank_of() != 0 && with_state)  // only rank 0's state is read on the way in
+        state.mu.setConstant(T(1e30));
+    Matrix<T> O(static_cast<Index>(mine.size()), dv);
+    const Matrix<T> q = rows_of(Q, mine), k = rows_of(K, mine), v = rows_of(V, mine), b = rows_of(beta, mine),
+                    g = rows_of(G, mine);
+    const char* function =
+        kind == 2 ? "distributed_chunked_kda_attention" : "distributed_chunked_delta_rule_attention";
+    const auto call = [&](const Matrix<T>& gates, Matrix<T>& out, const DeltaOptions& o, LinearState<T>* s) {
+        if (kind == 0)
+            distributed_chunked_delta_rule_attention(MPI_COMM_WORLD, q, k, v, b, out, o, s);
+        else if (kind == 1)
+            distributed_chunked_delta_rule_attention(MPI_COMM_WORLD, q, k, v, b, gates, out, o, s);
+        else
+            distributed_chunked_kda_attention(MPI_COMM_WORLD, q, k, v, b, gates, out, o, s);
+    };
+    call(g, O, options, &state);
+    // The whole sequence in double through the chunked form, from the same state.
+    const MatrixD Qd = Q.template cast<double>(), Kd = K.template cast<double>(), Vd = V.template cast<double>(),
+                  Bd = beta.template cast<double>(), Gd = G.template cast<double>();
+    LinearState<double> expected_state{initial.mu.template cast<double>(), {}};
+    MatrixD expected(n, dv);
+    if (kind == 0)
+        chunked_delta_rule_attention(Qd, Kd, Vd, Bd, expected, options, &expected_state);
+    else
+        chunked_delta_rule_attention(Qd, Kd, Vd, Bd, Gd, expected, options, &expected_state);
+    CAPTURE(n, kind, l2norm, with_state, empty, rank_of());
+    check_close(O, rows_of(expected, mine), tolerance<T>() * 10);
+    check_close(state.mu, expected_state.mu, tolerance<T>() * 10);
+    // The final state: the same bits on every rank.
+    Matrix<T> from_last = state.mu;
+    MPI_Bcast(from_last.data(), static_cast<int>(from_last.size()), detail::mpi::datatype<T>(), 0, MPI_COMM_WORLD);
+    CHECK(from_last == state.mu);
+    // A β of 1.5 on the last rank without options.allow_negative_eigenvalues, and a
+    // positive log-gate there: every rank throws, and the state is left as it was.
+    const LinearState<T> before = state;
+    if (lengths.back() > 0) {
+        DeltaOptions unit = options;
+        unit.allow_negative_eigenvalues = false;
+        Matrix<T> beta_bad = b.cwiseMin(T(1));
+        if (rank_of() == size_of() - 1)
+            beta_bad(0, 0) = T(1.5);
+        expect_all_throw(function, [&] {
+            if (kind == 0)
+                distributed_chunked_delta_rule_attention(MPI_COMM_WORLD, q, k, v, beta_bad, O, unit, &state);
+            else if (kind == 1)
+                distributed_chunked_delta_rule_attention(MPI_COMM_WORLD, q, k, v, beta_bad, g, O, unit, &state);
+            else
+                distributed_chunked_kda_attention(MPI_COMM_WORLD, q, k, v, beta_bad, g, O, unit, &state);
+        });
+        if (kind > 0) {
+            Matrix<T> bad = g;
+            if (rank_of() == size_of() - 1)
+                bad(0, 0) = T(0.5);
+            expect_all_throw(function, [&] { call(bad, O, options, &state); });
+        }
+        CHECK(state.mu == before.mu);
+    }
+    // KDA takes a log-gate per key channel: one per token is refused on every rank.
+    if (kind == 2) {
+        const Matrix<T> per_token = g.leftCols(1);
+        expect_all_throw(function, [&] { call(per_token, O, options, nullptr); });
+    }
 }
 
 TEMPLATE_TEST_CASE("ShardedKVCache decodes as KVCache, the same bits on every rank and run", "[mpi][memory]", float,
