@@ -729,43 +729,54 @@ TEMPLATE_TEST_CASE("KDA: recurrent equals the double reference, chunked equals r
                    "[delta][kda]", float, double) {
     using T = TestType;
     const double tol = tolerance<T>() * 20;
-    for (const Index n : {0, 1, 7, 70, 200}) {
-        for (const bool l2 : {false, true}) {
-            for (const bool negative : {false, true}) {
-                INFO("n = " << n << ", qk_l2norm " << l2 << ", beta in [0, " << (negative ? 2 : 1) << "]");
-                const Index d = 6, dv = 4;
-                const Matrix<T> Q = random_matrix<T>(n, d, 1), V = random_matrix<T>(n, dv, 3);
-                const Matrix<T> K = random_matrix<T>(n, d, 2, l2 ? 1.0 : 0.5);
-                const Matrix<T> B = (negative && l2 ? T(2) : T(1)) * betas<T>(n, 4);
-                // Gates from e^-20 per token (channel 0) to mild, and resets in channels 0, 2, 4.
-                Matrix<T> G = log_gates<T>(n, d, 5, 0.3);
-                G.col(0) *= T(60);
-                G = with_resets(G, {3, 16, 50, 51});
-                MatrixD S = MatrixD::Zero(d, dv);
-                const MatrixD expected =
-                    kda_reference(fla_rows(to_double(Q), l2, default_scale(d)), fla_rows(to_double(K), l2),
-                                  to_double(V), to_double(B), to_double(G), S);
-                REQUIRE(expected.allFinite());
-                const DeltaOptions base{.qk_l2norm = l2, .allow_negative_eigenvalues = negative};
-                Matrix<T> O(n, dv);
-                LinearState<T> state;
-                recurrent_kda_attention(Q, K, V, B, G, O, base, &state);
-                check_close(O, expected, tol);
-                check_close(state.mu, S, tol);
-                for (const Index chunk : {1, 7, 16, 64}) {
-                    INFO("chunk " << chunk);
-                    DeltaOptions options = base;
-                    options.chunk_size = chunk;
-                    const Index cut = (2 * n) / 5;  // the state carried across two calls
-                    LinearState<T> carried;
-                    Matrix<T> chunked(n, dv);
-                    chunked_kda_attention(Q.topRows(cut), K.topRows(cut), V.topRows(cut), B.topRows(cut),
-                                          G.topRows(cut), chunked.topRows(cut), options, &carried);
-                    chunked_kda_attention(Q.bottomRows(n - cut), K.bottomRows(n - cut), V.bottomRows(n - cut),
-                                          B.bottomRows(n - cut), G.bottomRows(n - cut), chunked.bottomRows(n - cut),
-                                          options, &carried);
-                    check_close(chunked, expected, tol);
-                    check_close(carried.mu, S, tol);
+    // Strong gates: every chunk of 7 or more tokens spans more than kda_pair_range in log,
+    // so its pairs take one exponential per channel. Mild ones (down to e^-0.3 a token,
+    // one token in 23 at e^-60): most chunks factor their pairs through K ⊙ e^{-b}, some
+    // do not.
+    for (const bool strong : {true, false}) {
+        for (const Index n : {0, 1, 7, 70, 200}) {
+            for (const bool l2 : {false, true}) {
+                for (const bool negative : {false, true}) {
+                    INFO("n = " << n << ", qk_l2norm " << l2 << ", beta in [0, " << (negative ? 2 : 1) << "], strong "
+                                << strong);
+                    const Index d = 6, dv = 4;
+                    const Matrix<T> Q = random_matrix<T>(n, d, 1), V = random_matrix<T>(n, dv, 3);
+                    const Matrix<T> K = random_matrix<T>(n, d, 2, l2 ? 1.0 : 0.5);
+                    const Matrix<T> B = (negative && l2 ? T(2) : T(1)) * betas<T>(n, 4);
+                    // Gates from e^-20 per token (channel 0) to mild, and resets in channels 0, 2, 4.
+                    Matrix<T> G = log_gates<T>(n, d, 5, 0.3);
+                    if (strong)
+                        G.col(0) *= T(60);
+                    else
+                        for (Index t = 11; t < n; t += 23)
+                            G(t, 1) = T(-60);
+                    G = with_resets(G, {3, 16, 50, 51});
+                    MatrixD S = MatrixD::Zero(d, dv);
+                    const MatrixD expected =
+                        kda_reference(fla_rows(to_double(Q), l2, default_scale(d)), fla_rows(to_double(K), l2),
+                                      to_double(V), to_double(B), to_double(G), S);
+                    REQUIRE(expected.allFinite());
+                    const DeltaOptions base{.qk_l2norm = l2, .allow_negative_eigenvalues = negative};
+                    Matrix<T> O(n, dv);
+                    LinearState<T> state;
+                    recurrent_kda_attention(Q, K, V, B, G, O, base, &state);
+                    check_close(O, expected, tol);
+                    check_close(state.mu, S, tol);
+                    for (const Index chunk : {1, 7, 16, 64}) {
+                        INFO("chunk " << chunk);
+                        DeltaOptions options = base;
+                        options.chunk_size = chunk;
+                        const Index cut = (2 * n) / 5;  // the state carried across two calls
+                        LinearState<T> carried;
+                        Matrix<T> chunked(n, dv);
+                        chunked_kda_attention(Q.topRows(cut), K.topRows(cut), V.topRows(cut), B.topRows(cut),
+                                              G.topRows(cut), chunked.topRows(cut), options, &carried);
+                        chunked_kda_attention(Q.bottomRows(n - cut), K.bottomRows(n - cut), V.bottomRows(n - cut),
+                                              B.bottomRows(n - cut), G.bottomRows(n - cut), chunked.bottomRows(n - cut),
+                                              options, &carried);
+                        check_close(chunked, expected, tol);
+                        check_close(carried.mu, S, tol);
+                    }
                 }
             }
         }
@@ -901,36 +912,43 @@ TEMPLATE_TEST_CASE("RWKV-7: recurrent equals the double reference in FLA's layou
     using T = TestType;
     const double tol = tolerance<T>() * 20;
     const Index d = 6, dv = 4;
-    for (const Index n : {0, 1, 7, 70, 200}) {
-        INFO("n = " << n);
-        // As RWKV-7 builds them: a = −κ̂, b = κ̂ ⊙ α (κ̂ a unit removal key, α ∈ [0, 1]),
-        // log w ∈ [−0.6, 0]; then a few log-decays of −∞ in channels 0, 2, 4.
-        const Matrix<T> R = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2, 0.5), V = random_matrix<T>(n, dv, 3);
-        const Matrix<T> kappa = unit_rows<T>(random_matrix<T>(n, d, 4));
-        const Matrix<T> alpha = random_matrix<T>(n, d, 5).cwiseAbs();
-        const Matrix<T> A = -kappa, B = kappa.cwiseProduct(alpha);
-        const Matrix<T> W = with_resets(log_gates<T>(n, d, 6, 0.6), {3, 30, 64});
-        MatrixD S = MatrixD::Zero(dv, d);
-        const MatrixD expected =
-            rwkv7_reference(to_double(R), to_double(K), to_double(V), to_double(A), to_double(B), to_double(W), S);
-        REQUIRE(expected.allFinite());
-        Matrix<T> O(n, dv);
-        LinearState<T> state;
-        recurrent_rwkv7_attention(R, K, V, A, B, W, O, {}, &state);
-        check_close(O, expected, tol);
-        check_close(state.mu, MatrixD(S.transpose()), tol);
-        for (const Index chunk : {1, 7, 16, 64}) {
-            INFO("chunk " << chunk);
-            const Index cut = (2 * n) / 5;
-            LinearState<T> carried;
-            Matrix<T> chunked(n, dv);
-            chunked_rwkv7_attention(R.topRows(cut), K.topRows(cut), V.topRows(cut), A.topRows(cut), B.topRows(cut),
-                                    W.topRows(cut), chunked.topRows(cut), {.chunk_size = chunk}, &carried);
-            chunked_rwkv7_attention(R.bottomRows(n - cut), K.bottomRows(n - cut), V.bottomRows(n - cut),
-                                    A.bottomRows(n - cut), B.bottomRows(n - cut), W.bottomRows(n - cut),
-                                    chunked.bottomRows(n - cut), {.chunk_size = chunk}, &carried);
-            check_close(chunked, expected, tol);
-            check_close(carried.mu, MatrixD(S.transpose()), tol);
+    // Mild decays: most chunks factor their pairs through B ⊙ e^{-λ} and K ⊙ e^{-λ}; strong
+    // ones (channel 1 down to e^-36 a token): a chunk of more than 2 tokens does not.
+    for (const bool strong : {false, true}) {
+        for (const Index n : {0, 1, 7, 70, 200}) {
+            INFO("n = " << n << ", strong " << strong);
+            // As RWKV-7 builds them: a = −κ̂, b = κ̂ ⊙ α (κ̂ a unit removal key, α ∈ [0, 1]),
+            // log w ∈ [−0.6, 0]; then a few log-decays of −∞ in channels 0, 2, 4.
+            const Matrix<T> R = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2, 0.5),
+                            V = random_matrix<T>(n, dv, 3);
+            const Matrix<T> kappa = unit_rows<T>(random_matrix<T>(n, d, 4));
+            const Matrix<T> alpha = random_matrix<T>(n, d, 5).cwiseAbs();
+            const Matrix<T> A = -kappa, B = kappa.cwiseProduct(alpha);
+            Matrix<T> W = with_resets(log_gates<T>(n, d, 6, 0.6), {3, 30, 64});
+            if (strong && n > 0)  // (a column block of an empty matrix offsets a null pointer)
+                W.col(1) *= T(60);
+            MatrixD S = MatrixD::Zero(dv, d);
+            const MatrixD expected =
+                rwkv7_reference(to_double(R), to_double(K), to_double(V), to_double(A), to_double(B), to_double(W), S);
+            REQUIRE(expected.allFinite());
+            Matrix<T> O(n, dv);
+            LinearState<T> state;
+            recurrent_rwkv7_attention(R, K, V, A, B, W, O, {}, &state);
+            check_close(O, expected, tol);
+            check_close(state.mu, MatrixD(S.transpose()), tol);
+            for (const Index chunk : {1, 7, 16, 64}) {
+                INFO("chunk " << chunk);
+                const Index cut = (2 * n) / 5;
+                LinearState<T> carried;
+                Matrix<T> chunked(n, dv);
+                chunked_rwkv7_attention(R.topRows(cut), K.topRows(cut), V.topRows(cut), A.topRows(cut), B.topRows(cut),
+                                        W.topRows(cut), chunked.topRows(cut), {.chunk_size = chunk}, &carried);
+                chunked_rwkv7_attention(R.bottomRows(n - cut), K.bottomRows(n - cut), V.bottomRows(n - cut),
+                                        A.bottomRows(n - cut), B.bottomRows(n - cut), W.bottomRows(n - cut),
+                                        chunked.bottomRows(n - cut), {.chunk_size = chunk}, &carried);
+                check_close(chunked, expected, tol);
+                check_close(carried.mu, MatrixD(S.transpose()), tol);
+            }
         }
     }
     // With a = −β k, b = k (unit keys), w = 1 and v scaled by β it is the delta rule.

@@ -192,13 +192,21 @@ void delta_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, con
     }
 }
 
+/// The largest span of a chunk's summed log-gates (in any channel) for which KDA's pairs
+/// factor as (x ⊙ e^{b_t})·(k ⊙ e^{−b_s}): e^{±40} keeps both factors of a float far
+/// from overflow and from the subnormals (e^{±400} for a double).
+template <class T>
+inline constexpr T kda_pair_range = sizeof(T) == 4 ? T(40) : T(400);
+
 /// KDA by chunks (the gated delta rule with a log-gate per key channel; see the top of
 /// the file): per chunk, b_t = Σ_{s≤t} log α_s per channel,
 ///   (I + L) U = diag(β)(V − (K ⊙ e^{b}) S_0),  L_ts = β_t Σ_r k_tr k_sr e^{b_tr − b_sr} (s < t),
 ///   O = (Q ⊙ e^{b}) S_0 + A U,  A_ts = Σ_r q_tr k_sr e^{b_tr − b_sr} (s ≤ t),
 ///   S_C = diag(e^{b_C}) S_0 + (K ⊙ e^{b_C − b})ᵀ U,
 /// the pairs by channel_pair (C²·d exponentials per chunk, as channel-gated linear
-/// attention), the products by the register-blocked tile product.
+/// attention) where the chunk's gates span more than kda_pair_range<T> in log, else by
+/// two products against K ⊙ e^{−b} (as flash-linear-attention's chunk_kda factors the
+/// decay through a reference row); the products by the register-blocked tile product.
 template <class T>
 void kda_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                  const ConstMatrixRef<T>& beta, const ConstMatrixRef<T>& G, MatrixRef<T> O, const DeltaOptions& options,
@@ -206,8 +214,8 @@ void kda_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
     const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
     const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
     const QueryFactor<T> factor = query_factor<T>(options, d);
-    Matrix<T> keys(c_max, d), b(c_max, d), qg(c_max, d), kg(c_max, d), uc_all(c_max, dv), l_all(c_max, c_max),
-        a_all(c_max, c_max);
+    Matrix<T> keys(c_max, d), b(c_max, d), qg(c_max, d), kg(c_max, d), kinv(c_max, d), kt(d, c_max),
+        uc_all(c_max, dv), l_all(c_max, c_max), a_all(c_max, c_max);
     Vector<T> last(d);
     const ExpNonpositiveOp<T> exp;
     constexpr T minus_infinity = -std::numeric_limits<T>::infinity();
@@ -225,11 +233,18 @@ void kda_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
             }
         for (Index t = 1; t < c; ++t)
             bc.row(t) = bc.row(t - 1) + G.row(t0 + t);
-        auto qc = qg.topRows(c), kd = kg.topRows(c);
+        // Where the chunk's gates span at most kda_pair_range (every channel), e^{b_t − b_s}
+        // = e^{b_t} e^{−b_s} with neither factor out of range: the pairs are then products
+        // of C rows against K ⊙ e^{−b}, and the fold's K ⊙ e^{b_C − b} is that times e^{b_C},
+        // so the chunk takes C·d exponentials where the pairs alone took C²·d/2.
+        const bool factored = -bc.row(c - 1).minCoeff() <= kda_pair_range<T>;
+        auto qc = qg.topRows(c), kd = kg.topRows(c), ki = kinv.topRows(c);
         for (Index t = 0; t < c; ++t) {  // row by row, so that Eigen vectorises the exponentials
             last = bc.row(t).array().unaryExpr(exp);  // e^{b_t}, for both
             qc.row(t) = q.row(t).array() * last.array();
             kd.row(t) = kc.row(t).array() * last.array();
+            if (factored)
+                ki.row(t) = kc.row(t).array() / last.array();
         }
         // RHS = diag(β)(V − (K ⊙ e^b) S_0) and O = (Q ⊙ e^b) S_0.
         auto uc = uc_all.topRows(c);
@@ -242,25 +257,40 @@ void kda_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
         // −L (the substitution adds) and A, zero above their triangles.
         auto l = l_all.topLeftCorner(c, c);
         auto a = a_all.topLeftCorner(c, c);
-        for (Index t = 0; t < c; ++t) {
-            const T minus_beta = -beta(t0 + t, 0);
-            for (Index s2 = 0; s2 < t; ++s2) {  // one exponential per channel for both
-                T lk, qk;
-                channel_pairs(kc.row(t).data(), kc.row(s2).data(), q.row(t).data(), kc.row(s2).data(), &bc(t, 0),
-                              &bc(s2, 0), d, lk, qk);
-                l(t, s2) = minus_beta * lk;
-                a(t, s2) = qk;
+        if (factored) {  // L = (K ⊙ e^{b})(K ⊙ e^{−b})ᵀ, A = (Q ⊙ e^{b})(K ⊙ e^{−b})ᵀ
+            transpose(ki.data(), c, d, ki.outerStride(), kt.data(), kt.outerStride());
+            tile_product<T>(c, c, d, kd.data(), kd.outerStride(), 1, kt.data(), kt.outerStride(), l.data(),
+                            l.outerStride(), nullptr, LowerColumns{-1});
+            tile_product<T>(c, c, d, qc.data(), qc.outerStride(), 1, kt.data(), kt.outerStride(), a.data(),
+                            a.outerStride(), nullptr, LowerColumns{0});
+            for (Index t = 0; t < c; ++t) {
+                l.row(t).head(t) *= -beta(t0 + t, 0);
+                a.row(t).tail(c - 1 - t).setZero();
             }
-            a(t, t) = q.row(t).dot(kc.row(t));  // e^{b_t − b_t} = 1
-            a.row(t).tail(c - 1 - t).setZero();
+        } else {
+            for (Index t = 0; t < c; ++t) {
+                const T minus_beta = -beta(t0 + t, 0);
+                for (Index s2 = 0; s2 < t; ++s2) {  // one exponential per channel for both
+                    T lk, qk;
+                    channel_pairs(kc.row(t).data(), kc.row(s2).data(), q.row(t).data(), kc.row(s2).data(),
+                                  &bc(t, 0), &bc(s2, 0), d, lk, qk);
+                    l(t, s2) = minus_beta * lk;
+                    a(t, s2) = qk;
+                }
+                a(t, t) = q.row(t).dot(kc.row(t));  // e^{b_t − b_t} = 1
+                a.row(t).tail(c - 1 - t).setZero();
+            }
         }
         forward_substitution<T>(c, dv, l.data(), l.outerStride(), uc.data(), uc.outerStride());  // U = (I + L)⁻¹ RHS
         tile_product<T, DefaultBlocking, true>(c, dv, c, a.data(), a.outerStride(), 1, uc.data(), uc.outerStride(),
                                                o.data(), o.outerStride(), nullptr, LowerTerms{0});
         // S = diag(e^{b_C}) S_0 + (K ⊙ e^{b_C − b})ᵀ U, the decay as the product's row scale.
-        for (Index t = 0; t < c; ++t)
-            kd.row(t) = kc.row(t).array() * (bc.row(c - 1) - bc.row(t)).array().unaryExpr(exp);
         last = bc.row(c - 1).array().unaryExpr(exp);
+        for (Index t = 0; t < c; ++t)
+            if (factored)
+                kd.row(t) = ki.row(t).array() * last.array();
+            else
+                kd.row(t) = kc.row(t).array() * (bc.row(c - 1) - bc.row(t)).array().unaryExpr(exp);
         tile_product<T, FoldBlocking>(d, dv, c, kd.data(), 1, kd.outerStride(), uc.data(), uc.outerStride(), S.data(),
                                       S.outerStride(), last.data());
         scale_by_queries(factor, q, o);

@@ -25,8 +25,11 @@
 //   O = (Q ⊙ e^{λ}) S_0 + P_qb W̃ + P_qk V,   P_xy(t, s) = Σ_r x_tr y_sr e^{λ_tr − λ_sr} (s ≤ t);
 //   S_C = Diag(e^{λ_C}) S_0 + (B ⊙ e^{λ_C − λ})ᵀ W̃ + (K ⊙ e^{λ_C − λ})ᵀ V.
 //
-// Every exponent is ≤ 0. A chunk ends before a token whose log-decay holds −∞, and that
-// token is taken by the recurrence, so no exponent meets −∞ − (−∞).
+// Every exponent is ≤ 0, but for the factored pairs: where a chunk's λ spans at most
+// rwkv7_pair_range, e^{λ_t − λ_s} = e^{λ_t} e^{−λ_s} and the four pair matrices are
+// products of C rows against B ⊙ e^{−λ} and K ⊙ e^{−λ} (e^{−λ_s} ≤ e^{40} in float).
+// A chunk ends before a token whose log-decay holds −∞, and that token is taken by the
+// recurrence, so no exponent meets −∞ − (−∞).
 
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/types.hpp"
@@ -116,8 +119,16 @@ void rwkv7_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, con
         rwkv7_step(Q, K, V, A, B, W, i, static_cast<T>(options.scale), S, read, O.row(i));
 }
 
-/// The chunked form (see the top of the file), the pair terms by channel_pairs (two per
-/// exponential), the products by the register-blocked tile product.
+/// The largest span of a chunk's λ (in any channel) for which RWKV-7's pairs factor as
+/// (x ⊙ e^{λ_t})·(y ⊙ e^{−λ_s}): e^{±40} keeps both factors of a float far from overflow
+/// and from the subnormals (e^{±400} for a double).
+template <class T>
+inline constexpr T rwkv7_pair_range = sizeof(T) == 4 ? T(40) : T(400);
+
+/// The chunked form (see the top of the file), the pair terms by products of C rows
+/// against B ⊙ e^{−λ} and K ⊙ e^{−λ} where the chunk's λ spans at most rwkv7_pair_range
+/// (as flash-linear-attention factors the decay through a reference row), else by
+/// channel_pairs (two per exponential); the products by the register-blocked tile product.
 template <class T>
 void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                    const ConstMatrixRef<T>& A, const ConstMatrixRef<T>& B, const ConstMatrixRef<T>& W, MatrixRef<T> O,
@@ -127,6 +138,9 @@ void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
     // λ with a leading row of zeros: row t + 1 is λ_t, row t is λ_{t−1}.
     Matrix<T> lambda(c_max + 1, d), scaled(c_max, d), w_read(c_max, dv), m_ab(c_max, c_max), m_ak(c_max, c_max),
         p_qb(c_max, c_max), p_qk(c_max, c_max);
+    // The factored pairs' operands: A ⊙ e^{λ_{t−1}}, Q ⊙ e^{λ_t}, B ⊙ e^{−λ_s}, K ⊙ e^{−λ_s}
+    // (rows), the last two transposed.
+    Matrix<T> a_up(c_max, d), q_up(c_max, d), b_down(c_max, d), k_down(c_max, d), b_t(d, c_max), k_t(d, c_max);
     Vector<T> read(dv), last(d);
     const ExpNonpositiveOp<T> exp;
     const T scale = static_cast<T>(options.scale);
@@ -146,35 +160,71 @@ void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
         // The pair terms: M below the diagonal (λ_{t−1} − λ_s), P on and below it (λ_t − λ_s).
         auto mab = m_ab.topLeftCorner(c, c), mak = m_ak.topLeftCorner(c, c), pqb = p_qb.topLeftCorner(c, c),
              pqk = p_qk.topLeftCorner(c, c);
-        mab.setZero();
-        mak.setZero();
-        pqb.setZero();
-        pqk.setZero();
-        for (Index t = 0; t < c; ++t) {
-            const T* at_row = a.row(t).data();
-            const T* qt_row = q.row(t).data();
-            for (Index s2 = 0; s2 < t; ++s2)
-                channel_pairs(at_row, b.row(s2).data(), at_row, k.row(s2).data(), at(t), at(s2 + 1), d, mab(t, s2),
-                              mak(t, s2));
-            for (Index s2 = 0; s2 <= t; ++s2)
-                channel_pairs(qt_row, b.row(s2).data(), qt_row, k.row(s2).data(), at(t + 1), at(s2 + 1), d, pqb(t, s2),
-                              pqk(t, s2));
+        // Where λ spans at most rwkv7_pair_range in every channel, e^{λ_t − λ_s} = e^{λ_t}
+        // e^{−λ_s} with neither factor out of range: the four pair matrices are products of
+        // C rows, C·d exponentials per chunk where the pairs take C²·d.
+        const bool factored = -lambda.row(c).minCoeff() <= rwkv7_pair_range<T>;
+        if (factored) {
+            auto au = a_up.topRows(c), qu = q_up.topRows(c), bd = b_down.topRows(c), kd = k_down.topRows(c);
+            last = lambda.row(0).array().unaryExpr(exp);
+            for (Index t = 0; t < c; ++t) {  // last: e^{λ_{t−1}}, then e^{λ_t}
+                au.row(t) = a.row(t).array() * last.array();
+                last = lambda.row(t + 1).array().unaryExpr(exp);
+                qu.row(t) = q.row(t).array() * last.array();
+                bd.row(t) = b.row(t).array() / last.array();
+                kd.row(t) = k.row(t).array() / last.array();
+            }
+            transpose(bd.data(), c, d, bd.outerStride(), b_t.data(), b_t.outerStride());
+            transpose(kd.data(), c, d, kd.outerStride(), k_t.data(), k_t.outerStride());
+            tile_product<T>(c, c, d, au.data(), au.outerStride(), 1, b_t.data(), b_t.outerStride(), mab.data(),
+                            mab.outerStride(), nullptr, LowerColumns{-1});
+            tile_product<T>(c, c, d, au.data(), au.outerStride(), 1, k_t.data(), k_t.outerStride(), mak.data(),
+                            mak.outerStride(), nullptr, LowerColumns{-1});
+            tile_product<T>(c, c, d, qu.data(), qu.outerStride(), 1, b_t.data(), b_t.outerStride(), pqb.data(),
+                            pqb.outerStride(), nullptr, LowerColumns{0});
+            tile_product<T>(c, c, d, qu.data(), qu.outerStride(), 1, k_t.data(), k_t.outerStride(), pqk.data(),
+                            pqk.outerStride(), nullptr, LowerColumns{0});
+            for (Index t = 0; t < c; ++t) {  // M strictly lower, P lower
+                mab.row(t).tail(c - t).setZero();
+                mak.row(t).tail(c - t).setZero();
+                pqb.row(t).tail(c - 1 - t).setZero();
+                pqk.row(t).tail(c - 1 - t).setZero();
+            }
+        } else {
+            mab.setZero();
+            mak.setZero();
+            pqb.setZero();
+            pqk.setZero();
+            for (Index t = 0; t < c; ++t) {
+                const T* at_row = a.row(t).data();
+                const T* qt_row = q.row(t).data();
+                for (Index s2 = 0; s2 < t; ++s2)
+                    channel_pairs(at_row, b.row(s2).data(), at_row, k.row(s2).data(), at(t), at(s2 + 1), d,
+                                  mab(t, s2), mak(t, s2));
+                for (Index s2 = 0; s2 <= t; ++s2)
+                    channel_pairs(qt_row, b.row(s2).data(), qt_row, k.row(s2).data(), at(t + 1), at(s2 + 1), d,
+                                  pqb(t, s2), pqk(t, s2));
+            }
         }
         // W̃ = (I − M_ab)⁻¹ ((A ⊙ e^{λ_{t−1}}) S_0 + M_ak V).
         auto wr = w_read.topRows(c);
         auto sc = scaled.topRows(c);
-        for (Index t = 0; t < c; ++t)
-            sc.row(t) = a.row(t).array() * lambda.row(t).array().unaryExpr(exp);
-        tile_product<T>(c, dv, d, sc.data(), sc.outerStride(), 1, S.data(), S.outerStride(), wr.data(),
-                        wr.outerStride(), nullptr);
+        // The rows scaled by their decays: the factored pairs' operands, or made here.
+        const auto up = [&](const Matrix<T>& factored_rows, const auto& rows, Index shift) -> const T* {
+            if (factored)
+                return factored_rows.data();
+            for (Index t = 0; t < c; ++t)
+                sc.row(t) = rows.row(t).array() * lambda.row(t + shift).array().unaryExpr(exp);
+            return sc.data();
+        };
+        tile_product<T>(c, dv, d, up(a_up, a, 0), d, 1, S.data(), S.outerStride(), wr.data(), wr.outerStride(),
+                        nullptr);
         tile_product<T, DefaultBlocking, true>(c, dv, c, mak.data(), mak.outerStride(), 1, v.data(), V.outerStride(),
                                                wr.data(), wr.outerStride(), nullptr);
         forward_substitution<T>(c, dv, mab.data(), mab.outerStride(), wr.data(), wr.outerStride());
         // O = (Q ⊙ e^{λ}) S_0 + P_qb W̃ + P_qk V.
         auto o = O.middleRows(t0, c);
-        for (Index t = 0; t < c; ++t)
-            sc.row(t) = q.row(t).array() * lambda.row(t + 1).array().unaryExpr(exp);
-        tile_product<T>(c, dv, d, sc.data(), sc.outerStride(), 1, S.data(), S.outerStride(), o.data(), o.outerStride(),
+        tile_product<T>(c, dv, d, up(q_up, q, 1), d, 1, S.data(), S.outerStride(), o.data(), o.outerStride(),
                         nullptr);
         tile_product<T, DefaultBlocking, true>(c, dv, c, pqb.data(), pqb.outerStride(), 1, wr.data(), wr.outerStride(),
                                                o.data(), o.outerStride(), nullptr);
@@ -186,11 +236,17 @@ void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
         // first product's row scale.
         last = lambda.row(c).array().unaryExpr(exp);
         for (Index t = 0; t < c; ++t)
-            sc.row(t) = b.row(t).array() * (lambda.row(c) - lambda.row(t + 1)).array().unaryExpr(exp);
+            if (factored)
+                sc.row(t) = b_down.row(t).array() * last.array();
+            else
+                sc.row(t) = b.row(t).array() * (lambda.row(c) - lambda.row(t + 1)).array().unaryExpr(exp);
         tile_product<T, FoldBlocking>(d, dv, c, sc.data(), 1, sc.outerStride(), wr.data(), wr.outerStride(), S.data(),
                                       S.outerStride(), last.data());
         for (Index t = 0; t < c; ++t)
-            sc.row(t) = k.row(t).array() * (lambda.row(c) - lambda.row(t + 1)).array().unaryExpr(exp);
+            if (factored)
+                sc.row(t) = k_down.row(t).array() * last.array();
+            else
+                sc.row(t) = k.row(t).array() * (lambda.row(c) - lambda.row(t + 1)).array().unaryExpr(exp);
         tile_product_add<T, FoldBlocking>(d, dv, c, sc.data(), 1, sc.outerStride(), v.data(), V.outerStride(), S.data(),
                                           S.outerStride());
     }
