@@ -136,8 +136,10 @@ void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
     const Index n = Q.rows(), d = Q.cols(), dv = V.cols();
     const Index c_max = std::min<Index>(options.chunk_size, std::max<Index>(n, 1));
     // λ with a leading row of zeros: row t + 1 is λ_t, row t is λ_{t−1}.
-    Matrix<T> lambda(c_max + 1, d), scaled(c_max, d), w_read(c_max, dv), m_ab(c_max, c_max), m_ak(c_max, c_max),
-        p_qb(c_max, c_max), p_qk(c_max, c_max);
+    // [W̃; V] and [P_qb | P_qk] stacked, so that O's and the fold's two products each are one
+    // of depth 2C; the fold's rows [B ⊙ e^{λ_C − λ}; K ⊙ e^{λ_C − λ}] likewise.
+    Matrix<T> lambda(c_max + 1, d), scaled(c_max, d), stacked(2 * c_max, dv), m_ab(c_max, c_max),
+        m_ak(c_max, c_max), p_q(c_max, 2 * c_max), fold_rows(2 * c_max, d);
     // The factored pairs' operands: A ⊙ e^{λ_{t−1}}, Q ⊙ e^{λ_t}, B ⊙ e^{−λ_s}, K ⊙ e^{−λ_s}
     // (rows), the last two transposed.
     Matrix<T> a_up(c_max, d), q_up(c_max, d), b_down(c_max, d), k_down(c_max, d), b_t(d, c_max), k_t(d, c_max);
@@ -158,8 +160,8 @@ void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
             lambda.row(t + 1) = lambda.row(t) + W.row(t0 + t);
         const auto at = [&](Index row) { return &lambda(row, 0); };
         // The pair terms: M below the diagonal (λ_{t−1} − λ_s), P on and below it (λ_t − λ_s).
-        auto mab = m_ab.topLeftCorner(c, c), mak = m_ak.topLeftCorner(c, c), pqb = p_qb.topLeftCorner(c, c),
-             pqk = p_qk.topLeftCorner(c, c);
+        auto mab = m_ab.topLeftCorner(c, c), mak = m_ak.topLeftCorner(c, c), pqb = p_q.block(0, 0, c, c),
+             pqk = p_q.block(0, c, c, c);
         // Where λ spans at most rwkv7_pair_range in every channel, e^{λ_t − λ_s} = e^{λ_t}
         // e^{−λ_s} with neither factor out of range: the four pair matrices are products of
         // C rows, C·d exponentials per chunk where the pairs take C²·d.
@@ -207,7 +209,7 @@ void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
             }
         }
         // W̃ = (I − M_ab)⁻¹ ((A ⊙ e^{λ_{t−1}}) S_0 + M_ak V).
-        auto wr = w_read.topRows(c);
+        auto wr = stacked.topRows(c);
         auto sc = scaled.topRows(c);
         // The rows scaled by their decays: the factored pairs' operands, or made here.
         const auto up = [&](const Matrix<T>& factored_rows, const auto& rows, Index shift) -> const T* {
@@ -222,33 +224,30 @@ void rwkv7_chunked(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const
         tile_product<T, DefaultBlocking, true>(c, dv, c, mak.data(), mak.outerStride(), 1, v.data(), V.outerStride(),
                                                wr.data(), wr.outerStride(), nullptr);
         forward_substitution<T>(c, dv, mab.data(), mab.outerStride(), wr.data(), wr.outerStride());
-        // O = (Q ⊙ e^{λ}) S_0 + P_qb W̃ + P_qk V.
+        // O = (Q ⊙ e^{λ}) S_0 + [P_qb | P_qk] [W̃; V].
         auto o = O.middleRows(t0, c);
         tile_product<T>(c, dv, d, up(q_up, q, 1), d, 1, S.data(), S.outerStride(), o.data(), o.outerStride(),
                         nullptr);
-        tile_product<T, DefaultBlocking, true>(c, dv, c, pqb.data(), pqb.outerStride(), 1, wr.data(), wr.outerStride(),
-                                               o.data(), o.outerStride(), nullptr);
-        tile_product<T, DefaultBlocking, true>(c, dv, c, pqk.data(), pqk.outerStride(), 1, v.data(), V.outerStride(),
-                                               o.data(), o.outerStride(), nullptr);
+        stacked.middleRows(c, c) = v;
+        tile_product<T, DefaultBlocking, true>(c, dv, 2 * c, p_q.data(), p_q.outerStride(), 1, stacked.data(),
+                                               stacked.outerStride(), o.data(), o.outerStride(), nullptr);
         if (scale != T(1))
             o *= scale;
-        // S = Diag(e^{λ_C}) S_0 + (B ⊙ e^{λ_C − λ})ᵀ W̃ + (K ⊙ e^{λ_C − λ})ᵀ V, the decay the
-        // first product's row scale.
+        // S = Diag(e^{λ_C}) S_0 + (B ⊙ e^{λ_C − λ})ᵀ W̃ + (K ⊙ e^{λ_C − λ})ᵀ V: one product of
+        // depth 2C over [W̃; V], the decay its row scale.
         last = lambda.row(c).array().unaryExpr(exp);
-        for (Index t = 0; t < c; ++t)
-            if (factored)
-                sc.row(t) = b_down.row(t).array() * last.array();
-            else
-                sc.row(t) = b.row(t).array() * (lambda.row(c) - lambda.row(t + 1)).array().unaryExpr(exp);
-        tile_product<T, FoldBlocking>(d, dv, c, sc.data(), 1, sc.outerStride(), wr.data(), wr.outerStride(), S.data(),
-                                      S.outerStride(), last.data());
-        for (Index t = 0; t < c; ++t)
-            if (factored)
-                sc.row(t) = k_down.row(t).array() * last.array();
-            else
-                sc.row(t) = k.row(t).array() * (lambda.row(c) - lambda.row(t + 1)).array().unaryExpr(exp);
-        tile_product_add<T, FoldBlocking>(d, dv, c, sc.data(), 1, sc.outerStride(), v.data(), V.outerStride(), S.data(),
-                                          S.outerStride());
+        for (Index t = 0; t < c; ++t) {
+            if (factored) {
+                fold_rows.row(t) = b_down.row(t).array() * last.array();
+                fold_rows.row(c + t) = k_down.row(t).array() * last.array();
+            } else {
+                sc.row(t) = (lambda.row(c) - lambda.row(t + 1)).array().unaryExpr(exp);
+                fold_rows.row(t) = b.row(t).array() * sc.row(t).array();
+                fold_rows.row(c + t) = k.row(t).array() * sc.row(t).array();
+            }
+        }
+        tile_product<T, FoldBlocking>(d, dv, 2 * c, fold_rows.data(), 1, fold_rows.outerStride(), stacked.data(),
+                                      stacked.outerStride(), S.data(), S.outerStride(), last.data());
     }
 }
 
