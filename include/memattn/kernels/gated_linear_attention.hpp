@@ -357,25 +357,16 @@ void gated_spans(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
         gated_chunked(Q, K, V, G, O, options, s);
         return;
     }
-    const Index spans = plan.spans(), d = Q.cols(), dv = V.cols(), gc = G.cols();
-    Matrix<T> starts(plan.block_count(), gc), totals(spans, gc);  // log-gates summed to each block, over each span
-    std::vector<LinearState<T>> ends(static_cast<std::size_t>(spans));
+    const Index d = Q.cols(), dv = V.cols(), gc = G.cols();
+    Matrix<T> starts(plan.block_count(), gc), totals(plan.spans(), gc);  // log-gates summed to blocks, spans
     ColumnVector<T> den(options.normalize ? Q.rows() : 0);
-    // 1. The spans at once.
-    run_ranges(executor, spans, [&](Index first, Index last) {
-        Vector<T> sum(gc);
-        for (Index j = first; j < last; ++j) {
+    by_spans<T>(
+        plan, s, d, dv, executor,
+        [&](Index j, LinearState<T>& e) {  // 1. a span, the later ones raw; its log-gates summed
             const Index r0 = plan.first(j), m = plan.rows(j);
-            LinearState<T>& e = ends[static_cast<std::size_t>(j)];
-            if (j == 0) {
-                e = s;
-            } else {
-                e.mu.setZero(d, dv);
-                e.nu.setZero(d);
-            }
             gated_chunked<T>(Q.middleRows(r0, m), K.middleRows(r0, m), V.middleRows(r0, m), G.middleRows(r0, m),
                              O.middleRows(r0, m), options, e, j > 0, options.normalize ? den.data() + r0 : nullptr);
-            sum.setZero();
+            Vector<T> sum = Vector<T>::Zero(gc);
             Index b = j > 0 ? plan.first_block(j) : 0;
             for (Index t = 0; t < m; ++t) {
                 if (j > 0 && b < plan.first_block(j + 1) && plan.block(b).first == r0 + t)
@@ -383,31 +374,23 @@ void gated_spans(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const C
                 sum += G.row(r0 + t);
             }
             totals.row(j) = sum;
-        }
-    });
-    // 2. The state before each span, in order; the final state.
-    std::vector<LinearState<T>> before(static_cast<std::size_t>(spans));
-    before[1] = ends[0];
-    Vector<T> total(gc);
-    for (Index j = 1; j < spans; ++j) {
-        LinearState<T>& next = j + 1 < spans ? before[static_cast<std::size_t>(j + 1)] : s;
-        next = before[static_cast<std::size_t>(j)];
-        total = totals.row(j);
-        carry_over(next, total, ends[static_cast<std::size_t>(j)]);
-    }
-    // 3. The later spans' rows: the carried state's part, then the factor and normaliser.
-    run_ranges(executor, plan.block_count(), [&](Index first, Index last) {
-        Matrix<T> scratch(SpanPlan::block_rows, d);
-        Vector<T> b(gc);
-        for (Index i = first; i < last; ++i) {
-            const SpanPlan::Block& block = plan.block(i);
-            b = starts.row(i);
-            gated_carried_rows<T>(Q.middleRows(block.first, block.rows), G.middleRows(block.first, block.rows),
-                                  O.middleRows(block.first, block.rows),
-                                  options.normalize ? den.data() + block.first : nullptr,
-                                  before[static_cast<std::size_t>(block.span)], options, b, scratch);
-        }
-    });
+        },
+        [&](Index j, LinearState<T>& next, const LinearState<T>& end) {  // 2. diag(e^{Λ}) S + B
+            Vector<T> total = totals.row(j);
+            carry_over(next, total, end);
+        },
+        [&](Index first, Index last, const std::vector<LinearState<T>>& before) {  // 3. the carried part
+            Matrix<T> scratch(SpanPlan::block_rows, d);
+            Vector<T> b(gc);
+            for (Index i = first; i < last; ++i) {
+                const SpanPlan::Block& block = plan.block(i);
+                b = starts.row(i);
+                gated_carried_rows<T>(Q.middleRows(block.first, block.rows), G.middleRows(block.first, block.rows),
+                                      O.middleRows(block.first, block.rows),
+                                      options.normalize ? den.data() + block.first : nullptr,
+                                      before[static_cast<std::size_t>(block.span)], options, b, scratch);
+            }
+        });
 }
 
 enum class GatedForm { recurrent, chunked };

@@ -402,6 +402,45 @@ private:
     std::vector<Index> first_block_;
 };
 
+/// The three steps of a span-parallel chunked form over `plan` (linear_spans,
+/// gated_spans), each family giving its own parts:
+///   1. every span at once: run_span(j, state) runs span j from `state`, which is the
+///      given one for j = 0 and a zero rows × cols state (mu; nu of rows) for the others,
+///      and leaves it the span's final state;
+///   2. in order, the state before each span: carry(j, next, end) makes `next`, holding
+///      the state before span j, the state after it (end: span j's final state from
+///      zero); the last one is the call's final state, in `s`;
+///   3. the later spans' rows at once: correct(first, last, before) for blocks
+///      [first, last) of the plan, before[j] the state before span j.
+/// The cut and every step's arithmetic depend on the plan, never on the threads.
+template <class T, class RunSpan, class Carry, class Correct>
+void by_spans(const SpanPlan& plan, LinearState<T>& s, Index rows, Index cols, ExecutorRef executor,
+              RunSpan&& run_span, Carry&& carry, Correct&& correct) {
+    const Index spans = plan.spans();
+    std::vector<LinearState<T>> ends(static_cast<std::size_t>(spans));
+    run_ranges(executor, spans, [&](Index first, Index last) {
+        for (Index j = first; j < last; ++j) {
+            LinearState<T>& e = ends[static_cast<std::size_t>(j)];
+            if (j == 0) {
+                e = s;
+            } else {
+                e.mu.setZero(rows, cols);
+                e.nu.setZero(rows);
+            }
+            run_span(j, e);
+        }
+    });
+    std::vector<LinearState<T>> before(static_cast<std::size_t>(spans));
+    before[1] = ends[0];
+    for (Index j = 1; j < spans; ++j) {
+        LinearState<T>& next = j + 1 < spans ? before[static_cast<std::size_t>(j + 1)] : s;
+        next = before[static_cast<std::size_t>(j)];
+        carry(j, next, ends[static_cast<std::size_t>(j)]);
+    }
+    run_ranges(executor, plan.block_count(),
+               [&](Index first, Index last) { correct(first, last, std::as_const(before)); });
+}
+
 // ------------------------------------------------------------------------- chunked
 
 /// One chunk of n ≤ C tokens is three GEMMs and a GEMV over a scratch laid out so that
@@ -516,63 +555,48 @@ void linear_spans(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const 
         chunked_form(Q, K, V, O, phi, options, features, s);
         return;
     }
-    const Index spans = plan.spans(), dv = V.cols();
-    std::vector<LinearState<T>> ends(static_cast<std::size_t>(spans));
+    const Index dv = V.cols();
     ColumnVector<T> den(options.normalize ? Q.rows() : 0);
-    // 1. The spans at once.
-    run_ranges(executor, spans, [&](Index first, Index last) {
-        for (Index j = first; j < last; ++j) {
-            const Index r0 = plan.first(j), m = plan.rows(j);
-            LinearState<T>& e = ends[static_cast<std::size_t>(j)];
-            if (j == 0) {
-                e = s;
-            } else {
-                e.mu.setZero(features, dv);
-                e.nu.setZero(features);
-            }
-            chunked_form<T>(Q.middleRows(r0, m), K.middleRows(r0, m), V.middleRows(r0, m), O.middleRows(r0, m), phi,
-                            options, features, e, -1, j > 0 && options.normalize ? den.data() + r0 : nullptr);
-        }
-    });
-    // 2. The state before each span, in order; the final state.
-    std::vector<LinearState<T>> before(static_cast<std::size_t>(spans));
-    before[1] = ends[0];
-    for (Index j = 1; j < spans; ++j) {
-        LinearState<T>& next = j + 1 < spans ? before[static_cast<std::size_t>(j + 1)] : s;
-        next = before[static_cast<std::size_t>(j)];
-        const T g = decay_power<T>(options.decay, plan.rows(j));
-        if (g != T(1)) {
-            next.mu *= g;
-            next.nu *= g;
-        }
-        next.mu += ends[static_cast<std::size_t>(j)].mu;
-        next.nu += ends[static_cast<std::size_t>(j)].nu;
-    }
-    // 3. The later spans' rows: the carried state's part, then the normaliser.
     const ColumnVector<T> powers = decay_powers<T>(options.decay, SpanPlan::block_rows);
     const bool decays = options.decay != 1;
-    run_ranges(executor, plan.block_count(), [&](Index first, Index last) {
-        Matrix<T> qf(SpanPlan::block_rows, features);
-        for (Index i = first; i < last; ++i) {
-            const SpanPlan::Block& block = plan.block(i);
-            const LinearState<T>& in = before[static_cast<std::size_t>(block.span)];
-            auto q = qf.topRows(block.rows);
-            apply_features<T>(phi, Q.middleRows(block.first, block.rows), q);
-            if (decays) {  // γ^{t+1}, t from the span's start: γ^{offset+1} γ^{row in block}
-                const T base = decay_power<T>(options.decay, block.first - plan.first(block.span) + 1);
-                for (Index t = 0; t < block.rows; ++t)
-                    q.row(t) *= base * powers(t);
+    by_spans<T>(
+        plan, s, features, dv, executor,
+        [&](Index j, LinearState<T>& e) {  // 1. a span; the later ones raw
+            const Index r0 = plan.first(j), m = plan.rows(j);
+            chunked_form<T>(Q.middleRows(r0, m), K.middleRows(r0, m), V.middleRows(r0, m), O.middleRows(r0, m), phi,
+                            options, features, e, -1, j > 0 && options.normalize ? den.data() + r0 : nullptr);
+        },
+        [&](Index j, LinearState<T>& next, const LinearState<T>& end) {  // 2. γ^m S + B
+            const T g = decay_power<T>(options.decay, plan.rows(j));
+            if (g != T(1)) {
+                next.mu *= g;
+                next.nu *= g;
             }
-            auto o = O.middleRows(block.first, block.rows);
-            tile_product_add<T>(block.rows, dv, features, q.data(), q.outerStride(), 1, in.mu.data(),
-                                in.mu.outerStride(), o.data(), o.outerStride());
-            if (options.normalize) {
-                auto dn = den.segment(block.first, block.rows);
-                dn.noalias() += q * in.nu.transpose();
-                o.array().colwise() /= dn.array() + static_cast<T>(options.eps);
+            next.mu += end.mu;
+            next.nu += end.nu;
+        },
+        [&](Index first, Index last, const std::vector<LinearState<T>>& before) {  // 3. the carried part
+            Matrix<T> qf(SpanPlan::block_rows, features);
+            for (Index i = first; i < last; ++i) {
+                const SpanPlan::Block& block = plan.block(i);
+                const LinearState<T>& in = before[static_cast<std::size_t>(block.span)];
+                auto q = qf.topRows(block.rows);
+                apply_features<T>(phi, Q.middleRows(block.first, block.rows), q);
+                if (decays) {  // γ^{t+1}, t from the span's start: γ^{offset+1} γ^{row in block}
+                    const T base = decay_power<T>(options.decay, block.first - plan.first(block.span) + 1);
+                    for (Index t = 0; t < block.rows; ++t)
+                        q.row(t) *= base * powers(t);
+                }
+                auto o = O.middleRows(block.first, block.rows);
+                tile_product_add<T>(block.rows, dv, features, q.data(), q.outerStride(), 1, in.mu.data(),
+                                    in.mu.outerStride(), o.data(), o.outerStride());
+                if (options.normalize) {
+                    auto dn = den.segment(block.first, block.rows);
+                    dn.noalias() += q * in.nu.transpose();
+                    o.array().colwise() /= dn.array() + static_cast<T>(options.eps);
+                }
             }
-        }
-    });
+        });
 }
 
 // ------------------------------------------------------------------------- recurrent
