@@ -826,15 +826,11 @@ void delta_shards(MPI_Comm comm, const char* function, const ConstMatrixRef<T>& 
     const std::string error = local_error([&] {
         if (kda)
             check_kda_gates(function, k, *gates);
-        check_delta_arguments<T>(function, q, k, v, beta, gates, shape(o), options, rank == 0 ? state : nullptr);
+        // Only rank 0's state is read; every rank's is written.
+        check_delta_call<T>(function, q, k, v, beta, gates, o, options, rank == 0 ? state : nullptr);
+        require_state_disjoint(function, o, state);
         // A later rank keeps n × d rows of q P.
         (void)checked_product(function, "Q", q.rows(), q.cols(), "rows x d");
-        require_disjoint(function, "O", o, "Q", q);
-        require_disjoint(function, "O", o, "K", k);
-        require_disjoint(function, "O", o, "V", v);
-        require_disjoint(function, "O", o, "beta", beta);
-        if (gates != nullptr)
-            require_disjoint(function, "O", o, "log_gates", *gates);
     });
     const Index d = q.cols(), dv = v.cols(), tokens = q.rows();
     const double gate_kind = gates == nullptr ? 0.0 : gates->cols() == 1 ? 1.0 : 2.0;

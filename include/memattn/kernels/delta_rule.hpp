@@ -137,6 +137,22 @@ void check_delta_arguments(const char* function, const ConstMatrixRef<E>& q, con
                 shape(state->mu), ", expected ", q.cols(), 'x', v.cols(), " (key dim x value dim)");
 }
 
+/// Every check of a delta-rule or KDA call on its views: the arguments, then O apart
+/// from every input and from the state.
+template <class T, class E, class B, class G, class Out>
+void check_delta_call(const char* function, const ConstMatrixRef<E>& q, const ConstMatrixRef<E>& k,
+                      const ConstMatrixRef<E>& v, const ConstMatrixRef<B>& beta, const ConstMatrixRef<G>* gates,
+                      const MatrixRef<Out>& o, const DeltaOptions& options, const LinearState<T>* state) {
+    check_delta_arguments<T>(function, q, k, v, beta, gates, shape(o), options, state);
+    require_disjoint(function, "O", o, "Q", q);
+    require_disjoint(function, "O", o, "K", k);
+    require_disjoint(function, "O", o, "V", v);
+    require_disjoint(function, "O", o, "beta", beta);
+    if (gates != nullptr)
+        require_disjoint(function, "O", o, "log_gates", *gates);
+    require_state_disjoint(function, o, state);
+}
+
 /// The query factor of a delta-rule or KDA call in T over d-wide queries.
 template <class T>
 QueryFactor<T> query_factor(const DeltaOptions& options, Index d) {
@@ -435,14 +451,7 @@ void delta_rule_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, 
     const ConstMatrixRef<E> q = sequence(Q), k = sequence(K), v = sequence(V);
     const ConstMatrixRef<Bt> b = sequence(beta);
     MatrixRef<Out> o = output(std::forward<DO>(O));
-    check_delta_arguments<T>(function, q, k, v, b, gates, shape(o), options, state);
-    require_disjoint(function, "O", o, "Q", q);
-    require_disjoint(function, "O", o, "K", k);
-    require_disjoint(function, "O", o, "V", v);
-    require_disjoint(function, "O", o, "beta", b);
-    if (gates != nullptr)
-        require_disjoint(function, "O", o, "log_gates", *gates);
-    require_state_disjoint(function, o, state);
+    check_delta_call<T>(function, q, k, v, b, gates, o, options, state);
     LinearState<T> local;
     LinearState<T>& s = state != nullptr ? *state : local;
     if (s.mu.size() == 0)
