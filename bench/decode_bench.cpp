@@ -28,6 +28,11 @@
 // over step_ms). Step, read and FMA passes all run in real time on the cell's threads, so
 // on a shared machine each gets the same share of the cores. (That a step allocates nothing is tests/allocation_test.cpp's.)
 //
+//   BM_SparseDecode/length:L/block:B/g:G       one KV head (d = dv = 128, float, G query
+//       heads) at L tokens: KVCache (B = 0) against SparseKVCache with blocks of B tokens,
+//       top_k_blocks · B = 2048, a window of 64 and 4 sinks; the bytes of its roofline
+//       are the bounds of every block and the pairs it attends
+//
 //   BM_DecodeVariants/length:L/variant:V      the step of BM_DecodeStep<float> (32/8 × 128,
 //       one thread) with the attention variants of the memories: V = 0 plain, 1 the
 //       logit options (softcap 30, ALiBi, a sink logit per query head), 2 RoPE (keys
@@ -44,6 +49,7 @@
 #include <memattn/execution/executor.hpp>
 #include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/kv_cache.hpp>
+#include <memattn/memory/sparse_kv_cache.hpp>
 #include <memattn/positional/rope.hpp>
 #include <memattn/serving/batched.hpp>
 #include <memattn/serving/paged_kv_cache.hpp>
@@ -399,6 +405,55 @@ void BM_DecodeVariants(benchmark::State& state) {
     report_roofline(state, step_seconds, bytes, flops, executor);
 }
 
+/// One KV head of d = dv = 128 in float (a group of `q` query heads) at `length` tokens:
+/// KVCache (block 0) or SparseKVCache with top_k_blocks · block = 2048, a window of 64 and
+/// 4 sinks. The step is update, attend_group and truncate back, as BM_DecodeStep's; its
+/// bytes are what the step must read: every pair for KVCache; for the sparse cache the
+/// bounds of every block and the pairs it attends.
+void BM_SparseDecode(benchmark::State& state) {
+    const Index length = state.range(0), block = state.range(1), g = state.range(2);
+    const memattn::OpenMPExecutor executor{.threads = 1};
+    const memattn::SparseKVOptions sparse{
+        .block = std::max<Index>(block, 1), .top_k_blocks = 2048 / std::max<Index>(block, 1), .window = 64, .sinks = 4};
+    const Matrix<float>& keys = pool(head_dim, 2);
+    const Matrix<float>& values = pool(head_dim, 3);
+    const Matrix<float>& queries = pool(g * head_dim, 1);
+    Matrix<float> out(g, head_dim);
+    const auto run = [&](auto& mem) {
+        mem.reserve(length + 1);
+        for (Index filled = 0; filled < length; filled += pool_tokens) {
+            const Index n = std::min(pool_tokens, length - filled);
+            mem.extend(keys.topRows(n), values.topRows(n));
+        }
+        Index t = 0;
+        return median_step_seconds(state, [&] {
+            const Index row = t++ % pool_tokens;
+            mem.update(keys.row(row), values.row(row));
+            const Eigen::Map<const Matrix<float>> q(queries.row(row).data(), g, head_dim);
+            mem.attend_group(q, out);
+            benchmark::DoNotOptimize(out.data());
+            benchmark::ClobberMemory();
+            mem.truncate(length);
+        });
+    };
+    const auto pair_bytes = static_cast<double>(2 * head_dim * sizeof(float));
+    double step_seconds = 0, bytes = 0, flops = 0;
+    if (block == 0) {
+        memattn::KVCache<float> mem(head_dim, head_dim);
+        step_seconds = run(mem);
+        bytes = static_cast<double>(length + 1) * pair_bytes;
+        flops = 2.0 * static_cast<double>(g * (length + 1) * 2 * head_dim);
+    } else {
+        memattn::SparseKVCache<float> mem(head_dim, head_dim, sparse);
+        step_seconds = run(mem);
+        const double blocks = static_cast<double>((length + block) / block);
+        const double pairs = static_cast<double>(sparse.top_k_blocks * block + sparse.window + sparse.sinks);
+        bytes = blocks * static_cast<double>((2 * head_dim + 1) * sizeof(float)) + pairs * pair_bytes;
+        flops = 2.0 * static_cast<double>(g) * (blocks * 2.0 * head_dim + pairs * 2.0 * head_dim);
+    }
+    report_roofline(state, step_seconds, static_cast<std::size_t>(bytes), flops, executor);
+}
+
 void cells(benchmark::internal::Benchmark* b) {
     b->ArgNames({"q", "kv", "length", "t"});
     for (auto [q, kv] : {std::pair<Index, Index>{32, 8}, {8, 1}})
@@ -590,6 +645,12 @@ BENCHMARK(BM_DecodeAttend<memattn::Q8>)->Name("BM_DecodeAttend<Q8>")->Apply(cell
 BENCHMARK(BM_DecodeAttend<memattn::Q4>)->Name("BM_DecodeAttend<Q4>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<memattn::Q4Affine>)->Name("BM_DecodeAttend<Q4Affine>")->Apply(cells);
 
+// KVCache (block:0) against SparseKVCache with top_k_blocks · block = 2048 pairs.
+BENCHMARK(BM_SparseDecode)
+    ->ArgNames({"length", "block", "g"})
+    ->ArgsProduct({{32768, 131072, 1048576}, {0, 8, 16, 32, 64}, {1, 4}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeVariants)
     ->ArgNames({"length", "variant"})
     ->ArgsProduct({{4096, 32768}, {0, 1, 2, 3}})

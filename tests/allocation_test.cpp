@@ -38,6 +38,7 @@ inline void eigen_assertion_failed(const char* condition) {
 
 #include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/hybrid_cache.hpp>
+#include <memattn/memory/sparse_kv_cache.hpp>
 #include <memattn/memory/kv_cache.hpp>
 #include <memattn/memory/linear_attention_memory.hpp>
 #include <memattn/memory/moving_average_cache.hpp>
@@ -349,6 +350,33 @@ TEMPLATE_TEST_CASE("KVCache with per-channel keys: decode steps, grouped attends
     CHECK(counts.operator_news == 0);
     CHECK(counts.eigen_mallocs == 0);
     CHECK(cache.length() == 705);
+    CHECK(out.allFinite());
+}
+
+TEMPLATE_TEST_CASE("SparseKVCache: reserved decode steps, grouped attends and truncates allocate nothing",
+                   "[memory][allocation][sparse]", float, Eigen::bfloat16) {
+    using S = TestType;
+    const Index n = 900, d = 40, dv = 8, steps = 100;
+    const Matrix<float> Q = random_matrix<float>(n, d, 1), K = random_matrix<float>(n, d, 2),
+                        V = random_matrix<float>(n, dv, 3);
+    Matrix<float> group(4, dv);
+    Vector<float> out(dv);
+    SparseKVCache<float, S> cache(d, dv, {.block = 8, .top_k_blocks = 6, .window = 16, .sinks = 2});
+    cache.reserve(n);
+    cache.extend(K.topRows(n - steps), V.topRows(n - steps));
+    HeapWatch watch;
+    for (Index i = n - steps; i < n; ++i) {  // new blocks begin on the way
+        cache.update(K.row(i), V.row(i));
+        cache.attend(Q.row(i), out);
+        cache.attend_group(Q.middleRows(i - 4, 4), group);
+    }
+    cache.truncate(n - 13);  // inside a block: its bounds recomputed
+    cache.update(K.row(0), V.row(0));
+    cache.attend(Q.row(0), out);
+    const auto counts = watch.stop();
+    CHECK(counts.operator_news == 0);
+    CHECK(counts.eigen_mallocs == 0);
+    CHECK(cache.length() == n - 12);
     CHECK(out.allFinite());
 }
 

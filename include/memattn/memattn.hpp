@@ -26,6 +26,7 @@
 #include "memattn/kernels/rwkv7.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/kv_cache.hpp"
+#include "memattn/memory/sparse_kv_cache.hpp"
 #include "memattn/memory/linear_attention_memory.hpp"
 #include "memattn/memory/compressor.hpp"
 #include "memattn/memory/hybrid_cache.hpp"

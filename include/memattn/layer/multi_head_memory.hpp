@@ -42,6 +42,7 @@
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/kv_cache.hpp"
+#include "memattn/memory/sparse_kv_cache.hpp"
 #include "memattn/persistence/snapshot.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
@@ -68,12 +69,14 @@ concept HasPairRuns = requires(const M& m) {
     { m.scale() } -> std::convertible_to<typename M::Scalar>;
 };
 
-/// Any KVCache, whatever its storage: it allocates as it grows, so a layer of them
-/// takes every head back to its length when one throws (std::bad_alloc).
+/// Any KVCache or SparseKVCache, whatever its storage: it allocates as it grows, so a
+/// layer of them takes every head back to its length when one throws (std::bad_alloc).
 template <class M>
 inline constexpr bool is_kv_cache = false;
 template <class T, class S>
 inline constexpr bool is_kv_cache<KVCache<T, S>> = true;
+template <class T, class S>
+inline constexpr bool is_kv_cache<SparseKVCache<T, S>> = true;
 
 /// A KVCache of T stored as T: the multi-head kernel reads its pairs in place.
 template <class M>
