@@ -164,6 +164,54 @@ TEMPLATE_TEST_CASE("SparseKVCache attends the sinks, the window and the chosen b
     }
 }
 
+TEST_CASE("SparseKVCache with softcap, ALiBi, a sink logit and RoPE attends its chosen pairs at their positions",
+          "[memory][sparse][options]") {
+    const Index n = 260, d = 16, dv = 3;
+    const bool with_rope = GENERATE(false, true);
+    const SparseKVOptions o{.block = 8, .top_k_blocks = 4, .window = 6, .sinks = 3};
+    const std::vector<double> slope{0.05}, sink{0.7};
+    const SoftmaxOptions options{.softcap = 5, .sink_logits = sink, .alibi_slopes = slope};
+    const Rope rope{.head_dim = d};
+    const Matrix<double> Q = random_matrix<double>(n, d, 101, 3.0), K = random_matrix<double>(n, d, 102),
+                         V = random_matrix<double>(n, dv, 103);
+    SparseKVCache<double> cache = with_rope ? SparseKVCache<double>(d, dv, o, options, rope)
+                                            : SparseKVCache<double>(d, dv, o, options);
+    // The reference reads turned queries and keys: each key at its position, the query
+    // at the newest token's.
+    reference::MatrixD Kt = K;
+    if (with_rope) {
+        std::vector<Index> positions(static_cast<std::size_t>(n));
+        for (Index j = 0; j < n; ++j)
+            positions[static_cast<std::size_t>(j)] = j;
+        rope.apply(Kt, positions);
+    }
+    Vector<double> out(dv);
+    for (Index i = 0; i < n; ++i) {
+        cache.update(K.row(i), V.row(i));
+        cache.attend(Q.row(i), out);
+        const std::vector<Index> chosen = cache.chosen_blocks(Q.row(i));
+        const auto tokens = sparse_read_tokens(i + 1, o, chosen);
+        reference::MatrixD q = Q.row(i);
+        if (with_rope)
+            rope.apply(q, std::vector<Index>{i});
+        reference::MatrixD mask = reference::MatrixD::Constant(1, i + 1, -std::numeric_limits<double>::infinity());
+        for (const Index j : tokens)
+            mask(0, j) = 0;
+        const reference::Logits logits{.softcap = 5, .slope = 0.05, .sink = 0.7, .bias = &mask};
+        const auto expected = reference::softmax_attention(q, Kt.topRows(i + 1), V.topRows(i + 1), logits);
+        CAPTURE(i, with_rope);
+        check_close(out, expected.out, tolerance<double>());
+    }
+    // When it reads everything, it is the KV cache with the same options, bitwise.
+    KVCache<double> full = with_rope ? KVCache<double>(d, dv, options, rope) : KVCache<double>(d, dv, options);
+    SparseKVCache<double> wide = with_rope ? SparseKVCache<double>(d, dv, {.top_k_blocks = 100}, options, rope)
+                                           : SparseKVCache<double>(d, dv, {.top_k_blocks = 100}, options);
+    Matrix<double> O(n, dv), expected(n, dv);
+    decode(full, Q, K, V, expected);
+    decode(wide, Q, K, V, O);
+    CHECK(O == expected);
+}
+
 TEST_CASE("SparseKVCache: no logit exceeds its block's bound, on random and adversarial keys", "[memory][sparse]") {
     const Index d = GENERATE(1, 3, 64), block = GENERATE(1, 5, 16), n = 400;
     const int kind = GENERATE(0, 1, 2);
