@@ -55,6 +55,7 @@ TEST_CASE("threads: attend is const and safe from several threads on one memory"
     attend_concurrently(SlidingWindowCache<float>(8, 6, 64, 4));
     attend_concurrently(MovingAverageCache<float>(8, 6, 16));
     attend_concurrently(HybridCache<float>(8, 6, 32, 4, 16));
+    attend_concurrently(SparseKVCache<float>(8, 6, {.block = 8, .top_k_blocks = 5, .window = 16, .sinks = 2}));
     attend_concurrently(LinearAttentionMemory<float>(8, 6));
     attend_concurrently(LinearAttentionMemory<float, Taylor2>(8, 6));
     // 16-bit rows: one attend takes the memory's conversion buffers, the others their own
