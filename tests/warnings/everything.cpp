@@ -80,6 +80,9 @@ void layer(const memattn::Matrix<T>& x, memattn::Matrix<T>& out, memattn::Index 
     use_memory(memattn::MultiHead<memattn::HybridCache<T>>(
                    layout, [h](memattn::Index) { return memattn::HybridCache<T>(h, h, 4, 2, 3); }),
                x.leftCols(h), k, out);
+    use_memory(memattn::MultiHead<memattn::SparseKVCache<T>>(
+                   layout, [h](memattn::Index) { return memattn::SparseKVCache<T>(h, h, {.block = 2, .top_k_blocks = 1}); }),
+               x.leftCols(h), k, out);
     use_memory(memattn::MultiHead<memattn::LinearAttentionMemory<T>>(
                    layout, [h](memattn::Index) { return memattn::LinearAttentionMemory<T>(h, h); }),
                x.leftCols(h), k, out);
@@ -153,6 +156,7 @@ void everything(memattn::Index n, memattn::Index d) {
     }
     use_memory(memattn::KVCache<T>(d, d), x, out);
     use_memory(memattn::SlidingWindowCache<T>(d, d, 4, 1), x, out);
+    use_memory(memattn::SparseKVCache<T>(d, d, {.block = 2, .top_k_blocks = 1, .window = 2, .sinks = 1}), x, out);
     // The rest is the same template code in double as in float (no double-only packet
     // path): float alone, since compile time is the cost of this unit.
     if constexpr (std::is_same_v<T, float>) {
@@ -191,6 +195,7 @@ void everything(memattn::Index n, memattn::Index d) {
             windowed.sink_tokens = 1;
             use_memory(memattn::SlidingWindowCache<T, memattn::Q8>(d, d, windowed), x, out);
             use_memory(memattn::HybridCache<T>(d, d, 4, 2, 0, single), x, out);
+            use_memory(memattn::SparseKVCache<T, memattn::Q8>(d, d, {.block = 2, .top_k_blocks = 1}, single), x, out);
             const auto group = [&](memattn::Index) { return memattn::KVCache<T>(d, d, options); };
             memattn::MultiHead<memattn::KVCache<T>> layer_of(heads, group);
             memattn::prefill(layer_of, wide, x, x, wide_out);
