@@ -8,6 +8,10 @@
   plot.py kv-quality JSON [OUT_PNG]   bench/kv_quality_bench.cpp's JSON -> the Markdown table of
                                       docs/performance.md ("K/V storage: error against bytes"),
                                       and with OUT_PNG its figure
+  plot.py memory-recall JSON [OUT_DIR]
+                                      bench/memory_recall.cpp's JSON -> the Markdown table of
+                                      every memory's recall, footprint and step, and with
+                                      OUT_DIR its two figures
 
 Every figure names the CPU, the SIMD level and the date of the run it shows. Repeated
 runs are reduced to their median (Google Benchmark's aggregates when present).
@@ -477,6 +481,202 @@ def kv_quality(path, out_png=None):
     return 0
 
 
+# bench/memory_recall.cpp's memories, in its order: (label in the benchmark name, legend).
+RECALL_MEMORIES = [
+    ("KVCache", "KV cache (float)"),
+    ("KVCache_bf16", "KV cache, bfloat16"),
+    ("KVCache_Q8", "KV cache, Q8"),
+    ("SparseKVCache", "sparse KV cache (top 128 blocks of 16)"),
+    ("Window", "sliding window"),
+    ("WindowSinks", "sliding window + 4 sinks"),
+    ("Hybrid_Mean", "hybrid, mean-pooled slots"),
+    ("Hybrid_Max", "hybrid, max-pooled slots"),
+    ("Hybrid_Weighted", "hybrid, weighted slots"),
+    ("MovingAverage", "moving average"),
+    ("EMA", "exponential average (α 0.05)"),
+    ("Linear_Identity", "linear, identity, unnormalised"),
+    ("Linear_Elu", "linear, elu + 1"),
+    ("Linear_Relu", "linear, relu"),
+    ("Linear_Taylor2", "linear, Taylor-2"),
+    ("Linear_Favor", "linear, FAVOR+ (256)"),
+    ("GLA", "gated linear (decay 0.99)"),
+    ("DeltaRule", "delta rule (β 1)"),
+    ("GatedDeltaRule", "gated delta rule (0.99)"),
+    ("KDA", "KDA (0.99 in every channel)"),
+    ("RWKV7", "RWKV-7 as a delta rule (0.99)"),
+]
+RECALL_KEYS = {0: "isotropic keys", 1: "clustered keys"}
+
+
+def recall_cells(runs, family="BM_Recall"):
+    """{(label, kib, keys, n): run} of bench/memory_recall.cpp's `family`."""
+    cells = {}
+    for name, run in runs.items():
+        base, named, _ = args_of(name)
+        m = re.fullmatch(re.escape(family) + r"<(\w+)>", base)
+        if m and {"kib", "keys", "n"} <= named.keys():
+            cells[(m.group(1), named["kib"], named["keys"], named["n"])] = run
+    return cells
+
+
+def recall_labels(cells):
+    """The memories present, in the binary's order, then any it does not know yet."""
+    present = {c[0] for c in cells}
+    known = [label for label, _ in RECALL_MEMORIES if label in present]
+    return known + sorted(present - set(known))
+
+
+def recall_legend(label, cells):
+    """The memory's legend: its name, and its bytes when they do not depend on n."""
+    legend = dict(RECALL_MEMORIES).get(label, label)
+    sizes = {run["bytes"] for (l, kib, _, _), run in cells.items() if l == label and kib == 0 and "bytes" in run}
+    if len(sizes) == 1:
+        size = sizes.pop()
+        legend += f", {size / 1024:.3g} KiB" if size < 2 ** 20 else f", {size / 2 ** 20:.3g} MiB"
+    return legend
+
+
+def recall_columns(cells):
+    """The figures' columns: (title, budget, labels). The memories without a budget split
+    by whether their bytes grow with n (the caches that keep every pair) or not (the
+    fixed-size states); then one column per budget."""
+    labels = recall_labels(cells)
+    growing, fixed = [], []
+    for label in labels:
+        sizes = {run.get("bytes") for (l, kib, _, _), run in cells.items() if l == label and kib == 0}
+        if sizes:
+            (growing if len(sizes) > 1 else fixed).append(label)
+    columns = []
+    if growing:
+        columns.append(("every pair kept (bytes grow with n)", 0, growing))
+    if fixed:
+        columns.append(("fixed-size states", 0, fixed))
+    for kib in sorted({c[1] for c in cells} - {0}):
+        columns.append((f"budget {kib} KiB per head", kib,
+                        [label for label in labels if any(c[:2] == (label, kib) for c in cells)]))
+    return columns
+
+
+def recall_style(j):
+    """Line j of a panel: identical results (a storage, a code path) stay visible, the
+    first drawn thickest, the later ones thinner and dashed on top of it."""
+    styles = ("-", "--", "-.", ":")
+    markers = ("o", "s", "^", "v", "D", "P", "X", "*")
+    return {"color": plt.cm.tab10(j % 10), "ls": styles[(j // 10 + j) % 4], "marker": markers[j % 8],
+            "lw": max(0.9, 2.6 - 0.25 * (j % 8)), "ms": max(2.5, 5.5 - 0.4 * (j % 8))}
+
+
+def recall_figure(cells, points, xlabel, path, title, context, chance=False):
+    """Rows the key distributions, columns recall_columns(); points(label, kib, keys) gives a
+    line's (x, accuracy) pairs. The float KV cache is drawn dashed beside each budget's memories."""
+    columns = recall_columns(cells)
+    keys = sorted({c[2] for c in cells})
+    fig, axes = plt.subplots(len(keys), len(columns), figsize=(4.6 * len(columns), 3.4 * len(keys) + 2.6),
+                             sharey=True, squeeze=False)
+    for row, k in enumerate(keys):
+        for col, (heading, kib, labels) in enumerate(columns):
+            ax = axes[row][col]
+            for j, label in enumerate(labels):
+                pts = points(label, kib, k)
+                if pts:
+                    ax.plot(*zip(*pts), label=recall_legend(label, cells), **recall_style(j))
+            if kib:
+                reference = points("KVCache", 0, k)
+                if reference:
+                    ax.plot(*zip(*reference), "k--", lw=1, label="KV cache (float, unbounded)")
+                pairs = kib * 1024 // 512  # d = dv = 64 floats: 512 bytes a pair
+                ax.axvline(pairs, color="gray", lw=0.8, ls="-.")
+                ax.annotate(f"{pairs} pairs", (pairs, 0.5), xytext=(3, 0), textcoords="offset points", fontsize=7,
+                            color="gray")
+            if chance:
+                ns = sorted({c[3] for c in cells})
+                ax.plot(ns, [1 / n for n in ns], ":", color="gray", lw=1, label="chance, 1/n")
+            ax.set_title(f"{RECALL_KEYS.get(k, k)}: {heading}", fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(-0.03, 1.03)
+            ax.grid(True, which="both", alpha=0.3)
+            if col == 0:
+                ax.set_ylabel("accuracy (exact queries)")
+            if row == len(keys) - 1:
+                ax.set_xlabel(xlabel, fontsize=8)
+                ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    fig.text(0.5, 0.005, "retrieved: of all n stored values, the right one has the largest cosine to the output; "
+             "softmax memories at logit scale 16 (q·k of unit vectors), linear ones read the unit query as it is",
+             ha="center", va="bottom", fontsize=7)
+    save(fig, context, path, title)
+
+
+def memory_recall_figures(runs, context, out):
+    """Accuracy against n, and against distance at the largest n, one line per memory."""
+    cells = recall_cells(runs)
+    if not cells:
+        return
+    # The figures show no time: a busy machine cannot change them, so they carry no contention mark.
+    quiet = {k: v for k, v in context.items() if k not in ("memattn_load", "load_avg")}
+
+    def against_n(label, kib, keys):
+        return sorted((n, run["accuracy"]) for (l, b, k, n), run in cells.items() if (l, b, k) == (label, kib, keys))
+
+    recall_figure(cells, against_n, "pairs in the stream n", os.path.join(out, "memory_recall.png"),
+                  "Associative recall against the stream's length, d = dv = 64, float", quiet, chance=True)
+
+    by_distance = recall_cells(runs, "BM_RecallDistance")
+    if not by_distance:
+        return
+    n = max(c[3] for c in by_distance)
+
+    def against_distance(label, kib, keys):
+        run = by_distance.get((label, kib, keys, n))
+        if not run:
+            return []
+        return sorted((int(name[len("acc_le"):]), value) for name, value in run.items()
+                      if re.fullmatch(r"acc_le\d+", name))
+
+    recall_figure(cells, against_distance, f"distance back from the newest pair (buckets (D/2, D]), n = {n}",
+                  os.path.join(out, "memory_recall_distance.png"),
+                  f"Associative recall against distance, n = {n}, d = dv = 64, float", quiet)
+
+
+def memory_recall_table(path, out_dir=None):
+    """Prints the Markdown table of every memory's recall; with out_dir, draws the figures."""
+    runs, context = load(path)
+    cells = recall_cells(runs)
+    print(caption(context))
+    note = contention(context)
+    if note:
+        print(note + " (the step times only: the recall figures are deterministic)")
+    print()
+    ns = sorted({c[3] for c in cells})
+    print("| memory | budget | keys | " + " | ".join(f"n = {n}: accuracy / cosine / noisy" for n in ns)
+          + f" | bytes at n = {ns[-1]} | step at n = {ns[-1]}, µs |")
+    print("|---|---|---|" + "---|" * len(ns) + "---|---|")
+    for label in recall_labels(cells):
+        for kib in sorted({c[1] for c in cells if c[0] == label}):
+            for keys in sorted({c[2] for c in cells}):
+                row = [cells.get((label, kib, keys, n)) for n in ns]
+                if not any(row):
+                    continue
+                parts = ["–" if r is None else f"{r['accuracy']:.3f} / {r['cosine']:.2f} / {r['noisy_accuracy']:.3f}"
+                         for r in row]
+                last = row[-1] or {}
+                budget = f"{kib} KiB" if kib else "–"
+                step = f"{last['ns'] / 1e3:.3g}" if "ns" in last else "–"
+                print(f"| {label} | {budget} | {RECALL_KEYS[keys].split()[0]} | " + " | ".join(parts)
+                      + f" | {last.get('bytes', 0):.0f} | {step} |")
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        memory_recall_figures(runs, context, out_dir)
+    return 0
+
+
+def memory_recall(results, out):
+    path = os.path.join(results, "memory_recall.json")
+    if not os.path.exists(path):
+        return
+    runs, context = load(path)
+    memory_recall_figures(runs, context, out)
+
+
 def demo(csv_path, out_png):
     data = {}
     with open(csv_path) as f:
@@ -511,7 +711,7 @@ def cpu_model():
 def main(argv):
     if len(argv) == 4 and argv[1] == "bench":
         os.makedirs(argv[3], exist_ok=True)
-        for figure in (causal_softmax, memories, linear_forms, threads, decode_roofline):
+        for figure in (causal_softmax, memories, linear_forms, threads, decode_roofline, memory_recall):
             figure(argv[2], argv[3])
         quality = os.path.join(argv[2], "kv_quality_bench.json")
         if os.path.exists(quality):
@@ -527,6 +727,8 @@ def main(argv):
         return decode_table(argv[2])
     if len(argv) in (3, 4) and argv[1] == "kv-quality":
         return kv_quality(argv[2], argv[3] if len(argv) == 4 else None)
+    if len(argv) in (3, 4) and argv[1] == "memory-recall":
+        return memory_recall_table(argv[2], argv[3] if len(argv) == 4 else None)
     if len(argv) == 4 and argv[1] == "demo":
         demo(argv[2], argv[3])
         return 0
