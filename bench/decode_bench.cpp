@@ -448,7 +448,7 @@ void BM_SparseDecode(benchmark::State& state) {
         step_seconds = run(mem);
         const double blocks = static_cast<double>((length + block) / block);
         const double pairs = static_cast<double>(sparse.top_k_blocks * block + sparse.window + sparse.sinks);
-        bytes = blocks * static_cast<double>((2 * head_dim + 1) * sizeof(float)) + pairs * pair_bytes;
+        bytes = static_cast<double>(mem.footprint() - mem.pairs().footprint()) + pairs * pair_bytes;  // the bounds
         flops = 2.0 * static_cast<double>(g) * (blocks * 2.0 * head_dim + pairs * 2.0 * head_dim);
     }
     report_roofline(state, step_seconds, static_cast<std::size_t>(bytes), flops, executor);

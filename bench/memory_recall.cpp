@@ -14,8 +14,8 @@
 // The memories and how they are sized:
 //   - Unbounded, the reference (B = 0): KVCache, of float, Eigen::bfloat16 and memattn::Q8
 //     pairs. Its footprint grows with N (the counter `bytes`). Beside it SparseKVCache with
-//     its defaults (every pair kept, an attend reading the sinks, the window and the 128
-//     blocks of 16 with the largest bounds: all of the past up to about 2100 pairs).
+//     its defaults (every pair kept, an attend reading the sinks, the window and the 256
+//     blocks of 8 with the largest bounds: all of the past up to about 2100 pairs).
 //   - Sized to a budget (B = 64 and 1024: footprint() of a full memory = B KiB, at 512
 //     bytes a pair 128 and 2048 pairs): SlidingWindowCache of B/512 pairs (Window), and
 //     of 4 sinks and B/512 − 4 pairs (WindowSinks); HybridCache of B/1024 raw pairs and
@@ -220,7 +220,7 @@ void register_all() {
     add("KVCache_bf16", 0, [] { return KVCache<float, Eigen::bfloat16>(d, d, softmax_scale); }, plain, true);
     add("KVCache_Q8", 0, [] { return KVCache<float, Q8>(d, d, softmax_scale); }, plain, true);
     // Every pair kept, each attend reading the sinks, the window and the top blocks by their bounds
-    // (SparseKVOptions' defaults: blocks of 16, the top 128 of them, a window of 64, 4 sinks).
+    // (SparseKVOptions' defaults: blocks of 8, the top 256 of them, a window of 64, 4 sinks).
     add("SparseKVCache", 0, [] { return SparseKVCache<float>(d, d, {}, softmax_scale); }, plain, true);
 
     // Sized to a byte budget per head.

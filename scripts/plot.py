@@ -486,7 +486,7 @@ RECALL_MEMORIES = [
     ("KVCache", "KV cache (float)"),
     ("KVCache_bf16", "KV cache, bfloat16"),
     ("KVCache_Q8", "KV cache, Q8"),
-    ("SparseKVCache", "sparse KV cache (top 128 blocks of 16)"),
+    ("SparseKVCache", "sparse KV cache (top 256 blocks of 8)"),
     ("Window", "sliding window"),
     ("WindowSinks", "sliding window + 4 sinks"),
     ("Hybrid_Mean", "hybrid, mean-pooled slots"),

@@ -4,8 +4,8 @@
 // (Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
 // Inference").
 //
-//   SparseKVCache<float> cache(128, 128, {.block = 16, .top_k_blocks = 128, .window = 64, .sinks = 4});
-//   memattn::decode(cache, Q, K, V, O);  // each row reads ≤ 128·16 + 64 + 4 pairs of the past
+//   SparseKVCache<float> cache(128, 128, {.block = 8, .top_k_blocks = 256, .window = 64, .sinks = 4});
+//   memattn::decode(cache, Q, K, V, O);  // each row reads ≤ 256·8 + 64 + 4 pairs of the past
 //
 // The pairs are cut into blocks of `block` tokens (token j is in block j / block). For
 // each block the cache keeps, per key channel, the largest and the smallest stored key,
@@ -17,8 +17,8 @@
 // which no logit of a key of block b exceeds: the sum is the largest u·k over the box
 // [lo, hi] that holds the block's keys, and the second term covers its rounding and the
 // rounding of the logits themselves. The sum is one product: with u⁺ = max(u, 0) and
-// u⁻ = min(u, 0) it is [hi | lo] · [u⁺ | u⁻]ᵀ, a GEMV over the blocks' bounds stored
-// side by side (the bounds of a group of queries: a GEMM).
+// u⁻ = min(u, 0) it is [hi | lo] · [u⁺ | u⁻]ᵀ: one pass over the blocks' bounds stored
+// side by side (a group of queries: each row read once for four of them).
 //
 // An attend of the token at position p = length() − 1 reads
 //   the sinks        tokens [0, sinks),
@@ -31,12 +31,14 @@
 // A group of queries (attend_group: the query heads of one KV head) chooses together: a
 // block's bound for the group is the largest of its queries' bounds.
 //
-// A step reads (2·key_dim + 1)·sizeof(T) bytes of bounds per block and the chosen pairs,
-// instead of every pair: at 131072 tokens, d = 128, block 16, float, 8 MiB and 2 MiB
-// instead of 128 MiB (bench/decode_bench.cpp, BM_SparseDecode). What it loses is the
-// weight of the pairs it skips: exact when the skipped blocks' softmax weight is nil,
-// and, like every sparse selection, not a drop-in for a model that spreads its weight
-// thinly over the whole past (docs/choosing-a-memory.md).
+// A step reads the bounds, 2·key_dim values per block (bfloat16 for float, rounded
+// outward: hi up, lo down, so the box still holds the block; T otherwise) and its peak,
+// then the chosen pairs, instead of every pair: at 131072 tokens, d = 128, float, blocks
+// of 8, 8 MiB and 2 MiB instead of 128 MiB (bench/decode_bench.cpp, BM_SparseDecode:
+// 1.05 ms a step against the KV cache's 14.8 ms, Intel Xeon family 6 model 167, one
+// thread). What it loses is the weight of the pairs it skips: exact when the skipped
+// blocks' softmax weight is nil, and, like every sparse selection, not a drop-in for a
+// model that spreads its weight thinly over the whole past (docs/choosing-a-memory.md).
 //
 // The bounds are of the keys as stored: for a compact storage type, of the rounded keys
 // the attend reads (with IntegerDot<S>, whose single-query logits are taken on a
@@ -56,19 +58,27 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace memattn {
 
-/// Which pairs a SparseKVCache attends (see sparse_kv_cache.hpp).
+/// Which pairs a SparseKVCache attends (see sparse_kv_cache.hpp). The defaults read
+/// 256 blocks of 8 tokens: blocks of 8 by measurement (docs/design.md §4.4b). A bound
+/// over 16 keys is much looser than over 8: recalling one of 16384 random unit keys at
+/// d = 64 through 2048 chosen pairs, blocks of 4, 8, 16, 32 retrieved 1.00, 0.99, 0.72,
+/// 0.40 of them (d = 128: 1.00, 1.00, 0.92); a step at 131072 tokens, d = 128, took
+/// 1.05, 0.73, 0.42 ms for blocks of 8, 16, 32, against the KV cache's 14.8 ms.
 struct SparseKVOptions {
-    Index block = 16;          ///< tokens per block of keys a bound covers (>= 1)
-    Index top_k_blocks = 128;  ///< blocks an attend chooses by their bounds (>= 0)
+    Index block = 8;           ///< tokens per block of keys a bound covers (>= 1; see below)
+    Index top_k_blocks = 256;  ///< blocks an attend chooses by their bounds (>= 0)
     Index window = 64;         ///< the newest tokens, always attended, the current one among them (>= 0)
     Index sinks = 4;           ///< the first tokens, always attended (>= 0)
 };
@@ -304,6 +314,22 @@ public:
     }
 
 private:
+    /// The bounds' scalar: bfloat16 for float where rows convert in registers (half the
+    /// bytes a step reads for them), else T.
+    static constexpr bool compact_bounds = std::is_same_v<T, float> && detail::fused_storage;
+    using Bound = std::conditional_t<compact_bounds, Eigen::bfloat16, T>;
+
+    /// The smallest bfloat16 ≥ x, as float (x itself when it is one, ±∞ or NaN).
+    static float bf16_up(float x) noexcept {
+        auto u = std::bit_cast<std::uint32_t>(x);
+        if ((u & 0xFFFFu) == 0 || !std::isfinite(x))
+            return x;
+        u &= 0xFFFF0000u;  // towards zero: up for a negative x
+        if (x > 0)
+            u += 0x10000u;  // the next one up (past the largest finite: +∞)
+        return std::bit_cast<float>(u);
+    }
+
     /// The chosen blocks' scratch: a block and its bound.
     struct Chosen {
         T bound;
@@ -325,7 +351,7 @@ private:
     }
 
     [[nodiscard]] std::size_t bound_row_bytes() const noexcept {
-        return sizeof(T) * static_cast<std::size_t>(2 * key_dim() + 1);
+        return sizeof(Bound) * static_cast<std::size_t>(2 * key_dim()) + sizeof(T);
     }
 
     void size_bounds() {
@@ -360,7 +386,7 @@ private:
         if (need <= bounds_.rows())
             return;
         const Index rows = std::max<Index>({need, 2 * bounds_.rows(), 16});
-        Matrix<T> grown(rows, bounds_.cols());
+        Matrix<Bound> grown(rows, bounds_.cols());
         Vector<T> peaks(rows);
         const Index used = std::min(blocks(), bounds_.rows());  // a load reserves after reading the pairs
         grown.topRows(used) = bounds_.topRows(used);
@@ -379,19 +405,27 @@ private:
         });
     }
 
-    /// Token `token`'s key, row `row` of the stored keys, into its block's hi, lo and peak.
+    /// Token `token`'s key, row `row` of the stored keys, into its block's hi, lo and
+    /// peak. Stored as bfloat16, hi is rounded up and lo down, so [lo, hi] still holds
+    /// every key of the block; the peak is of the stored hi and lo.
     template <class Rows>
     void fold_key(Index token, const Rows& keys, Index row) noexcept {
         const Index d = key_dim(), b = token / sparse_.block;
-        T* hi = &bounds_(b, 0);
-        T* lo = hi + d;
+        Bound* hi = &bounds_(b, 0);
+        Bound* lo = hi + d;
         const bool starts = token % sparse_.block == 0;
         T peak = starts ? T(0) : peaks_[b];
         for (Index c = 0; c < d; ++c) {
             const T x = static_cast<T>(keys.stored_value(row, c));
-            hi[c] = starts ? x : std::max(hi[c], x);
-            lo[c] = starts ? x : std::min(lo[c], x);
-            peak = std::max(peak, std::abs(x));
+            T up = starts ? x : std::max(static_cast<T>(hi[c]), x);
+            T down = starts ? x : std::min(static_cast<T>(lo[c]), x);
+            if constexpr (compact_bounds) {
+                up = bf16_up(up);
+                down = -bf16_up(-down);
+            }
+            hi[c] = static_cast<Bound>(up);  // exact: up and down are Bound values
+            lo[c] = static_cast<Bound>(down);
+            peak = std::max({peak, std::abs(up), std::abs(down)});
         }
         peaks_[b] = peak;
     }
@@ -417,29 +451,84 @@ private:
         }
         /// out[i] = the bound of block b0 + i (i < m ≤ bound_rows): the group's largest.
         void bounds(Index b0, Index m, T* out) const {
-            const Eigen::Map<const Matrix<T>> split(split_.data(), g_, 2 * d_);
-            const auto rows = cache_.bounds_.middleRows(b0, m);
             const auto peaks = cache_.peaks_.segment(b0, m);
-            if (g_ == 1) {
-                Eigen::Map<Vector<T>> s(out, m);
-                s.noalias() = split.row(0) * rows.transpose();
-                s += slack_[0] * peaks;
-                return;
-            }
-            alignas(64) T buffer[bound_rows * detail::group_rows];
-            for (Index i = 0; i < m; ++i)
-                out[i] = -std::numeric_limits<T>::infinity();
-            for (Index r0 = 0; r0 < g_; r0 += detail::group_rows) {
-                const Index g = std::min(detail::group_rows, g_ - r0);
-                Eigen::Map<Matrix<T>> s(buffer, m, g);
-                s.noalias() = rows * split.middleRows(r0, g).transpose();
+            if constexpr (compact_bounds) {
+                // Each row of bfloat16 bounds converted in registers once per four queries.
+                const Index ahead = std::max<Index>(1, 4096 / (4 * d_));  // rows 4 KiB ahead
+                for (Index i = 0; i < m; ++i) {
+                    const Eigen::bfloat16* row = &cache_.bounds_(b0 + i, 0);
+                    if (b0 + i + ahead < cache_.bounds_.rows())
+                        detail::prefetch_rows(row + ahead * 2 * d_, 1, 0, 2 * d_);
+                    T best = -std::numeric_limits<T>::infinity();
+                    for (Index r0 = 0; r0 < g_; r0 += 4) {
+                        float sums[4];
+                        switch (std::min<Index>(4, g_ - r0)) {
+                            case 1: row_dots<1>(row, r0, sums); break;
+                            case 2: row_dots<2>(row, r0, sums); break;
+                            case 3: row_dots<3>(row, r0, sums); break;
+                            default: row_dots<4>(row, r0, sums); break;
+                        }
+                        for (Index r = 0; r < std::min<Index>(4, g_ - r0); ++r)
+                            best = std::max(best, sums[r] + slack_[r0 + r] * peaks[i]);
+                    }
+                    out[i] = best;
+                }
+            } else {
+                const Eigen::Map<const Matrix<T>> split(split_.data(), g_, 2 * d_);
+                const auto rows = cache_.bounds_.middleRows(b0, m);
+                if (g_ == 1) {
+                    Eigen::Map<Vector<T>> s(out, m);
+                    s.noalias() = split.row(0) * rows.transpose();
+                    s += slack_[0] * peaks;
+                    return;
+                }
+                alignas(64) T buffer[bound_rows * detail::group_rows];
                 for (Index i = 0; i < m; ++i)
-                    for (Index r = 0; r < g; ++r)
-                        out[i] = std::max(out[i], s(i, r) + slack_[r0 + r] * peaks[i]);
+                    out[i] = -std::numeric_limits<T>::infinity();
+                for (Index r0 = 0; r0 < g_; r0 += detail::group_rows) {
+                    const Index g = std::min(detail::group_rows, g_ - r0);
+                    Eigen::Map<Matrix<T>> s(buffer, m, g);
+                    s.noalias() = rows * split.middleRows(r0, g).transpose();
+                    for (Index i = 0; i < m; ++i)
+                        for (Index r = 0; r < g; ++r)
+                            out[i] = std::max(out[i], s(i, r) + slack_[r0 + r] * peaks[i]);
+                }
             }
         }
 
     private:
+        /// sums[r] = [u⁺ | u⁻] of query r0 + r · a row of bfloat16 bounds, r < G: the row
+        /// converted in registers once for the G queries (one query: two accumulators).
+        template <int G>
+        void row_dots(const Eigen::bfloat16* row, Index r0, float* sums) const {
+            using namespace Eigen::internal;
+            using P = detail::Packet<float>;
+            constexpr Index lanes = detail::packet_lanes<float>;
+            const Index n = 2 * d_, packed = n / lanes * lanes;
+            const float* u = split_.data() + r0 * n;
+            P acc[G], extra = pset1<P>(0.0f);
+            for (int r = 0; r < G; ++r)
+                acc[r] = pset1<P>(0.0f);
+            Index c = 0;
+            if constexpr (G == 1) {  // two chains: the latency of one FMA would bind
+                for (; c + 2 * lanes <= packed; c += 2 * lanes) {
+                    acc[0] = pmadd(ploadu<P>(u + c), detail::load_floats(row + c), acc[0]);
+                    extra = pmadd(ploadu<P>(u + c + lanes), detail::load_floats(row + c + lanes), extra);
+                }
+            }
+            for (; c < packed; c += lanes) {
+                const P x = detail::load_floats(row + c);
+                for (int r = 0; r < G; ++r)
+                    acc[r] = pmadd(ploadu<P>(u + r * n + c), x, acc[r]);
+            }
+            acc[0] = padd(acc[0], extra);
+            for (int r = 0; r < G; ++r) {
+                sums[r] = predux(acc[r]);
+                for (Index t = packed; t < n; ++t)
+                    sums[r] += u[r * n + t] * static_cast<float>(row[t]);
+            }
+        }
+
         const SparseKVCache& cache_;
         Index g_, d_;
         detail::StackOrHeap<T, 4096> split_;
@@ -492,8 +581,20 @@ private:
         template <class F>
         void for_each_stored_run(F&& f) const {
             cache_.pairs_.for_each_stored_run([&](const auto& keys, const auto& values, Index first, Index) {
-                for (Index i = 0; i < count_; ++i)
+                // The runs lie apart in memory: each is asked for two runs before it is read.
+                const auto ask = [&](Index i) {
+                    if (i < count_)
+                        for (Index j = first + runs_[i].first, end = j + runs_[i].count; j < end; ++j) {
+                            keys.prefetch_row(j);
+                            values.prefetch_row(j);
+                        }
+                };
+                ask(0);
+                ask(1);
+                for (Index i = 0; i < count_; ++i) {
+                    ask(i + 2);
                     f(keys, values, first + runs_[i].first, runs_[i].count);
+                }
             });
         }
         [[nodiscard]] T scale() const noexcept { return cache_.scale(); }
@@ -545,8 +646,8 @@ private:
 
     KVCache<T, S> pairs_;
     SparseKVOptions sparse_;
-    Matrix<T> bounds_;  ///< row b: [hi | lo] of block b's stored keys
-    Vector<T> peaks_;   ///< entry b: the largest |hi|, |lo| of block b
+    Matrix<Bound> bounds_;  ///< row b: [hi | lo] of block b's stored keys (bfloat16: rounded outward)
+    Vector<T> peaks_;       ///< entry b: the largest |hi|, |lo| of block b
 };
 
 /// SparseKVCache of 16-bit rows (E = Eigen::bfloat16 or Eigen::half): SparseKVCache<float, S>
