@@ -11,6 +11,7 @@
 #include <memattn/memory/kv_cache.hpp>
 #include <memattn/memory/linear_attention_memory.hpp>
 #include <memattn/memory/sliding_window_cache.hpp>
+#include <memattn/memory/sparse_kv_cache.hpp>
 
 #include <cmath>
 #include <cstdint>
@@ -208,4 +209,29 @@ TEST_CASE("Recall: a sliding window retrieves its last w pairs and nothing befor
     }
     CHECK(r.exact.accuracy == static_cast<double>(window) / n);
     CHECK(r.footprint == static_cast<std::size_t>(window * 2 * recall_test_d) * sizeof(float));
+}
+
+TEST_CASE("Recall: a sparse KV cache reading 256 pairs recalls what a window of 256 cannot", "[recall][sparse]") {
+    // 1024 isotropic pairs; each attend reads 4 sinks, a window of 60 and 24 chosen
+    // blocks: 256 pairs, as many as the window of 256 beside it holds. The window
+    // retrieves its quarter of the pairs; the sparse cache finds the block of almost any
+    // key, because the box around 8 random unit keys at d = 64 bounds a stranger's logit
+    // well below the 16 of the key's own. Blocks of 32 (8 chosen: the same 256 pairs)
+    // bound far more loosely, and lose much of it.
+    const mqar::Task task = recall_test_task(1024, mqar::KeyDistribution::isotropic);
+    memattn::SlidingWindowCache<float> window(recall_test_d, recall_test_d, 256, 0, mqar::softmax_sharpness);
+    memattn::SparseKVCache<float> fine(recall_test_d, recall_test_d,
+                                       {.block = 8, .top_k_blocks = 24, .window = 60, .sinks = 4},
+                                       mqar::softmax_sharpness);
+    memattn::SparseKVCache<float> coarse(recall_test_d, recall_test_d,
+                                         {.block = 32, .top_k_blocks = 6, .window = 60, .sinks = 4},
+                                         mqar::softmax_sharpness);
+    const mqar::Result w = mqar::run(window, task), f = mqar::run(fine, task), c = mqar::run(coarse, task);
+    CAPTURE(w.exact.accuracy, f.exact.accuracy, c.exact.accuracy, f.noisy.accuracy, c.noisy.accuracy);
+    CHECK(w.exact.accuracy == 0.25);
+    CHECK(f.exact.accuracy > 0.9);
+    CHECK(f.noisy.accuracy > 0.85);
+    CHECK(c.exact.accuracy < f.exact.accuracy - 0.2);
+    // What the sparse cache reads of the newest pairs it reads whole: the window.
+    CHECK(mqar::distance_score(f, 1, 60, false).accuracy == 1.0);
 }
