@@ -352,6 +352,42 @@ TEMPLATE_TEST_CASE("SparseKVCache: snapshots, truncate and the compact storage t
     CHECK(after == before);
 }
 
+TEMPLATE_TEST_CASE("SparseKVCache over rotated and integer-dot storage: bounds of the keys as stored",
+                   "[memory][sparse][compact]", Rotated<Q4>, IntegerDot<Q8>, Q4Affine) {
+    using S = TestType;
+    const Index n = 500, d = 32, dv = 4;
+    const SparseKVOptions o{.block = 8, .top_k_blocks = 4, .window = 8, .sinks = 2};
+    const Matrix<float> K = random_matrix<float>(n, d, 111), V = random_matrix<float>(n, dv, 112),
+                        Q = random_matrix<float>(n, d, 113, 3.0);
+    // Every block chosen: the KV cache of the same storage, bitwise.
+    SparseKVCache<float, S> wide(d, dv, {.block = 8, .top_k_blocks = 100, .window = 8, .sinks = 2});
+    KVCache<float, S> full(d, dv);
+    Matrix<float> O(n, dv), expected(n, dv);
+    decode(wide, Q, K, V, O);
+    decode(full, Q, K, V, expected);
+    CHECK(O == expected);
+    // Chosen blocks: no logit of a stored key (for the query as the attend turns it)
+    // exceeds its block's bound.
+    SparseKVCache<float, S> cache(d, dv, o);
+    cache.extend(K, V);
+    const Matrix<float> q = Q.bottomRows(2);
+    const Vector<float> bounds = cache.block_bounds(q);
+    Matrix<float> turned = q;
+    if (cache.pairs().turns_queries())
+        for (Index r = 0; r < turned.rows(); ++r)
+            cache.pairs().turn_query(turned.row(r).data(), d, n - 1);
+    const reference::MatrixD keys = sparse_stored_keys(cache);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    for (Index b = 0; b * o.block < n; ++b)
+        for (Index j = b * o.block; j < std::min(n, (b + 1) * o.block); ++j)
+            for (Index r = 0; r < q.rows(); ++r)
+                CHECK(scale * reference::to_double(turned).row(r).dot(keys.row(j)) <= static_cast<double>(bounds[b]));
+    Matrix<float> out(2, dv);
+    cache.attend_group(q, out);
+    CHECK(out.allFinite());
+    CHECK(static_cast<Index>(cache.chosen_blocks(q).size()) == o.top_k_blocks);
+}
+
 TEST_CASE("SparseKVCache: bad input names the argument and changes nothing", "[memory][sparse][bad_input]") {
     CHECK_THROWS_WITH((SparseKVCache<float>(4, 4, {.block = 0})),
                       Catch::Matchers::Contains("SparseKVCache") && Catch::Matchers::Contains("sparse.block"));
