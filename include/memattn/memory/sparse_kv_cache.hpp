@@ -44,7 +44,9 @@
 // the attend reads (with IntegerDot<S>, whose single-query logits are taken on a
 // rounded query, the bound is that of the exact query's logits). Keys quantised per
 // channel over groups of tokens (PerChannelKeys<S>) change when their group fills, so
-// they are not offered. prefill is decode's: each row chooses its own blocks.
+// they are not offered. prefill is decode's: each row chooses its own blocks, so a long
+// prompt costs O(n²/block · d) in bounds. To attend a prompt densely (as Quest does),
+// `extend` the cache with its pairs and run causal_softmax_attention over the prompt.
 
 #include "memattn/kernels/decode_attention.hpp"
 #include "memattn/memory/concept.hpp"
