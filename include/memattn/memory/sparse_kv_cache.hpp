@@ -458,7 +458,7 @@ private:
                 // Each row of bfloat16 bounds converted in registers once per four queries.
                 const Index ahead = std::max<Index>(1, 4096 / (4 * d_));  // rows 4 KiB ahead
                 for (Index i = 0; i < m; ++i) {
-                    const Eigen::bfloat16* row = &cache_.bounds_(b0 + i, 0);
+                    const Bound* row = &cache_.bounds_(b0 + i, 0);
                     if (b0 + i + ahead < cache_.bounds_.rows())
                         detail::prefetch_rows(row + ahead * 2 * d_, 1, 0, 2 * d_);
                     T best = -std::numeric_limits<T>::infinity();
@@ -501,8 +501,8 @@ private:
     private:
         /// sums[r] = [u⁺ | u⁻] of query r0 + r · a row of bfloat16 bounds, r < G: the row
         /// converted in registers once for the G queries (one query: two accumulators).
-        template <int G>
-        void row_dots(const Eigen::bfloat16* row, Index r0, float* sums) const {
+        template <int G, class B>
+        void row_dots(const B* row, Index r0, float* sums) const {
             using namespace Eigen::internal;
             using P = detail::Packet<float>;
             constexpr Index lanes = detail::packet_lanes<float>;
@@ -514,12 +514,12 @@ private:
             Index c = 0;
             if constexpr (G == 1) {  // two chains: the latency of one FMA would bind
                 for (; c + 2 * lanes <= packed; c += 2 * lanes) {
-                    acc[0] = pmadd(ploadu<P>(u + c), detail::load_floats(row + c), acc[0]);
-                    extra = pmadd(ploadu<P>(u + c + lanes), detail::load_floats(row + c + lanes), extra);
+                    acc[0] = pmadd(ploadu<P>(u + c), detail::load_packet(row + c), acc[0]);
+                    extra = pmadd(ploadu<P>(u + c + lanes), detail::load_packet(row + c + lanes), extra);
                 }
             }
             for (; c < packed; c += lanes) {
-                const P x = detail::load_floats(row + c);
+                const P x = detail::load_packet(row + c);
                 for (int r = 0; r < G; ++r)
                     acc[r] = pmadd(ploadu<P>(u + r * n + c), x, acc[r]);
             }
