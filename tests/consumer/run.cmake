@@ -1,12 +1,19 @@
 # Builds and runs tests/consumer/project against memattn as a user would get it:
 #   find_package      after `cmake --install` into a temporary prefix: with OpenMP, with
-#                     OpenMP disabled (CMAKE_DISABLE_FIND_PACKAGE_OpenMP), and the same
+#                     OpenMP and MPI disabled (CMAKE_DISABLE_FIND_PACKAGE_*), and the same
 #                     program compiled with the flags of `pkg-config memattn` and of
-#                     `pkg-config memattn-openmp`;
+#                     `pkg-config memattn-openmp`. A consumer that does not ask for the
+#                     component mpi gets no memattn::mpi and leaves MPI unsearched (no MPI
+#                     variable in its cache); one that asks for it (COMPONENTS mpi) gets
+#                     memattn::mpi and runs an MPI program on one rank, or, where there is
+#                     no MPI, fails saying so;
 #   add_subdirectory  of the source tree;
 #   fetchcontent      the release files made as docs/release.md says (`cpack` and
 #                     `cpack --config CPackSourceConfig.cmake` in a fresh build tree),
-#                     then FetchContent_Declare(URL) of the source archive of that name;
+#                     then the README's FetchContent_Declare(URL file://... URL_HASH
+#                     DOWNLOAD_EXTRACT_TIMESTAMP) of that source archive; and, when the
+#                     source tree is a git work tree, FetchContent_Declare(GIT_REPOSITORY
+#                     <the source tree> GIT_TAG <its HEAD commit>);
 #   package           the .deb that `cpack -G DEB` makes, unpacked with `dpkg-deb -x`
 #                     into a scratch root (no root install), used through find_package
 #                     without OpenMP and through pkg-config (--define-prefix).
@@ -14,7 +21,8 @@
 # OMP_NUM_THREADS=2, and each build must say what its way in promises. OPENMP is
 # whether this compiler has an OpenMP, INSTALLED_OPENMP the MEMATTN_OPENMP of the build
 # tree installed from (BINARY_DIR; the trees configured here have the default, ON).
-# Fails on any step that fails.
+# Every configure of the consumer must pass without a CMake warning from a CMake file
+# (CMP0135's included). Fails on any step that fails.
 cmake_minimum_required(VERSION 3.21)
 set(installed_openmp OFF)
 if(OPENMP AND INSTALLED_OPENMP)
@@ -49,10 +57,35 @@ function(run_consumer program openmp)
   message(STATUS "${program}: ${out}")
 endfunction()
 
+# Configures the consumer project in ${work}/<name> with extra arguments; fails if the
+# configure fails or CMake warns from a CMake file ("CMake Warning (dev) at ...", such as
+# FetchContent's CMP0135 warning without DOWNLOAD_EXTRACT_TIMESTAMP).
+function(configure_consumer name)
+  execute_process(COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/consumer/project" -B "${work}/${name}"
+                          -G "${GENERATOR}" -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_BUILD_TYPE=Release ${ARGN}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "configuring the consumer ${name} failed (${rc}): ${ARGN}\n${out}\n${err}")
+  endif()
+  if("${out}${err}" MATCHES "CMP0135|CMake (Deprecation )?Warning( \\(dev\\))? at ")
+    message(FATAL_ERROR "configuring the consumer ${name} (${ARGN}) warned:\n${err}")
+  endif()
+endfunction()
+
+# Configuring the consumer project with these arguments must fail, saying `expect` (a
+# regular expression); `what` names the case in the message.
+function(configure_consumer_fails name what expect)
+  execute_process(COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/consumer/project" -B "${work}/${name}"
+                          -G "${GENERATOR}" -DCMAKE_CXX_COMPILER=${CXX_COMPILER} ${ARGN}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0 OR NOT err MATCHES "${expect}")
+    message(FATAL_ERROR "${what} did not fail saying '${expect}' (${rc}):\n${out}\n${err}")
+  endif()
+endfunction()
+
 # The consumer project through CMake, with extra configure arguments.
 function(consume_with_cmake name openmp)
-  run(${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/consumer/project" -B "${work}/${name}" -G "${GENERATOR}"
-      -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_BUILD_TYPE=Release ${ARGN})
+  configure_consumer(${name} ${ARGN})
   run(${CMAKE_COMMAND} --build "${work}/${name}")
   run_consumer("${work}/${name}/consumer" ${openmp})
 endfunction()
@@ -115,17 +148,45 @@ endfunction()
 if(MODE STREQUAL "find_package")
   run(${CMAKE_COMMAND} --install "${BINARY_DIR}" --prefix "${work}/prefix")
   consume_with_cmake(build ${installed_openmp} -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix)
-  # A machine without OpenMP finds the package and builds serially...
+  # Not asked for, MPI is not looked for: FindMPI would leave MPI_* and MPIEXEC_* in the cache.
+  file(STRINGS "${work}/build/CMakeCache.txt" mpi_cache REGEX "^MPI")
+  if(mpi_cache)
+    message(FATAL_ERROR "find_package(memattn) looked for MPI, which the consumer did not ask for:\n${mpi_cache}")
+  endif()
+  # A machine without OpenMP or MPI finds the package and builds serially...
   consume_with_cmake(build_serial OFF -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix
-                     -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON)
+                     -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON)
+  # ...and with mpi an optional component, without memattn::mpi (the project checks)...
+  configure_consumer(build_optional_mpi -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix
+                     -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DMEMATTN_OPTIONAL_COMPONENTS=mpi)
   # ...unless it asks for the threads.
-  execute_process(COMMAND ${CMAKE_COMMAND} -S "${SOURCE_DIR}/tests/consumer/project" -B "${work}/build_require"
-                          -G "${GENERATOR}" -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DMODE=find_package
-                          -DCMAKE_PREFIX_PATH=${work}/prefix -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON
-                          -DMEMATTN_COMPONENTS=OpenMP
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(rc EQUAL 0 OR NOT err MATCHES "component OpenMP was asked for")
-    message(FATAL_ERROR "find_package(memattn COMPONENTS OpenMP) without OpenMP did not fail (${rc}):\n${out}\n${err}")
+  configure_consumer_fails(build_require "find_package(memattn COMPONENTS OpenMP) without OpenMP"
+                           "component OpenMP was asked for" -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix
+                           -DCMAKE_DISABLE_FIND_PACKAGE_OpenMP=ON -DMEMATTN_COMPONENTS=OpenMP)
+  configure_consumer_fails(build_unknown "find_package(memattn COMPONENTS MPI), a component memattn has not"
+                           "no component MPI" -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix
+                           -DMEMATTN_COMPONENTS=MPI)
+  # The component mpi: memattn::mpi where memattn was installed with it and this machine
+  # has an MPI for C++, an error otherwise.
+  if(EXISTS "${work}/prefix/share/cmake/memattn/memattnMpiTargets.cmake")
+    configure_consumer(build_mpi -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix -DMEMATTN_COMPONENTS=mpi)
+    run(${CMAKE_COMMAND} --build "${work}/build_mpi" --target consumer_mpi)
+    # One rank, started without mpirun (MPI's singleton start).
+    execute_process(COMMAND ${CMAKE_COMMAND} -E env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+                            "${work}/build_mpi/consumer_mpi"
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    if(NOT rc EQUAL 0 OR NOT out MATCHES "memattn::mpi consumer: ok \\(1 ranks\\)")
+      message(FATAL_ERROR "${work}/build_mpi/consumer_mpi failed (${rc}):\n${out}\n${err}")
+    endif()
+    message(STATUS "${work}/build_mpi/consumer_mpi: ${out}")
+    configure_consumer_fails(build_mpi_missing "find_package(memattn COMPONENTS mpi) without MPI"
+                             "component mpi was asked for, but CMake finds no MPI" -DMODE=find_package
+                             -DCMAKE_PREFIX_PATH=${work}/prefix -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
+                             -DMEMATTN_COMPONENTS=mpi)
+  else()
+    configure_consumer_fails(build_mpi_missing "find_package(memattn COMPONENTS mpi) of a memattn installed without it"
+                             "component mpi was asked for, but memattn was installed without"
+                             -DMODE=find_package -DCMAKE_PREFIX_PATH=${work}/prefix -DMEMATTN_COMPONENTS=mpi)
   endif()
   consume_with_pkg_config("${work}/prefix/share/pkgconfig" "${work}/prefix/include" OFF ${installed_openmp})
 elseif(MODE STREQUAL "add_subdirectory")
@@ -162,6 +223,30 @@ elseif(MODE STREQUAL "fetchcontent")
   file(SHA256 "${archive}" sha256)
   consume_with_cmake(build "${OPENMP}" -DMODE=fetchcontent "-DMEMATTN_ARCHIVE=file://${archive}"
                      -DMEMATTN_ARCHIVE_SHA256=${sha256})
+  # A commit of the repository (offline: the source tree's own repository, at HEAD), when
+  # the source tree is a git work tree's top (not an unpacked archive).
+  find_program(git_command git)
+  set(commit "")
+  if(git_command)
+    execute_process(COMMAND "${git_command}" -C "${SOURCE_DIR}" rev-parse --show-toplevel HEAD
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE lines ERROR_QUIET OUTPUT_STRIP_TRAILING_WHITESPACE)
+    if(rc EQUAL 0)
+      string(REPLACE "\n" ";" lines "${lines}")
+      list(GET lines 0 top)
+      list(GET lines 1 head)
+      file(REAL_PATH "${top}" top)
+      file(REAL_PATH "${SOURCE_DIR}" source)
+      if(top STREQUAL source AND head MATCHES "^[0-9a-f]+$")
+        set(commit "${head}")
+      endif()
+    endif()
+  endif()
+  if(commit)
+    consume_with_cmake(build_git "${OPENMP}" -DMODE=fetchcontent_git "-DMEMATTN_GIT_REPOSITORY=${SOURCE_DIR}"
+                       -DMEMATTN_GIT_TAG=${commit})
+  else()
+    message(STATUS "${SOURCE_DIR} is not a git work tree's top: FetchContent of a commit not tested")
+  endif()
 elseif(MODE STREQUAL "package")
   configure_packaging()
   run(${CPACK_COMMAND} -G DEB --config "${work}/packaging/CPackConfig.cmake" -B "${work}/packages")
