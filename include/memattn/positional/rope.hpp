@@ -21,13 +21,15 @@
 //
 //   Linear{s}   position interpolation (Chen et al. 2023): ω_i / s;
 //   Ntk{s}      "NTK-aware" scaling (bloc97 2023): θ replaced by θ·s^(r/(r−2));
-//   Yarn{s, L, β_fast, β_slow, mscale}  (Peng et al. 2023, "YaRN"): with the correction
-//               dims c(β) = r·ln(L / (2πβ)) / (2 ln θ), lo = max(⌊c(β_fast)⌋, 0),
-//               hi = min(⌈c(β_slow)⌉, r − 1) (hi += 0.001 when equal), the ramp
-//               γ_i = clamp((i − lo)/(hi − lo), 0, 1) and ω_i = θ^(−2i/r):
-//               ω'_i = ω_i/s · γ_i + ω_i · (1 − γ_i), and a = mscale, 0 meaning
-//               0.1·ln(s) + 1 (1 for s ≤ 1) — Hugging Face's _compute_yarn_parameters with
-//               truncate, and attention_factor = mscale (docs/design.md gives the mapping).
+//   Yarn{s, L, β_fast, β_slow, mscale, truncate}  (Peng et al. 2023, "YaRN"): with the
+//               correction dims c(β) = r·ln(L / (2πβ)) / (2 ln θ), lo = max(⌊c(β_fast)⌋, 0),
+//               hi = min(⌈c(β_slow)⌉, r − 1) (truncate, the default; without it
+//               lo = max(c(β_fast), 0), hi = min(c(β_slow), r − 1), fractional, as gpt-oss),
+//               hi += 0.001 when equal, the ramp γ_i = clamp((i − lo)/(hi − lo), 0, 1) and
+//               ω_i = θ^(−2i/r): ω'_i = ω_i/s · γ_i + ω_i · (1 − γ_i), and a = mscale, 0
+//               meaning 0.1·ln(s) + 1 (1 for s ≤ 1) — Hugging Face's _compute_yarn_parameters
+//               with its truncate, and attention_factor = mscale (docs/design.md gives the
+//               mapping).
 //
 // Angles are computed in double (p·ω_i, then cos and sin, times a) and rounded to T once,
 // then the pair turns in T: so a float row at position 10⁷ is as exact as at 10, and
@@ -84,6 +86,11 @@ struct Rope {
         double beta_fast = 32;                 ///< rotations where interpolation stops
         double beta_slow = 1;                  ///< rotations where extrapolation stops
         double mscale = 0;                     ///< the attention factor a; 0: 0.1·ln(s) + 1
+        /// Whether the correction range [lo, hi] is rounded out to whole dims (⌊lo⌋, ⌈hi⌉):
+        /// true, Hugging Face's default (`truncate` absent or true in `rope_scaling`);
+        /// false, the fractional range of gpt-oss (its config's `truncate: false`). Either
+        /// way lo and hi are then clamped to [0, r − 1], as Hugging Face does.
+        bool truncate = true;
     };
     /// One of the scalings.
     using Scaling = std::variant<None, Linear, Ntk, Yarn>;
@@ -151,8 +158,13 @@ struct Rope {
                        std::log(static_cast<double>(y->original_max_positions) / (rotations * 2 * std::numbers::pi)) /
                        (2 * std::log(theta));
             };
-            const double lo = std::max(std::floor(correction(y->beta_fast)), 0.0);
-            double hi = std::min(std::ceil(correction(y->beta_slow)), static_cast<double>(r - 1));
+            double lo = correction(y->beta_fast), hi = correction(y->beta_slow);
+            if (y->truncate) {
+                lo = std::floor(lo);
+                hi = std::ceil(hi);
+            }
+            lo = std::max(lo, 0.0);
+            hi = std::min(hi, static_cast<double>(r - 1));
             if (lo == hi)
                 hi += 0.001;
             for (Index i = 0; i < half; ++i) {

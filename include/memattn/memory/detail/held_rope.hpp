@@ -143,9 +143,10 @@ public:
 
     /// Snapshots: the configuration, after the memory's scale, only when there is one (a
     /// memory without RoPE writes nothing, so its snapshots are as before): θ, head_dim,
-    /// rotary_dim, layout, the scaling's kind and fields, where tokens are placed. The
-    /// stored keys are turned, so a snapshot loads only into a memory of the same RoPE
-    /// (one without reads θ as its length and refuses it).
+    /// rotary_dim, layout, the scaling's kind and fields (Yarn's then its truncate flag),
+    /// where tokens are placed (docs/snapshot-format.md, "RoPE fields"). The stored keys
+    /// are turned, so a snapshot loads only into a memory of the same RoPE (one without
+    /// reads θ as its length and refuses it).
     void write(snapshot::Writer& w) const {
         if (!rope_)
             return;
@@ -157,6 +158,8 @@ public:
         w.index(static_cast<Index>(r.scaling.index()));
         for (const double field : scaling_fields(r))
             w.number(field);
+        if (const auto* y = std::get_if<Rope::Yarn>(&r.scaling))
+            w.flag(y->truncate);
         w.index(static_cast<Index>(positions_));
     }
     /// Snapshots: reads what write() wrote, throwing SnapshotError unless it is this
@@ -172,6 +175,8 @@ public:
         r.expect("rope scaling", static_cast<Index>(own.scaling.index()));
         for (const double field : scaling_fields(own))
             r.expect("a rope scaling field", field);
+        if (const auto* y = std::get_if<Rope::Yarn>(&own.scaling))
+            r.expect("rope yarn truncate", y->truncate);
         r.expect("rope positions", static_cast<Index>(positions_));
     }
 
