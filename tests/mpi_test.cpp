@@ -13,7 +13,9 @@
 #include <memattn/kernels/linear_attention.hpp>
 #include <memattn/memory/kv_cache.hpp>
 
+#include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -527,6 +529,259 @@ TEST_CASE("a bad argument on one rank, or ranks that disagree, make every rank t
         cache.attend(Vector<float>::Ones(1), out);
         CHECK(out(0) == 1.0f);
     }
+}
+
+namespace {
+
+// The bad-input table of the sequence-parallel recurrent forms (tests/bad_input_test.cpp's
+// for one process): the delta rule without gates, with N×1 and with N×d gates, KDA, and,
+// for the inputs over the state, linear and gated linear attention.
+enum class Form { delta, gated_delta, channel_delta, kda, linear, gated_linear };
+
+const char* function_of(Form form) {
+    switch (form) {
+    case Form::delta:
+    case Form::gated_delta:
+    case Form::channel_delta:
+        return "memattn::distributed_chunked_delta_rule_attention";
+    case Form::kda:
+        return "memattn::distributed_chunked_kda_attention";
+    case Form::linear:
+        return "memattn::distributed_chunked_linear_attention";
+    case Form::gated_linear:
+        break;
+    }
+    return "memattn::distributed_chunked_gated_linear_attention";
+}
+
+/// An argument that views another's storage: an input over the state, or O over Q or
+/// over the state.
+enum class View { none, q_mu, k_mu, v_mu, beta_mu, gates_mu, gates_nu, o_q, o_mu };
+
+/// One rank's arguments: n = 3 tokens, d = 4, dv = 3, so that Q, K, V, β, O and the
+/// gates each fit in the 4×3 state->mu.
+template <class T>
+struct Args {
+    Form form;
+    Matrix<T> q, k, v, beta, g, o;
+    DeltaOptions options;
+    LinearState<T> state;
+    View view = View::none;
+};
+
+template <class T>
+Args<T> valid_args(Form form) {
+    const Index n = 3, d = 4, dv = 3;
+    const auto seed = 100 * static_cast<std::uint64_t>(rank_of());
+    const bool channels = form == Form::channel_delta || form == Form::kda;
+    Args<T> a{form,
+              random_matrix<T>(n, d, seed + 1),
+              random_matrix<T>(n, d, seed + 2),
+              random_matrix<T>(n, dv, seed + 3),
+              random_matrix<T>(n, 1, seed + 4).cwiseAbs(),
+              -random_matrix<T>(n, channels ? d : 1, seed + 5).cwiseAbs(),
+              Matrix<T>::Constant(n, dv, T(7)),
+              {},
+              {random_matrix<T>(d, dv, seed + 6, 0.5), {}}};
+    if (form == Form::linear || form == Form::gated_linear)
+        a.state.nu = random_matrix<T>(1, d, seed + 7, 0.5).cwiseAbs();
+    return a;
+}
+
+/// The form's call on a's arguments, with a.view's argument over the other's storage.
+template <class T>
+void call(Args<T>& a) {
+    using Map = Eigen::Map<const Matrix<T>>;
+    const auto input = [&](View view, const Matrix<T>& own) {
+        return a.view == view ? ConstMatrixRef<T>(Map(a.state.mu.data(), own.rows(), own.cols()))
+                              : ConstMatrixRef<T>(own);
+    };
+    const ConstMatrixRef<T> q = input(View::q_mu, a.q), k = input(View::k_mu, a.k), v = input(View::v_mu, a.v),
+                            beta = input(View::beta_mu, a.beta),
+                            g = a.view == View::gates_nu ? ConstMatrixRef<T>(Map(a.state.nu.data(), a.g.rows(), 1))
+                                                         : input(View::gates_mu, a.g);
+    T* const out = a.view == View::o_mu ? a.state.mu.data() : a.view == View::o_q ? a.q.data() : a.o.data();
+    Eigen::Map<Matrix<T>> o(out, a.o.rows(), a.o.cols());
+    LinearState<T>* const s = &a.state;
+    switch (a.form) {
+    case Form::delta:
+        distributed_chunked_delta_rule_attention(MPI_COMM_WORLD, q, k, v, beta, o, a.options, s);
+        break;
+    case Form::gated_delta:
+    case Form::channel_delta:
+        distributed_chunked_delta_rule_attention(MPI_COMM_WORLD, q, k, v, beta, g, o, a.options, s);
+        break;
+    case Form::kda:
+        distributed_chunked_kda_attention(MPI_COMM_WORLD, q, k, v, beta, g, o, a.options, s);
+        break;
+    case Form::linear:
+        distributed_chunked_linear_attention(MPI_COMM_WORLD, q, k, v, o, EluPlusOne{}, LinearOptions{}, s);
+        break;
+    case Form::gated_linear:
+        distributed_chunked_gated_linear_attention(MPI_COMM_WORLD, q, k, v, g, o, GatedOptions{}, s);
+        break;
+    }
+}
+
+/// The rank(s) given the bad argument: the last, rank 0 (whose state alone is read), each
+/// of the two in turn, or the last when it is not rank 0.
+enum class Where { last, first, both, later };
+
+template <class T>
+struct BadArgs {
+    std::string name;
+    std::vector<Form> forms;
+    std::function<void(Args<T>&)> spoil;  ///< on the bad rank only
+    std::vector<std::string> needles;     ///< besides the function; none: the call is accepted
+    Where where = Where::last;
+    bool allow_negative_eigenvalues = false;  ///< on every rank (the ranks must agree)
+};
+
+template <class M>
+bool same_bits(const M& a, const M& b) {
+    return a.rows() == b.rows() && a.cols() == b.cols() &&
+           (a.size() == 0 ||
+            std::memcmp(a.data(), b.data(), sizeof(typename M::Scalar) * static_cast<std::size_t>(a.size())) == 0);
+}
+
+/// Each case on each of its forms: with needles, every rank throws std::invalid_argument
+/// with one message (rank 0's), naming the function, the bad rank and every needle, and
+/// no argument has changed (O and the state included); without, every rank runs.
+template <class T>
+void check_bad_args(const std::vector<BadArgs<T>>& table) {
+    const int last = size_of() - 1;
+    for (const auto& bad : table) {
+        std::vector<int> bad_ranks;
+        if (bad.where == Where::first || (bad.where == Where::both && last > 0))
+            bad_ranks.push_back(0);
+        if (bad.where != Where::first && (bad.where != Where::later || last > 0))
+            bad_ranks.push_back(last);
+        for (const Form form : bad.forms)
+            for (const int bad_rank : bad_ranks) {
+                CAPTURE(bad.name, function_of(form), static_cast<int>(form), bad_rank, rank_of());
+                Args<T> a = valid_args<T>(form);
+                a.options.allow_negative_eigenvalues = bad.allow_negative_eigenvalues;
+                if (rank_of() == bad_rank)
+                    bad.spoil(a);
+                const Args<T> before = a;
+                std::string message;
+                bool threw = false;
+                try {
+                    call(a);
+                } catch (const std::invalid_argument& e) {
+                    threw = true;
+                    message = e.what();
+                }
+                CAPTURE(message);
+                if (bad.needles.empty()) {
+                    CHECK_FALSE(threw);
+                    CHECK(a.o.allFinite());
+                    continue;
+                }
+                CHECK(threw);
+                CHECK(message == from_rank_0(message));
+                CHECK(message.find(function_of(form)) != std::string::npos);
+                CHECK(message.find("(on rank " + std::to_string(bad_rank) + " of ") != std::string::npos);
+                for (const auto& needle : bad.needles) {
+                    CAPTURE(needle);
+                    CHECK(message.find(needle) != std::string::npos);
+                }
+                CHECK(same_bits(a.state.mu, before.state.mu));
+                CHECK(same_bits(a.state.nu, before.state.nu));
+                CHECK(same_bits(a.o, before.o));
+                CHECK(same_bits(a.q, before.q));
+                CHECK(same_bits(a.g, before.g));
+            }
+    }
+}
+
+template <class T>
+std::vector<BadArgs<T>> recurrent_bad_args() {
+    constexpr T nan = std::numeric_limits<T>::quiet_NaN();
+    constexpr T inf = std::numeric_limits<T>::infinity();
+    using F = Form;
+    const std::vector<Form> delta{F::delta, F::gated_delta, F::channel_delta, F::kda},
+        gated{F::gated_delta, F::channel_delta, F::kda, F::gated_linear},
+        all{F::delta, F::gated_delta, F::channel_delta, F::kda, F::linear, F::gated_linear};
+    std::vector<BadArgs<T>> table = {
+        {"valid arguments: accepted", all, [](Args<T>&) {}, {}},
+        // KDA checks its gates against K first: they take K's shape, so K alone is wrong.
+        {"K of another shape than Q", all,
+         [](Args<T>& a) {
+             a.k = random_matrix<T>(3, 5, 11);
+             if (a.form == F::kda)
+                 a.g = -random_matrix<T>(3, 5, 12).cwiseAbs();
+         },
+         {"'K'", "3x5", "3x4"}},
+        {"V with other rows", all, [](Args<T>& a) { a.v = random_matrix<T>(2, 3, 13); }, {"'V'", "2x3", "3x4"}},
+        {"O of a wrong shape", all, [](Args<T>& a) { a.o = Matrix<T>::Constant(3, 4, T(7)); },
+         {"'O'", "3x4", "3x3"}},
+        {"beta with two columns", delta, [](Args<T>& a) { a.beta = Matrix<T>::Zero(3, 2); }, {"'beta'", "3x2", "3x1"}},
+        {"beta with other rows", delta, [](Args<T>& a) { a.beta = Matrix<T>::Zero(2, 1); }, {"'beta'", "2x1", "3x1"}},
+        {"beta > 1", delta, [](Args<T>& a) { a.beta(1, 0) = T(1.5); }, {"'beta'", "1.5", "at row 1", "[0, 1]"}},
+        {"beta < 0", delta, [](Args<T>& a) { a.beta(2, 0) = T(-0.5); }, {"'beta'", "-0.5", "at row 2", "[0, 1]"}},
+        {"beta NaN", delta, [](Args<T>& a) { a.beta(0, 0) = nan; }, {"'beta'", "nan", "at row 0"}},
+        {"beta 2 with allow_negative_eigenvalues: accepted", delta, [](Args<T>& a) { a.beta(1, 0) = T(2); }, {},
+         Where::last, true},
+        {"beta 2.5 with allow_negative_eigenvalues", delta, [](Args<T>& a) { a.beta(1, 0) = T(2.5); },
+         {"'beta'", "2.5", "[0, 2] (options.allow_negative_eigenvalues)"}, Where::last, true},
+        {"a log-gate > 0", gated, [](Args<T>& a) { a.g(1, 0) = T(0.5); }, {"'log_gates'", "0.5", "<= 0"}},
+        {"a NaN log-gate", gated, [](Args<T>& a) { a.g(2, 0) = nan; }, {"'log_gates'", "nan", "<= 0"}},
+        {"log-gates of a wrong shape", gated, [](Args<T>& a) { a.g = Matrix<T>::Zero(3, 2); }, {"'log_gates'", "3x2"}},
+        {"log-gates with other rows", gated, [](Args<T>& a) { a.g = Matrix<T>::Zero(2, a.g.cols()); },
+         {"'log_gates'", "2x"}},
+        {"KDA with a log-gate per token", {F::kda}, [](Args<T>& a) { a.g = Matrix<T>::Zero(3, 1); },
+         {"'log_gates'", "3x1", "expected 3x4 (a log-gate per key channel"}},
+        {"chunk_size 0", delta, [](Args<T>& a) { a.options.chunk_size = 0; }, {"options.chunk_size", "is 0"}},
+        {"NaN scale", delta, [](Args<T>& a) { a.options.scale = static_cast<double>(nan); }, {"options.scale", "nan"}},
+        {"infinite scale", delta, [](Args<T>& a) { a.options.scale = -inf; }, {"options.scale", "-inf"}},
+        {"l2norm_eps < 0", delta, [](Args<T>& a) { a.options.l2norm_eps = -1; }, {"options.l2norm_eps", "-1"}},
+        {"NaN l2norm_eps", delta, [](Args<T>& a) { a.options.l2norm_eps = nan; }, {"options.l2norm_eps", "nan"}},
+        {"state->mu of the wrong shape on rank 0", all, [](Args<T>& a) { a.state.mu = Matrix<T>::Zero(3, 3); },
+         {"'state->mu'", "3x3", "4x3"}, Where::first},
+        {"state->mu of the wrong shape on a later rank (not read): accepted", all,
+         [](Args<T>& a) { a.state.mu = Matrix<T>::Zero(3, 3); }, {}, Where::later},
+        {"O overlapping Q", delta, [](Args<T>& a) { a.view = View::o_q; }, {"'O'", "'Q'", "must not overlap"},
+         Where::both},
+        {"O overlapping the state", all, [](Args<T>& a) { a.view = View::o_mu; }, {"'O'", "'state->mu'"},
+         Where::both},
+        {"Q viewing state->mu", all, [](Args<T>& a) { a.view = View::q_mu; }, {"'state->mu'", "'Q'"}, Where::both},
+        {"K viewing state->mu", all, [](Args<T>& a) { a.view = View::k_mu; }, {"'state->mu'", "'K'"}, Where::both},
+        {"V viewing state->mu", all, [](Args<T>& a) { a.view = View::v_mu; }, {"'state->mu'", "'V'"}, Where::both},
+        {"beta viewing state->mu (values in [0, 1])", delta,
+         [](Args<T>& a) {
+             a.state.mu = a.state.mu.cwiseAbs();
+             a.view = View::beta_mu;
+         },
+         {"'state->mu'", "'beta'"}, Where::both},
+        {"log_gates viewing state->mu (values <= 0)", gated,
+         [](Args<T>& a) {
+             a.state.mu = -a.state.mu.cwiseAbs();
+             a.view = View::gates_mu;
+         },
+         {"'state->mu'", "'log_gates'"}, Where::both},
+        {"log_gates viewing state->nu (zeros)", {F::gated_linear},
+         [](Args<T>& a) {
+             a.state.nu.setZero();
+             a.view = View::gates_nu;
+         },
+         {"'state->nu'", "'log_gates'"}, Where::both},
+    };
+    if constexpr (std::is_same_v<T, float>) {  // finite as double, not as float
+        table.push_back({"scale 1e39 (not a float)", delta, [](Args<T>& a) { a.options.scale = 1e39; },
+                         {"options.scale", "1e+39", "finite as float"}});
+        table.push_back({"l2norm_eps 1e39 (not a float)", delta, [](Args<T>& a) { a.options.l2norm_eps = 1e39; },
+                         {"options.l2norm_eps", "1e+39", "finite as float"}});
+    }
+    return table;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the sequence-parallel recurrent forms refuse the single-process kernels' bad inputs on every "
+                   "rank, an input over the state included, and change nothing",
+                   "[mpi][bad][delta][kda]", float, double) {
+    check_bad_args(recurrent_bad_args<TestType>());
 }
 
 int main(int argc, char** argv) {
