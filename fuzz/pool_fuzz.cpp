@@ -1,11 +1,16 @@
 // Fuzzing the paged pool: a sequence of pool operations (add, fork, extend, truncate,
-// remove, attend, batched decode and prefill) on a small PagedKVCache, with or without
-// a sliding window and sinks, beside a model of it (each live sequence's tokens). After every operation the lengths and block counts must
-// agree with the model, an operation that throws (PoolExhausted) must change nothing,
-// an attend must equal the double reference of the sequence's tokens, a rollback the
-// window has made impossible must be refused with nothing changed, and a windowed
-// sequence must never hold more blocks than its window needs; at the end every block
-// must be free again.
+// remove, attend, batched decode and prefill, a sequence's snapshot saved and loaded into
+// a pool of another block size and back into this one) on a small PagedKVCache, with or
+// without a sliding window and sinks, beside a model of it (each live sequence's
+// tokens). After every operation the lengths and block counts must agree with the model,
+// an operation that throws (PoolExhausted) must change nothing, an attend must equal the
+// double reference of the sequence's tokens, a rollback the window has made impossible
+// must be refused with nothing changed, and a windowed sequence must never hold more
+// blocks than its window needs, in either pool; at the end every block must be free
+// again. A second mode runs batched prefill and decode on pools long enough that their
+// attends go through the executor, one that fails part way: every sequence must be as it
+// was (its snapshot, the free blocks), and the same call on a working executor must then
+// give what a pool that never saw the failure gives, bit for bit.
 #include "fuzz_input.hpp"
 
 #include <memattn/memattn.hpp>
@@ -13,7 +18,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <sstream>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace {
@@ -46,17 +53,114 @@ MatrixD expected_attend(const HeadLayout& layout, const Matrix<float>& q, const 
     return out;
 }
 
+/// The blocks a windowed sequence may hold in a pool of blocks of `block` (all without a window).
+Index most_blocks(Index window, Index sinks, Index block, Index blocks) {
+    return window == 0 ? blocks : (sinks + block - 1) / block + (window + block - 1) / block + 1;
+}
+
+/// A user's executor that runs `runs` items of a parallel_for, then throws.
+struct FailingExecutor {
+    Index runs = 0;
+    [[nodiscard]] int concurrency() const { return 4; }
+    template <class F>
+    void parallel_for(Index n, F&& f) const {
+        for (Index i = 0; i < std::min(n, runs); ++i)
+            f(i);
+        throw std::runtime_error("the executor failed");
+    }
+};
+
+/// Each sequence's snapshot and the free blocks: what a call that fails must leave.
+std::vector<std::string> pool_state(PagedKVCache<float>& pool, const std::vector<Index>& seqs) {
+    std::vector<std::string> state;
+    for (const Index seq : seqs) {
+        auto view = pool.sequence(seq);
+        std::stringstream stream;
+        memattn::save(view, stream);
+        state.push_back(stream.str());
+        state.push_back(std::to_string(pool.blocks_of(seq)));
+    }
+    state.push_back(std::to_string(pool.free_blocks()));
+    return state;
+}
+
+/// The second mode (see the top of the file): pools whose attends reach the executor.
+void failing_executor(fuzz::FuzzInput& in) {
+    const HeadLayout layout{8, 2, 16};  // q_heads·(head_dim + value_dim) = 256 per pair
+    // A window just shorter than the first sequence, so its attends still pass parallel_work.
+    const Index block = in.size(1, 32), window = in.flag() ? 0 : in.size(4097, 4160), sinks = in.size(0, 4);
+    const SoftmaxOptions options{.window = window, .sink_tokens = sinks};
+    const Index count = in.size(1, 4), kw = layout.kv_heads * layout.head_dim;
+    const auto make = [&](PagedKVCache<float>& pool, const Matrix<float>& K, const Matrix<float>& V,
+                          const std::vector<Index>& lengths, const std::vector<Index>& parents) {
+        std::vector<Index> seqs;
+        for (std::size_t i = 0; i < lengths.size(); ++i) {
+            const Index seq = parents[i] < 0 ? pool.add_sequence() : pool.fork(seqs[static_cast<std::size_t>(parents[i])]);
+            pool.extend(seq, K.topRows(lengths[i]), V.topRows(lengths[i]));
+            seqs.push_back(seq);
+        }
+        return seqs;
+    };
+    std::vector<Index> lengths, parents;
+    for (Index i = 0; i < count; ++i) {
+        lengths.push_back(in.size(0, 40));
+        parents.push_back(i > 0 && in.flag() ? in.size(0, i - 1) : -1);
+    }
+    lengths[0] = 4100 + in.size(0, 40);  // its attends alone pass PagedKVCache::parallel_work
+    const Index blocks = 8 + 4200 / block * 2;
+    const Matrix<float> K = in.matrix<float>(4300, kw, 1.0), V = in.matrix<float>(4300, kw, 1.0);
+    PagedKVCache<float> pool(layout, blocks, block, options), fresh(layout, blocks, block, options);
+    const std::vector<Index> seqs = make(pool, K, V, lengths, parents), same = make(fresh, K, V, lengths, parents);
+    const std::vector<std::string> before = pool_state(pool, seqs);
+    const bool decode = in.flag();
+    std::vector<Index> offsets{0};
+    for (Index i = 0; i < count; ++i)
+        offsets.push_back(offsets.back() + (decode ? 1 : in.size(i == 0 ? 1 : 0, 5)));
+    const Index rows = offsets.back();
+    const Matrix<float> Q = in.matrix<float>(rows, pool.query_dim(), 1.0), Kn = in.matrix<float>(rows, kw, 1.0),
+                        Vn = in.matrix<float>(rows, kw, 1.0);
+    Matrix<float> O(rows, pool.output_dim()), expected(rows, pool.output_dim());
+    const FailingExecutor failing{in.size(0, 3)};
+    bool threw = false;
+    try {
+        if (decode)
+            batched_decode(pool, seqs, Q, Kn, Vn, O, failing);
+        else
+            batched_prefill(pool, seqs, offsets, Q, Kn, Vn, O, failing);
+    } catch (const std::runtime_error&) {
+        threw = true;
+    }
+    if (!threw)
+        fail("a call through the failing executor did not throw");
+    if (pool_state(pool, seqs) != before)
+        fail("a call whose executor threw changed the pool");
+    const SerialExecutor serial;
+    if (decode) {
+        batched_decode(pool, seqs, Q, Kn, Vn, O, serial);
+        batched_decode(fresh, same, Q, Kn, Vn, expected, serial);
+    } else {
+        batched_prefill(pool, seqs, offsets, Q, Kn, Vn, O, serial);
+        batched_prefill(fresh, same, offsets, Q, Kn, Vn, expected, serial);
+    }
+    if (!(O.array() == expected.array()).all() || pool.free_blocks() != fresh.free_blocks())
+        fail("after a failed call, a call differs from the pool's that never failed");
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
     fuzz::FuzzInput in(data, size);
+    if (in.size(0, 7) == 0) {
+        failing_executor(in);
+        return 0;
+    }
     const Index kv = in.size(1, 2), g = in.size(1, 3), d = in.size(1, 6);
     const HeadLayout layout{kv * g, kv, d};
     const Index blocks = in.size(1, 12), block = in.size(1, 6);
     const Index window = in.size(0, 9), sinks = in.size(0, 3);  // window 0: none
     PagedKVCache<float> pool(layout, blocks, block, SoftmaxOptions{.window = window, .sink_tokens = sinks});
     const SoftmaxOptions options = pool.options();
-    const Index most = window == 0 ? blocks : (sinks + block - 1) / block + (window + block - 1) / block + 1;
+    const Index most = most_blocks(window, sinks, block, blocks);
     const Index kw = kv * d;
     std::map<Index, std::vector<Matrix<float>>> model;  // each token: row 0 its key, row 1 its value
     const auto pick = [&]() -> Index {
@@ -66,7 +170,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     };
     const Index steps = in.size(0, 48);
     for (Index step = 0; step < steps; ++step) {
-        const Index op = model.empty() ? 0 : in.size(0, 6);
+        const Index op = model.empty() ? 0 : in.size(0, 7);
         const Index before = pool.blocks_in_use();
         if (op == 0) {
             if (model.size() < 6)
@@ -120,6 +224,44 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             Matrix<float> o(1, pool.output_dim());
             pool.attend(seq, q.row(0), o.row(0));
             fuzz::expect_close("attend", o, expected_attend(layout, q, model[seq], options), 2e-4);
+        } else if (op == 7) {  // a snapshot into a pool of another block size, and back into this one
+            const Index seq = pick();
+            auto view = pool.sequence(seq);
+            std::stringstream stream;
+            memattn::save(view, stream);
+            const std::string bytes = stream.str();
+            const Index other_block = in.size(1, 9), other_blocks = in.size(1, 12);
+            PagedKVCache<float> other(layout, other_blocks, other_block, options);
+            const Index into = other.add_sequence();
+            auto loaded = other.sequence(into);
+            std::stringstream copy(bytes);
+            try {
+                memattn::load(loaded, copy);
+                if (other.length(into) != static_cast<Index>(model[seq].size()))
+                    fail("a loaded sequence's length differs");
+                if (other.blocks_of(into) > most_blocks(window, sinks, other_block, other_blocks))
+                    fail("a loaded windowed sequence holds blocks its window left");
+                const Matrix<float> q = in.matrix<float>(1, pool.query_dim(), 2.0);
+                Matrix<float> o(1, pool.output_dim());
+                other.attend(into, q.row(0), o.row(0));
+                fuzz::expect_close("attend after load", o, expected_attend(layout, q, model[seq], options), 2e-4);
+            } catch (const PoolExhausted&) {
+                if (other.length(into) != 0 || other.blocks_in_use() != 0)
+                    fail("a refused load changed the other pool");
+            }
+            if (model.size() < 6) {
+                const Index back = pool.add_sequence();
+                auto again = pool.sequence(back);
+                std::stringstream copy2(bytes);
+                try {
+                    memattn::load(again, copy2);
+                    model[back] = model[seq];
+                } catch (const PoolExhausted&) {
+                    if (pool.length(back) != 0 || pool.blocks_in_use() != before)
+                        fail("a refused load changed the pool");
+                    pool.remove(back);
+                }
+            }
         } else if (in.flag()) {  // a mixed batch: a chunk of 0 to 3 rows for every live sequence
             std::vector<Index> seqs, offsets{0};
             for (const auto& [seq, tokens] : model) {

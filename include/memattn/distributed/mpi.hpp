@@ -590,9 +590,9 @@ void distributed_chunked_linear_attention(MPI_Comm comm, const Eigen::MatrixBase
                                                      detail::shape(v), detail::shape(o), options,
                                                      rank == 0 ? state : nullptr);
         detail::require_one_span(function, options.span_tokens, "the ranks' shards are the spans");
-        detail::require_disjoint(function, "O", o, "Q", q);
-        detail::require_disjoint(function, "O", o, "K", k);
-        detail::require_disjoint(function, "O", o, "V", v);
+        // Every rank's state is written: O and the inputs stay apart from it on every rank.
+        detail::require_apart(function, o, state, detail::Named{"Q", q}, detail::Named{"K", k},
+                              detail::Named{"V", v});
     });
     const Index dv = v.cols();
     detail::mpi::check_collectively(comm, function, error,
@@ -710,10 +710,9 @@ void distributed_chunked_gated_linear_attention(MPI_Comm comm, const Eigen::Matr
         detail::check_gated_arguments<T>(function, q, k, v, g, detail::shape(o), options,
                                          rank == 0 ? state : nullptr);
         detail::require_one_span(function, options.span_tokens, "the ranks' shards are the spans");
-        detail::require_disjoint(function, "O", o, "Q", q);
-        detail::require_disjoint(function, "O", o, "K", k);
-        detail::require_disjoint(function, "O", o, "V", v);
-        detail::require_disjoint(function, "O", o, "log_gates", g);
+        // Every rank's state is written: O and the inputs stay apart from it on every rank.
+        detail::require_apart(function, o, state, detail::Named{"Q", q}, detail::Named{"K", k},
+                              detail::Named{"V", v}, detail::Named{"log_gates", g});
     });
     const Index d = q.cols(), dv = v.cols(), gates = g.cols();
     detail::mpi::check_collectively(
@@ -825,10 +824,13 @@ void delta_shards(MPI_Comm comm, const char* function, const ConstMatrixRef<T>& 
     const int rank = ranks.first;  // not a binding: clang 14 cannot capture one
     const std::string error = local_error([&] {
         if (kda)
-            check_kda_gates(function, k, *gates);
+            check_kda_gates(function, q, k, *gates);
         // Only rank 0's state is read; every rank's is written.
         check_delta_call<T>(function, q, k, v, beta, gates, o, options, rank == 0 ? state : nullptr);
-        require_state_disjoint(function, o, state);
+        // Every rank's state is written: O and the inputs stay apart from it on every rank.
+        require_apart(function, o, state, Named{"Q", q}, Named{"K", k}, Named{"V", v}, Named{"beta", beta});
+        if (gates != nullptr)
+            require_apart(function, o, state, Named{"log_gates", *gates});
         // A later rank keeps n × d rows of q P.
         (void)checked_product(function, "Q", q.rows(), q.cols(), "rows x d");
     });

@@ -16,7 +16,14 @@
 // a pool is entered once per call. No item's arithmetic depends on the cut, so the
 // outputs are bitwise the same for every executor and every thread count. memattn's own
 // callables catch their exceptions (they are rethrown on the calling thread after
-// parallel_for returns), so an executor never sees one.
+// parallel_for returns), so an executor never sees one. An executor may still fail on
+// its own (a pool that cannot start a thread): its exception reaches the caller of the
+// memattn call, which first puts back every memory, layer and pool the call had changed,
+// so that it changes nothing (docs/design.md §3); it must not return or throw while
+// items it started still run. Items it returns without running run on the calling
+// thread. A parallel_for declared noexcept for a callable that does not throw (as
+// SerialExecutor's and OpenMPExecutor's are) tells memattn that no undo is needed
+// (ExecutorRef::nothrow).
 //
 // - SerialExecutor: every item on the calling thread, in order.
 // - OpenMPExecutor: an OpenMP team of min(n, concurrency()) threads; `threads` 0 means
@@ -42,6 +49,7 @@
 #include <concepts>
 #include <exception>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(_OPENMP)
@@ -72,7 +80,7 @@ struct SerialExecutor {
     [[nodiscard]] int concurrency() const noexcept { return 1; }
     /// f(0), f(1), ..., f(n − 1) on the calling thread.
     template <class F>
-    void parallel_for(Index n, F&& f) const {
+    void parallel_for(Index n, F&& f) const noexcept(noexcept(f(Index{}))) {
         for (Index i = 0; i < n; ++i)
             f(i);
     }
@@ -96,7 +104,7 @@ struct OpenMPExecutor {
     /// f(i) for every i in [0, n) on a team of min(n, concurrency()) threads, item i on
     /// thread i mod team; serial for a team of one.
     template <class F>
-    void parallel_for(Index n, F&& f) const {
+    void parallel_for(Index n, F&& f) const noexcept(noexcept(f(Index{}))) {
         const auto team = static_cast<int>(std::min<Index>(n, concurrency()));
         if (team <= 1) {
             for (Index i = 0; i < n; ++i)
@@ -132,10 +140,16 @@ public:
     template <Executor E>
         requires(!std::same_as<std::remove_cvref_t<E>, ExecutorRef>)
     ExecutorRef(const E& executor) noexcept  // implicit: a view, like std::span
-        : object_(&executor), concurrency_(&concurrency_of<E>), run_(&run_on<E>) {}
+        : object_(&executor), concurrency_(&concurrency_of<E>), run_(&run_on<E>), nothrow_(nothrow_executor<E>) {}
 
     /// The executor's concurrency(), at least 1.
     [[nodiscard]] int concurrency() const { return std::max(1, concurrency_(object_)); }
+
+    /// Whether the executor's parallel_for is declared not to throw (noexcept for a
+    /// callable that does not throw, as memattn's own executors are). A call that changes
+    /// memories through an executor that may throw first keeps what it needs to undo
+    /// them (docs/design.md §3, "Executors"); through one that cannot, nothing.
+    [[nodiscard]] bool nothrow() const noexcept { return nothrow_; }
 
     /// The executor's parallel_for(n, f); `f` must not throw.
     template <class F>
@@ -157,9 +171,14 @@ private:
         static_cast<const E*>(executor)->parallel_for(n, [fn, call](Index i) { call(fn, i); });
     }
 
+    template <class E>
+    static constexpr bool nothrow_executor =
+        noexcept(std::declval<const E&>().parallel_for(Index{}, std::declval<const detail::ItemProbe&>()));
+
     const void* object_;
     int (*concurrency_)(const void*);
     void (*run_)(const void*, Index, void*, Call);
+    bool nothrow_;
 };
 
 namespace detail {
@@ -167,20 +186,28 @@ namespace detail {
 /// body(first, last) over min(n, concurrency()) contiguous ranges of equal count that
 /// cover [0, n), on `executor`; an exception a range throws (std::bad_alloc from its
 /// scratch) is rethrown here once every range has returned. A range allocates its
-/// scratch once; what an item computes must not depend on the cut.
+/// scratch once; what an item computes must not depend on the cut. An exception the
+/// executor throws itself propagates (the caller undoes what the ranges changed); a
+/// range the executor returned without running runs here, on the calling thread.
 template <class Body>
 void run_ranges(ExecutorRef executor, Index n, Body&& body) {
     if (n <= 0)
         return;
     const Index parts = std::min<Index>(n, executor.concurrency());
     std::vector<std::exception_ptr> errors(static_cast<std::size_t>(parts));
-    executor.parallel_for(parts, [&](Index r) {
+    std::vector<char> ran(static_cast<std::size_t>(parts), 0);
+    const auto range = [&](Index r) {
+        ran[static_cast<std::size_t>(r)] = 1;
         try {
             body(n * r / parts, n * (r + 1) / parts);
         } catch (...) {
             errors[static_cast<std::size_t>(r)] = std::current_exception();
         }
-    });
+    };
+    executor.parallel_for(parts, range);
+    for (Index r = 0; r < parts; ++r)
+        if (ran[static_cast<std::size_t>(r)] == 0)
+            range(r);
     for (const std::exception_ptr& e : errors)
         if (e)
             std::rethrow_exception(e);

@@ -6,7 +6,9 @@
 // Shapes: Q (Nq × d), K (Nk × d), V (Nk × dv), O (Nq × dv), optional lse (Nq), Nq ≤ Nk.
 // Query row i sits at position p_i = Nk − Nq + i and sees key j iff
 //   j ≤ p_i  and  (j < sinks  or  window = 0  or  j > p_i − window),
-//   o_i = Σ_{j visible} softmax_j(scale · q_i·k_j) v_j,   lse_i = log Σ_{j visible} exp(scale · q_i·k_j).
+//   o_i = Σ_{j visible} softmax_j(s_ij) v_j,   lse_i = log(e^{σ} + Σ_{j visible} e^{s_ij}),
+// with s_ij = scale · q_i·k_j and the logit options of SoftmaxOptions applied (softcap,
+// ALiBi, a bias; kernels/softmax_options.hpp), σ the sink logit (none: no e^{σ} term).
 //
 // Algorithm. Queries are cut into tiles of `queries` rows and, for each, the visible
 // keys into tiles of `keys` rows, walked from the diagonal down to the window's start
@@ -975,7 +977,7 @@ void check_softmax_arguments(const char* function, Shape q, Shape k, Shape v, Sh
             v.cols, " (Q is ", q, ", V is ", v, ")");
     require(finite_in<T>(options.scale), function, "options.scale", "is ", options.scale, ", expected a number finite as ",
             scalar_name<T>, " (0: 1/sqrt(d))");
-    check_logit_options(function, options, heads);
+    check_logit_options<T>(function, options, heads);
     if (!options.parents.empty() && q.rows > 0)  // (a layer checks them per sequence)
         require(static_cast<Index>(options.parents.size()) == q.rows, function, "options.parents", "has ",
                 options.parents.size(), " entries, expected ", q.rows, " (one per query: the new tokens)");
@@ -991,6 +993,18 @@ void check_disjoint(const char* function, const char* name, const Out& out, cons
     require_disjoint(function, name, out, "Q", Q);
     require_disjoint(function, name, out, "K", K);
     require_disjoint(function, name, out, "V", V);
+}
+
+/// The aliasing rule for a dense bias or mask: O shares no element with it (the kernel
+/// reads the bias tile by tile while it writes O, so a bias in O's rows would be read
+/// after an earlier query tile had written over it). A bias with storage of its own (a
+/// Matrix, a Map, a block) is checked; an expression without one (a product, a
+/// comparison) is evaluated tile by tile as the kernel runs, and its operands must not
+/// overlap O: that cannot be checked.
+template <class Out, class DB>
+void check_bias_disjoint(const char* function, const Out& out, const Eigen::MatrixBase<DB>& bias) {
+    if constexpr (bool(DB::Flags & Eigen::DirectAccessBit))
+        require_disjoint(function, "O", out, "bias", bias.derived());
 }
 
 /// The kernel on views and a scratch, after the checks; `lse(i, value)` receives each
@@ -1216,13 +1230,16 @@ void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matri
                     "is given with options.parents: a tree mask and a dense bias do not combine (give the tree as "
                     "the mask)");
     detail::check_disjoint(function, "O", o, q, k, v);
+    detail::check_bias_disjoint(function, o, bias);
     const detail::DenseBias<DB> dense{&bias.derived(), 0};
     detail::causal_softmax_call<T>(q, k, v, o, [](Index, A) {}, options, dense.template tile<A>());
 }
 
-/// As above, and writes lse_i = log Σ_{j visible} exp(scale · q_i·k_j) into the vector
+/// As above, and writes lse_i = log(e^{σ} + Σ_{j visible} e^{s_ij}) into the vector
 /// `lse` (Nq coefficients of the scalar type, float for bfloat16 or half inputs, row or
-/// column, e.g. a memattn::Vector<T>); −∞ for a row that sees no key.
+/// column, e.g. a memattn::Vector<T>): s_ij is the logit the softmax takes, scale·q_i·k_j
+/// after options.softcap and options.alibi_slopes, and σ = options.sink_logits[0] when
+/// given (no e^{σ} term otherwise). −∞ for a row that sees no key and has no sink logit.
 template <class DQ, class DK, class DV, detail::EigenMatrix DO, detail::EigenMatrix DL>
 void causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                               const Eigen::MatrixBase<DV>& V, DO&& O, DL&& lse, const SoftmaxOptions& options = {}) {

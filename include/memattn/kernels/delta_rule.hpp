@@ -137,20 +137,16 @@ void check_delta_arguments(const char* function, const ConstMatrixRef<E>& q, con
                 shape(state->mu), ", expected ", q.cols(), 'x', v.cols(), " (key dim x value dim)");
 }
 
-/// Every check of a delta-rule or KDA call on its views: the arguments, then O apart
-/// from every input and from the state.
+/// Every check of a delta-rule or KDA call on its views: the arguments, then O and the
+/// state apart from every input, and O from the state (require_apart).
 template <class T, class E, class B, class G, class Out>
 void check_delta_call(const char* function, const ConstMatrixRef<E>& q, const ConstMatrixRef<E>& k,
                       const ConstMatrixRef<E>& v, const ConstMatrixRef<B>& beta, const ConstMatrixRef<G>* gates,
                       const MatrixRef<Out>& o, const DeltaOptions& options, const LinearState<T>* state) {
     check_delta_arguments<T>(function, q, k, v, beta, gates, shape(o), options, state);
-    require_disjoint(function, "O", o, "Q", q);
-    require_disjoint(function, "O", o, "K", k);
-    require_disjoint(function, "O", o, "V", v);
-    require_disjoint(function, "O", o, "beta", beta);
+    require_apart(function, o, state, Named{"Q", q}, Named{"K", k}, Named{"V", v}, Named{"beta", beta});
     if (gates != nullptr)
-        require_disjoint(function, "O", o, "log_gates", *gates);
-    require_state_disjoint(function, o, state);
+        require_apart(function, o, state, Named{"log_gates", *gates});
 }
 
 /// The query factor of a delta-rule or KDA call in T over d-wide queries.
@@ -544,9 +540,13 @@ void chunked_delta_rule_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::M
 }
 
 namespace detail {
-/// KDA's log-gates are one per key channel.
-template <class DK, class DG>
-void check_kda_gates(const char* function, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DG>& log_gates) {
+/// KDA's log-gates are one per key channel (K's shape checked against Q's first, so a
+/// wrong K is named as such).
+template <class DQ, class DK, class DG>
+void check_kda_gates(const char* function, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                     const Eigen::MatrixBase<DG>& log_gates) {
+    require(K.rows() == Q.rows() && K.cols() == Q.cols(), function, "K", "has shape ", shape(K),
+            ", expected the shape of Q (", shape(Q), ")");
     require(log_gates.rows() == K.rows() && log_gates.cols() == K.cols(), function, "log_gates", "has shape ",
             shape(log_gates), ", expected ", K.rows(), 'x', K.cols(), " (a log-gate per key channel; the gated delta ",
             "rule's chunked_delta_rule_attention takes one per token)");
@@ -565,7 +565,7 @@ void recurrent_kda_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::Matrix
     using G = typename DG::Scalar;
     static_assert(std::is_same_v<G, typename DQ::Scalar> || std::is_same_v<G, arithmetic_t<typename DQ::Scalar>>,
                   "memattn: log_gates must have the scalar type of Q (of bfloat16 or half: or float).");
-    detail::check_kda_gates("recurrent_kda_attention", K, log_gates);
+    detail::check_kda_gates("recurrent_kda_attention", Q, K, log_gates);
     const ConstMatrixRef<G> g = detail::sequence(log_gates);
     detail::delta_rule_attention<detail::DeltaForm::recurrent>("recurrent_kda_attention", Q, K, V, beta, &g,
                                                                std::forward<DO>(O), options, state);
@@ -583,7 +583,7 @@ void chunked_kda_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBa
     using G = typename DG::Scalar;
     static_assert(std::is_same_v<G, typename DQ::Scalar> || std::is_same_v<G, arithmetic_t<typename DQ::Scalar>>,
                   "memattn: log_gates must have the scalar type of Q (of bfloat16 or half: or float).");
-    detail::check_kda_gates("chunked_kda_attention", K, log_gates);
+    detail::check_kda_gates("chunked_kda_attention", Q, K, log_gates);
     const ConstMatrixRef<G> g = detail::sequence(log_gates);
     detail::delta_rule_attention<detail::DeltaForm::chunked>("chunked_kda_attention", Q, K, V, beta, &g,
                                                              std::forward<DO>(O), options, state, executor);

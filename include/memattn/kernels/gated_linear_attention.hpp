@@ -419,11 +419,7 @@ void gated_linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q
     const ConstMatrixRef<G> g = sequence(log_gates);
     MatrixRef<Out> o = output(std::forward<DO>(O));
     check_gated_arguments<T>(function, q, k, v, g, shape(o), options, state);
-    require_disjoint(function, "O", o, "Q", q);
-    require_disjoint(function, "O", o, "K", k);
-    require_disjoint(function, "O", o, "V", v);
-    require_disjoint(function, "O", o, "log_gates", g);
-    require_state_disjoint(function, o, state);
+    require_apart(function, o, state, Named{"Q", q}, Named{"K", k}, Named{"V", v}, Named{"log_gates", g});
     LinearState<T> local;
     LinearState<T>& s = state != nullptr ? *state : local;
     if (s.mu.size() == 0 && s.nu.size() == 0) {

@@ -150,6 +150,31 @@ void require_state_disjoint(const char* function, const MatrixRef<Out>& o, const
     require_disjoint(function, "O", o, "state->nu", state->nu);
 }
 
+/// An input of a recurrent call and its name, for the aliasing rule (require_apart).
+template <class View>
+struct Named {
+    const char* name;
+    const View& view;
+};
+template <class View>
+Named(const char*, const View&) -> Named<View>;
+
+/// The aliasing rule of a call with an in/out state (docs/design.md §3): O shares no
+/// element with an input or with the state, and no input shares one with the state,
+/// which the call writes while it still reads them (a Q viewing state->mu would be read
+/// after a chunk had changed it). Inputs may overlap each other.
+template <class T, class Out, class... Views>
+void require_apart(const char* function, const MatrixRef<Out>& o, const LinearState<T>* state,
+                   const Named<Views>&... inputs) {
+    (require_disjoint(function, "O", o, inputs.name, inputs.view), ...);
+    if (state == nullptr)
+        return;
+    require_state_disjoint(function, o, state);
+    ((require_disjoint(function, "state->mu", state->mu, inputs.name, inputs.view),
+      require_disjoint(function, "state->nu", state->nu, inputs.name, inputs.view)),
+     ...);
+}
+
 /// The one feature-map application of every form: Y = φ(X) for a chunk of rows.
 template <class T, class Phi, class X, class Y>
 void apply_features(const Phi& phi, const X& x, Y& y) {
@@ -344,7 +369,8 @@ struct ValueColumns {
 
 /// run(V_cols, O_cols, S_cols) for each part of the value columns (ValueColumns) on the
 /// executor: V_cols and O_cols the part's columns of V and O, S_cols a copy of the part's
-/// columns of S, written back after the part has run. One part: run(V, O, S) here.
+/// columns of S, gathered into S once every part has run (an executor that throws leaves
+/// S as it was). One part: run(V, O, S) here.
 template <class T, class Run>
 void by_value_columns(const ConstMatrixRef<T>& V, MatrixRef<T> O, Matrix<T>& S, ExecutorRef executor, Run&& run) {
     const Index dv = V.cols(), parts = ValueColumns::parts(V.rows(), dv, executor);
@@ -352,14 +378,16 @@ void by_value_columns(const ConstMatrixRef<T>& V, MatrixRef<T> O, Matrix<T>& S, 
         run(V, O, S);
         return;
     }
+    Matrix<T> next(S.rows(), S.cols());
     run_ranges(executor, parts, [&](Index first, Index last) {
         for (Index p = first; p < last; ++p) {
             const Index c0 = ValueColumns::first(p, parts, dv), w = ValueColumns::first(p + 1, parts, dv) - c0;
             Matrix<T> part = S.middleCols(c0, w);
             run(ConstMatrixRef<T>(V.middleCols(c0, w)), MatrixRef<T>(O.middleCols(c0, w)), part);
-            S.middleCols(c0, w) = part;
+            next.middleCols(c0, w) = part;
         }
     });
+    S.swap(next);
 }
 
 /// The cut of one sequence into spans for the span-parallel chunked forms (linear_spans,
@@ -432,13 +460,16 @@ void by_spans(const SpanPlan& plan, LinearState<T>& s, Index rows, Index cols, E
     });
     std::vector<LinearState<T>> before(static_cast<std::size_t>(spans));
     before[1] = ends[0];
+    LinearState<T> final_state;  // s changes once every step has run: an executor that throws leaves it
     for (Index j = 1; j < spans; ++j) {
-        LinearState<T>& next = j + 1 < spans ? before[static_cast<std::size_t>(j + 1)] : s;
+        LinearState<T>& next = j + 1 < spans ? before[static_cast<std::size_t>(j + 1)] : final_state;
         next = before[static_cast<std::size_t>(j)];
         carry(j, next, ends[static_cast<std::size_t>(j)]);
     }
     run_ranges(executor, plan.block_count(),
                [&](Index first, Index last) { correct(first, last, std::as_const(before)); });
+    s.mu.swap(final_state.mu);
+    s.nu.swap(final_state.nu);
 }
 
 // ------------------------------------------------------------------------- chunked
@@ -722,10 +753,7 @@ void linear_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, cons
     MatrixRef<Out> o = output(std::forward<DO>(O));
     const Index features = check_linear_arguments<T>(function, phi, shape(q), shape(k), shape(v), shape(o), options,
                                                      state);
-    require_disjoint(function, "O", o, "Q", q);
-    require_disjoint(function, "O", o, "K", k);
-    require_disjoint(function, "O", o, "V", v);
-    require_state_disjoint(function, o, state);
+    require_apart(function, o, state, Named{"Q", q}, Named{"K", k}, Named{"V", v});
     LinearState<T> local;
     LinearState<T>& s = state != nullptr ? *state : local;
     const bool has_initial = s.mu.size() != 0 || s.nu.size() != 0;

@@ -273,13 +273,8 @@ void rwkv7_attention(const char* function, const Eigen::MatrixBase<DQ>& Q, const
                             w = sequence(log_w);
     MatrixRef<Out> o = output(std::forward<DO>(O));
     check_rwkv7_arguments<T>(function, q, k, v, a, b, w, shape(o), options, state);
-    require_disjoint(function, "O", o, "Q", q);
-    require_disjoint(function, "O", o, "K", k);
-    require_disjoint(function, "O", o, "V", v);
-    require_disjoint(function, "O", o, "A", a);
-    require_disjoint(function, "O", o, "B", b);
-    require_disjoint(function, "O", o, "log_w", w);
-    require_state_disjoint(function, o, state);
+    require_apart(function, o, state, Named{"Q", q}, Named{"K", k}, Named{"V", v}, Named{"A", a}, Named{"B", b},
+                  Named{"log_w", w});
     LinearState<T> local;
     LinearState<T>& s = state != nullptr ? *state : local;
     if (s.mu.size() == 0)

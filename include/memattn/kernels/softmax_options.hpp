@@ -45,22 +45,25 @@ struct SoftmaxOptions {
 
 namespace detail {
 
-/// The options' own checks, for a call over `heads` query heads (1 for a single head):
-/// finite values, a softcap ≥ 0, and spans of one value per head or none.
-inline void check_logit_options(std::string_view function, const SoftmaxOptions& options, Index heads) {
+/// The options' own checks, for a call over `heads` query heads (1 for a single head)
+/// that computes in T: values finite as T (a sink logit of 1e300 is a finite double and
+/// an infinite float, docs/design.md §3), a softcap ≥ 0, and spans of one value per head
+/// or none.
+template <class T>
+void check_logit_options(std::string_view function, const SoftmaxOptions& options, Index heads) {
     require(options.window >= 0, function, "options.window", "is ", options.window, ", expected >= 0 (0: no limit)");
     require(options.sink_tokens >= 0, function, "options.sink_tokens", "is ", options.sink_tokens, ", expected >= 0");
-    require(std::isfinite(options.softcap) && options.softcap >= 0, function, "options.softcap", "is ",
-            options.softcap, ", expected a finite number >= 0 (0: off)");
+    require(finite_in<T>(options.softcap) && options.softcap >= 0, function, "options.softcap", "is ",
+            options.softcap, ", expected a number >= 0 finite as ", scalar_name<T>, " (0: off)");
     const auto per_head = [&](std::span<const double> values, const char* name, bool allow_minus_inf) {
         if (values.empty())
             return;
         require(static_cast<Index>(values.size()) == heads, function, name, "has ", values.size(),
                 " values, expected ", heads, heads == 1 ? " (a single head)" : " (one per query head)");
         for (std::size_t h = 0; h < values.size(); ++h)
-            require(std::isfinite(values[h]) || (allow_minus_inf && values[h] < 0 && std::isinf(values[h])),
-                    function, name, "has ", values[h], " for head ", h,
-                    allow_minus_inf ? ", expected a finite number or −∞ (no sink)" : ", expected a finite number");
+            require(finite_in<T>(values[h]) || (allow_minus_inf && values[h] < 0 && std::isinf(values[h])),
+                    function, name, "has ", values[h], " for head ", h, ", expected a number finite as ",
+                    scalar_name<T>, allow_minus_inf ? " or −∞ (no sink)" : "");
     };
     per_head(options.sink_logits, "options.sink_logits", true);
     per_head(options.alibi_slopes, "options.alibi_slopes", false);

@@ -288,6 +288,7 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
                     per_head_rows, 'x', k.rows(), " (q_heads·Nq x Nk, one per query head)");
     detail::require(options.parents.empty(), function, "bias",
                     "is given with options.parents: a tree mask and a dense bias do not combine");
+    detail::check_bias_disjoint(function, o, bias);
     const Index d = layout.head_dim, dv = layout.values();
     detail::multi_head_softmax_run<T>(
         q, o, [](Index, Index, A) {}, layout, options, {}, k.rows(),
@@ -300,8 +301,10 @@ void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const E
         });
 }
 
-/// As above, and writes lse(i, h) = log Σ_{j visible} exp(scale · q_ih·k_j) into `lse`,
-/// a tokens × q_heads matrix of the scalar type; −∞ where a row sees no key.
+/// As above, and writes lse(i, h) = log(e^{σ_h} + Σ_{j visible} e^{s_ij}) into `lse`, a
+/// tokens × q_heads matrix of the scalar type: s_ij = scale · q_ih·k_j after the softcap
+/// and head h's ALiBi slope, σ_h head h's sink logit when given (causal_softmax_attention's
+/// lse); −∞ where a row sees no key and has no sink logit.
 template <class DQ, class DK, class DV, detail::EigenMatrix DO, detail::EigenMatrix DL>
 void multi_head_causal_softmax_attention(const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                                          const Eigen::MatrixBase<DV>& V, DO&& O, DL&& lse, const HeadLayout& layout,

@@ -41,6 +41,7 @@
 #include "memattn/layer/parallel.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/detail/low_precision.hpp"
+#include "memattn/memory/detail/rollback.hpp"
 #include "memattn/memory/kv_cache.hpp"
 #include "memattn/memory/sparse_kv_cache.hpp"
 #include "memattn/persistence/snapshot.hpp"
@@ -181,7 +182,7 @@ public:
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {"MultiHead::update", "key", "value"});
         const Index d = key_width_, dv = layout_.values();
-        all_or_nothing([&] {
+        all_or_nothing(false, [&] {
             for (Index h = 0; h < layout_.kv_heads; ++h)
                 heads_[static_cast<std::size_t>(h)].update(key.segment(h * d, d), value.segment(h * dv, dv));
         });
@@ -194,7 +195,7 @@ public:
         if (keys.rows() == 0)  // no column block of an empty (possibly null) view
             return;
         const Index d = key_width_, dv = layout_.values();
-        all_or_nothing([&] {
+        all_or_nothing(false, [&] {
             for (Index h = 0; h < layout_.kv_heads; ++h)
                 memattn::extend(heads_[static_cast<std::size_t>(h)], keys.middleCols(h * d, d),
                                 values.middleCols(h * dv, dv));
@@ -219,8 +220,12 @@ public:
                 detail::decode_rows(*this, queries, keys, values, out);
                 return;
             }
-            // One KV head per work item; its group's queries are g·d adjacent columns.
-            all_or_nothing([&] {
+            // One KV head per work item; its group's queries are g·d adjacent columns. Through
+            // an executor that may throw, a memory that cannot be put back runs here.
+            const SerialExecutor serial;
+            const bool may_throw = !executor_.nothrow();
+            const ExecutorRef run_on = may_throw && !detail::Checkpoint<M>::possible ? ExecutorRef(serial) : executor_;
+            all_or_nothing(may_throw, [&] {
                 detail::parallel_ranges(
                     layout_.kv_heads, [](Index) { return 1.0; },
                     [&](Index first, Index last) {
@@ -236,7 +241,7 @@ public:
                                 head.prefill(q, k, v, o);
                         }
                     },
-                    0, executor_);
+                    0, run_on);
             });
             size_split_scratch();
         } else {
@@ -373,24 +378,34 @@ private:
     using GroupMap = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
     using GroupOut = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
 
-    /// Runs `feed` on every head, after validate() has checked every head's part; for KV
-    /// caches (which allocate as they grow) a throw (std::bad_alloc) takes every head back
-    /// to its length before the call. The fixed-size memories allocate nothing once built.
-    /// A user's memory that can refuse a pair is all-or-nothing in a layer when it models
-    /// detail::ValidatesPairs (a const validate(K, V, site)).
+    /// Runs `feed` on every head, after validate() has checked every head's part, and
+    /// puts every head back if it throws: KV caches (which allocate as they grow: a
+    /// std::bad_alloc, or the executor's own exception) by their length before the call;
+    /// when `may_throw` (feed runs on an executor that may throw, ExecutorRef::nothrow)
+    /// any other memory by a copy taken first (memory/detail/rollback.hpp). The fixed-size
+    /// memories allocate nothing once built. A user's memory that can refuse a pair is
+    /// all-or-nothing in a layer when it models detail::ValidatesPairs (a const
+    /// validate(K, V, site)).
     template <class Feed>
-    void all_or_nothing(Feed&& feed) {
-        if constexpr (detail::is_kv_cache<M>) {
+    void all_or_nothing(bool may_throw, Feed&& feed) {
+        if constexpr (detail::is_kv_cache<M>) {  // every head had the same length: no list of them
             const Index before = length();
+            std::optional<detail::Checkpoint<M>> copies;  // PerChannelKeys<S>, which cannot always be cut
+            if (!detail::truncates_exactly<M> && may_throw)
+                copies.emplace(std::span<const M>(heads_), true);
             try {
                 feed();
             } catch (...) {
-                for (M& head : heads_)
-                    head.truncate(std::min(head.length(), before));
+                if (copies)
+                    copies->restore(std::span<M>(heads_));
+                else  // (a finished group of per-channel keys cannot be cut: such a head stays)
+                    for (M& head : heads_)
+                        if (head.length() > before && head.can_truncate(before))
+                            head.truncate(before);
                 throw;
             }
         } else {
-            feed();
+            detail::all_or_nothing(std::span<M>(heads_), may_throw, std::forward<Feed>(feed));
         }
     }
 
@@ -621,7 +636,7 @@ private:
                 head.turn_query(turned->row(i).data() + h * g * d, g * d, before + i);
         }
         const ConstMatrixRef<T> read = turned ? ConstMatrixRef<T>(*turned) : queries;
-        all_or_nothing([&] {
+        all_or_nothing(!executor_.nothrow(), [&] {
             for (Index h = 0; h < layout_.kv_heads; ++h)
                 heads_[static_cast<std::size_t>(h)].extend(keys.middleCols(h * d, d), values.middleCols(h * dv, dv));
             detail::multi_head_softmax_run<T>(
@@ -658,6 +673,8 @@ template <class M>
 inline constexpr std::string_view memory_name<MultiHead<M>> = "MultiHead";
 template <class M>
 inline constexpr bool keeps_every_pair<MultiHead<M>> = keeps_every_pair<M>;
+template <class M>
+inline constexpr bool truncates_exactly<MultiHead<M>> = truncates_exactly<M>;
 }  // namespace detail
 
 }  // namespace memattn

@@ -14,6 +14,9 @@
 //   thread instead of starting a nested team.
 // - An exception thrown by an item (std::bad_alloc from scratch) is caught on its
 //   thread and rethrown to the caller after the run, the one from the first range.
+//   One the executor throws itself propagates as it is (the caller undoes what the
+//   ranges changed); a range the executor returned without running runs on the
+//   calling thread.
 // - Nothing here allocates: a decode step may go through it.
 
 #include "memattn/execution/executor.hpp"
@@ -63,7 +66,9 @@ void parallel_ranges(Index n, Cost&& cost, Body&& body, int threads = 0, Executo
     for (; t <= parts; ++t)
         ends[static_cast<std::size_t>(t)] = n;
     std::array<std::exception_ptr, max_ranges> errors;
-    executor.parallel_for(parts, [&](Index r) {
+    std::array<bool, max_ranges> ran{};
+    const auto range = [&](Index r) {
+        ran[static_cast<std::size_t>(r)] = true;
         try {
             const Index first = ends[static_cast<std::size_t>(r)], last = ends[static_cast<std::size_t>(r) + 1];
             if (first < last)
@@ -71,7 +76,11 @@ void parallel_ranges(Index n, Cost&& cost, Body&& body, int threads = 0, Executo
         } catch (...) {
             errors[static_cast<std::size_t>(r)] = std::current_exception();
         }
-    });
+    };
+    executor.parallel_for(parts, range);  // its own exception propagates: the caller undoes what changed
+    for (int r = 0; r < parts; ++r)       // ranges the executor returned without running
+        if (!ran[static_cast<std::size_t>(r)])
+            range(r);
     for (int r = 0; r < parts; ++r)
         if (errors[static_cast<std::size_t>(r)])
             std::rethrow_exception(errors[static_cast<std::size_t>(r)]);

@@ -21,7 +21,9 @@
 // throws std::invalid_argument and changes nothing; a log-gate of −∞ resets the state
 // (its channel's part of it). prefill runs the chunked kernel on the memory's own state.
 // state() and set_state() take the state out and put one in (a model's initial state, a
-// state computed elsewhere).
+// state computed elsewhere). update and extend accept keys and values that view the
+// memory's own state (a row of state()): they are copied first, since the update writes
+// the state before it has read them (as std::vector::push_back(v[0]) works).
 //
 //   DeltaRuleMemory<float> memory(64, 64, {.qk_l2norm = true});
 //   Matrix<float> keys(n, 65);  keys << K, beta;
@@ -94,7 +96,9 @@ public:
           gates_(gates),
           options_(options),
           a_(gates == GateKind::channel ? d_ : 0),
-          k_(d_) {
+          k_(d_),
+          key_copy_(d_ + (gates == GateKind::scalar ? 1 : d_)),
+          value_copy_(dv_) {
         const Matrix<T> none(0, d_), values(0, dv_), gate(0, gate_cols());
         detail::check_gated_arguments<T, T, T>("GatedLinearAttentionMemory", none, none, values, gate, {0, dv_}, options_,
                                          nullptr);
@@ -104,30 +108,28 @@ public:
         reset();
     }
 
-    /// key = [k | log-gate(s)]: S ← diag(a) S + kᵀ v, z ← a ⊙ z + k.
+    /// key = [k | log-gate(s)]: S ← diag(a) S + kᵀ v, z ← a ⊙ z + k. A key or value that
+    /// views the state is copied first (allocates nothing).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {"GatedLinearAttentionMemory::update", "key", "value"});
-        if (gates_ == GateKind::scalar) {
-            if (key(d_) == -std::numeric_limits<T>::infinity()) {  // a reset
-                state_.mu.setZero();
-                state_.nu.setZero();
-            } else {
-                const T g = std::exp(key(d_));
-                state_.mu *= g;
-                state_.nu *= g;
-            }
-        } else {
-            a_ = key.tail(d_).array().exp();
-            state_.mu.array().colwise() *= a_.transpose().array();
-            state_.nu.array() *= a_.array();
-            detail::reset_channels(key.tail(d_), state_);
+        if (detail::views_own(key, state_.mu, state_.nu) || detail::views_own(value, state_.mu, state_.nu)) {
+            key_copy_ = key;
+            value_copy_ = value;
+            return step(key_copy_, value_copy_);
         }
-        k_ = key.head(d_);
-        if (options_.qk_l2norm)
-            k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
-        state_.mu.noalias() += k_.transpose() * value;
-        state_.nu += k_;
-        ++length_;
+        step(key, value);
+    }
+
+    /// Feeds the rows of K/V in order, all or nothing; rows that view the state are copied
+    /// first (the copy allocates).
+    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        validate(keys, values, {"GatedLinearAttentionMemory::extend"});
+        if (detail::views_own(keys, state_.mu, state_.nu) || detail::views_own(values, state_.mu, state_.nu)) {
+            const Matrix<T> own_keys = keys, own_values = values;
+            return extend(own_keys, own_values);
+        }
+        for (Index i = 0; i < keys.rows(); ++i)
+            step(keys.row(i), values.row(i));
     }
 
     /// Throws what update would throw for these pairs (a log-gate that is NaN or above 0),
@@ -261,6 +263,31 @@ public:
 private:
     [[nodiscard]] Index gate_cols() const noexcept { return gates_ == GateKind::scalar ? 1 : d_; }
 
+    /// update after its checks, on a key and value apart from the state.
+    void step(ConstRowRef<T> key, ConstRowRef<T> value) {
+        if (gates_ == GateKind::scalar) {
+            if (key(d_) == -std::numeric_limits<T>::infinity()) {  // a reset
+                state_.mu.setZero();
+                state_.nu.setZero();
+            } else {
+                const T g = std::exp(key(d_));
+                state_.mu *= g;
+                state_.nu *= g;
+            }
+        } else {
+            a_ = key.tail(d_).array().exp();
+            state_.mu.array().colwise() *= a_.transpose().array();
+            state_.nu.array() *= a_.array();
+            detail::reset_channels(key.tail(d_), state_);
+        }
+        k_ = key.head(d_);
+        if (options_.qk_l2norm)
+            k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
+        state_.mu.noalias() += k_.transpose() * value;
+        state_.nu += k_;
+        ++length_;
+    }
+
     /// out (= q S) times the query's factor, divided by q̂·z + eps with options.normalize
     /// (after an update; the kernels' recurrent form, operation for operation).
     template <class Q, class O>
@@ -278,6 +305,7 @@ private:
     detail::QueryFactor<T> factor_;  ///< q's scale and norm
     Vector<T> a_;  ///< update's channel gates (allocated once)
     Vector<T> k_;  ///< update's key, normalised (allocated once)
+    Vector<T> key_copy_, value_copy_;  ///< update's key and value when they view the state
     LinearState<T> state_;
     Index length_ = 0;
 };
@@ -294,18 +322,29 @@ public:
         : DeltaRuleMemory(key_dim, value_dim, options, gated ? 1 : 0, delta_names) {}
 
     /// key = [k | β (| log g | log α)]: S ← g S (KDA: Diag(α) S), then S ← S + β kᵀ (v − k S).
+    /// A key or value that views the state is copied first (allocates nothing).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {names_->update, "key", "value"});
-        k_ = key.head(d_);
-        if (options_.qk_l2norm)
-            k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
-        if (gate_cols_ > 0)  // S ← g S, or KDA's S ← Diag(α) S; −∞ resets
-            detail::delta_decay(key.tail(gate_cols_), S_);
-        u_.noalias() = k_ * S_;
-        u_ = key(d_) * (value - u_);
-        S_.noalias() += k_.transpose() * u_;
-        ++length_;
+        if (detail::views_own(key, S_) || detail::views_own(value, S_)) {
+            key_copy_ = key;
+            value_copy_ = value;
+            return step(key_copy_, value_copy_);
+        }
+        step(key, value);
     }
+
+    /// Feeds the rows of K/V in order, all or nothing; rows that view the state are copied
+    /// first (the copy allocates).
+    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        validate(keys, values, {names_->extend});
+        if (detail::views_own(keys, S_) || detail::views_own(values, S_)) {
+            const Matrix<T> own_keys = keys, own_values = values;
+            return extend(own_keys, own_values);
+        }
+        for (Index i = 0; i < keys.rows(); ++i)
+            step(keys.row(i), values.row(i));
+    }
+
 
     /// Throws what update would throw for these pairs (β outside [0, 1], or [0, 2] with
     /// options.allow_negative_eigenvalues; a log-gate that is NaN or above 0), changing
@@ -429,6 +468,7 @@ protected:
     struct Names {
         const char* type;          ///< the class
         const char* update;        ///< its update
+        const char* extend;        ///< its extend
         const char* validate;      ///< its validate
         const char* attend;        ///< its attend
         const char* attend_group;  ///< its attend_group
@@ -437,13 +477,13 @@ protected:
     };
     /// DeltaRuleMemory's names.
     static constexpr Names delta_names{"DeltaRuleMemory",           "DeltaRuleMemory::update",
-                                       "DeltaRuleMemory::validate", "DeltaRuleMemory::attend",
-                                       "DeltaRuleMemory::attend_group", "DeltaRuleMemory::prefill",
-                                       "DeltaRuleMemory::set_state"};
+                                       "DeltaRuleMemory::extend",   "DeltaRuleMemory::validate",
+                                       "DeltaRuleMemory::attend",   "DeltaRuleMemory::attend_group",
+                                       "DeltaRuleMemory::prefill",  "DeltaRuleMemory::set_state"};
     /// KdaMemory's names.
-    static constexpr Names kda_names{"KdaMemory",           "KdaMemory::update",       "KdaMemory::validate",
-                                     "KdaMemory::attend",   "KdaMemory::attend_group", "KdaMemory::prefill",
-                                     "KdaMemory::set_state"};
+    static constexpr Names kda_names{"KdaMemory",         "KdaMemory::update",       "KdaMemory::extend",
+                                     "KdaMemory::validate", "KdaMemory::attend",     "KdaMemory::attend_group",
+                                     "KdaMemory::prefill",  "KdaMemory::set_state"};
 
     /// `gate_cols` log-gates in the key row after β: 0, 1, or −1 for one per key channel (KDA).
     DeltaRuleMemory(Index key_dim, Index value_dim, DeltaOptions options, Index gate_cols, const Names& names)
@@ -453,7 +493,9 @@ protected:
           gate_cols_(gate_cols < 0 ? d_ : gate_cols),
           names_(&names),
           k_(1, d_),
-          u_(dv_) {
+          u_(dv_),
+          key_copy_(d_ + 1 + gate_cols_),
+          value_copy_(dv_) {
         detail::require(options_.chunk_size > 0, names.type, "options.chunk_size", "is ", options_.chunk_size,
                         ", expected > 0");
         detail::check_query_key_options<T>(names.type, options_.scale, options_.l2norm_eps);
@@ -462,6 +504,19 @@ protected:
     }
 
 private:
+    /// update after its checks, on a key and value apart from the state.
+    void step(ConstRowRef<T> key, ConstRowRef<T> value) {
+        k_ = key.head(d_);
+        if (options_.qk_l2norm)
+            k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
+        if (gate_cols_ > 0)  // S ← g S, or KDA's S ← Diag(α) S; −∞ resets
+            detail::delta_decay(key.tail(gate_cols_), S_);
+        u_.noalias() = k_ * S_;
+        u_ = key(d_) * (value - u_);
+        S_.noalias() += k_.transpose() * u_;
+        ++length_;
+    }
+
     Index d_, dv_;
     DeltaOptions options_;
     detail::QueryFactor<T> factor_;  ///< q's scale and norm
@@ -470,6 +525,7 @@ private:
     Matrix<T> S_;
     Matrix<T> k_;   ///< update's key, normalised (allocated once)
     Vector<T> u_;   ///< update's correction
+    Vector<T> key_copy_, value_copy_;  ///< update's key and value when they view the state
     Index length_ = 0;
 };
 
@@ -500,7 +556,9 @@ public:
         : d_(detail::at_least(key_dim, 1, "Rwkv7Memory", "key_dim")),
           dv_(detail::at_least(value_dim, 1, "Rwkv7Memory", "value_dim")),
           options_(options),
-          read_(dv_) {
+          read_(dv_),
+          key_copy_(4 * d_),
+          value_copy_(dv_) {
         detail::require(options_.chunk_size > 0, "Rwkv7Memory", "options.chunk_size", "is ", options_.chunk_size,
                         ", expected > 0");
         detail::require(detail::finite_in<T>(options_.scale), "Rwkv7Memory", "options.scale", "is ", options_.scale,
@@ -508,12 +566,28 @@ public:
         reset();
     }
 
-    /// key = [k | a | b | log w]: S ← (Diag(w) + bᵀa) S + kᵀv.
+    /// key = [k | a | b | log w]: S ← (Diag(w) + bᵀa) S + kᵀv. A key or value that views
+    /// the state is copied first (allocates nothing).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {"Rwkv7Memory::update", "key", "value"});
-        detail::rwkv7_update(key.head(d_), value, key.segment(d_, d_), key.segment(2 * d_, d_), key.tail(d_), S_,
-                             read_);
-        ++length_;
+        if (detail::views_own(key, S_) || detail::views_own(value, S_)) {
+            key_copy_ = key;
+            value_copy_ = value;
+            return step(key_copy_, value_copy_);
+        }
+        step(key, value);
+    }
+
+    /// Feeds the rows of K/V in order, all or nothing; rows that view the state are copied
+    /// first (the copy allocates).
+    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
+        validate(keys, values, {"Rwkv7Memory::extend"});
+        if (detail::views_own(keys, S_) || detail::views_own(values, S_)) {
+            const Matrix<T> own_keys = keys, own_values = values;
+            return extend(own_keys, own_values);
+        }
+        for (Index i = 0; i < keys.rows(); ++i)
+            step(keys.row(i), values.row(i));
     }
 
     /// Throws what update would throw for these pairs (a log-decay that is NaN or above 0),
@@ -584,7 +658,8 @@ public:
     /// The state S (d × dv: flash-linear-attention's, dv × d, transposed).
     [[nodiscard]] const Matrix<T>& state() const noexcept { return S_; }
     /// Resumes from a state S, as after `length` tokens. Throws std::invalid_argument,
-    /// changing nothing, unless S is d × dv and finite.
+    /// changing nothing, unless S is d × dv and finite. (A snapshot, by contrast, restores
+    /// whatever state was saved, non-finite too: docs/snapshot-format.md, "Guarantees".)
     void set_state(const Matrix<T>& S, Index length = 0) {
         constexpr const char* function = "Rwkv7Memory::set_state";
         detail::check_state(function, "S", S, d_, dv_);
@@ -619,10 +694,18 @@ public:
     }
 
 private:
+    /// update after its checks, on a key and value apart from the state.
+    void step(ConstRowRef<T> key, ConstRowRef<T> value) {
+        detail::rwkv7_update(key.head(d_), value, key.segment(d_, d_), key.segment(2 * d_, d_), key.tail(d_), S_,
+                             read_);
+        ++length_;
+    }
+
     Index d_, dv_;
     Rwkv7Options options_;
     Matrix<T> S_;
     Vector<T> read_;  ///< update's a S (allocated once)
+    Vector<T> key_copy_, value_copy_;  ///< update's key and value when they view the state
     Index length_ = 0;
 };
 

@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace memattn {
@@ -96,7 +97,7 @@ public:
         detail::require(options.alibi_slopes.empty() || slots_ == 0, "HybridCache", "options.alibi_slopes",
                         "is given with slots = ", slots_,
                         ": a compressed slot pools many positions, so ALiBi has no distance for it");
-        logits_ = detail::HeldLogits("HybridCache", options);
+        logits_ = detail::HeldLogits("HybridCache", options, std::type_identity<T>{});
     }
 
     /// With the options and rotary position embeddings (see KVCache's): the window's keys

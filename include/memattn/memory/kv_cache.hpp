@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstddef>
 #include <string>
+#include <type_traits>
 
 namespace memattn {
 
@@ -60,7 +61,7 @@ public:
     /// are refused with std::invalid_argument otherwise. The cache copies the spans.
     KVCache(Index key_dim, Index value_dim, const SoftmaxOptions& options)
         : KVCache(key_dim, value_dim, static_cast<T>(options.scale)) {
-        logits_ = detail::HeldLogits("KVCache", options);
+        logits_ = detail::HeldLogits("KVCache", options, std::type_identity<T>{});
     }
 
     /// With the options and rotary position embeddings (positional/rope.hpp, for one head:

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 namespace memattn {
 
@@ -68,7 +69,7 @@ public:
     /// from the query as its position says.
     SlidingWindowCache(Index key_dim, Index value_dim, const SoftmaxOptions& options)
         : SlidingWindowCache(key_dim, value_dim, options.window, options.sink_tokens, static_cast<T>(options.scale)) {
-        logits_ = detail::HeldLogits("SlidingWindowCache", options, true);
+        logits_ = detail::HeldLogits("SlidingWindowCache", options, std::type_identity<T>{}, true);
     }
 
     /// With the options and rotary position embeddings (see KVCache's): keys stored

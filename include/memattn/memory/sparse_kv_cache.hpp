@@ -12,11 +12,15 @@
 // hi and lo, and the largest magnitude of any of them, m. For a query q (its logits
 // s_j = scale · q·k_j), with u = scale · q,
 //
-//   bound_b = Σ_i max(u_i·hi_i, u_i·lo_i) + γ · ‖u‖₁ · m_b,   γ = (d + 2) · ε,
+//   bound_b = Σ_i max(u_i·hi_i, u_i·lo_i) + (γ · ‖u‖₁ + δ) · m_b + δ,
+//   γ = (d + 2) · ε,   δ = 2 (d + 2) · η   (η: T's smallest subnormal),
 //
 // which no logit of a key of block b exceeds: the sum is the largest u·k over the box
-// [lo, hi] that holds the block's keys, and the second term covers its rounding and the
-// rounding of the logits themselves. The sum is one product: with u⁺ = max(u, 0) and
+// [lo, hi] that holds the block's keys, and the other terms cover its rounding and the
+// rounding of the logits themselves: relative (γ) for normal numbers, absolute (δ) where
+// u, a key or a product falls below T's normal range, whose rounding error is up to
+// η / 2 whatever the value. The query's term γ‖u‖₁ + δ is computed in double and rounded
+// up to T (in T, γ‖u‖₁ of a subnormal u would itself lose its digits). The sum is one product: with u⁺ = max(u, 0) and
 // u⁻ = min(u, 0) it is [hi | lo] · [u⁺ | u⁻]ᵀ: one pass over the blocks' bounds stored
 // side by side (a group of queries: each row read once for four of them).
 //
@@ -81,7 +85,7 @@ namespace memattn {
 struct SparseKVOptions {
     Index block = 8;           ///< tokens per block of keys a bound covers (>= 1; see below)
     Index top_k_blocks = 256;  ///< blocks an attend chooses by their bounds (>= 0)
-    Index window = 64;         ///< the newest tokens, always attended, the current one among them (>= 0)
+    Index window = 64;         ///< the newest tokens, always attended, the current one among them (>= 0; >= 1 without top_k_blocks)
     Index sinks = 4;           ///< the first tokens, always attended (>= 0)
 };
 
@@ -349,6 +353,9 @@ private:
         detail::at_least(o.top_k_blocks, 0, "SparseKVCache", "sparse.top_k_blocks");
         detail::at_least(o.window, 0, "SparseKVCache", "sparse.window");
         detail::at_least(o.sinks, 0, "SparseKVCache", "sparse.sinks");
+        detail::require(o.window > 0 || o.top_k_blocks > 0, "SparseKVCache", "sparse.window",
+                        "is 0 with sparse.top_k_blocks = 0, which attends no token past the sinks, not even the "
+                        "current one: expected a window >= 1 or blocks to choose");
         return o;
     }
 
@@ -433,20 +440,22 @@ private:
     }
 
     /// The bounds of a group of queries, turned (RoPE) and scaled: u = scale · q as
-    /// [u⁺ | u⁻] per query, and each query's slack γ‖u‖₁.
+    /// [u⁺ | u⁻] per query, and each query's slack γ‖u‖₁ + δ (see the top of the file).
     class GroupBounds {
     public:
         GroupBounds(const SparseKVCache& cache, const ConstMatrixRef<T>& queries)
             : cache_(cache), g_(queries.rows()), d_(cache.key_dim()), split_(g_ * 2 * d_), slack_(g_) {
             Eigen::Map<Matrix<T>> split(split_.data(), g_, 2 * d_);
             const T scale = cache.scale();
-            const T gamma = T(d_ + 2) * std::numeric_limits<T>::epsilon();
+            const double gamma = static_cast<double>(d_ + 2) * std::numeric_limits<T>::epsilon();
+            absolute_ = static_cast<T>(2 * (d_ + 2)) * std::numeric_limits<T>::denorm_min();
             for (Index r = 0; r < g_; ++r) {
                 auto u = split.row(r).head(d_);
                 u = scale * queries.row(r);
                 if (cache.pairs_.turns_queries())
                     cache.pairs_.turn_query(u.data(), d_, cache.length() - 1);
-                slack_[r] = gamma * u.cwiseAbs().sum();
+                slack_[r] = rounded_up(gamma * u.template cast<double>().cwiseAbs().sum() +
+                                       static_cast<double>(absolute_));
                 split.row(r).tail(d_) = u.cwiseMin(T(0));
                 u = u.cwiseMax(T(0));
             }
@@ -471,7 +480,7 @@ private:
                             default: row_dots<4>(row, r0, sums); break;
                         }
                         for (Index r = 0; r < std::min<Index>(4, g_ - r0); ++r)
-                            best = std::max(best, sums[r] + slack_[r0 + r] * peaks[i]);
+                            best = std::max(best, sums[r] + slack_[r0 + r] * peaks[i] + absolute_);
                     }
                     out[i] = best;
                 }
@@ -482,6 +491,7 @@ private:
                     Eigen::Map<Vector<T>> s(out, m);
                     s.noalias() = split.row(0) * rows.transpose();
                     s += slack_[0] * peaks;
+                    s.array() += absolute_;
                     return;
                 }
                 alignas(64) T buffer[bound_rows * detail::group_rows];
@@ -493,7 +503,7 @@ private:
                     s.noalias() = rows * split.middleRows(r0, g).transpose();
                     for (Index i = 0; i < m; ++i)
                         for (Index r = 0; r < g; ++r)
-                            out[i] = std::max(out[i], s(i, r) + slack_[r0 + r] * peaks[i]);
+                            out[i] = std::max(out[i], s(i, r) + slack_[r0 + r] * peaks[i] + absolute_);
                 }
             }
         }
@@ -535,6 +545,13 @@ private:
         Index g_, d_;
         detail::StackOrHeap<T, 4096> split_;
         detail::StackOrHeap<T, 64> slack_;
+        T absolute_;  ///< δ, the absolute part of the slack
+
+        /// x in T, rounded up rather than to nearest.
+        static T rounded_up(double x) noexcept {
+            const T y = static_cast<T>(x);
+            return static_cast<double>(y) < x ? std::nextafter(y, std::numeric_limits<T>::infinity()) : y;
+        }
     };
 
     /// Whether block a (bound x) ranks above block b (bound y): larger bound, then newer.

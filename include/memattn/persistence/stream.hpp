@@ -317,6 +317,13 @@ public:
         at_ += size;
     }
 
+    /// Skips `size` bytes (of a part of the payload the memory does not keep); `what`
+    /// names them in messages.
+    void skip(std::size_t size, std::string_view what) {
+        need(size, what);
+        at_ += size;
+    }
+
     /// One number of type N, little-endian (Writer::number); `what` names it in messages.
     template <class N>
         requires std::is_arithmetic_v<N>

@@ -17,18 +17,21 @@
 #include "memattn/layer/parallel.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
+#include "memattn/memory/detail/rollback.hpp"
 #include "memattn/serving/paged_kv_cache.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
 #include <span>
 #include <type_traits>
+#include <utility>
 
 namespace memattn {
 
 /// One token for each sequence of `seqs` (distinct live ids of `pool`): row i of K and V
 /// appended to seqs[i], then row i of O = row i of Q attending it, on the pool's executor
-/// (PagedKVCache::set_executor). Allocates nothing.
+/// (PagedKVCache::set_executor): PagedKVCache::decode, all or nothing (the tokens taken
+/// back when the attends throw). Allocates nothing.
 template <Scalar T, class S>
 void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::type_identity_t<ConstMatrixRef<T>> Q,
                     std::type_identity_t<ConstMatrixRef<T>> K, std::type_identity_t<ConstMatrixRef<T>> V,
@@ -40,17 +43,7 @@ template <Scalar T, class S>
 void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::type_identity_t<ConstMatrixRef<T>> Q,
                     std::type_identity_t<ConstMatrixRef<T>> K, std::type_identity_t<ConstMatrixRef<T>> V,
                     std::type_identity_t<MatrixRef<T>> O, ExecutorRef executor) {
-    constexpr const char* function = "batched_decode";
-    detail::require(Q.rows() == static_cast<Index>(seqs.size()) && Q.cols() == pool.query_dim(), function, "Q",
-                    "has shape ", detail::shape(Q), ", expected ", seqs.size(), 'x', pool.query_dim(),
-                    " (one row per sequence)");
-    detail::require(O.rows() == Q.rows() && O.cols() == pool.output_dim(), function, "O", "has shape ",
-                    detail::shape(O), ", expected ", Q.rows(), 'x', pool.output_dim());
-    detail::require_disjoint(function, "O", O, "Q", Q);
-    detail::require_disjoint(function, "O", O, "K", K);
-    detail::require_disjoint(function, "O", O, "V", V);
-    pool.update(seqs, K, V);
-    pool.attend(seqs, Q, O, executor);
+    detail::PagedAccess::decode(pool, "batched_decode", seqs, Q, K, V, O, executor);
 }
 
 /// A mixed batch over the pool (chunked prefill beside decode): sequence seqs[i] brings
@@ -73,20 +66,39 @@ void batched_prefill(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std:
     pool.prefill(seqs, q_offsets, Q, K, V, O, executor);
 }
 
+namespace detail {
+
+/// Every row of a batch over memories has its row of Q, K, V and O: `rows` each.
+template <class T>
+void check_batch_rows(const char* function, const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K,
+                      const ConstMatrixRef<T>& V, const MatrixRef<T>& O, Index rows, const char* what) {
+    for (const auto& [name, shape] : {std::pair{"Q", detail::shape(Q)}, std::pair{"K", detail::shape(K)},
+                                      std::pair{"V", detail::shape(V)}, std::pair{"O", detail::shape(O)}})
+        require(shape.rows == rows, function, name, "has shape ", shape, ", expected ", rows, " rows (", what, ")");
+}
+
+}  // namespace detail
+
 /// One token for each memory of `memories` (one per sequence, any Memory: a
 /// MultiHead of caches, the linear or gated memories of a hybrid model's recurrent
 /// layers): row i of K/V updates memories[i], then row i of O = its attend of row i of Q;
 /// the memories spread over the executor's threads (a memory's own threads then run on
-/// the one it is given). Every row is checked first (shapes, and the values through each
-/// memory's validate where it has one), so a bad row leaves every memory unchanged.
+/// the one it is given). Every row is checked first (Q, K, V and O of one row per memory,
+/// their widths, and the values through each memory's validate where it has one), so a
+/// bad row leaves every memory unchanged; so does a throw once they move (an executor
+/// that fails, std::bad_alloc from a growing cache): caches that truncate exactly
+/// (KVCache, SparseKVCache, layers of them) take their updates on the calling thread, the
+/// attends on the executor, and are truncated back; other memories, through an executor
+/// that may throw (ExecutorRef::nothrow), are copied first and put back (a copy per call:
+/// give a noexcept parallel_for to spare it), or, when they cannot be copied, run on the
+/// calling thread. With memattn's executors a step allocates nothing.
 template <Memory M, class T = typename M::Scalar>
 void batched_decode(std::span<M> memories, std::type_identity_t<ConstMatrixRef<T>> Q,
                     std::type_identity_t<ConstMatrixRef<T>> K, std::type_identity_t<ConstMatrixRef<T>> V,
                     std::type_identity_t<MatrixRef<T>> O, ExecutorRef executor = {}) {
     constexpr const char* function = "batched_decode";
     const Index batch = static_cast<Index>(memories.size());
-    detail::require(K.rows() == batch, function, "K", "has ", K.rows(), " rows, expected ", batch,
-                    " (one per memory)");
+    detail::check_batch_rows<T>(function, Q, K, V, O, batch, "one per memory");
     for (Index i = 0; i < batch; ++i) {
         const M& mem = memories[static_cast<std::size_t>(i)];
         const ConstMatrixRef<T> q = Q.middleRows(i, 1), k = K.middleRows(i, 1), v = V.middleRows(i, 1);
@@ -97,16 +109,48 @@ void batched_decode(std::span<M> memories, std::type_identity_t<ConstMatrixRef<T
     detail::require_disjoint(function, "O", O, "Q", Q);
     detail::require_disjoint(function, "O", O, "K", K);
     detail::require_disjoint(function, "O", O, "V", V);
-    detail::parallel_ranges(
-        batch, [&](Index i) { return 1.0 + static_cast<double>(memories[static_cast<std::size_t>(i)].length()); },
-        [&](Index first, Index last) {
-            for (Index i = first; i < last; ++i) {
-                M& mem = memories[static_cast<std::size_t>(i)];
-                mem.update(K.row(i), V.row(i));
-                mem.attend(Q.row(i), O.row(i));
+    const auto cost = [&](Index i) { return 1.0 + static_cast<double>(memories[static_cast<std::size_t>(i)].length()); };
+    if constexpr (detail::truncates_exactly<M>) {
+        // An update copies one row into each cache: here, in order, so a throw knows which to cut.
+        for (Index i = 0; i < batch; ++i) {
+            try {
+                memories[static_cast<std::size_t>(i)].update(K.row(i), V.row(i));
+            } catch (...) {
+                for (Index j = 0; j < i; ++j)
+                    memories[static_cast<std::size_t>(j)].truncate(memories[static_cast<std::size_t>(j)].length() - 1);
+                throw;
             }
-        },
-        0, executor);
+        }
+        try {
+            detail::parallel_ranges(
+                batch, cost,
+                [&](Index first, Index last) {
+                    for (Index i = first; i < last; ++i)
+                        std::as_const(memories[static_cast<std::size_t>(i)]).attend(Q.row(i), O.row(i));
+                },
+                0, executor);
+        } catch (...) {
+            for (M& mem : memories)
+                mem.truncate(mem.length() - 1);
+            throw;
+        }
+    } else {
+        const SerialExecutor serial;
+        const bool may_throw = !executor.nothrow();
+        const ExecutorRef run_on = may_throw && !detail::Checkpoint<M>::possible ? ExecutorRef(serial) : executor;
+        detail::all_or_nothing(memories, may_throw, [&] {
+            detail::parallel_ranges(
+                batch, cost,
+                [&](Index first, Index last) {
+                    for (Index i = first; i < last; ++i) {
+                        M& mem = memories[static_cast<std::size_t>(i)];
+                        mem.update(K.row(i), V.row(i));
+                        mem.attend(Q.row(i), O.row(i));
+                    }
+                },
+                0, run_on);
+        });
+    }
 }
 
 /// A mixed batch over one Memory per sequence (chunked prefill beside decode, for the
@@ -114,9 +158,12 @@ void batched_decode(std::span<M> memories, std::type_identity_t<ConstMatrixRef<T
 /// [q_offsets[i], q_offsets[i + 1]) of Q, K and V (a chunk, one token or none) through
 /// memattn::prefill, its own whole-sequence kernel where it has one, so row r of O is
 /// what that memory's prefill gives it, bit for bit; the memories spread over the
-/// executor's threads by their work. Every memory's rows are checked first (shapes, and
-/// the values through its validate where it has one), so a bad row leaves every memory
-/// unchanged.
+/// executor's threads by their work. Every memory's rows are checked first (Q, K, V and
+/// O of the offsets' rows, their widths, and the values through its validate where it
+/// has one), so a bad row leaves every memory unchanged; so does a throw once they move:
+/// caches that truncate exactly are cut back to their lengths, and other memories,
+/// through an executor that may throw, are copied first and put back (or, when they
+/// cannot be copied, run on the calling thread).
 template <Memory M, class T = typename M::Scalar>
 void batched_prefill(std::span<M> memories, std::span<const Index> q_offsets,
                      std::type_identity_t<ConstMatrixRef<T>> Q, std::type_identity_t<ConstMatrixRef<T>> K,
@@ -127,10 +174,7 @@ void batched_prefill(std::span<M> memories, std::span<const Index> q_offsets,
     detail::check_offsets(function, q_offsets, batch, K.rows());
     const auto first = [&](Index i) { return q_offsets[static_cast<std::size_t>(i)]; };
     const auto rows = [&](Index i) { return first(i + 1) - first(i); };
-    detail::require(Q.rows() == K.rows(), function, "Q", "has ", Q.rows(), " rows, expected ", K.rows(),
-                    " (the rows of K)");
-    detail::require(O.rows() == K.rows(), function, "O", "has ", O.rows(), " rows, expected ", K.rows(),
-                    " (the rows of K)");
+    detail::check_batch_rows<T>(function, Q, K, V, O, K.rows(), "the rows of K, which q_offsets cut");
     for (Index i = 0; i < batch; ++i)
         detail::check_sequences<M, T>(function, memories[static_cast<std::size_t>(i)], Q.middleRows(first(i), rows(i)),
                                       K.middleRows(first(i), rows(i)), V.middleRows(first(i), rows(i)),
@@ -138,20 +182,25 @@ void batched_prefill(std::span<M> memories, std::span<const Index> q_offsets,
     detail::require_disjoint(function, "O", O, "Q", Q);
     detail::require_disjoint(function, "O", O, "K", K);
     detail::require_disjoint(function, "O", O, "V", V);
-    detail::parallel_ranges(
-        batch,
-        [&](Index i) {
-            const double n = static_cast<double>(rows(i));
-            return 1.0 + n * (static_cast<double>(memories[static_cast<std::size_t>(i)].length()) + n);
-        },
-        [&](Index lo, Index hi) {
-            for (Index i = lo; i < hi; ++i)
-                if (rows(i) > 0)
-                    prefill(memories[static_cast<std::size_t>(i)], Q.middleRows(first(i), rows(i)),
-                            K.middleRows(first(i), rows(i)), V.middleRows(first(i), rows(i)),
-                            O.middleRows(first(i), rows(i)));
-        },
-        0, executor);
+    const SerialExecutor serial;
+    const bool may_throw = !executor.nothrow();
+    const ExecutorRef run_on = may_throw && !detail::Checkpoint<M>::possible ? ExecutorRef(serial) : executor;
+    detail::all_or_nothing(memories, may_throw, [&] {
+        detail::parallel_ranges(
+            batch,
+            [&](Index i) {
+                const double n = static_cast<double>(rows(i));
+                return 1.0 + n * (static_cast<double>(memories[static_cast<std::size_t>(i)].length()) + n);
+            },
+            [&](Index lo, Index hi) {
+                for (Index i = lo; i < hi; ++i)
+                    if (rows(i) > 0)
+                        prefill(memories[static_cast<std::size_t>(i)], Q.middleRows(first(i), rows(i)),
+                                K.middleRows(first(i), rows(i)), V.middleRows(first(i), rows(i)),
+                                O.middleRows(first(i), rows(i)));
+            },
+            0, run_on);
+    });
 }
 
 }  // namespace memattn

@@ -55,9 +55,14 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace memattn {
+
+namespace detail {
+struct PagedAccess;
+}  // namespace detail
 
 /// A pool had fewer free blocks than a call needed; the pool is unchanged.
 class PoolExhausted : public std::runtime_error {
@@ -274,12 +279,18 @@ public:
         evict(s);
     }
 
-    /// Appends many tokens (packed rows) to `seq`; all or nothing.
+    /// Appends many tokens (packed rows) to `seq`; all or nothing. In a windowed pool the
+    /// blocks the window leaves are freed as it goes (block by block, as one update per
+    /// token frees them), so a long prompt takes no more blocks than its window holds.
     void extend(Index seq, ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         validate(seq, keys, values, {"PagedKVCache::extend"});
         State& s = sequences_[static_cast<std::size_t>(seq)];
-        append(s, keys, values);
-        evict(s);
+        for (Index r = 0; r < keys.rows();) {  // up to the end of the last block, then what the window frees
+            const Index m = std::min(keys.rows() - r, block_size_ - s.length % block_size_);
+            append(s, keys.middleRows(r, m), values.middleRows(r, m));
+            evict(s);
+            r += m;
+        }
     }
 
     /// Throws what update/extend of `seq` would throw for these packed rows, changing
@@ -293,7 +304,7 @@ public:
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), value_dim(), s.length);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
-        const Index needed = blocks_needed(std::span<const Index>(&seq, 1), [&](std::size_t) { return keys.rows(); });
+        const Index needed = extend_peak(s, keys.rows());
         if (needed > free_blocks())
             throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
     }
@@ -317,31 +328,29 @@ public:
     static constexpr double parallel_work = 1 << 20;
 
     /// One token for each sequence of `seqs` (distinct live ids): row i of K/V is appended
-    /// to seqs[i], all or nothing. The free blocks needed are counted exactly, copies of a
-    /// shared block included (of k holders of a block that all write into it, k − 1 copy
-    /// it when no one else holds it), so a batch that fits is taken and one that does not
-    /// throws PoolExhausted with every sequence unchanged. Allocates nothing.
+    /// to seqs[i] (and the blocks its window leaves freed), in batch order, all or
+    /// nothing. The free blocks needed are counted exactly as the members take and free
+    /// them in that order: copies of a shared block included (of k holders of a block
+    /// that all write into it, k − 1 copy it when no one else holds it), and a block an
+    /// earlier member's window frees counted free for the later ones, so a batch that
+    /// fits, as one update per sequence in that order would, is taken, and one that does
+    /// not throws PoolExhausted with every sequence unchanged. Allocates nothing.
     void update(std::span<const Index> seqs, ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
-        const detail::PairSite site{"PagedKVCache::update", "K", "V"};
-        check_batch(site.function, seqs, keys.rows(), "K");
-        detail::require(values.rows() == keys.rows(), site.function, "V", "has ", values.rows(), " rows, expected ",
-                        keys.rows(), " (one per sequence)");
-        for (std::size_t i = 0; i < seqs.size(); ++i) {
-            const Index r = static_cast<Index>(i);
-            detail::check_site_pairs(site, detail::shape(keys.row(r)), detail::shape(values.row(r)), key_dim(),
-                                     value_dim(), sequences_[static_cast<std::size_t>(seqs[i])].length);
-        }
-        const Index needed = blocks_needed(seqs, [](std::size_t) { return Index{1}; });
-        detail::check_storable<T, S>(site, keys, false);
-        detail::check_storable<T, S>(site, values, true);
-        if (needed > free_blocks())
-            throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
-        for (std::size_t i = 0; i < seqs.size(); ++i) {
-            const Index r = static_cast<Index>(i);
-            State& s = sequences_[static_cast<std::size_t>(seqs[i])];
-            append(s, keys.middleRows(r, 1), values.middleRows(r, 1));
-            evict(s);
-        }
+        update_batch("PagedKVCache::update", seqs, keys, values);
+    }
+
+    /// One decode step of a batch: update(seqs, K, V), then row i of O = row i of Q
+    /// attending seqs[i] (attend(seqs, Q, O, executor)): what batched_decode runs. All or
+    /// nothing: when the attends throw (an executor that fails), the tokens are taken back
+    /// and every block is as it was. Allocates nothing.
+    void decode(std::span<const Index> seqs, ConstMatrixRef<T> queries, ConstMatrixRef<T> keys,
+                ConstMatrixRef<T> values, MatrixRef<T> out, ExecutorRef executor) {
+        decode_batch("PagedKVCache::decode", seqs, queries, keys, values, out, executor);
+    }
+    /// The same on the pool's executor.
+    void decode(std::span<const Index> seqs, ConstMatrixRef<T> queries, ConstMatrixRef<T> keys,
+                ConstMatrixRef<T> values, MatrixRef<T> out) {
+        decode(seqs, queries, keys, values, out, executor_);
     }
 
     /// Row i of O = row i of Q attending sequence seqs[i] (live ids, repeats allowed), as
@@ -359,12 +368,7 @@ public:
         detail::check_prefill(function, queries, queries, queries, out, query_dim(), output_dim());
         detail::require(queries.rows() == static_cast<Index>(seqs.size()), function, "Q", "has ", queries.rows(),
                         " rows, expected ", seqs.size(), " (one per sequence)");
-        const auto state = [&](Index row) -> const State& {
-            return sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(row)])];
-        };
-        attend_rows(
-            queries.rows(), state, [&](Index row) { return state(row).length; }, queries.data(),
-            queries.outerStride(), out.data(), out.outerStride(), executor);
+        attend_batch(seqs, queries, out, executor);
     }
 
     /// A mixed batch (chunked prefill beside decode): sequence seqs[i] (distinct live
@@ -372,8 +376,12 @@ public:
     /// one token, or none), and each of those rows of Q attends the sequence's cached
     /// tokens and its new rows up to itself, causally: bit for bit what the sequence's own
     /// update-then-attend per row gives (memattn::prefill on sequence(id)). All or
-    /// nothing (the blocks the batch needs counted exactly, as update's); the (row, KV
-    /// head) items spread over the pool's executor's threads (set_executor). Allocates nothing.
+    /// nothing: the blocks the batch needs are counted exactly before any is taken (every
+    /// member's at once: the windows free theirs only after every row has attended, since
+    /// a chunk's first rows read further back than its last), and when the attends throw
+    /// (an executor that fails) the rows are taken back, every block as it was. The (row,
+    /// KV head) items spread over the pool's executor's threads (set_executor). Allocates
+    /// nothing.
     void prefill(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
                  ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         prefill(seqs, q_offsets, queries, keys, values, out, executor_);
@@ -396,21 +404,29 @@ public:
         detail::check_storable<T, S>(site, values, true);
         if (needed > free_blocks())
             throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
-        for (std::size_t i = 0; i < seqs.size(); ++i)
-            append(sequences_[static_cast<std::size_t>(seqs[i])], keys.middleRows(q_offsets[i], chunk(i)),
-                   values.middleRows(q_offsets[i], chunk(i)));
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+            begin_undo(s);
+            s.undo.shared = append(s, keys.middleRows(q_offsets[i], chunk(i)), values.middleRows(q_offsets[i], chunk(i)));
+        }
         // Row r of sequence i attends its first (length now) − (rows after r) tokens.
         const auto sequence_of = [&](Index row) {
             const auto it = std::upper_bound(q_offsets.begin(), q_offsets.end(), row);
             return static_cast<std::size_t>(it - q_offsets.begin() - 1);
         };
-        attend_rows(
-            rows, [&](Index row) -> const State& { return sequences_[static_cast<std::size_t>(seqs[sequence_of(row)])]; },
-            [&](Index row) {
-                const std::size_t i = sequence_of(row);
-                return sequences_[static_cast<std::size_t>(seqs[i])].length - (q_offsets[i + 1] - 1 - row);
-            },
-            queries.data(), queries.outerStride(), out.data(), out.outerStride(), executor);
+        try {
+            attend_rows(
+                rows,
+                [&](Index row) -> const State& { return sequences_[static_cast<std::size_t>(seqs[sequence_of(row)])]; },
+                [&](Index row) {
+                    const std::size_t i = sequence_of(row);
+                    return sequences_[static_cast<std::size_t>(seqs[i])].length - (q_offsets[i + 1] - 1 - row);
+                },
+                queries.data(), queries.outerStride(), out.data(), out.outerStride(), executor);
+        } catch (...) {
+            undo_batch(seqs);
+            throw;
+        }
         for (const Index seq : seqs)  // after the attends: a chunk's first rows see further back
             evict(sequences_[static_cast<std::size_t>(seq)]);
     }
@@ -419,7 +435,8 @@ public:
     /// sinks, length and `first` (its first held token past the sinks: 0 or sinks without
     /// a window freeing any), then every KV head's keys, in token order (the sinks held,
     /// then the tokens from `first` on), then their values, as stored (S) — its tokens,
-    /// not the pool's blocks, so it loads into a pool of any block size.
+    /// not the pool's blocks, so it loads into a pool of any block size (which keeps of
+    /// them what its own window keeps: read_sequence).
     void write_sequence(Index seq, snapshot::Writer& w) const {
         check_sequence("PagedKVCache::write_sequence", "seq", seq);
         const State& s = sequences_[static_cast<std::size_t>(seq)];
@@ -438,10 +455,13 @@ public:
                     (values ? values_ : keys_).write_rows(w, first_row(block, h) + offset, count);
                 });
     }
-    /// Reads a payload of write_sequence into `seq`, replacing its tokens. Throws
-    /// SnapshotError (another layout, scale, window or sinks, a wrong size) or
-    /// PoolExhausted (fewer free blocks than the tokens need, its own blocks still held),
-    /// `seq` unchanged.
+    /// Reads a payload of write_sequence into `seq`, replacing its tokens. A windowed
+    /// sequence keeps what this pool's window keeps, as its own steps would have left it
+    /// (of a snapshot from a pool of larger blocks, which held more of the window's past,
+    /// the tokens this pool's blocks would have freed are skipped), so it takes at most
+    /// ceil(sinks / block) + ceil(window / block) + 1 blocks. Throws SnapshotError
+    /// (another layout, scale, window or sinks, a wrong size) or PoolExhausted (fewer free
+    /// blocks than the tokens kept need, its own blocks still held), `seq` unchanged.
     void read_sequence(Index seq, snapshot::Reader& r) {
         check_sequence("PagedKVCache::read_sequence", "seq", seq);
         r.expect("q_heads", layout_.q_heads);
@@ -457,23 +477,35 @@ public:
         State loaded;
         loaded.length = r.count("length", 0, max_length);
         // first: the sinks when nothing was freed, else a token no later than the last query's window.
-        loaded.first = window_ == 0 ? r.count("first", 0, 0)
-                                    : r.count("first", sinks_, std::max(sinks_, loaded.length - window_));
+        const Index stored_first = window_ == 0 ? r.count("first", 0, 0)
+                                                : r.count("first", sinks_, std::max(sinks_, loaded.length - window_));
+        loaded.first = stored_first;
+        const std::size_t pairs = static_cast<std::size_t>(held_tokens(loaded));  // capped: no overflow below
+        r.expect_remaining(std::min(pairs, r.remaining() / token + 1) * token, "the pairs");
+        // What this pool's window keeps of them: the tokens [stored_first, first) are skipped.
+        loaded.first = kept_first(loaded.length, stored_first);
+        const Index skipped = std::max<Index>(0, std::min(loaded.first, loaded.length) - stored_first);
         const Index sink = sink_blocks(), total = blocks_for(loaded.length);
         loaded.dropped = loaded.first < loaded.length ? std::max<Index>(0, loaded.first / block_size_ - sink) : 0;
         const Index held = total - loaded.dropped;
-        const std::size_t pairs = static_cast<std::size_t>(held_tokens(loaded));  // capped: no overflow below
-        r.expect_remaining(std::min(pairs, r.remaining() / token + 1) * token, "the pairs");
         if (held > free_blocks())
             throw PoolExhausted("PagedKVCache::read_sequence", held, free_blocks(), blocks_);
         loaded.table.reserve(static_cast<std::size_t>(blocks_));  // may throw: nothing changed yet
         for (Index i = 0; i < held; ++i)
             loaded.table.push_back(take_block());
-        for (const bool values : {false, true})
-            for (Index h = 0; h < layout_.kv_heads; ++h)
-                for_each_held_run(loaded, [&](Index block, Index offset, Index count, Index) {
-                    (values ? values_ : keys_).read_rows(r, first_row(block, h) + offset, count);
+        for (const bool values : {false, true}) {
+            detail::StoredRows<T, S>& rows = values ? values_ : keys_;
+            const std::size_t row = detail::StoredRows<T, S>::row_bytes(values ? layout_.values() : layout_.head_dim);
+            for (Index h = 0; h < layout_.kv_heads; ++h) {
+                for_each_run(loaded, 0, std::min(sinks_, loaded.length), [&](Index block, Index offset, Index count, Index) {
+                    rows.read_rows(r, first_row(block, h) + offset, count);
                 });
+                r.skip(row * static_cast<std::size_t>(skipped), "the pairs the window frees");
+                for_each_run(loaded, loaded.first, loaded.length, [&](Index block, Index offset, Index count, Index) {
+                    rows.read_rows(r, first_row(block, h) + offset, count);
+                });
+            }
+        }
         State& s = sequences_[static_cast<std::size_t>(seq)];
         for (const Index b : s.table)
             release(b);
@@ -547,6 +579,8 @@ public:
     };
 
 private:
+    friend struct detail::PagedAccess;
+
     /// A sequence: its tokens [0, min(sinks, length)) and [first, length) are held. Token
     /// block j (tokens j·block … ) is table[j] for j below the sink blocks, table[j −
     /// dropped] past the blocks a window has freed, and not held between.
@@ -556,6 +590,14 @@ private:
         Index dropped = 0;  // token blocks freed after the sink blocks
         Index first = 0;    // its first held token past the sinks (≥ sinks)
         bool live = false;
+        /// What a batch call's append (and, in update, eviction) changed, to put it back if
+        /// the call fails after it (undo_batch): the length, table size and window before,
+        /// the shared block a copy-on-write replaced and the block the window freed (−1: none).
+        struct Undo {
+            Index length = 0, table = 0, dropped = 0, first = 0;
+            Index shared = -1, evicted = -1;
+        } undo;
+        bool copies = false;  // fits_after_eviction's note: whether its member copies its last block
     };
 
     static HeadLayout checked(const HeadLayout& layout) {
@@ -563,7 +605,7 @@ private:
         return layout;
     }
     static const SoftmaxOptions& checked_options(const SoftmaxOptions& options, const HeadLayout& layout) {
-        detail::check_logit_options("PagedKVCache", options, layout.q_heads);
+        detail::check_logit_options<T>("PagedKVCache", options, layout.q_heads);
         detail::require(options.causal, "PagedKVCache", "options.causal", "is false, but a pool's queries come after "
                         "its keys (each new token attends its past)");
         return options;
@@ -604,6 +646,8 @@ private:
     /// block (`token`: the position of the run's first).
     template <class F>
     void for_each_run(const State& s, Index begin, Index end, F&& f) const {
+        if (begin >= end)  // a short sequence's run past the sinks: [sinks, length) is empty
+            return;
         for (Index j = begin / block_size_; j * block_size_ < end; ++j) {
             const Index lo = std::max(begin, j * block_size_), hi = std::min(end, (j + 1) * block_size_);
             f(block_of(s, j), lo - j * block_size_, hi - lo, lo);
@@ -618,6 +662,27 @@ private:
     /// Tokens the query at position n − 1 sees.
     [[nodiscard]] Index visible_pairs(Index n) const noexcept {
         return window_ == 0 || n <= sinks_ + window_ ? n : sinks_ + window_;
+    }
+
+    /// The first token past the sinks that a sequence of `length` tokens, holding them from
+    /// `first` on, keeps in this pool once its window has freed what it can (evict).
+    [[nodiscard]] Index kept_first(Index length, Index first) const noexcept {
+        if (window_ == 0)
+            return first;
+        const Index keep = std::max(sinks_, length - window_);
+        const Index dropped = std::max<Index>(0, keep / block_size_ - sink_blocks());
+        return dropped == 0 ? first : std::max(first, (sink_blocks() + dropped) * block_size_);
+    }
+    /// The block s's window frees once one more token is appended (−1: none): at most one,
+    /// its first past the sinks, since every call leaves a sequence evicted.
+    [[nodiscard]] Index freed_by_next(const State& s) const noexcept {
+        if (window_ == 0)
+            return -1;
+        const Index keep = std::max(sinks_, s.length + 1 - window_), sink = sink_blocks();
+        if ((sink + s.dropped + 1) * block_size_ > keep)
+            return -1;
+        MEMATTN_DASSERT(static_cast<Index>(s.table.size()) > sink);
+        return s.table[static_cast<std::size_t>(sink)];
     }
 
     /// Frees the window's blocks (past the sink blocks) whose tokens all lie below
@@ -637,6 +702,149 @@ private:
         s.table.erase(from, from + static_cast<std::ptrdiff_t>(k));  // within its capacity: no allocation
         s.dropped += k;
         s.first = std::max(s.first, (sink + s.dropped) * block_size_);
+    }
+
+    /// update(seqs, K, V) under the name of `function` (PagedKVCache::update, ::decode,
+    /// batched_decode), each member's change noted for undo_batch.
+    void update_batch(std::string_view function, std::span<const Index> seqs, ConstMatrixRef<T> keys,
+                      ConstMatrixRef<T> values) {
+        const detail::PairSite site{function, "K", "V"};
+        check_batch(site.function, seqs, keys.rows(), "K");
+        detail::require(values.rows() == keys.rows(), site.function, "V", "has ", values.rows(), " rows, expected ",
+                        keys.rows(), " (one per sequence)");
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            const Index r = static_cast<Index>(i);
+            detail::check_site_pairs(site, detail::shape(keys.row(r)), detail::shape(values.row(r)), key_dim(),
+                                     value_dim(), sequences_[static_cast<std::size_t>(seqs[i])].length);
+        }
+        detail::check_storable<T, S>(site, keys, false);
+        detail::check_storable<T, S>(site, values, true);
+        const Index needed = peak_blocks(seqs);
+        if (needed > free_blocks())
+            throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            const Index r = static_cast<Index>(i);
+            State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+            begin_undo(s);
+            s.undo.evicted = freed_by_next(s);
+            s.undo.shared = append(s, keys.middleRows(r, 1), values.middleRows(r, 1));
+            evict(s);
+        }
+    }
+
+    /// update_batch, then the attends on `executor`, undone when they throw.
+    void decode_batch(std::string_view function, std::span<const Index> seqs, ConstMatrixRef<T> queries,
+                      ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out, ExecutorRef executor) {
+        for (const Index seq : seqs)
+            check_sequence(function, "seqs", seq);
+        detail::require(queries.rows() == static_cast<Index>(seqs.size()) && queries.cols() == query_dim(), function,
+                        "Q", "has shape ", detail::shape(queries), ", expected ", seqs.size(), 'x', query_dim(),
+                        " (one row per sequence)");
+        detail::require(out.rows() == queries.rows() && out.cols() == output_dim(), function, "O", "has shape ",
+                        detail::shape(out), ", expected ", queries.rows(), 'x', output_dim());
+        detail::require_disjoint(function, "O", out, "Q", queries);
+        detail::require_disjoint(function, "O", out, "K", keys);
+        detail::require_disjoint(function, "O", out, "V", values);
+        update_batch(function, seqs, keys, values);
+        try {
+            attend_batch(seqs, queries, out, executor);
+        } catch (...) {
+            undo_batch(seqs);
+            throw;
+        }
+    }
+
+    /// The free blocks extending s by n tokens takes at its most (extend: the window frees
+    /// its blocks as it passes them, before the next block is taken): over the new blocks,
+    /// those taken so far (a copy of a shared last block first) less those freed so far
+    /// (the held blocks no other sequence holds, and the ones this extend took).
+    [[nodiscard]] Index extend_peak(const State& s, Index n) const noexcept {
+        if (n <= 0)
+            return 0;
+        const Index sink = sink_blocks(), before = token_blocks(s);
+        const bool copies = s.length % block_size_ != 0 && refs_[static_cast<std::size_t>(s.table.back())] > 1;
+        Index taken = copies ? 1 : 0, freed = 0, peak = taken, dropped = s.dropped;
+        for (Index p = blocks_for(s.length) * block_size_; p < s.length + n; p += block_size_) {
+            if (window_ > 0)  // what the window frees once the sequence holds p tokens
+                for (const Index keep = std::max(sinks_, p - window_); (sink + dropped + 1) * block_size_ <= keep;
+                     ++dropped) {
+                    const Index j = sink + dropped;  // a token block past the sinks, below the window
+                    const bool own = j >= before - (copies ? 1 : 0) ||
+                                     refs_[static_cast<std::size_t>(s.table[static_cast<std::size_t>(j - s.dropped)])] == 1;
+                    freed += own ? 1 : 0;
+                }
+            ++taken;
+            peak = std::max(peak, taken - freed);
+        }
+        return peak;
+    }
+
+    /// The free blocks a batch of one token per sequence of `seqs` takes at its most as
+    /// update_batch runs it: member by member, a copy of a shared last block it writes
+    /// into and a new block when its last is full, then the block its window frees (free
+    /// once no other sequence holds it). Counted on the reference counts as they go, and
+    /// put back before it returns.
+    [[nodiscard]] Index peak_blocks(std::span<const Index> seqs) noexcept {
+        Index net = 0, peak = 0;
+        for (const Index seq : seqs) {
+            State& s = sequences_[static_cast<std::size_t>(seq)];
+            s.copies = s.length % block_size_ != 0 && refs_[static_cast<std::size_t>(s.table.back())] > 1;
+            if (s.copies) {  // its copy releases the shared block, which stays held
+                --refs_[static_cast<std::size_t>(s.table.back())];
+                ++net;
+            }
+            if (s.length % block_size_ == 0)
+                ++net;
+            peak = std::max(peak, net);
+            const Index freed = freed_by_next(s);
+            if (freed >= 0 && --refs_[static_cast<std::size_t>(freed)] == 0)
+                --net;
+        }
+        for (auto it = seqs.rbegin(); it != seqs.rend(); ++it) {  // the counts put back
+            State& s = sequences_[static_cast<std::size_t>(*it)];
+            const Index freed = freed_by_next(s);
+            if (freed >= 0)
+                ++refs_[static_cast<std::size_t>(freed)];
+            if (s.copies)
+                ++refs_[static_cast<std::size_t>(s.table.back())];
+        }
+        return peak;
+    }
+
+    /// Notes what s is before a batch call changes it (State::Undo).
+    static void begin_undo(State& s) noexcept {
+        s.undo = {s.length, static_cast<Index>(s.table.size()), s.dropped, s.first, -1, -1};
+    }
+    /// Puts back what the batch's appends and evictions changed, member by member in the
+    /// reverse order of the changes, so the free list's pops and pushes unwind as a stack
+    /// and every block, count and table is as it was.
+    void undo_batch(std::span<const Index> seqs) noexcept {
+        const Index sink = sink_blocks();
+        for (auto it = seqs.rbegin(); it != seqs.rend(); ++it) {
+            State& s = sequences_[static_cast<std::size_t>(*it)];
+            const typename State::Undo& u = s.undo;
+            if (u.evicted >= 0) {  // held again, in its place after the sink blocks
+                if (refs_[static_cast<std::size_t>(u.evicted)] == 0) {
+                    MEMATTN_DASSERT(!free_.empty() && free_.back() == u.evicted);
+                    free_.pop_back();
+                }
+                ++refs_[static_cast<std::size_t>(u.evicted)];
+                s.table.insert(s.table.begin() + static_cast<std::ptrdiff_t>(sink), u.evicted);  // within capacity
+                s.dropped = u.dropped;
+                s.first = u.first;
+            }
+            while (static_cast<Index>(s.table.size()) > u.table) {
+                release(s.table.back());
+                s.table.pop_back();
+            }
+            if (u.shared >= 0) {  // the copy-on-write: the shared block back, the copy freed
+                const Index own = s.table.back();
+                ++refs_[static_cast<std::size_t>(u.shared)];
+                s.table.back() = u.shared;
+                release(own);
+            }
+            s.length = u.length;
+        }
     }
 
     /// The ids of a batch: live and distinct, one per row.
@@ -710,10 +918,12 @@ private:
             free_.push_back(b);  // within its capacity: every block
     }
 
-    /// Appends the rows of K/V to s, checked by validate (cannot throw).
+    /// Appends the rows of K/V to s, checked by validate (cannot throw). Returns the
+    /// shared block a copy-on-write of its last block replaced (−1: none).
     template <class KRows, class VRows>
-    void append(State& s, const KRows& keys, const VRows& values) noexcept {
+    Index append(State& s, const KRows& keys, const VRows& values) noexcept {
         const Index d = layout_.head_dim, dv = layout_.values();
+        Index replaced = -1;
         for (Index r = 0; r < keys.rows(); ++r) {
             const Index t = s.length % block_size_;
             if (t == 0) {
@@ -726,6 +936,7 @@ private:
                 }
                 release(shared);
                 s.table.back() = own;
+                replaced = shared;
             }
             const Index b = s.table.back();
             for (Index h = 0; h < layout_.kv_heads; ++h) {
@@ -734,6 +945,18 @@ private:
             }
             ++s.length;
         }
+        return replaced;
+    }
+
+    /// The attends of attend(seqs, Q, O, executor), after its checks.
+    void attend_batch(std::span<const Index> seqs, ConstMatrixRef<T> queries, MatrixRef<T> out,
+                      ExecutorRef executor) const {
+        const auto state = [&](Index row) -> const State& {
+            return sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(row)])];
+        };
+        attend_rows(
+            queries.rows(), state, [&](Index row) { return state(row).length; }, queries.data(),
+            queries.outerStride(), out.data(), out.outerStride(), executor);
     }
 
     /// Every attend: for rows r < rows, the query heads of row r of q (stride ldq) over the
@@ -812,5 +1035,15 @@ private:
     std::vector<Index> free_;  // blocks no one holds, taken from the back
     std::vector<State> sequences_;
 };
+
+namespace detail {
+/// The batched calls of serving/batched.hpp over a pool, under their own names.
+struct PagedAccess {
+    template <class Pool, class... Args>
+    static void decode(Pool& pool, std::string_view function, Args&&... args) {
+        pool.decode_batch(function, std::forward<Args>(args)...);
+    }
+};
+}  // namespace detail
 
 }  // namespace memattn

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <type_traits>
 #include <vector>
 
 namespace memattn::detail {
@@ -25,13 +26,15 @@ public:
     /// spans hold one value per query its attends take, the same count for both. The
     /// memory's window and sink tokens are its own (`window_allowed`: SlidingWindowCache
     /// takes them from the options); a memory's queries come after its keys, so
-    /// `causal` must be true and no tree is given.
-    HeldLogits(const char* memory, const SoftmaxOptions& options, bool window_allowed = false)
+    /// `causal` must be true and no tree is given. T: the scalar the memory computes in,
+    /// in which the values must be finite.
+    template <class T>
+    HeldLogits(const char* memory, const SoftmaxOptions& options, std::type_identity<T>, bool window_allowed = false)
         : softcap_(options.softcap),
           slopes_(options.alibi_slopes.begin(), options.alibi_slopes.end()),
           sinks_(options.sink_logits.begin(), options.sink_logits.end()) {
         const Index heads = static_cast<Index>(std::max(slopes_.size(), sinks_.size()));
-        check_logit_options(memory, options, std::max<Index>(heads, 1));
+        check_logit_options<T>(memory, options, std::max<Index>(heads, 1));
         require(options.causal, memory, "options.causal",
                 "is false, but a memory's queries come after its keys (for cross attention, extend() the memory "
                 "with the encoder's pairs and attend)");

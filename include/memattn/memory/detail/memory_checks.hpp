@@ -85,6 +85,14 @@ inline Index at_least(Index value, Index least, const char* function, const char
     return value;
 }
 
+/// Whether `rows` (a key or value given to update or extend) share memory with one of a
+/// memory's own matrices, which the update writes before it has read them all.
+template <class Rows, class... Own>
+bool views_own(const Rows& rows, const Own&... own) {
+    const Extent e = extent(rows);
+    return (overlap<typename Rows::Scalar>(e, extent(own)) || ...);
+}
+
 /// A softmax memory's `scale`: finite, and 0 resolved to 1/sqrt(key_dim).
 template <class T>
 T checked_scale(T scale, Index key_dim, const char* function) {
