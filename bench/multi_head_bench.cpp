@@ -13,6 +13,11 @@
 //   BM_Decode/threads/q_heads/kv_heads/position   one MultiHead<KVCache> attend, d = 128
 //   BM_Varlen/threads/batched                     16 sequences of 64..4096 tokens (batched
 //                                                 = 1) or one sequence of the same work
+//   BM_PromptLayer/threads/n                      4 prompts of n tokens, 32/8 heads × 128: the
+//                                                 multi-head kernel on them as a varlen batch
+//   BM_PoolPrefill/threads/n                      the same prompts through batched_prefill into
+//                                                 an empty PagedKVCache<float> (blocks of 128):
+//                                                 the ratio to BM_PromptLayer is the pool's cost
 //
 // GFLOPS counts 2·(d + dv) per visible (query, key) pair per query head for softmax,
 // 4·d·dv per token per query head for linear attention, and 2·(d + dv) per stored pair
@@ -22,6 +27,7 @@
 
 #include <memattn/layer/multi_head_kernels.hpp>
 #include <memattn/layer/multi_head_memory.hpp>
+#include <memattn/serving/batched.hpp>
 
 #include <cmath>
 #include <vector>
@@ -174,6 +180,60 @@ void BM_Varlen(benchmark::State& state) {
         offsets.back());
 }
 
+/// The prompts of BM_PromptLayer and BM_PoolPrefill: 4 of n tokens, 32/8 heads × 128.
+struct Prompts {
+    static constexpr Index count = 4;
+    HeadLayout layout{32, 8, 128};
+    Index n;
+    std::vector<Index> offsets;
+    Matrix<float> Q, K, V, O;
+
+    explicit Prompts(Index tokens)
+        : n(tokens), Q(random_matrix<float>(count * n, 32 * 128, 11)), K(random_matrix<float>(count * n, 8 * 128, 12)),
+          V(random_matrix<float>(count * n, 8 * 128, 13)), O(count * n, 32 * 128) {
+        for (Index i = 0; i <= count; ++i)
+            offsets.push_back(i * n);
+    }
+    [[nodiscard]] double flops() const {
+        return static_cast<double>(count * layout.q_heads) * 4.0 * static_cast<double>(layout.head_dim) *
+               causal_pairs(n);
+    }
+};
+
+void BM_PromptLayer(benchmark::State& state) {
+    const Index threads = state.range(0);
+    use_threads(state, threads);
+    Prompts p(state.range(1));
+    const memattn::VarLen batch{p.offsets, p.offsets};
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(threads)};
+    for (auto _ : state) {
+        memattn::multi_head_causal_softmax_attention(p.Q, p.K, p.V, p.O, p.layout, {}, batch, executor);
+        benchmark::DoNotOptimize(p.O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, p.flops());
+}
+
+void BM_PoolPrefill(benchmark::State& state) {
+    const Index threads = state.range(0);
+    use_threads(state, threads);
+    Prompts p(state.range(1));
+    const Index block = memattn::PagedKVCache<float>::default_block_size;
+    memattn::PagedKVCache<float> pool(p.layout, Prompts::count * ((p.n + block - 1) / block), block);
+    std::vector<Index> seqs;
+    for (Index i = 0; i < Prompts::count; ++i)
+        seqs.push_back(pool.add_sequence());
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(threads)};
+    for (auto _ : state) {
+        for (const Index seq : seqs)  // empty again: a few counts, no data touched
+            pool.truncate(seq, 0);
+        memattn::batched_prefill(pool, seqs, p.offsets, p.Q, p.K, p.V, p.O, executor);
+        benchmark::DoNotOptimize(p.O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, p.flops());
+}
+
 void layer_args(benchmark::internal::Benchmark* b) {
     for (Index d : {64, 128})
         for (Index threads : {1, 2})
@@ -206,5 +266,8 @@ BENCHMARK(BM_Decode)
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Varlen)->ArgsProduct({{1, 2}, {0, 1}})->UseRealTime()->Unit(benchmark::kMillisecond);
+
+BENCHMARK(BM_PromptLayer)->ArgsProduct({{1, 2}, {512, 2048}})->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PoolPrefill)->ArgsProduct({{1, 2}, {512, 2048}})->UseRealTime()->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

@@ -448,6 +448,41 @@ TEMPLATE_TEST_CASE("PagedKVCache: steps allocate nothing, through new blocks, co
     }
 }
 
+TEMPLATE_TEST_CASE("PagedKVCache::prefill: chunks of a prompt beside decodes allocate nothing once a call has run",
+                   "[serving][allocation][prefill]", float, Q8) {
+    using S = TestType;
+    const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};
+    const Index chunk = 100, calls = 4, rows = calls * (chunk + 1);
+    const Matrix<float> K = random_matrix<float>(500 + rows, 128, 7), V = random_matrix<float>(500 + rows, 128, 8),
+                        Q = random_matrix<float>(rows, 512, 9);
+    for (const Index window : {0, 300}) {
+        for (const int threads : {1, 2}) {
+            INFO("window " << window << ", " << threads << " threads");
+            PagedKVCache<float, S> pool(layout, 80, 32, SoftmaxOptions{.window = window, .sink_tokens = 4});
+            const OpenMPExecutor executor{.threads = threads};
+            pool.set_executor(executor);
+            const Index a = pool.add_sequence(), b = pool.add_sequence();
+            pool.extend(a, K.topRows(400), V.topRows(400));  // past the window: its tiles from the first call on
+            pool.extend(b, K.topRows(50), V.topRows(50));
+            const std::vector<Index> seqs{a, b}, offsets{0, chunk, chunk + 1};
+            Matrix<float> O(chunk + 1, 512);
+            const auto step = [&](Index i) {
+                const Index r = i * (chunk + 1);
+                pool.prefill(seqs, offsets, Q.middleRows(r, chunk + 1), K.middleRows(500 + r, chunk + 1),
+                             V.middleRows(500 + r, chunk + 1), O);
+            };
+            step(0);
+            HeapWatch watch;
+            for (Index i = 1; i < calls; ++i)
+                step(i);
+            const auto counts = watch.stop();
+            CHECK(counts.operator_news == 0);
+            CHECK(counts.eigen_mallocs == 0);
+            CHECK(O.allFinite());
+        }
+    }
+}
+
 TEST_CASE("PagedKVCache with a window: steps that free the blocks the window leaves allocate nothing",
           "[serving][allocation][window]") {
     const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};

@@ -7,6 +7,7 @@
 #include <memattn/memattn.hpp>
 
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -53,6 +54,16 @@ MatrixD paged_reference(const HeadLayout& layout, const MatrixD& q, const Matrix
                                          .out;
     }
     return out;
+}
+
+/// What a pool's prefill gives a chunk of two rows or more (Q, packed) of a sequence whose
+/// pairs, the chunk's last, are K/V (packed, as stored): the multi-head kernel's rows
+/// over them, bit for bit (serving/paged_prefill.hpp).
+Matrix<float> layer_rows(const HeadLayout& layout, const Matrix<float>& Q, const Matrix<float>& K,
+                         const Matrix<float>& V, const SoftmaxOptions& options) {
+    Matrix<float> O(Q.rows(), layout.q_heads * layout.values());
+    multi_head_causal_softmax_attention(Q, K, V, O, layout, options, {}, SerialExecutor{});
+    return O;
 }
 
 }  // namespace
@@ -554,7 +565,8 @@ TEMPLATE_TEST_CASE("PagedKVCache: one sequence saves and loads on its own, into 
     CHECK(pool.length(child) == 45);
 }
 
-TEMPLATE_TEST_CASE("batched_prefill: chunks of prompt beside single tokens equal each sequence's own prefill",
+TEMPLATE_TEST_CASE("batched_prefill: chunks of prompt equal the multi-head kernel on their sequence's pairs, single "
+                   "tokens a decode step, bit for bit",
                    "[serving][batched]", float, Q8) {
     using S = TestType;
     const HeadLayout layout{4, 2, 16, 0};
@@ -573,14 +585,26 @@ TEMPLATE_TEST_CASE("batched_prefill: chunks of prompt beside single tokens equal
     const std::vector<Index> offsets{0, 20, 21, 21, 30};
     const Matrix<float> Q = random_matrix<float>(30, 64, 113), K = random_matrix<float>(30, 32, 114),
                         V = random_matrix<float>(30, 32, 115);
+    // A chunk of rows is the tiled kernel's over the sequence's pairs as stored (so the
+    // multi-head kernel's on them, bit for bit); a chunk of one row a decode step.
     PagedKVCache<float, S> one_by_one(layout, 32, 16);
     const std::vector<Index> ids = build(one_by_one);
+    const std::vector<Index> cached{37, 37, 0, 5};
     Matrix<float> expected(30, 64);
     for (std::size_t i = 0; i < ids.size(); ++i) {
         const Index r0 = offsets[i], n = offsets[i + 1] - offsets[i];
-        auto seq = one_by_one.sequence(ids[i]);
-        auto o = expected.middleRows(r0, n);
-        memattn::prefill(seq, Q.middleRows(r0, n), K.middleRows(r0, n), V.middleRows(r0, n), o);
+        if (n == 1) {
+            auto seq = one_by_one.sequence(ids[i]);
+            auto o = expected.middleRows(r0, n);
+            memattn::decode(seq, Q.middleRows(r0, n), K.middleRows(r0, n), V.middleRows(r0, n), o);
+        } else if (n > 1) {
+            Matrix<float> Ks(cached[i] + n, 32), Vs(cached[i] + n, 32);
+            Ks << K0.topRows(cached[i]), K.middleRows(r0, n);
+            Vs << V0.topRows(cached[i]), V.middleRows(r0, n);
+            multi_head_causal_softmax_attention(Q.middleRows(r0, n), stored_heads<float, S>(Ks, 2),
+                                                stored_heads<float, S>(Vs, 2), expected.middleRows(r0, n), layout, {},
+                                                {}, SerialExecutor{});
+        }
     }
     for (const int threads : {1, 2, 3}) {
         INFO(threads << " threads");
@@ -614,6 +638,11 @@ TEMPLATE_TEST_CASE("batched_prefill: chunks of prompt beside single tokens equal
     // Bad offsets, and a batch that does not fit: nothing changes.
     const std::vector<Index> short_offsets{0, 20, 30};
     CHECK_THROWS_AS(batched_prefill(pool, seqs, short_offsets, Q, K, V, O), std::invalid_argument);
+    // Each error names the function called (not the pool's member behind it).
+    CHECK_THROWS_WITH(batched_prefill(pool, seqs, short_offsets, Q, K, V, O), Catch::Contains("memattn::batched_prefill"));
+    CHECK_THROWS_WITH(pool.prefill(seqs, short_offsets, Q, K, V, O), Catch::Contains("memattn::PagedKVCache::prefill"));
+    CHECK_THROWS_WITH(batched_decode(pool, seqs, Q.topRows(3), K.topRows(4), V.topRows(4), O.topRows(4)),
+                      Catch::Contains("memattn::batched_decode"));
     const std::vector<Index> decreasing{0, 20, 10, 21, 30};
     CHECK_THROWS_AS(batched_prefill(pool, seqs, decreasing, Q, K, V, O), std::invalid_argument);
     PagedKVCache<float, S> small(layout, 4, 16);
@@ -622,6 +651,78 @@ TEMPLATE_TEST_CASE("batched_prefill: chunks of prompt beside single tokens equal
     CHECK(small.length(few[0]) == 37);
     CHECK(small.length(few[3]) == 5);
     CHECK(small.blocks_in_use() == 4);
+}
+
+TEMPLATE_TEST_CASE("PagedKVCache::prefill: prompts off every tile and block, after cached prefixes, with windows "
+                   "and the logit options, equal the multi-head kernel bit for bit on any thread count",
+                   "[serving][batched][prefill]", float, Eigen::bfloat16, Q8) {
+    using S = TestType;
+    const HeadLayout layout{4, 2, 16, 12};  // g = 2, dv ≠ d
+    const Index kw = 32, vw = 24;
+    const std::vector<double> slopes{0.5, 0.25, 0.125, 0.0625}, sink_logits{0.3, -1.0, 2.0, 0.0};
+    struct Case {
+        Index block, window, sinks;
+        bool logits;
+    };
+    // Blocks of one token, off every tile and of a whole key tile; windows shorter than a
+    // tile, than a block, and longer than the prompt; sinks inside and past a block.
+    for (const Case c : {Case{16, 0, 0, false}, Case{1, 0, 0, true}, Case{7, 0, 0, false}, Case{128, 0, 0, true},
+                         Case{16, 40, 3, true}, Case{8, 100, 0, false}, Case{32, 200, 17, true}, Case{7, 1, 0, false},
+                         Case{5, 1000, 2, false}}) {
+        SoftmaxOptions options{.window = c.window, .sink_tokens = c.sinks};
+        if (c.logits) {
+            options.softcap = 3.0;
+            options.alibi_slopes = slopes;
+            options.sink_logits = sink_logits;
+        }
+        for (const Index cached : {Index{0}, Index{1}, c.block, 3 * c.block + 2}) {
+            for (const Index rows : {2, 47, 145, 200}) {
+                INFO(detail::storage_name<S> << ": block " << c.block << ", window " << c.window << ", sinks " << c.sinks
+                                             << (c.logits ? ", softcap, ALiBi, sink logits" : "") << "; " << cached
+                                             << " cached, " << rows << " rows");
+                const Index n = cached + rows;
+                const auto seed = static_cast<std::uint64_t>(1000 * c.block + 10 * cached + rows);
+                const Matrix<float> K = random_matrix<float>(n, kw, seed), V = random_matrix<float>(n, vw, seed + 1),
+                                    Q = random_matrix<float>(rows, 64, seed + 2);
+                const Matrix<float> Ks = stored_heads<float, S>(K, 2), Vs = stored_heads<float, S>(V, 2);
+                Matrix<float> expected(rows, 48);
+                multi_head_causal_softmax_attention(Q, Ks, Vs, expected, layout, options, {}, SerialExecutor{});
+                std::optional<Matrix<float>> first;
+                for (const int threads : {1, 2, 3}) {
+                    PagedKVCache<float, S> pool(layout, n / c.block + 4, c.block, options);
+                    const Index a = pool.add_sequence();
+                    pool.extend(a, K.topRows(cached), V.topRows(cached));
+                    Matrix<float> O(rows, 48);
+                    const std::vector<Index> seqs{a}, offsets{0, rows};
+                    pool.prefill(seqs, offsets, Q, K.bottomRows(rows), V.bottomRows(rows), O,
+                                 OpenMPExecutor{.threads = threads});
+                    CHECK(pool.length(a) == n);
+                    CHECK((O.array() == expected.array()).all());
+                    if (first)
+                        CHECK((O.array() == first->array()).all());
+                    else
+                        first = O;
+                }
+                if (rows != 47)
+                    continue;
+                // And against the double reference, head by head, from the formulas.
+                for (Index h = 0; h < 4; ++h) {
+                    reference::Logits logits{.window = c.window, .sink_tokens = c.sinks};
+                    if (c.logits) {
+                        logits.softcap = 3.0;
+                        logits.slope = slopes[static_cast<std::size_t>(h)];
+                        logits.sink = sink_logits[static_cast<std::size_t>(h)];
+                    }
+                    const MatrixD exact =
+                        reference::softmax_attention(Q.middleCols(h * 16, 16).template cast<double>(),
+                                                     Ks.middleCols(h / 2 * 16, 16).template cast<double>(),
+                                                     Vs.middleCols(h / 2 * 12, 12).template cast<double>(), logits)
+                            .out;
+                    check_close(first->middleCols(h * 12, 12), exact, 2e-5);
+                }
+            }
+        }
+    }
 }
 
 TEST_CASE("Prefix sharing: 16 sequences forked from one 2048-token prompt hold it once and decode on their own",
@@ -842,7 +943,9 @@ TEST_CASE("PagedKVCache with a window: rollback within what is held, refused pas
                 2e-5);
     pool.remove(probe);
 
-    // A mixed batch: chunks beside tokens, each row bit for bit its own update then attend.
+    // A mixed batch: chunks beside tokens. A token is bit for bit its own update then
+    // attend, a chunk the multi-head kernel on its sequence's pairs (and within rounding
+    // its own steps).
     PagedKVCache<float> batch_pool(layout, 80, 8, options), step_pool(layout, 80, 8, options);
     std::vector<Index> seqs;
     for (Index i = 0; i < 4; ++i) {
@@ -859,6 +962,16 @@ TEST_CASE("PagedKVCache with a window: rollback within what is held, refused pas
             step_pool.update(seqs[i], K.row(100 + r), V.row(100 + r));
             step_pool.attend(seqs[i], Q.row(r), expected.row(r));
         }
+    check_close(O, expected.cast<double>(), 2e-5);
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+        const Index r0 = offsets[i], rows = offsets[i + 1] - r0, cached = 10 * static_cast<Index>(i);
+        if (rows < 2)
+            continue;
+        Matrix<float> Ks(cached + rows, 16), Vs(cached + rows, 16);
+        Ks << K.topRows(cached), K.middleRows(100 + r0, rows);
+        Vs << V.topRows(cached), V.middleRows(100 + r0, rows);
+        expected.middleRows(r0, rows) = layer_rows(layout, Q.middleRows(r0, rows), Ks, Vs, options);
+    }
     CHECK((O.array() == expected.array()).all());
     for (const Index id : seqs) {
         CHECK(batch_pool.length(id) == step_pool.length(id));
@@ -990,7 +1103,8 @@ TEMPLATE_TEST_CASE("PagedKVCache with softcap, ALiBi and sink logits: each step 
                     check_close(o.block(0, h * 16, 1, 16), expected.out, 3e-5);
                 }
             }
-            // A mixed batch gives each row what its own step gave.
+            // A mixed batch: the token what its own step gave, the chunk the multi-head kernel's
+            // rows on the stored pairs (and within rounding its own steps).
             PagedKVCache<float, S> batch_pool(layout, 40, 16, options), step_pool(layout, 40, 16, options);
             const Index a = batch_pool.add_sequence(), b = batch_pool.add_sequence();
             step_pool.add_sequence();
@@ -1003,6 +1117,9 @@ TEMPLATE_TEST_CASE("PagedKVCache with softcap, ALiBi and sink logits: each step 
                 step_pool.update(id, K.row(r), V.row(r));
                 step_pool.attend(id, Q.row(r), expected.row(r));
             }
+            check_close(O, expected.cast<double>(), 3e-5);
+            expected.topRows(30) = layer_rows(layout, Q.topRows(30), stored_heads<float, S>(K.topRows(30), 2),
+                                              stored_heads<float, S>(V.topRows(30), 2), options);
             CHECK((O.array() == expected.array()).all());
         }
     }

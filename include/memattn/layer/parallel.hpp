@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <array>
 #include <exception>
+#include <type_traits>
 
 namespace memattn::detail {
 
@@ -38,16 +39,23 @@ inline constexpr int max_ranges = 256;
 /// Runs body(first, last) over contiguous ranges of the items 0..n−1, one range per
 /// thread, cut so that each range's Σ cost(i) is about equal (see the top of the file):
 /// range t ends at the first item whose cost midpoint falls past t/parts of the total.
-/// `body` allocates its scratch once per range. `threads` 0 means the executor's
-/// concurrency().
+/// `body` allocates its scratch once per range, or, called as body(first, last, range),
+/// uses the scratch of range `range` (below the executor's concurrency() and max_ranges)
+/// that its caller keeps. `threads` 0 means the executor's concurrency().
 template <class Cost, class Body>
 void parallel_ranges(Index n, Cost&& cost, Body&& body, int threads = 0, ExecutorRef executor = {}) {
     if (n <= 0)
         return;
     const int limit = threads > 0 ? std::min(threads, executor.concurrency()) : executor.concurrency();
     const int parts = static_cast<int>(std::min<Index>({limit, n, max_ranges}));
+    const auto run = [&](Index first, Index last, int r) {
+        if constexpr (std::is_invocable_v<Body&, Index, Index, int>)
+            body(first, last, r);
+        else
+            body(first, last);
+    };
     if (parts <= 1) {
-        body(Index{0}, n);
+        run(Index{0}, n, 0);
         return;
     }
     double total = 0;
@@ -72,7 +80,7 @@ void parallel_ranges(Index n, Cost&& cost, Body&& body, int threads = 0, Executo
         try {
             const Index first = ends[static_cast<std::size_t>(r)], last = ends[static_cast<std::size_t>(r) + 1];
             if (first < last)
-                body(first, last);
+                run(first, last, static_cast<int>(r));
         } catch (...) {
             errors[static_cast<std::size_t>(r)] = std::current_exception();
         }

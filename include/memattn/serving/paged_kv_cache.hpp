@@ -45,6 +45,7 @@
 #include "memattn/layer/parallel.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
+#include "memattn/serving/paged_prefill.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
@@ -374,14 +375,18 @@ public:
     /// A mixed batch (chunked prefill beside decode): sequence seqs[i] (distinct live
     /// ids) appends the rows [q_offsets[i], q_offsets[i + 1]) of K/V (a chunk of prompt,
     /// one token, or none), and each of those rows of Q attends the sequence's cached
-    /// tokens and its new rows up to itself, causally: bit for bit what the sequence's own
-    /// update-then-attend per row gives (memattn::prefill on sequence(id)). All or
-    /// nothing: the blocks the batch needs are counted exactly before any is taken (every
-    /// member's at once: the windows free theirs only after every row has attended, since
-    /// a chunk's first rows read further back than its last), and when the attends throw
-    /// (an executor that fails) the rows are taken back, every block as it was. The (row,
-    /// KV head) items spread over the pool's executor's threads (set_executor). Allocates
-    /// nothing.
+    /// tokens and its new rows up to itself, causally (within the window or among the
+    /// sinks). A chunk of two rows or more runs the tiled kernel over the sequence's blocks
+    /// (serving/paged_prefill.hpp): bit for bit multi_head_causal_softmax_attention of its
+    /// rows over the sequence's pairs as stored; a chunk of one row is a decode step, bit
+    /// for bit update-then-attend. All or nothing: the blocks the batch needs are counted
+    /// exactly before any is taken (every member's at once: the windows free theirs only
+    /// after every row has attended, since a chunk's first rows read further back than its
+    /// last), and when the attends throw (an executor that fails) the rows are taken back,
+    /// every block as it was. The (chunk, query tile, query head) items spread over the
+    /// pool's executor's threads (set_executor), the same bits on any. Allocates nothing
+    /// once a call has run (the pool keeps the items and each thread's scratch), except
+    /// when a batch has more chunks, or a chunk more tiles, than any before.
     void prefill(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
                  ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         prefill(seqs, q_offsets, queries, keys, values, out, executor_);
@@ -389,46 +394,7 @@ public:
     /// The same on `executor`.
     void prefill(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
                  ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out, ExecutorRef executor) {
-        const detail::PairSite site{"PagedKVCache::prefill", "K", "V"};
-        const char* function = "PagedKVCache::prefill";
-        const Index batch = static_cast<Index>(seqs.size()), rows = keys.rows();
-        detail::check_offsets(function, q_offsets, batch, rows);
-        check_batch(function, seqs, batch, "seqs");
-        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), value_dim(), 0);
-        detail::check_prefill(function, queries, keys, values, out, query_dim(), output_dim());
-        const auto chunk = [&](std::size_t i) { return q_offsets[i + 1] - q_offsets[i]; };
-        for (std::size_t i = 0; i < seqs.size(); ++i)
-            detail::check_room(site.function, sequences_[static_cast<std::size_t>(seqs[i])].length, chunk(i));
-        const Index needed = blocks_needed(seqs, chunk);
-        detail::check_storable<T, S>(site, keys, false);
-        detail::check_storable<T, S>(site, values, true);
-        if (needed > free_blocks())
-            throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
-        for (std::size_t i = 0; i < seqs.size(); ++i) {
-            State& s = sequences_[static_cast<std::size_t>(seqs[i])];
-            begin_undo(s);
-            s.undo.shared = append(s, keys.middleRows(q_offsets[i], chunk(i)), values.middleRows(q_offsets[i], chunk(i)));
-        }
-        // Row r of sequence i attends its first (length now) − (rows after r) tokens.
-        const auto sequence_of = [&](Index row) {
-            const auto it = std::upper_bound(q_offsets.begin(), q_offsets.end(), row);
-            return static_cast<std::size_t>(it - q_offsets.begin() - 1);
-        };
-        try {
-            attend_rows(
-                rows,
-                [&](Index row) -> const State& { return sequences_[static_cast<std::size_t>(seqs[sequence_of(row)])]; },
-                [&](Index row) {
-                    const std::size_t i = sequence_of(row);
-                    return sequences_[static_cast<std::size_t>(seqs[i])].length - (q_offsets[i + 1] - 1 - row);
-                },
-                queries.data(), queries.outerStride(), out.data(), out.outerStride(), executor);
-        } catch (...) {
-            undo_batch(seqs);
-            throw;
-        }
-        for (const Index seq : seqs)  // after the attends: a chunk's first rows see further back
-            evict(sequences_[static_cast<std::size_t>(seq)]);
+        prefill_batch("PagedKVCache::prefill", seqs, q_offsets, queries, keys, values, out, executor);
     }
 
     /// Snapshots of one sequence (Sequence::write_snapshot): the layout, scale, window,
@@ -704,6 +670,39 @@ private:
         s.first = std::max(s.first, (sink + s.dropped) * block_size_);
     }
 
+    /// prefill under the name of `function` (PagedKVCache::prefill, batched_prefill).
+    void prefill_batch(const char* function, std::span<const Index> seqs, std::span<const Index> q_offsets,
+                       ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out,
+                       ExecutorRef executor) {
+        const detail::PairSite site{function, "K", "V"};
+        const Index batch = static_cast<Index>(seqs.size()), rows = keys.rows();
+        detail::check_offsets(function, q_offsets, batch, rows);
+        check_batch(function, seqs, batch, "seqs");
+        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), value_dim(), 0);
+        detail::check_prefill(function, queries, keys, values, out, query_dim(), output_dim());
+        const auto chunk = [&](std::size_t i) { return q_offsets[i + 1] - q_offsets[i]; };
+        for (std::size_t i = 0; i < seqs.size(); ++i)
+            detail::check_room(site.function, sequences_[static_cast<std::size_t>(seqs[i])].length, chunk(i));
+        const Index needed = blocks_needed(seqs, chunk);
+        detail::check_storable<T, S>(site, keys, false);
+        detail::check_storable<T, S>(site, values, true);
+        if (needed > free_blocks())
+            throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+            begin_undo(s);
+            s.undo.shared = append(s, keys.middleRows(q_offsets[i], chunk(i)), values.middleRows(q_offsets[i], chunk(i)));
+        }
+        try {
+            prefill_chunks(seqs, q_offsets, queries, out, executor);
+        } catch (...) {
+            undo_batch(seqs);
+            throw;
+        }
+        for (const Index seq : seqs)  // after the attends: a chunk's first rows see further back
+            evict(sequences_[static_cast<std::size_t>(seq)]);
+    }
+
     /// update(seqs, K, V) under the name of `function` (PagedKVCache::update, ::decode,
     /// batched_decode), each member's change noted for undo_batch.
     void update_batch(std::string_view function, std::span<const Index> seqs, ConstMatrixRef<T> keys,
@@ -959,6 +958,37 @@ private:
             queries.outerStride(), out.data(), out.outerStride(), executor);
     }
 
+    /// The attends of prefill after its appends: every chunk of two rows or more through
+    /// the tiled kernel over its blocks (serving/paged_prefill.hpp), a chunk of one row as
+    /// a decode step (attend_head), a chunk of none not at all.
+    void prefill_chunks(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
+                        MatrixRef<T> out, ExecutorRef executor) {
+        const Index g = layout_.group_size(), d = layout_.head_dim, dv = layout_.values();
+        chunks_.clear();
+        double work = 0;
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            const Index rows = q_offsets[i + 1] - q_offsets[i];
+            if (rows == 0)
+                continue;
+            const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+            chunks_.push_back({static_cast<Index>(i), q_offsets[i], rows, s.length,
+                               detail::BlockTableView{s.table.data(), sink_blocks(), s.dropped, block_size_, blocks_, 0}});
+            work += static_cast<double>(rows) * static_cast<double>(visible_pairs(s.length));
+        }
+        work *= static_cast<double>(layout_.q_heads) * static_cast<double>(d + dv);
+        const detail::PagedOptions options{layout_, static_cast<double>(scale_), window_, sinks_, softcap_, slopes_,
+                                           sink_logits_};
+        const Index ldq = queries.outerStride(), ldo = out.outerStride();
+        detail::paged_prefill<T, S>(
+            options, keys_, values_, std::span<const detail::PagedChunk>(chunks_), queries.data(), ldq, out.data(),
+            ldo, prefill_work_, executor, work < parallel_work, [&](Index c, Index h) {
+                const detail::PagedChunk& chunk = chunks_[static_cast<std::size_t>(c)];
+                const State& s = sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(chunk.sequence)])];
+                attend_head(s, h, queries.data() + chunk.q_begin * ldq + h * g * d,
+                            out.data() + chunk.q_begin * ldo + h * g * dv, s.length);
+            });
+    }
+
     /// Every attend: for rows r < rows, the query heads of row r of q (stride ldq) over the
     /// first visible(r) tokens of state(r) into row r of out (zero when none), as
     /// (row, KV head) items spread over the executor's threads by their lengths; a step
@@ -1034,6 +1064,8 @@ private:
     std::vector<Index> refs_;  // sequences holding each block
     std::vector<Index> free_;  // blocks no one holds, taken from the back
     std::vector<State> sequences_;
+    std::vector<detail::PagedChunk> chunks_;    // prefill's chunks, kept for the next call
+    detail::PagedPrefillWork<T> prefill_work_;  // prefill's items and scratch, likewise
 };
 
 namespace detail {
@@ -1042,6 +1074,10 @@ struct PagedAccess {
     template <class Pool, class... Args>
     static void decode(Pool& pool, std::string_view function, Args&&... args) {
         pool.decode_batch(function, std::forward<Args>(args)...);
+    }
+    template <class Pool, class... Args>
+    static void prefill(Pool& pool, const char* function, Args&&... args) {
+        pool.prefill_batch(function, std::forward<Args>(args)...);
     }
 };
 }  // namespace detail

@@ -1,0 +1,244 @@
+#pragma once
+// The tiled prefill of a paged pool (PagedKVCache::prefill, batched_prefill): each
+// sequence's new query rows attend its tokens streamed from its blocks through the tiled
+// kernel of causal_softmax_attention (kernels/causal_softmax.hpp: FlashAttention's tiles
+// and online softmax, the window, the sinks and the logit options), so a prompt in the
+// pool runs at the kernel's speed instead of reading its blocks once per query row.
+//
+// Shapes: a chunk is `rows` new tokens of one sequence, the last of its `length`; its
+// rows of Q (q_heads·d) and O (q_heads·dv) are rows [q_begin, q_begin + rows) of the
+// batch's. Query row r of the chunk sits at position length − rows + r and sees what
+// causal_softmax_attention with the pool's options gives it: j ≤ its position, within
+// the window or among the sinks.
+//
+// Work items, as the multi-head kernel's (layer/multi_head_kernels.hpp: softmax_items):
+// (chunk, query tile of default_tiles(window) rows, query head), the heads of one KV head
+// adjacent so their K/V tiles are read from cache; an item's queries see keys
+// [0, position of its last row], read through PagedRows. The kernel walks the same tiles
+// as multi_head_causal_softmax_attention on the same pairs (the stored ones, decoded
+// exactly), so its outputs are that kernel's bit for bit. A chunk of one row is a decode
+// step: the pool's grouped attend (one (chunk, KV head) item, every query head of the
+// group in one pass over the blocks), bitwise batched_decode's.
+//
+// Scratch, kept by the pool (PagedPrefillWork) and reused by every call: the item list,
+// and per range of the executor one SoftmaxScratch per tile shape and one tile of keys
+// and of values (a tile that crosses a block, or is stored compactly, is put together
+// there). Once a call of the same shape has run, a call allocates nothing.
+
+#include "memattn/execution/executor.hpp"
+#include "memattn/kernels/causal_softmax.hpp"
+#include "memattn/kernels/softmax_options.hpp"
+#include "memattn/layer/head_layout.hpp"
+#include "memattn/layer/parallel.hpp"
+#include "memattn/storage/compact.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace memattn::detail {
+
+/// Where one sequence's tokens of one KV head lie in a pool's stored rows: token j is in
+/// token block j / block_size, held in pool block table[j / block_size] below the sink
+/// blocks and table[j / block_size − dropped] past them (the blocks a window freed are
+/// dropped from the table), at row (head·blocks + that block)·block_size + j % block_size.
+struct BlockTableView {
+    const Index* table = nullptr;
+    Index sink_blocks = 0, dropped = 0, block_size = 1, blocks = 0, head = 0;
+
+    /// The stored row of token j (a held one).
+    [[nodiscard]] Index row(Index j) const noexcept {
+        const Index jb = j / block_size;
+        const Index b = table[jb < sink_blocks ? jb : jb - dropped];
+        return (head * blocks + b) * block_size + j % block_size;
+    }
+    /// Tokens from j to the end of its block: rows contiguous from row(j).
+    [[nodiscard]] Index run(Index j) const noexcept { return block_size - j % block_size; }
+};
+
+/// Keys or values of one KV head of a paged sequence as the tiled kernel reads them (a
+/// row source, as PlainRows and DecodedRows in kernels/causal_softmax.hpp): a tile within
+/// one block of rows stored as T is read in place; a tile across blocks, or stored
+/// compactly, is put together in `buffer` (one tile's rows), decoded exactly.
+template <class T, class S>
+class PagedRows {
+public:
+    static constexpr bool pairs = false;
+    PagedRows(const StoredRows<T, S>& stored, BlockTableView table, Index rows, Matrix<T>& buffer)
+        : stored_(stored), table_(table), rows_(rows), buffer_(buffer) {}
+    [[nodiscard]] Index rows() const noexcept { return rows_; }
+    [[nodiscard]] Index cols() const noexcept { return stored_.cols(); }
+    /// Rows [j0, j0 + n): their first coefficient and the row stride.
+    [[nodiscard]] std::pair<const T*, Index> tile(Index j0, Index n) {
+        if constexpr (!StoredRows<T, S>::compact)
+            if (table_.run(j0) >= n)
+                return {stored_.matrix().data() + table_.row(j0) * cols(), cols()};
+        MEMATTN_DASSERT(n <= buffer_.rows() && buffer_.cols() == cols());
+        for (Index r = 0; r < n;) {
+            const Index m = std::min(n - r, table_.run(j0 + r));
+            stored_.decode_rows(table_.row(j0 + r), m, buffer_.data() + r * buffer_.cols(), buffer_.cols());
+            r += m;
+        }
+        return {buffer_.data(), buffer_.cols()};
+    }
+    /// Rows [j0, j1) towards L2 while the current tile computes (rows stored as T).
+    void prefetch(Index j0, Index j1) const {
+        if constexpr (!StoredRows<T, S>::compact)
+            for (Index j = j0; j < j1;) {
+                const Index m = std::min(j1 - j, table_.run(j));
+                prefetch_rows(stored_.matrix().data() + table_.row(j) * cols(), m, cols(), cols());
+                j += m;
+            }
+    }
+
+private:
+    const StoredRows<T, S>& stored_;
+    BlockTableView table_;
+    Index rows_;
+    Matrix<T>& buffer_;
+};
+
+/// One sequence's chunk of a mixed batch (see the top of the file): `sequence` the
+/// caller's index of it, `blocks` its table (head 0: the items set theirs).
+struct PagedChunk {
+    Index sequence = 0, q_begin = 0, rows = 0, length = 0;
+    BlockTableView blocks;
+};
+
+/// A work item: query rows [q_begin, q_begin + rows) of `chunk` for query head `head`
+/// through the tiled kernel, or (decode) the chunk's one row for every query head of KV
+/// head `head`.
+struct PagedItem {
+    Index chunk = 0, head = 0, q_begin = 0, rows = 0;
+    bool decode = false;
+};
+
+/// The scratch of one range of the executor (see the top of the file).
+template <class T>
+struct PagedRangeScratch {
+    std::optional<SoftmaxScratch<T>> full, windowed;  // one per tile shape, made on first use
+    Matrix<T> keys, values;                           // a tile of each
+};
+
+/// What the tiled prefill keeps between calls: its items and each range's scratch.
+template <class T>
+struct PagedPrefillWork {
+    std::vector<PagedItem> items;
+    std::vector<PagedRangeScratch<T>> ranges;
+};
+
+/// The pool's attention options for the tiled prefill: the window, sinks, scale and the
+/// logit options (one value per query head, or none).
+struct PagedOptions {
+    HeadLayout layout;
+    double scale = 0;
+    Index window = 0, sinks = 0;
+    double softcap = 0;
+    std::span<const double> slopes, sink_logits;
+
+    /// Query head h's options, as SoftmaxOptions (the pool's queries follow its keys).
+    [[nodiscard]] SoftmaxOptions head(Index h) const {
+        return head_options(SoftmaxOptions{.scale = scale,
+                                           .window = window,
+                                           .sink_tokens = sinks,
+                                           .softcap = softcap,
+                                           .sink_logits = sink_logits,
+                                           .alibi_slopes = slopes},
+                            h);
+    }
+};
+
+/// The items of a batch of chunks, in schedule order: a chunk's tiles KV head by KV
+/// head, the query heads of a group adjacent; a chunk of one row, one decode item per KV
+/// head.
+inline void plan_paged_items(const HeadLayout& layout, Index window, std::span<const PagedChunk> chunks,
+                             std::vector<PagedItem>& items) {
+    items.clear();
+    const Index g = layout.group_size();
+    for (Index c = 0; c < static_cast<Index>(chunks.size()); ++c) {
+        const PagedChunk& chunk = chunks[static_cast<std::size_t>(c)];
+        if (chunk.rows == 1) {
+            for (Index kv = 0; kv < layout.kv_heads; ++kv)
+                items.push_back({c, kv, 0, 1, true});
+            continue;
+        }
+        const Index tile = default_tiles(effective_window(window, chunk.length)).queries;
+        for (Index kv = 0; kv < layout.kv_heads; ++kv)
+            for (Index i0 = 0; i0 < chunk.rows; i0 += tile)
+                for (Index m = 0; m < g; ++m)
+                    items.push_back({c, kv * g + m, i0, std::min(tile, chunk.rows - i0)});
+    }
+}
+
+/// The keys an item's queries see, summed (at its middle query), plus a per-row constant;
+/// a decode item's for every query head of its group.
+inline double paged_item_cost(const PagedItem& item, const PagedChunk& chunk, Index window, Index sinks, Index g) {
+    const Index position = chunk.length - chunk.rows + item.q_begin + item.rows / 2;
+    Index keys = position + 1;
+    if (window > 0 && keys > window)
+        keys = window + std::min(sinks, position + 1 - window);
+    return static_cast<double>(item.decode ? g : item.rows) * static_cast<double>(keys + 64);
+}
+
+/// The tiled prefill of `chunks` (see the top of the file) after the checks, the chunks'
+/// tokens stored in K and V: rows of `q` (stride ldq) into rows of `out` (stride ldo).
+/// `decode(chunk, kv)` attends a one-row chunk's KV head kv (the pool's grouped attend).
+/// `serial`: run on the calling thread (a batch too small to share).
+template <class T, class S, class Decode>
+void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const StoredRows<T, S>& V,
+                   std::span<const PagedChunk> chunks, const T* q, Index ldq, T* out, Index ldo,
+                   PagedPrefillWork<T>& work, ExecutorRef executor, bool serial, Decode&& decode) {
+    const HeadLayout& layout = options.layout;
+    const Index d = layout.head_dim, dv = layout.values(), g = layout.group_size();
+    plan_paged_items(layout, options.window, chunks, work.items);
+    const Index n = static_cast<Index>(work.items.size());
+    const auto parts = static_cast<std::size_t>(std::min<Index>({serial ? 1 : executor.concurrency(), n, max_ranges}));
+    if (work.ranges.size() < parts)
+        work.ranges.resize(parts);
+    parallel_ranges(
+        n,
+        [&](Index i) {
+            const PagedItem& item = work.items[static_cast<std::size_t>(i)];
+            return paged_item_cost(item, chunks[static_cast<std::size_t>(item.chunk)], options.window, options.sinks,
+                                   g);
+        },
+        [&](Index first, Index last, int range) {
+            PagedRangeScratch<T>& scratch = work.ranges[static_cast<std::size_t>(range)];
+            for (Index i = first; i < last; ++i) {
+                const PagedItem& item = work.items[static_cast<std::size_t>(i)];
+                const PagedChunk& chunk = chunks[static_cast<std::size_t>(item.chunk)];
+                if (item.decode) {
+                    decode(item.chunk, item.head);
+                    continue;
+                }
+                const SoftmaxTiles tiles = default_tiles(effective_window(options.window, chunk.length));
+                std::optional<SoftmaxScratch<T>>& tiled = tiles == SoftmaxTiles{} ? scratch.full : scratch.windowed;
+                if (!tiled || tiled->qt.rows() != d || tiled->acc.cols() != dv)
+                    tiled.emplace(d, dv, tiles);
+                if (scratch.keys.rows() < tiles.keys || scratch.keys.cols() != d)
+                    scratch.keys.resize(std::max(tiles.keys, SoftmaxTiles{}.keys), d);
+                if (scratch.values.rows() < tiles.keys || scratch.values.cols() != dv)
+                    scratch.values.resize(std::max(tiles.keys, SoftmaxTiles{}.keys), dv);
+                // Keys up to the item's last query; its queries bottom-right aligned.
+                const Index visible = chunk.length - chunk.rows + item.q_begin + item.rows;
+                BlockTableView blocks = chunk.blocks;
+                blocks.head = item.head / g;
+                const Index row0 = chunk.q_begin + item.q_begin;
+                const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> queries(
+                    q + row0 * ldq + item.head * d, item.rows, d, Eigen::OuterStride<>(ldq));
+                Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> outputs(out + row0 * ldo + item.head * dv, item.rows, dv,
+                                                                       Eigen::OuterStride<>(ldo));
+                causal_softmax_rows<T>(PlainRows<T>(queries), PagedRows<T, S>(K, blocks, visible, scratch.keys),
+                                       PagedRows<T, S>(V, blocks, visible, scratch.values), MatrixRef<T>(outputs),
+                                       [](Index, T) {}, options.head(item.head), *tiled, trailing_queries,
+                                       TileBias<T>{});
+            }
+        },
+        serial ? 1 : 0, executor);
+}
+
+}  // namespace memattn::detail
