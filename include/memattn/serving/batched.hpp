@@ -28,42 +28,59 @@
 
 namespace memattn {
 
+namespace detail {
+
+/// The arguments of a batched call have the scalar of its pool or memories (T).
+template <class T, class... D>
+constexpr bool batch_scalars() {
+    static_assert((std::is_same_v<typename std::remove_cvref_t<D>::Scalar, T> && ...),
+                  "memattn::batched_decode and memattn::batched_prefill: Q, K, V and O must have the scalar type "
+                  "of the pool or memories");
+    return (std::is_same_v<typename std::remove_cvref_t<D>::Scalar, T> && ...);
+}
+
+}  // namespace detail
+
 /// One token for each sequence of `seqs` (distinct live ids of `pool`): row i of K and V
 /// appended to seqs[i], then row i of O = row i of Q attending it, on the pool's executor
 /// (PagedKVCache::set_executor): PagedKVCache::decode, all or nothing (the tokens taken
-/// back when the attends throw). Allocates nothing.
-template <Scalar T, class S>
-void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::type_identity_t<ConstMatrixRef<T>> Q,
-                    std::type_identity_t<ConstMatrixRef<T>> K, std::type_identity_t<ConstMatrixRef<T>> V,
-                    std::type_identity_t<MatrixRef<T>> O) {
-    batched_decode(pool, seqs, Q, K, V, O, pool.executor());
+/// back when the attends throw). Q, K, V and O are row-major (any Matrix, Map or block of
+/// the pool's scalar; a column-major one does not compile). Allocates nothing.
+template <Scalar T, class S, class DQ, class DK, class DV, detail::EigenMatrix DO>
+void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, const Eigen::MatrixBase<DQ>& Q,
+                    const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, DO&& O) {
+    batched_decode(pool, seqs, Q, K, V, std::forward<DO>(O), pool.executor());
 }
 /// The same on `executor` instead of the pool's.
-template <Scalar T, class S>
-void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::type_identity_t<ConstMatrixRef<T>> Q,
-                    std::type_identity_t<ConstMatrixRef<T>> K, std::type_identity_t<ConstMatrixRef<T>> V,
-                    std::type_identity_t<MatrixRef<T>> O, ExecutorRef executor) {
-    detail::PagedAccess::decode(pool, "batched_decode", seqs, Q, K, V, O, executor);
+template <Scalar T, class S, class DQ, class DK, class DV, detail::EigenMatrix DO>
+void batched_decode(PagedKVCache<T, S>& pool, std::span<const Index> seqs, const Eigen::MatrixBase<DQ>& Q,
+                    const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, DO&& O, ExecutorRef executor) {
+    if constexpr (detail::batch_scalars<T, DQ, DK, DV, DO>())
+        detail::PagedAccess::decode(pool, "batched_decode", seqs, detail::sequence(Q), detail::sequence(K),
+                                    detail::sequence(V), detail::output(std::forward<DO>(O)), executor);
 }
 
 /// A mixed batch over the pool (chunked prefill beside decode): sequence seqs[i] brings
 /// the rows [q_offsets[i], q_offsets[i + 1]) of Q, K and V (a chunk of prompt, one token,
 /// or none) and each row attends the sequence's cached tokens and its new rows up to
-/// itself; bit for bit each sequence's own prefill (PagedKVCache::prefill), on the pool's
-/// executor.
-template <Scalar T, class S>
+/// itself: PagedKVCache::prefill (a chunk through the tiled kernel over its blocks, bit
+/// for bit the multi-head kernel on its pairs as stored; a single token a decode step),
+/// on the pool's executor. Row-major arguments, as batched_decode's.
+template <Scalar T, class S, class DQ, class DK, class DV, detail::EigenMatrix DO>
 void batched_prefill(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::span<const Index> q_offsets,
-                     std::type_identity_t<ConstMatrixRef<T>> Q, std::type_identity_t<ConstMatrixRef<T>> K,
-                     std::type_identity_t<ConstMatrixRef<T>> V, std::type_identity_t<MatrixRef<T>> O) {
-    pool.prefill(seqs, q_offsets, Q, K, V, O);
+                     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                     DO&& O) {
+    batched_prefill(pool, seqs, q_offsets, Q, K, V, std::forward<DO>(O), pool.executor());
 }
 /// The same on `executor` instead of the pool's.
-template <Scalar T, class S>
+template <Scalar T, class S, class DQ, class DK, class DV, detail::EigenMatrix DO>
 void batched_prefill(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::span<const Index> q_offsets,
-                     std::type_identity_t<ConstMatrixRef<T>> Q, std::type_identity_t<ConstMatrixRef<T>> K,
-                     std::type_identity_t<ConstMatrixRef<T>> V, std::type_identity_t<MatrixRef<T>> O,
-                     ExecutorRef executor) {
-    pool.prefill(seqs, q_offsets, Q, K, V, O, executor);
+                     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                     DO&& O, ExecutorRef executor) {
+    if constexpr (detail::batch_scalars<T, DQ, DK, DV, DO>())
+        detail::PagedAccess::prefill(pool, "batched_prefill", seqs, q_offsets, detail::sequence(Q),
+                                     detail::sequence(K), detail::sequence(V), detail::output(std::forward<DO>(O)),
+                                     executor);
 }
 
 namespace detail {
@@ -77,25 +94,11 @@ void check_batch_rows(const char* function, const ConstMatrixRef<T>& Q, const Co
         require(shape.rows == rows, function, name, "has shape ", shape, ", expected ", rows, " rows (", what, ")");
 }
 
-}  // namespace detail
 
-/// One token for each memory of `memories` (one per sequence, any Memory: a
-/// MultiHead of caches, the linear or gated memories of a hybrid model's recurrent
-/// layers): row i of K/V updates memories[i], then row i of O = its attend of row i of Q;
-/// the memories spread over the executor's threads (a memory's own threads then run on
-/// the one it is given). Every row is checked first (Q, K, V and O of one row per memory,
-/// their widths, and the values through each memory's validate where it has one), so a
-/// bad row leaves every memory unchanged; so does a throw once they move (an executor
-/// that fails, std::bad_alloc from a growing cache): caches that truncate exactly
-/// (KVCache, SparseKVCache, layers of them) take their updates on the calling thread, the
-/// attends on the executor, and are truncated back; other memories, through an executor
-/// that may throw (ExecutorRef::nothrow), are copied first and put back (a copy per call:
-/// give a noexcept parallel_for to spare it), or, when they cannot be copied, run on the
-/// calling thread. With memattn's executors a step allocates nothing.
-template <Memory M, class T = typename M::Scalar>
-void batched_decode(std::span<M> memories, std::type_identity_t<ConstMatrixRef<T>> Q,
-                    std::type_identity_t<ConstMatrixRef<T>> K, std::type_identity_t<ConstMatrixRef<T>> V,
-                    std::type_identity_t<MatrixRef<T>> O, ExecutorRef executor = {}) {
+/// batched_decode over memories (below), on views.
+template <Memory M, class T>
+void decode_memories(std::span<M> memories, ConstMatrixRef<T> Q, ConstMatrixRef<T> K, ConstMatrixRef<T> V,
+                     MatrixRef<T> O, ExecutorRef executor) {
     constexpr const char* function = "batched_decode";
     const Index batch = static_cast<Index>(memories.size());
     detail::check_batch_rows<T>(function, Q, K, V, O, batch, "one per memory");
@@ -153,22 +156,36 @@ void batched_decode(std::span<M> memories, std::type_identity_t<ConstMatrixRef<T
     }
 }
 
-/// A mixed batch over one Memory per sequence (chunked prefill beside decode, for the
-/// recurrent layers of a hybrid model as for caches): memories[i] takes the rows
-/// [q_offsets[i], q_offsets[i + 1]) of Q, K and V (a chunk, one token or none) through
-/// memattn::prefill, its own whole-sequence kernel where it has one, so row r of O is
-/// what that memory's prefill gives it, bit for bit; the memories spread over the
-/// executor's threads by their work. Every memory's rows are checked first (Q, K, V and
-/// O of the offsets' rows, their widths, and the values through its validate where it
-/// has one), so a bad row leaves every memory unchanged; so does a throw once they move:
-/// caches that truncate exactly are cut back to their lengths, and other memories,
-/// through an executor that may throw, are copied first and put back (or, when they
-/// cannot be copied, run on the calling thread).
-template <Memory M, class T = typename M::Scalar>
-void batched_prefill(std::span<M> memories, std::span<const Index> q_offsets,
-                     std::type_identity_t<ConstMatrixRef<T>> Q, std::type_identity_t<ConstMatrixRef<T>> K,
-                     std::type_identity_t<ConstMatrixRef<T>> V, std::type_identity_t<MatrixRef<T>> O,
-                     ExecutorRef executor = {}) {
+}  // namespace detail
+
+/// One token for each memory of `memories` (one per sequence, any Memory: a
+/// MultiHead of caches, the linear or gated memories of a hybrid model's recurrent
+/// layers): row i of K/V updates memories[i], then row i of O = its attend of row i of Q;
+/// the memories spread over the executor's threads (a memory's own threads then run on
+/// the one it is given). Every row is checked first (Q, K, V and O of one row per memory,
+/// their widths, and the values through each memory's validate where it has one), so a
+/// bad row leaves every memory unchanged; so does a throw once they move (an executor
+/// that fails, std::bad_alloc from a growing cache): caches that truncate exactly
+/// (KVCache, SparseKVCache, layers of them) take their updates on the calling thread, the
+/// attends on the executor, and are truncated back; other memories, through an executor
+/// that may throw (ExecutorRef::nothrow), are copied first and put back (a copy per call:
+/// give a noexcept parallel_for to spare it), or, when they cannot be copied, run on the
+/// calling thread. With memattn's executors a step allocates nothing.
+template <Memory M, class DQ, class DK, class DV, detail::EigenMatrix DO>
+void batched_decode(std::span<M> memories, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                    const Eigen::MatrixBase<DV>& V, DO&& O, ExecutorRef executor = {}) {
+    using T = typename M::Scalar;
+    if constexpr (detail::batch_scalars<T, DQ, DK, DV, DO>())
+        detail::decode_memories<M, T>(memories, detail::sequence(Q), detail::sequence(K), detail::sequence(V),
+                                      detail::output(std::forward<DO>(O)), executor);
+}
+
+namespace detail {
+
+/// batched_prefill over memories (below), on views.
+template <Memory M, class T>
+void prefill_memories(std::span<M> memories, std::span<const Index> q_offsets, ConstMatrixRef<T> Q,
+                      ConstMatrixRef<T> K, ConstMatrixRef<T> V, MatrixRef<T> O, ExecutorRef executor) {
     constexpr const char* function = "batched_prefill";
     const Index batch = static_cast<Index>(memories.size());
     detail::check_offsets(function, q_offsets, batch, K.rows());
@@ -195,12 +212,35 @@ void batched_prefill(std::span<M> memories, std::span<const Index> q_offsets,
             [&](Index lo, Index hi) {
                 for (Index i = lo; i < hi; ++i)
                     if (rows(i) > 0)
-                        prefill(memories[static_cast<std::size_t>(i)], Q.middleRows(first(i), rows(i)),
+                        memattn::prefill(memories[static_cast<std::size_t>(i)], Q.middleRows(first(i), rows(i)),
                                 K.middleRows(first(i), rows(i)), V.middleRows(first(i), rows(i)),
                                 O.middleRows(first(i), rows(i)));
             },
             0, run_on);
     });
+}
+
+}  // namespace detail
+
+/// A mixed batch over one Memory per sequence (chunked prefill beside decode, for the
+/// recurrent layers of a hybrid model as for caches): memories[i] takes the rows
+/// [q_offsets[i], q_offsets[i + 1]) of Q, K and V (a chunk, one token or none) through
+/// memattn::prefill, its own whole-sequence kernel where it has one, so row r of O is
+/// what that memory's prefill gives it, bit for bit; the memories spread over the
+/// executor's threads by their work. Every memory's rows are checked first (Q, K, V and
+/// O of the offsets' rows, their widths, and the values through its validate where it
+/// has one), so a bad row leaves every memory unchanged; so does a throw once they move:
+/// caches that truncate exactly are cut back to their lengths, and other memories,
+/// through an executor that may throw, are copied first and put back (or, when they
+/// cannot be copied, run on the calling thread).
+template <Memory M, class DQ, class DK, class DV, detail::EigenMatrix DO>
+void batched_prefill(std::span<M> memories, std::span<const Index> q_offsets, const Eigen::MatrixBase<DQ>& Q,
+                     const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V, DO&& O,
+                     ExecutorRef executor = {}) {
+    using T = typename M::Scalar;
+    if constexpr (detail::batch_scalars<T, DQ, DK, DV, DO>())
+        detail::prefill_memories<M, T>(memories, q_offsets, detail::sequence(Q), detail::sequence(K),
+                                       detail::sequence(V), detail::output(std::forward<DO>(O)), executor);
 }
 
 }  // namespace memattn
