@@ -474,6 +474,10 @@ void cells(benchmark::internal::Benchmark* b) {
 //   BM_PrefixSharing<S>/block:B        16 sequences forked from one 2048-token prompt, one
 //       token each per step: held_MiB (the pool's blocks in use) against private_MiB
 //       (16 caches of the same tokens)
+//   BM_SharedPrefix<S>/shared:X/t:T    16 sequences of a 4096-token prompt and 64 tokens
+//       of their own each, one token each per step (blocks of 128): X = 1 forks of one
+//       prompt, whose shared blocks a step reads once (serving/cascade.hpp), X = 0 the
+//       same tokens in 16 unshared sequences; step_ms, and MiB (the bytes each reads)
 constexpr Index serving_batch = 32;
 const HeadLayout serving_layout{32, 8, head_dim};
 
@@ -620,6 +624,45 @@ void BM_PrefixSharing(benchmark::State& state) {
         static_cast<double>(static_cast<std::size_t>(forks * (prompt + 1)) * token_bytes<S>()) / (1024.0 * 1024.0);
 }
 
+template <class S>
+void BM_SharedPrefix(benchmark::State& state) {
+    const bool shared = state.range(0) != 0;
+    const Index prompt = pool_tokens, own = 64, forks = 16, block = 128;
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(1))};
+    const Index kv_cols = serving_layout.kv_heads * head_dim, q_cols = serving_layout.q_heads * head_dim;
+    const Matrix<float>& keys = pool(kv_cols, 2);
+    const Matrix<float>& values = pool(kv_cols, 3);
+    const Index per_sequence = (prompt + own) / block + 2;
+    memattn::PagedKVCache<float, S> paged(serving_layout, forks * per_sequence + prompt / block + 2, block);
+    std::vector<Index> ids;
+    const Index root = paged.add_sequence();
+    if (shared)
+        paged.extend(root, keys.topRows(prompt), values.topRows(prompt));
+    for (Index i = 0; i < forks; ++i) {
+        const Index id = shared ? paged.fork(root) : paged.add_sequence();
+        if (!shared)
+            paged.extend(id, keys.topRows(prompt), values.topRows(prompt));
+        const Index from = (i * own) % (pool_tokens - own);  // the synthetic rows, reused
+        paged.extend(id, keys.middleRows(from, own), values.middleRows(from, own));
+        ids.push_back(id);
+    }
+    paged.remove(root);
+    const Matrix<float> Q = pool(q_cols, 1).topRows(forks), K = keys.topRows(forks), V = values.topRows(forks);
+    Matrix<float> O(forks, q_cols);
+    const auto step = [&] {
+        memattn::batched_decode(paged, ids, Q, K, V, O, executor);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+        for (const Index id : ids)
+            paged.truncate(id, prompt + own);
+    };
+    const double step_seconds = median_step_seconds(state, step);
+    state.counters["step_ms"] = step_seconds * 1e3;
+    state.counters["MiB"] =
+        static_cast<double>(static_cast<std::size_t>(paged.blocks_in_use() * block) * token_bytes<S>()) /
+        (1024.0 * 1024.0);
+}
+
 void serving_cells(benchmark::internal::Benchmark* b) {
     b->ArgNames({"block", "t"});
     for (Index threads : {1, 2})
@@ -660,6 +703,18 @@ BENCHMARK(BM_BatchedDecode<float>)->Name("BM_BatchedDecode<float>")->Apply(servi
 BENCHMARK(BM_BatchedDecode<Eigen::bfloat16>)->Name("BM_BatchedDecode<bfloat16>")->Apply(serving_cells);
 BENCHMARK(BM_SeparateDecode<float>)->Name("BM_SeparateDecode<float>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SeparateDecode<Eigen::bfloat16>)->Name("BM_SeparateDecode<bfloat16>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SharedPrefix<float>)
+    ->Name("BM_SharedPrefix<float>")
+    ->ArgNames({"shared", "t"})
+    ->ArgsProduct({{0, 1}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SharedPrefix<Eigen::bfloat16>)
+    ->Name("BM_SharedPrefix<bfloat16>")
+    ->ArgNames({"shared", "t"})
+    ->ArgsProduct({{0, 1}, {1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_PrefixSharing<Eigen::bfloat16>)->Name("BM_PrefixSharing<bfloat16>")->ArgName("block")->Arg(16)->Arg(128)->UseRealTime()->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

@@ -483,6 +483,35 @@ TEMPLATE_TEST_CASE("PagedKVCache::prefill: chunks of a prompt beside decodes all
     }
 }
 
+TEST_CASE("PagedKVCache: decode steps of forks that read their shared prompt together allocate nothing",
+          "[serving][allocation][prefix]") {
+    const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};
+    const Index prompt = 600, forks = 6, steps = 8;
+    const Matrix<float> K = random_matrix<float>(prompt + steps, 128, 10),
+                        V = random_matrix<float>(prompt + steps, 128, 11), Q = random_matrix<float>(forks, 512, 12);
+    for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        PagedKVCache<float> pool(layout, 64, 32);
+        const OpenMPExecutor executor{.threads = threads};
+        pool.set_executor(executor);
+        const Index root = pool.add_sequence();
+        pool.extend(root, K.topRows(prompt), V.topRows(prompt));
+        std::vector<Index> seqs;
+        for (Index i = 0; i < forks; ++i)
+            seqs.push_back(pool.fork(root));
+        Matrix<float> O(forks, 512);
+        const Matrix<float> Kt = K.middleRows(prompt, forks), Vt = V.middleRows(prompt, forks);
+        batched_decode(pool, seqs, Q, Kt, Vt, O);  // the first step sizes the cascade's scratch
+        HeapWatch watch;
+        for (Index t = 1; t < steps; ++t)
+            batched_decode(pool, seqs, Q, Kt, Vt, O);
+        const auto counts = watch.stop();
+        CHECK(counts.operator_news == 0);
+        CHECK(counts.eigen_mallocs == 0);
+        CHECK(O.allFinite());
+    }
+}
+
 TEST_CASE("PagedKVCache with a window: steps that free the blocks the window leaves allocate nothing",
           "[serving][allocation][window]") {
     const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};

@@ -725,6 +725,123 @@ TEMPLATE_TEST_CASE("PagedKVCache::prefill: prompts off every tile and block, aft
     }
 }
 
+TEST_CASE("Cascade: the runs of a step that share their first blocks, by the rule of serving/cascade.hpp",
+          "[serving][prefix]") {
+    // Tables of block ids (blocks of 64 tokens) and lengths: rows 0, 2 and 4 share their
+    // first five blocks (320 tokens), rows 1 and 5 their first two (128: too few), row 3
+    // alone; row 6 shares row 0's first four blocks only.
+    const std::vector<std::vector<Index>> tables{{1, 2, 3, 4, 5, 9},  {7, 8, 20},   {1, 2, 3, 4, 5, 6, 11},
+                                                 {30, 31, 32, 33, 34}, {1, 2, 3, 4, 5, 12}, {7, 8, 21},
+                                                 {1, 2, 3, 4, 40, 41}};
+    const std::vector<Index> lengths{330, 130, 400, 300, 321, 140, 350};
+    const auto table = [&](Index r) { return std::span<const Index>(tables[static_cast<std::size_t>(r)]); };
+    const auto length = [&](Index r) { return lengths[static_cast<std::size_t>(r)]; };
+    std::vector<Index> order;
+    std::vector<detail::SharedRun> runs;
+    CHECK(detail::find_shared_runs(6, 64, table, length, order, runs));
+    REQUIRE(runs.size() == 1);
+    CHECK(runs[0].count == 3);
+    CHECK(runs[0].blocks == 5);
+    std::vector<Index> members(order.begin() + runs[0].first, order.begin() + runs[0].first + runs[0].count);
+    CHECK(members == std::vector<Index>{0, 2, 4});
+    // With row 6 the run of first block 1 shares four blocks (256 tokens: still enough).
+    CHECK(detail::find_shared_runs(7, 64, table, length, order, runs));
+    REQUIRE(runs.size() == 1);
+    CHECK(runs[0].count == 4);
+    CHECK(runs[0].blocks == 4);
+    // A block a member does not yet fill is not shared (row 4 holds 321 tokens: 5 blocks).
+    const std::vector<Index> short_lengths{330, 130, 400, 300, 300, 140, 350};
+    CHECK(detail::find_shared_runs(6, 64, table, [&](Index r) { return short_lengths[static_cast<std::size_t>(r)]; },
+                                   order, runs));
+    CHECK(runs[0].blocks == 4);
+    // Items: each run in chunks of `chunk` sequences per KV head, every other row alone.
+    std::vector<detail::CascadeItem> items;
+    CHECK(detail::find_shared_runs(6, 64, table, length, order, runs));
+    detail::plan_cascade(6, 2, 2, order, runs, items);
+    Index shared_items = 0, plain_items = 0;
+    for (const auto& item : items)
+        (item.run >= 0 ? shared_items : plain_items) += 1;
+    CHECK(shared_items == 2 * 2);  // 3 members in chunks of 2, for 2 KV heads
+    CHECK(plain_items == 3 * 2);
+}
+
+TEMPLATE_TEST_CASE("batched_decode: forks of one prompt attend their shared blocks together and equal unshared "
+                   "sequences within rounding, the same bits on any thread count",
+                   "[serving][batched][prefix]", float, Eigen::bfloat16, Q8) {
+    using S = TestType;
+    const std::vector<double> sinks4{0.5, -0.25, 1.0, 0.0}, sinks16(16, 0.75);
+    struct Case {
+        HeadLayout layout;
+        Index block, prompt;
+        bool logits;
+    };
+    for (const Case c : {Case{{8, 2, 16, 0}, 16, 300, false}, Case{{4, 4, 8, 12}, 128, 256, true},
+                         Case{{16, 2, 8, 0}, 7, 700, false}, Case{{4, 2, 16, 0}, 64, 1000, true}}) {
+        const HeadLayout& layout = c.layout;
+        SoftmaxOptions options{};
+        if (c.logits) {
+            options.softcap = 5.0;
+            options.sink_logits = layout.q_heads == 4 ? std::span<const double>(sinks4) : std::span<const double>(sinks16);
+        }
+        INFO(detail::storage_name<S> << ": " << layout.q_heads << "/" << layout.kv_heads << ", block " << c.block
+                                     << ", prompt " << c.prompt);
+        const Index kw = layout.kv_heads * layout.head_dim, vw = layout.kv_heads * layout.values();
+        const Index forks = 6, steps = 3;
+        const Matrix<float> K = random_matrix<float>(c.prompt + 64, kw, 201), V = random_matrix<float>(c.prompt + 64, vw, 202);
+        // Each fork's own tokens after the prompt: fork i brings i (0..5) of them; a seventh
+        // sequence is unrelated.
+        std::vector<Matrix<float>> own_keys, own_values;
+        for (Index i = 0; i <= forks; ++i) {
+            own_keys.push_back(random_matrix<float>(i, kw, 210 + static_cast<std::uint64_t>(i)));
+            own_values.push_back(random_matrix<float>(i, vw, 220 + static_cast<std::uint64_t>(i)));
+        }
+        const Index blocks = 2 * (forks + 2) * ((c.prompt + 16 + c.block - 1) / c.block + 2);
+        PagedKVCache<float, S> shared(layout, blocks, c.block, options), alone(layout, blocks, c.block, options);
+        const Index root = shared.add_sequence();
+        shared.extend(root, K.topRows(c.prompt), V.topRows(c.prompt));
+        std::vector<Index> a, b;  // the batch in the shared pool, and in the pool of separate sequences
+        for (Index i = 0; i < forks; ++i) {
+            const Index f = shared.fork(root);
+            shared.extend(f, own_keys[static_cast<std::size_t>(i)], own_values[static_cast<std::size_t>(i)]);
+            a.push_back(f);
+            const Index s = alone.add_sequence();
+            alone.extend(s, K.topRows(c.prompt), V.topRows(c.prompt));
+            alone.extend(s, own_keys[static_cast<std::size_t>(i)], own_values[static_cast<std::size_t>(i)]);
+            b.push_back(s);
+        }
+        const Index other = shared.add_sequence(), other_alone = alone.add_sequence();
+        shared.extend(other, K.bottomRows(64), V.bottomRows(64));
+        alone.extend(other_alone, K.bottomRows(64), V.bottomRows(64));
+        a.insert(a.begin() + 2, other);
+        b.insert(b.begin() + 2, other_alone);
+        shared.remove(root);
+        for (Index t = 0; t < steps; ++t) {
+            const Index batch = forks + 1;
+            const Matrix<float> Q = random_matrix<float>(batch, shared.query_dim(), 230 + static_cast<std::uint64_t>(t)),
+                                Kt = random_matrix<float>(batch, kw, 240 + static_cast<std::uint64_t>(t)),
+                                Vt = random_matrix<float>(batch, vw, 250 + static_cast<std::uint64_t>(t));
+            Matrix<float> expected(batch, shared.output_dim());
+            batched_decode(alone, b, Q, Kt, Vt, expected);
+            std::optional<Matrix<float>> first;
+            for (const int threads : {1, 2, 3}) {
+                PagedKVCache<float, S> pool = shared;  // the same step on a copy, each thread count
+                Matrix<float> O(batch, shared.output_dim());
+                batched_decode(pool, a, Q, Kt, Vt, O, OpenMPExecutor{.threads = threads});
+                check_close(O, expected.template cast<double>(), 2e-5);
+                if (first)
+                    CHECK((O.array() == first->array()).all());
+                else
+                    first = O;
+                if (threads == 3)
+                    shared = pool;
+            }
+            CHECK(shared.blocks_in_use() < alone.blocks_in_use());
+        }
+        for (std::size_t i = 0; i < a.size(); ++i)
+            CHECK(shared.length(a[i]) == alone.length(b[i]));
+    }
+}
+
 TEST_CASE("Prefix sharing: 16 sequences forked from one 2048-token prompt hold it once and decode on their own",
           "[serving][prefix]") {
     const HeadLayout layout{4, 2, 8, 0};

@@ -45,6 +45,7 @@
 #include "memattn/layer/parallel.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
+#include "memattn/serving/cascade.hpp"
 #include "memattn/serving/paged_prefill.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/storage/compact.hpp"
@@ -746,7 +747,7 @@ private:
         detail::require_disjoint(function, "O", out, "V", values);
         update_batch(function, seqs, keys, values);
         try {
-            attend_batch(seqs, queries, out, executor);
+            attend_decode(seqs, queries, out, executor);
         } catch (...) {
             undo_batch(seqs);
             throw;
@@ -989,6 +990,145 @@ private:
             });
     }
 
+    /// The attends of a decode step (decode_batch): the sequences that share their first
+    /// blocks read them once, together (serving/cascade.hpp); every other one as
+    /// attend_batch reads it.
+    void attend_decode(std::span<const Index> seqs, ConstMatrixRef<T> queries, MatrixRef<T> out,
+                       ExecutorRef executor) {
+        const Index rows = queries.rows(), g = layout_.group_size(), kv = layout_.kv_heads;
+        const Index chunk = detail::cascade_rows / g;
+        const auto state = [&](Index r) -> const State& {
+            return sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(r)])];
+        };
+        detail::CascadeWork<T>& work = cascade_;
+        if (window_ > 0 || !slopes_.empty() || chunk < 2 || rows < 2 ||
+            !detail::find_shared_runs(
+                rows, block_size_, [&](Index r) { return std::span<const Index>(state(r).table); },
+                [&](Index r) { return state(r).length; }, work.order, work.runs)) {
+            attend_batch(seqs, queries, out, executor);
+            return;
+        }
+        detail::plan_cascade(rows, kv, chunk, work.order, work.runs, work.items);
+        const auto cost = [&](Index i) {
+            const detail::CascadeItem& item = work.items[static_cast<std::size_t>(i)];
+            if (item.run < 0)
+                return 1.0 + static_cast<double>(state(item.row).length);
+            const Index shared = work.runs[static_cast<std::size_t>(item.run)].blocks * block_size_;
+            double pairs = 1.0 + static_cast<double>(shared);
+            for (Index m = item.first; m < item.first + item.count; ++m)
+                pairs += static_cast<double>(state(work.order[static_cast<std::size_t>(m)]).length - shared);
+            return pairs;
+        };
+        double total = 0;
+        for (Index r = 0; r < rows; ++r)
+            total += static_cast<double>(state(r).length);
+        const bool serial = total * static_cast<double>(layout_.q_heads) *
+                                static_cast<double>(layout_.head_dim + layout_.values()) <
+                            parallel_work;
+        const auto n = static_cast<Index>(work.items.size());
+        const auto parts = static_cast<std::size_t>(std::min<Index>({serial ? 1 : executor.concurrency(), n,
+                                                                     detail::max_ranges}));
+        if (work.ranges.size() < parts)
+            work.ranges.resize(parts);
+        const T* q = queries.data();
+        T* o = out.data();
+        const Index ldq = queries.outerStride(), ldo = out.outerStride(), d = layout_.head_dim, dv = layout_.values();
+        detail::parallel_ranges(
+            n, cost,
+            [&](Index first, Index last, int range) {
+                detail::CascadeScratch<T>& scratch = work.ranges[static_cast<std::size_t>(range)];
+                for (Index i = first; i < last; ++i) {
+                    const detail::CascadeItem& item = work.items[static_cast<std::size_t>(i)];
+                    if (item.run >= 0) {
+                        attend_shared(work.runs[static_cast<std::size_t>(item.run)].blocks,
+                                      std::span<const Index>(work.order).subspan(static_cast<std::size_t>(item.first),
+                                                                                 static_cast<std::size_t>(item.count)),
+                                      item.head, seqs, q, ldq, o, ldo, scratch);
+                        continue;
+                    }
+                    const State& s = state(item.row);
+                    T* rows_out = o + item.row * ldo + item.head * g * dv;
+                    if (s.length == 0)
+                        std::fill(rows_out, rows_out + g * dv, T(0));
+                    else
+                        attend_head(s, item.head, q + item.row * ldq + item.head * g * d, rows_out, s.length);
+                }
+            },
+            serial ? 1 : 0, executor);
+    }
+
+    /// KV head h of the batch rows `members` (a chunk of a shared run, at most
+    /// cascade_rows / g sequences), whose sequences hold the same first `shared` blocks (no
+    /// window, no ALiBi): their g·|members| queries fold the shared blocks block by block,
+    /// in groups of group_rows (a block is read from memory once, then from cache for the
+    /// next group), each sequence's g queries its own tokens, and the two partial states
+    /// merge (the sink logits join after).
+    void attend_shared(Index shared, std::span<const Index> members, Index h, std::span<const Index> seqs,
+                       const T* q, Index ldq, T* out, Index ldo, detail::CascadeScratch<T>& scratch) const {
+        const Index g = layout_.group_size(), d = layout_.head_dim, dv = layout_.values();
+        const Index rows = static_cast<Index>(members.size()) * g;
+        const Index groups = (rows + detail::group_rows - 1) / detail::group_rows;
+        MEMATTN_DASSERT(rows <= detail::cascade_rows);
+        if (scratch.queries.rows() < detail::cascade_rows || scratch.queries.cols() != d)
+            scratch.queries.resize(detail::cascade_rows, d);
+        if (scratch.acc.rows() < detail::cascade_rows || scratch.acc.cols() != dv)
+            scratch.acc.resize(detail::cascade_rows, dv);
+        using Rows = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
+        using OutRows = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
+        for (std::size_t m = 0; m < members.size(); ++m)
+            scratch.queries.middleRows(static_cast<Index>(m) * g, g) =
+                Rows(q + members[m] * ldq + h * g * d, g, d, Eigen::OuterStride<>(d));
+        scratch.acc.topRows(rows).setZero();
+        const std::size_t pair_bytes =
+            detail::StoredRows<T, S>::row_bytes(d) + detail::StoredRows<T, S>::row_bytes(dv);
+        const bool ahead = static_cast<std::size_t>(shared * block_size_) * pair_bytes >= detail::group_prefetch_bytes;
+        const auto group_of = [&](Index c) {
+            const Index r0 = c * detail::group_rows;
+            return std::pair{r0, std::min(detail::group_rows, rows - r0)};
+        };
+        for (Index c = 0; c < groups; ++c) {
+            const auto [r0, n] = group_of(c);
+            scratch.groups[static_cast<std::size_t>(c)].emplace(
+                Rows(scratch.queries.data() + r0 * d, n, d, Eigen::OuterStride<>(d)), scale_, ahead,
+                detail::DecodeLogits{.softcap = softcap_});
+        }
+        const State& lead = sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(members[0])])];
+        for (Index j = 0; j < shared; ++j) {  // a table's blocks need not be adjacent: one at a time
+            const Index first = first_row(lead.table[static_cast<std::size_t>(j)], h);
+            for (Index c = 0; c < groups; ++c) {
+                const auto [r0, n] = group_of(c);
+                scratch.groups[static_cast<std::size_t>(c)]->fold_stored(keys_, values_, first, block_size_,
+                                                                         scratch.acc.middleRows(r0, n), j * block_size_);
+            }
+        }
+        for (std::size_t m = 0; m < members.size(); ++m) {
+            const State& s = sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(members[m])])];
+            OutRows outputs(out + members[m] * ldo + h * g * dv, g, dv, Eigen::OuterStride<>(dv));
+            outputs.setZero();
+            const detail::DecodeLogits own{
+                .softcap = softcap_,
+                .sinks = sink_logits_.empty() ? nullptr : sink_logits_.data() + h * g,
+                .position = s.length - 1};
+            const Index begin = shared * block_size_;
+            detail::GroupAttention<T> alone(Rows(q + members[m] * ldq + h * g * d, g, d, Eigen::OuterStride<>(d)),
+                                            scale_,
+                                            static_cast<std::size_t>(s.length - begin) * pair_bytes >=
+                                                detail::group_prefetch_bytes,
+                                            own);
+            for_each_run(s, begin, s.length, [&](Index block, Index offset, Index count, Index token) {
+                alone.fold_stored(keys_, values_, first_row(block, h) + offset, count, outputs, token);
+            });
+            for (Index r = 0; r < g; ++r) {
+                SoftmaxState<T> state = alone.state(r);
+                const Index row = static_cast<Index>(m) * g + r;
+                state.merge(scratch.groups[static_cast<std::size_t>(row / detail::group_rows)]->state(
+                                row % detail::group_rows),
+                            outputs.row(r), scratch.acc.row(row));
+                detail::GroupAttention<T>::finish_state(state, own, r, outputs.row(r));
+            }
+        }
+    }
+
     /// Every attend: for rows r < rows, the query heads of row r of q (stride ldq) over the
     /// first visible(r) tokens of state(r) into row r of out (zero when none), as
     /// (row, KV head) items spread over the executor's threads by their lengths; a step
@@ -1066,6 +1206,7 @@ private:
     std::vector<State> sequences_;
     std::vector<detail::PagedChunk> chunks_;    // prefill's chunks, kept for the next call
     detail::PagedPrefillWork<T> prefill_work_;  // prefill's items and scratch, likewise
+    detail::CascadeWork<T> cascade_;            // a decode step's shared runs, items and scratch, likewise
 };
 
 namespace detail {
