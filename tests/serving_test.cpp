@@ -1247,3 +1247,197 @@ TEMPLATE_TEST_CASE("PagedKVCache with softcap, ALiBi and sink logits: each step 
     CHECK_THROWS_WITH((PagedKVCache<float>(HeadLayout{4, 2, 8, 0}, 4, 16, SoftmaxOptions{.causal = false})),
                       Catch::Contains("options.causal"));
 }
+
+TEST_CASE("ModelCache: one id space over layers of their own, each layer's step bit for bit its own pool's",
+          "[serving][model]") {
+    const std::vector<ModelLayer> specs{{.layout = {4, 2, 8, 0}, .blocks = 40, .block_size = 16},
+                                        {.layout = {8, 2, 8, 0},
+                                         .blocks = 40,
+                                         .block_size = 8,
+                                         .options = {.window = 20, .sink_tokens = 2}},
+                                        {.layout = {2, 1, 16, 8}, .blocks = 40, .block_size = 32}};
+    ModelCache<float> cache(specs);
+    std::vector<PagedKVCache<float>> pools;  // the same calls on independent pools
+    for (const ModelLayer& l : specs)
+        pools.emplace_back(l.layout, l.blocks, l.block_size, l.options);
+    CHECK(cache.layers() == 3);
+    const Index a = cache.add_sequence(), b = cache.add_sequence();
+    for (auto& p : pools) {
+        CHECK(p.add_sequence() == cache.slot_of(a));
+        CHECK(p.add_sequence() == cache.slot_of(b));
+    }
+    // A prompt for a, then a fork of it, then mixed steps.
+    const auto run = [&](const std::vector<Index>& ids, const std::vector<Index>& offsets, std::uint64_t seed) {
+        const auto& step = cache.plan(ids, offsets);
+        const Index rows = offsets.back();
+        for (Index l = 0; l < cache.layers(); ++l) {
+            PagedKVCache<float>& own = pools[static_cast<std::size_t>(l)];
+            const Matrix<float> Q = random_matrix<float>(rows, own.query_dim(), seed + 10 * static_cast<std::uint64_t>(l)),
+                                K = random_matrix<float>(rows, own.key_dim(), seed + 10 * static_cast<std::uint64_t>(l) + 1),
+                                V = random_matrix<float>(rows, own.value_dim(), seed + 10 * static_cast<std::uint64_t>(l) + 2);
+            Matrix<float> O(rows, own.output_dim()), expected(rows, own.output_dim());
+            cache.prefill(l, step, Q, K, V, O);
+            batched_prefill(own, step.slots(), step.q_offsets(), Q, K, V, expected);
+            CHECK((O.array() == expected.array()).all());
+        }
+    };
+    run({a}, {0, 70}, 300);
+    const Index c = cache.fork(a);
+    for (auto& p : pools)
+        CHECK(p.fork(cache.slot_of(a)) == cache.slot_of(c));
+    run({a, b, c}, {0, 1, 12, 13}, 310);
+    CHECK(cache.length(a) == 71);
+    CHECK(cache.length(b) == 11);
+    CHECK(cache.length(c) == 71);
+    // A decode step through plan_decode and decode.
+    {
+        const std::vector<Index> ids{c, a};
+        const auto& step = cache.plan_decode(ids);
+        CHECK(step.decode());
+        for (Index l = 0; l < cache.layers(); ++l) {
+            PagedKVCache<float>& own = pools[static_cast<std::size_t>(l)];
+            const Matrix<float> Q = random_matrix<float>(2, own.query_dim(), 320), K = random_matrix<float>(2, own.key_dim(), 321),
+                                V = random_matrix<float>(2, own.value_dim(), 322);
+            Matrix<float> O(2, own.output_dim()), expected(2, own.output_dim());
+            cache.decode(l, step, Q, K, V, O);
+            batched_decode(own, step.slots(), Q, K, V, expected);
+            CHECK((O.array() == expected.array()).all());
+        }
+    }
+    // Rollback of a step that reached only the first layer: every layer as before.
+    {
+        const std::vector<Index> ids{b};
+        const auto& step = cache.plan_decode(ids);
+        const Matrix<float> Q = random_matrix<float>(1, pools[0].query_dim(), 330),
+                            K = random_matrix<float>(1, pools[0].key_dim(), 331),
+                            V = random_matrix<float>(1, pools[0].value_dim(), 332);
+        Matrix<float> O(1, pools[0].output_dim());
+        cache.decode(0, step, Q, K, V, O);
+        CHECK(cache.layer(0).length(cache.slot_of(b)) == 12);
+        cache.rollback(step);
+        for (Index l = 0; l < cache.layers(); ++l)
+            CHECK(cache.layer(l).length(cache.slot_of(b)) == 11);
+    }
+    // truncate: all or nothing across a windowed layer.
+    CHECK_FALSE(cache.can_truncate(a, 10));  // the window-20 layer freed what 10 tokens need
+    CHECK_THROWS_WITH(cache.truncate(a, 10), Catch::Contains("layer 1"));
+    for (Index l = 0; l < cache.layers(); ++l)
+        CHECK(cache.layer(l).length(cache.slot_of(a)) == 72);
+    cache.truncate(a, 70);
+    CHECK(cache.length(a) == 70);
+    // Ids never go stale: a removed id is refused, and so is a pool's slot.
+    const Index old = b, old_slot = cache.slot_of(b);
+    cache.remove(b);
+    CHECK_FALSE(cache.contains(old));
+    CHECK_THROWS_WITH(cache.length(old), Catch::Contains("was removed"));
+    const Index d = cache.add_sequence();
+    CHECK(cache.slot_of(d) == old_slot);  // the slot is reused, the id is not
+    CHECK(d != old);
+    CHECK_THROWS_WITH(cache.fork(old), Catch::Contains("was removed"));
+    CHECK_THROWS_WITH(cache.length(old_slot), Catch::Contains("not a ModelCache id"));
+    CHECK_THROWS_WITH(cache.remove(d + (Index{5} << 32)), Catch::Contains("never gave"));
+    const std::vector<Index> stale{a, old};
+    CHECK_THROWS_WITH(cache.plan_decode(stale), Catch::Contains("was removed"));
+    const std::vector<Index> twice{a, a};
+    CHECK_THROWS_WITH(cache.plan_decode(twice), Catch::Contains("twice"));
+}
+
+TEST_CASE("ModelCache: random operations against independent pools; a step the last layer cannot hold is refused "
+          "before any layer moves",
+          "[serving][model]") {
+    // The last layer has the fewest blocks, so it runs out first.
+    const std::vector<ModelLayer> specs{{.layout = {2, 1, 4, 0}, .blocks = 60, .block_size = 4},
+                                        {.layout = {4, 2, 4, 0},
+                                         .blocks = 60,
+                                         .block_size = 3,
+                                         .options = {.window = 7, .sink_tokens = 1}},
+                                        {.layout = {2, 2, 4, 0}, .blocks = 18, .block_size = 5}};
+    ModelCache<float> cache(specs);
+    std::vector<PagedKVCache<float>> pools;
+    for (const ModelLayer& l : specs)
+        pools.emplace_back(l.layout, l.blocks, l.block_size, l.options);
+    std::vector<Index> live;   // cache ids
+    std::vector<Index> dead;   // removed cache ids
+    std::mt19937_64 rng(2026);
+    const auto pick = [&](Index n) { return static_cast<Index>(rng() % static_cast<std::uint64_t>(n)); };
+    Index refused_steps = 0, steps = 0;
+    for (Index op = 0; op < 3000; ++op) {
+        const Index kind = live.empty() ? 0 : pick(6);
+        if (kind == 0 && live.size() < 6) {
+            const Index id = cache.add_sequence();
+            for (auto& p : pools)
+                CHECK(p.add_sequence() == cache.slot_of(id));
+            live.push_back(id);
+        } else if (kind == 1 && live.size() < 6) {
+            const Index parent = live[static_cast<std::size_t>(pick(static_cast<Index>(live.size())))];
+            const Index id = cache.fork(parent);
+            for (auto& p : pools)
+                CHECK(p.fork(cache.slot_of(parent)) == cache.slot_of(id));
+            live.push_back(id);
+        } else if (kind == 2) {
+            const std::size_t i = static_cast<std::size_t>(pick(static_cast<Index>(live.size())));
+            const Index slot = cache.slot_of(live[i]);
+            cache.remove(live[i]);
+            for (auto& p : pools)
+                p.remove(slot);
+            dead.push_back(live[i]);
+            live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+        } else if (kind == 3) {
+            const Index id = live[static_cast<std::size_t>(pick(static_cast<Index>(live.size())))];
+            const Index tokens = pick(cache.length(id) + 1), slot = cache.slot_of(id);
+            bool all = true;
+            for (auto& p : pools)
+                all = all && p.can_truncate(slot, tokens);
+            CHECK(cache.can_truncate(id, tokens) == all);
+            if (all) {
+                cache.truncate(id, tokens);
+                for (auto& p : pools)
+                    p.truncate(slot, tokens);
+            } else {
+                CHECK_THROWS_AS(cache.truncate(id, tokens), std::invalid_argument);
+            }
+        } else {  // a step of chunks of 0 to 6 rows for some live sequences
+            std::vector<Index> ids, offsets{0};
+            for (const Index id : live)
+                if (rng() % 2 == 0) {
+                    ids.push_back(id);
+                    offsets.push_back(offsets.back() + pick(7));
+                }
+            std::vector<Index> before;
+            for (const auto& p : pools)
+                before.push_back(p.blocks_in_use());
+            try {
+                const auto& step = cache.plan(ids, offsets);
+                for (Index l = 0; l < cache.layers(); ++l) {
+                    PagedKVCache<float>& own = pools[static_cast<std::size_t>(l)];
+                    const Index rows = offsets.back();
+                    const Matrix<float> Q = random_matrix<float>(rows, own.query_dim(), static_cast<std::uint64_t>(op)),
+                                        K = random_matrix<float>(rows, own.key_dim(), static_cast<std::uint64_t>(op) + 1),
+                                        V = random_matrix<float>(rows, own.value_dim(), static_cast<std::uint64_t>(op) + 2);
+                    Matrix<float> O(rows, own.output_dim()), expected(rows, own.output_dim());
+                    cache.prefill(l, step, Q, K, V, O);
+                    batched_prefill(own, step.slots(), step.q_offsets(), Q, K, V, expected);
+                    CHECK((O.array() == expected.array()).all());
+                }
+                ++steps;
+            } catch (const PoolExhausted& e) {
+                ++refused_steps;
+                CHECK_THAT(std::string(e.what()), Catch::Contains("ModelCache::plan (layer"));
+                for (Index l = 0; l < cache.layers(); ++l)
+                    CHECK(cache.layer(l).blocks_in_use() == before[static_cast<std::size_t>(l)]);
+            }
+        }
+        // Every layer agrees with its independent pool.
+        for (Index l = 0; l < cache.layers(); ++l) {
+            const auto& mine = cache.layer(l);
+            const auto& own = pools[static_cast<std::size_t>(l)];
+            REQUIRE(mine.blocks_in_use() == own.blocks_in_use());
+            for (const Index id : live)
+                REQUIRE(mine.length(cache.slot_of(id)) == own.length(cache.slot_of(id)));
+        }
+        for (const Index id : dead)
+            REQUIRE_FALSE(cache.contains(id));
+    }
+    CHECK(steps > 100);
+    CHECK(refused_steps > 0);
+}

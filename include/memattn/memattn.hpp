@@ -41,6 +41,7 @@
 #include "memattn/layer/multi_head_memory.hpp"
 #include "memattn/serving/paged_kv_cache.hpp"
 #include "memattn/serving/batched.hpp"
+#include "memattn/serving/model_cache.hpp"
 
 // memattn::compiled (CMake target; see memattn/compiled.hpp): the common float
 // instantiations come from its library instead of every translation unit.

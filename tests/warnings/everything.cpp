@@ -182,6 +182,18 @@ void everything(memattn::Index n, memattn::Index d) {
             memattn::batched_decode(pool, seqs, q, x.topRows(1), x.topRows(1), o);
             memattn::batched_decode(compact, seqs, q, x.topRows(1), x.topRows(1), o);
             memattn::batched_prefill(pool, seqs, offsets, q, x.topRows(1), x.topRows(1), o);
+            // A prompt of n rows through the tiled prefill, compactly, and a model cache of both layers.
+            const std::vector<memattn::Index> prompt_offsets{0, n};
+            const memattn::Matrix<T> prompt_q = memattn::Matrix<T>::Zero(n, 2 * d);
+            memattn::Matrix<T> prompt_o(n, 2 * d);
+            memattn::batched_prefill(compact, seqs, prompt_offsets, prompt_q, x, x, prompt_o);
+            const std::vector<memattn::ModelLayer> model_layers{{.layout = heads, .blocks = 8, .block_size = 4},
+                                                                {.layout = heads, .blocks = 8, .block_size = 4, .options = options}};
+            memattn::ModelCache<T> model(model_layers);
+            const memattn::Index id = model.add_sequence();
+            const auto& step = model.plan_decode(std::vector<memattn::Index>{id});
+            model.decode(0, step, q, x.topRows(1), x.topRows(1), o);
+            model.prefill(1, step, q, x.topRows(1), x.topRows(1), o);
             const memattn::Matrix<T> wide = memattn::Matrix<T>::Zero(n, 2 * d);
             memattn::Matrix<T> wide_out(n, 2 * d);
             memattn::multi_head_causal_softmax_attention(wide, x, x, wide_out, heads, {}, x * x.transpose());

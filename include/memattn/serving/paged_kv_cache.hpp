@@ -191,6 +191,23 @@ public:
         return tokens >= 0 && tokens <= s.length && (tokens <= sinks_ || std::max(sinks_, tokens - window_) >= s.first);
     }
 
+    /// The free blocks a batch that brings tokens[i] tokens to seqs[i] (distinct live ids)
+    /// takes: exactly what prefill(seqs, q_offsets, ...) with those chunks needs (copies of
+    /// shared last blocks included), and at least what update(seqs, K, V) or a decode step
+    /// of one token each needs (whose windows may free blocks as it goes). For admission
+    /// before a step: a step whose blocks_needed is at most free_blocks() cannot throw
+    /// PoolExhausted.
+    [[nodiscard]] Index blocks_needed(std::span<const Index> seqs, std::span<const Index> tokens) const {
+        constexpr const char* function = "PagedKVCache::blocks_needed";
+        check_batch(function, seqs, static_cast<Index>(seqs.size()), "seqs");
+        detail::require(tokens.size() == seqs.size(), function, "tokens", "has ", tokens.size(),
+                        " counts, expected ", seqs.size(), " (one per sequence)");
+        for (std::size_t i = 0; i < tokens.size(); ++i)
+            detail::require(tokens[i] >= 0 && tokens[i] <= max_length, function, "tokens", "has ", tokens[i],
+                            " for sequence ", seqs[i], ", expected 0 to ", max_length);
+        return chunk_blocks(seqs, [&](std::size_t i) { return tokens[i]; });
+    }
+
     /// Ends `seq`: frees the blocks no other sequence holds; its id may be reused.
     void remove(Index seq) {
         check_sequence("PagedKVCache::remove", "seq", seq);
@@ -558,11 +575,14 @@ private:
         Index first = 0;    // its first held token past the sinks (≥ sinks)
         bool live = false;
         /// What a batch call's append (and, in update, eviction) changed, to put it back if
-        /// the call fails after it (undo_batch): the length, table size and window before,
-        /// the shared block a copy-on-write replaced and the block the window freed (−1: none).
+        /// the call fails after it (undo_batch).
         struct Undo {
-            Index length = 0, table = 0, dropped = 0, first = 0;
-            Index shared = -1, evicted = -1;
+            Index length = 0;    ///< the length before
+            Index table = 0;     ///< the table's size before
+            Index dropped = 0;   ///< the blocks the window had dropped before
+            Index first = 0;     ///< the first held token past the sinks before
+            Index shared = -1;   ///< the shared block a copy-on-write replaced (−1: none)
+            Index evicted = -1;  ///< the block the window freed (−1: none)
         } undo;
         bool copies = false;  // fits_after_eviction's note: whether its member copies its last block
     };
@@ -684,7 +704,7 @@ private:
         const auto chunk = [&](std::size_t i) { return q_offsets[i + 1] - q_offsets[i]; };
         for (std::size_t i = 0; i < seqs.size(); ++i)
             detail::check_room(site.function, sequences_[static_cast<std::size_t>(seqs[i])].length, chunk(i));
-        const Index needed = blocks_needed(seqs, chunk);
+        const Index needed = chunk_blocks(seqs, chunk);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
         if (needed > free_blocks())
@@ -893,7 +913,7 @@ private:
     /// blocks, and one more for a member that writes into its partly filled last block
     /// while it is shared (copies_before).
     template <class Chunk>
-    [[nodiscard]] Index blocks_needed(std::span<const Index> seqs, const Chunk& chunk) const noexcept {
+    [[nodiscard]] Index chunk_blocks(std::span<const Index> seqs, const Chunk& chunk) const noexcept {
         Index needed = 0;
         for (std::size_t i = 0; i < seqs.size(); ++i) {
             const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
