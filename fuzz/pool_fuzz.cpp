@@ -5,8 +5,9 @@
 // tokens). After every operation the lengths and block counts must agree with the model,
 // an operation that throws (PoolExhausted) must change nothing, an attend must equal the
 // double reference of the sequence's tokens, a rollback the window has made impossible
-// must be refused with nothing changed, and a windowed sequence must never hold more
-// blocks than its window needs, in either pool; at the end every block must be free
+// must be refused with nothing changed (one within the pool's rollback room never is),
+// and a windowed sequence must never hold more blocks than its window (and room) needs,
+// in either pool; at the end every block must be free
 // again. A second mode runs batched prefill and decode on pools long enough that their
 // attends go through the executor, one that fails part way: every sequence must be as it
 // was (its snapshot, the free blocks), and the same call on a working executor must then
@@ -158,11 +159,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const HeadLayout layout{kv * g, kv, d};
     const Index blocks = in.size(1, 12), block = in.size(1, 6);
     const Index window = in.size(0, 9), sinks = in.size(0, 3);  // window 0: none
-    PagedKVCache<float> pool(layout, blocks, block, SoftmaxOptions{.window = window, .sink_tokens = sinks});
+    const Index room = window > 0 ? in.size(0, 5) : 0;             // rollback tokens past the window
+    PagedKVCache<float> pool(layout, blocks, block, SoftmaxOptions{.window = window, .sink_tokens = sinks},
+                             PoolOptions{.rollback_tokens = room});
     const SoftmaxOptions options = pool.options();
-    const Index most = most_blocks(window, sinks, block, blocks);
+    const Index most = window == 0 ? blocks : most_blocks(window + room, sinks, block, blocks);
     const Index kw = kv * d;
     std::map<Index, std::vector<Matrix<float>>> model;  // each token: row 0 its key, row 1 its value
+    std::map<Index, Index> peak;  // the longest each sequence has been: a truncate to peak − room or more succeeds
     const auto pick = [&]() -> Index {
         auto it = model.begin();
         std::advance(it, in.size(0, static_cast<Index>(model.size()) - 1));
@@ -170,6 +174,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     };
     const Index steps = in.size(0, 48);
     for (Index step = 0; step < steps; ++step) {
+        for (const auto& [id, tokens] : model)
+            peak[id] = std::max(peak[id], static_cast<Index>(tokens.size()));
         const Index op = model.empty() ? 0 : in.size(0, 7);
         const Index before = pool.blocks_in_use();
         if (op == 0) {
@@ -178,7 +184,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         } else if (op == 1) {
             if (model.size() < 6) {
                 const Index parent = pick();
-                model[pool.fork(parent)] = model[parent];
+                const Index child = pool.fork(parent);
+                model[child] = model[parent];
+                peak[child] = peak[parent];
                 if (pool.blocks_in_use() != before)
                     fail("a fork took blocks");
             }
@@ -205,6 +213,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             } else {
                 if (window == 0)
                     fail("a rollback refused without a window");
+                if (n >= peak[seq] - room)
+                    fail("a rollback within the rollback room refused");
                 bool threw = false;
                 try {
                     pool.truncate(seq, n);
@@ -218,6 +228,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
             const Index seq = pick();
             pool.remove(seq);
             model.erase(seq);
+            peak.erase(seq);
         } else if (op == 5) {
             const Index seq = pick();
             const Matrix<float> q = in.matrix<float>(1, pool.query_dim(), 2.0);
@@ -256,6 +267,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                 try {
                     memattn::load(again, copy2);
                     model[back] = model[seq];
+                    peak[back] = peak[seq];  // it holds what seq held: its room is seq's
                 } catch (const PoolExhausted&) {
                     if (pool.length(back) != 0 || pool.blocks_in_use() != before)
                         fail("a refused load changed the pool");

@@ -6,6 +6,7 @@
 
 #include <memattn/memattn.hpp>
 
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
@@ -1440,4 +1441,90 @@ TEST_CASE("ModelCache: random operations against independent pools; a step the l
     }
     CHECK(steps > 100);
     CHECK(refused_steps > 0);
+}
+
+TEMPLATE_TEST_CASE("PagedKVCache with rollback room: every truncate of up to rollback_tokens succeeds, the blocks "
+                   "stay bounded, and the attends equal the windowed reference after it",
+                   "[serving][window][rollback]", float, Q8) {
+    using S = TestType;
+    const HeadLayout layout{4, 2, 8, 0};
+    for (const auto& [window, sinks, block, room] :
+         {std::tuple<Index, Index, Index, Index>{5, 0, 8, 10}, {20, 2, 8, 10}, {7, 9, 4, 1}, {1, 0, 1, 3}, {33, 17, 8, 40},
+          {16, 0, 16, 16}}) {
+        INFO(detail::storage_name<S> << ": window " << window << ", sinks " << sinks << ", block " << block
+                                     << ", rollback " << room);
+        const Index n = 120;
+        const Index bound = (sinks + block - 1) / block + (window + room + block - 1) / block + 1;
+        PagedKVCache<float, S> pool(layout, 2 * bound + 2, block, SoftmaxOptions{.window = window, .sink_tokens = sinks},
+                                    PoolOptions{.rollback_tokens = room});
+        CHECK(pool.pool_options().rollback_tokens == room);
+        const Matrix<float> K = random_matrix<float>(n, 16, 401), V = random_matrix<float>(n, 16, 402),
+                            Q = random_matrix<float>(n, 32, 403, 2.0);
+        const MatrixD Ks = stored_heads<float, S>(K, 2).template cast<double>(),
+                      Vs = stored_heads<float, S>(V, 2).template cast<double>();
+        const Index seq = pool.add_sequence();
+        Matrix<float> o(1, 32);
+        for (Index t = 0; t < n; ++t) {
+            pool.update(seq, K.row(t), V.row(t));
+            CHECK(pool.blocks_of(seq) <= bound);
+            for (Index k = 0; k <= std::min(room, t + 1); ++k)
+                CHECK(pool.can_truncate(seq, t + 1 - k));
+            if (t % 13 == 12) {  // a speculative step: three drafts (at most the room) rejected
+                const Index back = std::min({room, Index{3}, t + 1});
+                pool.truncate(seq, t + 1 - back);
+                for (Index j = t + 1 - back; j <= t; ++j)
+                    pool.update(seq, K.row(j), V.row(j));
+            }
+            pool.attend(seq, Q.row(t), o.row(0));
+            check_close(o, paged_reference(layout, Q.row(t).cast<double>(), Ks.topRows(t + 1), Vs.topRows(t + 1),
+                                           window, sinks),
+                        2e-5);
+        }
+        // Past the room the rule of can_truncate holds as without it: exact, refused with nothing changed.
+        const Index length = pool.length(seq);
+        for (Index tokens = 0; tokens <= length; ++tokens) {
+            PagedKVCache<float, S> copy = pool;
+            const bool can = copy.can_truncate(seq, tokens);
+            if (tokens >= length - room)
+                CHECK(can);
+            if (can) {
+                copy.truncate(seq, tokens);
+                CHECK(copy.length(seq) == tokens);
+            } else {
+                CHECK_THROWS_AS(copy.truncate(seq, tokens), std::invalid_argument);
+                CHECK(copy.length(seq) == length);
+            }
+        }
+    }
+    // Bad room: refused by name.
+    CHECK_THROWS_WITH((PagedKVCache<float, S>(layout, 4, 16, SoftmaxOptions{.window = 4}, PoolOptions{.rollback_tokens = -1})),
+                      Catch::Contains("pool.rollback_tokens"));
+}
+
+TEST_CASE("PagedKVCache with reject_nonfinite: a key or value that is not finite is refused, the pool unchanged",
+          "[serving][bad_input]") {
+    const HeadLayout layout{4, 2, 8, 0};
+    PagedKVCache<float> strict(layout, 8, 4, SoftmaxOptions{}, PoolOptions{.reject_nonfinite = true}),
+        lenient(layout, 8, 4);
+    const Index a = strict.add_sequence(), b = strict.add_sequence(), c = lenient.add_sequence();
+    Matrix<float> K = random_matrix<float>(6, 16, 411), V = random_matrix<float>(6, 16, 412);
+    strict.extend(a, K.topRows(3), V.topRows(3));
+    K(4, 9) = std::numeric_limits<float>::quiet_NaN();
+    V(5, 2) = std::numeric_limits<float>::infinity();
+    const Index used = strict.blocks_in_use();
+    CHECK_THROWS_WITH(strict.extend(b, K, V), Catch::Contains("'keys'") && Catch::Contains("row 4, column 9") &&
+                                                  Catch::Contains("reject_nonfinite"));
+    CHECK_THROWS_WITH(strict.update(b, K.row(5), V.row(5)), Catch::Contains("'value'") && Catch::Contains("inf"));
+    const std::vector<Index> both{a, b}, offsets{0, 3, 6};
+    Matrix<float> Q = random_matrix<float>(6, 32, 413), O(6, 32);
+    CHECK_THROWS_WITH(batched_decode(strict, both, Q.topRows(2), K.middleRows(4, 2), V.middleRows(4, 2), O.topRows(2)),
+                      Catch::Contains("memattn::batched_decode") && Catch::Contains("reject_nonfinite"));
+    CHECK_THROWS_WITH(batched_prefill(strict, both, offsets, Q, K, V, O),
+                      Catch::Contains("memattn::batched_prefill") && Catch::Contains("reject_nonfinite"));
+    CHECK(strict.length(a) == 3);
+    CHECK(strict.length(b) == 0);
+    CHECK(strict.blocks_in_use() == used);
+    // Without it the values are stored as they are (and poison what sees them).
+    lenient.extend(c, K, V);
+    CHECK(lenient.length(c) == 6);
 }

@@ -49,6 +49,7 @@ struct ModelLayer {
     Index blocks = 0;              ///< blocks of its pool
     Index block_size = 128;        ///< tokens per block
     SoftmaxOptions options = {};   ///< its window, sinks, scale and logit options (causal)
+    PoolOptions pool = {};         ///< its rollback room and refusal of non-finite pairs
 };
 
 /// One PagedKVCache per layer of a model under one id space; see the top of the file.
@@ -82,7 +83,7 @@ public:
         detail::require(!layers.empty(), "ModelCache", "layers", "is empty, expected one layer or more");
         pools_.reserve(layers.size());
         for (const ModelLayer& l : layers)
-            pools_.emplace_back(l.layout, l.blocks, l.block_size, l.options);
+            pools_.emplace_back(l.layout, l.blocks, l.block_size, l.options, l.pool);
     }
 
     /// Layers of the model.

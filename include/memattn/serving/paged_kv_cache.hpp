@@ -30,7 +30,12 @@
 // whose tokens all lie below L − W, the first token its last query sees: a windowed
 // sequence holds at most ceil(s / block) + ceil(W / block) + 1 blocks, however long it
 // grows. Its table keeps the sink blocks, then the held window blocks, and counts the
-// blocks dropped between them.
+// blocks dropped between them. PoolOptions{.rollback_tokens = n} keeps n tokens more
+// (freed below L − W − n, at most ceil(s / block) + ceil((W + n) / block) + 1 blocks), so
+// any truncate of up to n tokens succeeds: the room a speculative step's rejected drafts
+// need. (Without it a truncate succeeds only while the window has freed nothing the
+// shorter sequence sees: can_truncate says when; or fork a checkpoint before the step and
+// remove the fork or the original after it.)
 //
 // Capacity is fixed when the pool is built: a step (update, attend) allocates nothing.
 // When a call needs more blocks than are free it throws memattn::PoolExhausted, naming
@@ -52,6 +57,7 @@
 #include "memattn/types.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <span>
 #include <stdexcept>
@@ -85,6 +91,23 @@ private:
     Index needed_, free_;
 };
 
+/// What a pool keeps and refuses beyond its attention options (PagedKVCache's last
+/// constructor argument).
+struct PoolOptions {
+    /// A windowed pool keeps the n tokens before every sequence's window too (their blocks
+    /// are freed n tokens later), so a truncate of up to n tokens always succeeds
+    /// (speculative decoding's rejected drafts): any truncate to at least the longest
+    /// length the sequence has had less n (rollbacks add up until it grows past that
+    /// length again; a fork, or a sequence loaded from another's snapshot, inherits the
+    /// other's room). 0: the window's alone. A sequence then holds at most
+    /// ceil(sinks / block) + ceil((window + n) / block) + 1 blocks.
+    Index rollback_tokens = 0;
+    /// Refuse keys and values that are not finite (±∞, NaN) with std::invalid_argument
+    /// naming the call, the argument and the place, the pool unchanged; off: they are
+    /// stored as they are and poison the attends that see them.
+    bool reject_nonfinite = false;
+};
+
 /// One layer's K/V for many sequences in a pool of blocks; see the top of the file.
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp).
 template <Scalar T, class S = T>
@@ -111,12 +134,20 @@ public:
     /// alibi_slopes and sink_logits, one per query head, copied) as
     /// causal_softmax_attention takes them. `options.causal` must be true.
     PagedKVCache(const HeadLayout& layout, Index blocks, Index block_size, const SoftmaxOptions& options)
+        : PagedKVCache(layout, blocks, block_size, options, PoolOptions{}) {}
+
+    /// The same with PoolOptions: rollback room past a window, the refusal of non-finite
+    /// pairs.
+    PagedKVCache(const HeadLayout& layout, Index blocks, Index block_size, const SoftmaxOptions& options,
+                 const PoolOptions& pool)
         : layout_(checked(layout)),
           blocks_(detail::at_least(blocks, 1, "PagedKVCache", "blocks")),
           block_size_(detail::at_least(block_size, 1, "PagedKVCache", "block_size")),
           scale_(detail::checked_scale(static_cast<T>(options.scale), layout.head_dim, "PagedKVCache")),
           window_(checked_options(options, layout_).window),
           sinks_(window_ > 0 ? options.sink_tokens : 0),
+          rollback_(window_ > 0 ? checked_rollback(pool.rollback_tokens) : 0),
+          reject_nonfinite_(pool.reject_nonfinite),
           softcap_(options.softcap),
           slopes_(options.alibi_slopes.begin(), options.alibi_slopes.end()),
           sink_logits_(options.sink_logits.begin(), options.sink_logits.end()),
@@ -267,6 +298,11 @@ public:
     [[nodiscard]] Index window() const noexcept { return window_; }
     /// The first tokens every query sees beside its window (0 without a window).
     [[nodiscard]] Index sink_tokens() const noexcept { return sinks_; }
+    /// What the pool keeps and refuses beyond its attention options (rollback_tokens is 0
+    /// without a window).
+    [[nodiscard]] PoolOptions pool_options() const noexcept {
+        return {.rollback_tokens = rollback_, .reject_nonfinite = reject_nonfinite_};
+    }
     /// The options the attends follow (its spans view the pool's own copies).
     [[nodiscard]] SoftmaxOptions options() const noexcept {
         return {.scale = static_cast<double>(scale_),
@@ -323,6 +359,8 @@ public:
         detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), value_dim(), s.length);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
+        check_finite(site, keys, false);
+        check_finite(site, values, true);
         const Index needed = extend_peak(s, keys.rows());
         if (needed > free_blocks())
             throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
@@ -591,6 +629,11 @@ private:
         detail::check_layout("PagedKVCache", layout);
         return layout;
     }
+    static Index checked_rollback(Index tokens) {
+        detail::require(tokens >= 0 && tokens <= max_length, "PagedKVCache", "pool.rollback_tokens", "is ", tokens,
+                        ", expected 0 to ", max_length);
+        return tokens;
+    }
     static const SoftmaxOptions& checked_options(const SoftmaxOptions& options, const HeadLayout& layout) {
         detail::check_logit_options<T>("PagedKVCache", options, layout.q_heads);
         detail::require(options.causal, "PagedKVCache", "options.causal", "is false, but a pool's queries come after "
@@ -651,12 +694,30 @@ private:
         return window_ == 0 || n <= sinks_ + window_ ? n : sinks_ + window_;
     }
 
+    /// With PoolOptions::reject_nonfinite, a key (or value) row that is not all finite is
+    /// refused, naming the first value that is not.
+    template <class D>
+    void check_finite(const detail::PairSite& site, const D& rows, bool values) const {
+        if (!reject_nonfinite_ || rows.size() == 0 || rows.allFinite()) [[likely]]
+            return;
+        for (Index r = 0; r < rows.rows(); ++r)
+            for (Index c = 0; c < rows.cols(); ++c)
+                detail::require(std::isfinite(rows(r, c)), site.function, values ? site.value_name : site.key_name,
+                                "has the value ", rows(r, c), " in row ", site.first_row + r, ", column ", c,
+                                ", and the pool refuses values that are not finite (PoolOptions::reject_nonfinite)");
+    }
+    /// The first token past the sinks a sequence of `length` tokens must keep: its last
+    /// query's window, and the rollback room before it.
+    [[nodiscard]] Index keep_from(Index length) const noexcept {
+        const Index past = length - window_;  // no overflow: length, window ≥ 0
+        return past <= sinks_ ? sinks_ : std::max(sinks_, past - rollback_);
+    }
     /// The first token past the sinks that a sequence of `length` tokens, holding them from
     /// `first` on, keeps in this pool once its window has freed what it can (evict).
     [[nodiscard]] Index kept_first(Index length, Index first) const noexcept {
         if (window_ == 0)
             return first;
-        const Index keep = std::max(sinks_, length - window_);
+        const Index keep = keep_from(length);
         const Index dropped = std::max<Index>(0, keep / block_size_ - sink_blocks());
         return dropped == 0 ? first : std::max(first, (sink_blocks() + dropped) * block_size_);
     }
@@ -665,7 +726,7 @@ private:
     [[nodiscard]] Index freed_by_next(const State& s) const noexcept {
         if (window_ == 0)
             return -1;
-        const Index keep = std::max(sinks_, s.length + 1 - window_), sink = sink_blocks();
+        const Index keep = keep_from(s.length + 1), sink = sink_blocks();
         if ((sink + s.dropped + 1) * block_size_ > keep)
             return -1;
         MEMATTN_DASSERT(static_cast<Index>(s.table.size()) > sink);
@@ -677,7 +738,7 @@ private:
     void evict(State& s) noexcept {
         if (window_ == 0)
             return;
-        const Index keep = std::max(sinks_, s.length - window_), sink = sink_blocks();
+        const Index keep = keep_from(s.length), sink = sink_blocks();
         Index k = 0;
         while ((sink + s.dropped + k + 1) * block_size_ <= keep)
             ++k;
@@ -707,6 +768,8 @@ private:
         const Index needed = chunk_blocks(seqs, chunk);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
+        check_finite(site, keys, false);
+        check_finite(site, values, true);
         if (needed > free_blocks())
             throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
         for (std::size_t i = 0; i < seqs.size(); ++i) {
@@ -739,6 +802,8 @@ private:
         }
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
+        check_finite(site, keys, false);
+        check_finite(site, values, true);
         const Index needed = peak_blocks(seqs);
         if (needed > free_blocks())
             throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
@@ -786,7 +851,7 @@ private:
         Index taken = copies ? 1 : 0, freed = 0, peak = taken, dropped = s.dropped;
         for (Index p = blocks_for(s.length) * block_size_; p < s.length + n; p += block_size_) {
             if (window_ > 0)  // what the window frees once the sequence holds p tokens
-                for (const Index keep = std::max(sinks_, p - window_); (sink + dropped + 1) * block_size_ <= keep;
+                for (const Index keep = keep_from(p); (sink + dropped + 1) * block_size_ <= keep;
                      ++dropped) {
                     const Index j = sink + dropped;  // a token block past the sinks, below the window
                     const bool own = j >= before - (copies ? 1 : 0) ||
@@ -1218,6 +1283,8 @@ private:
     Index blocks_, block_size_;
     T scale_;
     Index window_, sinks_;  // sinks_ is 0 without a window
+    Index rollback_;        // tokens kept before the window (PoolOptions::rollback_tokens), 0 without one
+    bool reject_nonfinite_;
     double softcap_;
     std::vector<double> slopes_, sink_logits_;  // per query head, or none
     detail::StoredRows<T, S> keys_, values_;
