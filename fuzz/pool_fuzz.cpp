@@ -11,11 +11,13 @@
 // again. A second mode runs batched prefill and decode on pools long enough that their
 // attends go through the executor, one that fails part way: every sequence must be as it
 // was (its snapshot, the free blocks), and the same call on a working executor must then
-// give what a pool that never saw the failure gives, bit for bit.
+// give what a pool that never saw the failure gives, bit for bit. A third runs a
+// ModelCache beside independent pools (model_cache below).
 #include "fuzz_input.hpp"
 
 #include <memattn/memattn.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -147,12 +149,168 @@ void failing_executor(fuzz::FuzzInput& in) {
         fail("after a failed call, a call differs from the pool's that never failed");
 }
 
+/// The third mode: a ModelCache of one to three layers of their own (layouts, blocks,
+/// windows, rollback room) beside independent pools taking the same calls. After every
+/// operation each layer must equal its pool (lengths, blocks), a step's outputs its
+/// pool's bit for bit, a refused plan or truncate or rollback must change nothing, and a
+/// removed id must be refused for good.
+void model_cache(fuzz::FuzzInput& in) {
+    std::vector<ModelLayer> specs;
+    const Index layers = in.size(1, 3);
+    for (Index l = 0; l < layers; ++l) {
+        const Index kv = in.size(1, 2), window = in.size(0, 9);
+        specs.push_back({.layout = {kv * in.size(1, 2), kv, in.size(1, 4)},
+                         .blocks = in.size(1, 16),
+                         .block_size = in.size(1, 6),
+                         .options = {.window = window, .sink_tokens = in.size(0, 3)},
+                         .pool = {.rollback_tokens = window > 0 ? in.size(0, 4) : 0}});
+    }
+    ModelCache<float> cache(specs);
+    std::vector<PagedKVCache<float>> pools;
+    for (const ModelLayer& l : specs)
+        pools.emplace_back(l.layout, l.blocks, l.block_size, l.options, l.pool);
+    std::vector<Index> live, dead;
+    const auto pick = [&]() { return live[static_cast<std::size_t>(in.size(0, static_cast<Index>(live.size()) - 1))]; };
+    const auto agree = [&](const char* what) {
+        for (Index l = 0; l < layers; ++l) {
+            const auto& mine = cache.layer(l);
+            const auto& own = pools[static_cast<std::size_t>(l)];
+            if (mine.blocks_in_use() != own.blocks_in_use() || mine.sequences() != own.sequences())
+                fail(what);
+            for (const Index id : live)
+                if (mine.length(cache.slot_of(id)) != own.length(cache.slot_of(id)))
+                    fail(what);
+        }
+        for (const Index id : dead)
+            if (cache.contains(id))
+                fail("a removed id is live again");
+    };
+    const Index steps = in.size(0, 40);
+    for (Index op = 0; op < steps; ++op) {
+        const Index kind = live.empty() ? 0 : in.size(0, 5);
+        if (kind == 0 && live.size() < 5) {
+            const Index id = cache.add_sequence();
+            for (auto& p : pools)
+                if (p.add_sequence() != cache.slot_of(id))
+                    fail("a layer's slot differs from its pool's");
+            live.push_back(id);
+        } else if (kind == 1 && live.size() < 5) {
+            const Index parent = pick(), id = cache.fork(parent);
+            for (auto& p : pools)
+                if (p.fork(cache.slot_of(parent)) != cache.slot_of(id))
+                    fail("a fork's slot differs from its pool's");
+            live.push_back(id);
+        } else if (kind == 2) {
+            const Index id = pick(), slot = cache.slot_of(id);
+            cache.remove(id);
+            for (auto& p : pools)
+                p.remove(slot);
+            live.erase(std::find(live.begin(), live.end(), id));
+            dead.push_back(id);
+            bool refused = false;
+            try {
+                (void)cache.length(id);
+            } catch (const std::invalid_argument&) {
+                refused = true;
+            }
+            if (!refused)
+                fail("a removed id was not refused");
+        } else if (kind == 3) {
+            const Index id = pick(), slot = cache.slot_of(id), tokens = in.size(0, cache.length(id));
+            bool all = true;
+            for (const auto& p : pools)
+                all = all && p.can_truncate(slot, tokens);
+            if (cache.can_truncate(id, tokens) != all)
+                fail("can_truncate differs from the layers'");
+            try {
+                cache.truncate(id, tokens);
+                for (auto& p : pools)
+                    p.truncate(slot, tokens);
+            } catch (const std::invalid_argument&) {
+                if (all)
+                    fail("a truncate every layer could take was refused");
+            }
+        } else {  // a step: chunks of 0 to 3 rows (or one token each), run by a prefix of the layers or all
+            std::vector<Index> ids, offsets{0};
+            const bool decode = in.flag();
+            for (const Index id : live)
+                if (in.flag()) {
+                    ids.push_back(id);
+                    offsets.push_back(offsets.back() + (decode ? 1 : in.size(0, 3)));
+                }
+            std::vector<Index> before;
+            for (const auto& p : pools)
+                before.push_back(p.blocks_in_use());
+            const ModelCache<float>::Step* step = nullptr;
+            try {
+                step = decode ? &cache.plan_decode(ids) : &cache.plan(ids, offsets);
+            } catch (const PoolExhausted&) {
+                for (Index l = 0; l < layers; ++l)
+                    if (cache.layer(l).blocks_in_use() != before[static_cast<std::size_t>(l)])
+                        fail("a refused plan changed a layer");
+                agree("after a refused plan");
+                continue;
+            }
+            std::vector<Index> lengths;  // before the step
+            for (const Index id : ids)
+                lengths.push_back(cache.length(id));
+            const Index reached = in.flag() ? in.size(0, layers) : layers, rows = step->rows();
+            for (Index l = 0; l < reached; ++l) {
+                PagedKVCache<float>& own = pools[static_cast<std::size_t>(l)];
+                const Matrix<float> Q = in.matrix<float>(rows, own.query_dim(), 2.0),
+                                    K = in.matrix<float>(rows, own.key_dim(), 2.0),
+                                    V = in.matrix<float>(rows, own.value_dim(), 2.0);
+                Matrix<float> O(rows, own.output_dim()), expected(rows, own.output_dim());
+                if (decode) {
+                    cache.decode(l, *step, Q, K, V, O);
+                    batched_decode(own, step->slots(), Q, K, V, expected);
+                } else {
+                    cache.prefill(l, *step, Q, K, V, O);
+                    batched_prefill(own, step->slots(), step->q_offsets(), Q, K, V, expected);
+                }
+                if (!(O.array() == expected.array()).all())
+                    fail("a layer's step differs from its pool's");
+            }
+            if (reached < layers) {  // the step stopped part way: take it back
+                bool can = true;
+                for (Index l = 0; l < reached; ++l)
+                    for (std::size_t i = 0; i < ids.size(); ++i)
+                        can = can && pools[static_cast<std::size_t>(l)].can_truncate(step->slots()[i], lengths[i]);
+                try {
+                    cache.rollback(*step);
+                    for (Index l = 0; l < reached; ++l)
+                        for (std::size_t i = 0; i < ids.size(); ++i)
+                            pools[static_cast<std::size_t>(l)].truncate(step->slots()[i], lengths[i]);
+                } catch (const std::invalid_argument&) {
+                    if (can)
+                        fail("a rollback every layer could take was refused");
+                    // Refused, nothing changed: the layers not reached are behind; remove the step's sequences.
+                    for (const Index id : ids) {
+                        const Index slot = cache.slot_of(id);
+                        cache.remove(id);
+                        for (auto& p : pools)
+                            p.remove(slot);
+                        live.erase(std::find(live.begin(), live.end(), id));
+                        dead.push_back(id);
+                    }
+                }
+            }
+        }
+        agree("a layer differs from its pool");
+    }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
     fuzz::FuzzInput in(data, size);
-    if (in.size(0, 7) == 0) {
+    const Index mode = in.size(0, 7);
+    if (mode == 0) {
         failing_executor(in);
+        return 0;
+    }
+    if (mode == 1) {
+        model_cache(in);
         return 0;
     }
     const Index kv = in.size(1, 2), g = in.size(1, 3), d = in.size(1, 6);
