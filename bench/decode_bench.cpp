@@ -53,6 +53,7 @@
 #include <memattn/positional/rope.hpp>
 #include <memattn/serving/batched.hpp>
 #include <memattn/serving/paged_kv_cache.hpp>
+#include <memattn/serving/model_cache.hpp>
 
 #include <algorithm>
 #include <array>
@@ -474,6 +475,10 @@ void cells(benchmark::internal::Benchmark* b) {
 //   BM_PrefixSharing<S>/block:B        16 sequences forked from one 2048-token prompt, one
 //       token each per step: held_MiB (the pool's blocks in use) against private_MiB
 //       (16 caches of the same tokens)
+//   BM_ModelStep/model:M                 a decode step of 16 sequences of 512 tokens through
+//       4 layers (8/2 heads × 64, float, blocks of 32, one thread): M = 0 batched_decode on
+//       4 PagedKVCache of their own, M = 1 plan_decode and decode on a ModelCache of the
+//       same layers; what the model cache adds per step is the difference
 //   BM_SharedPrefix<S>/shared:X/t:T    16 sequences of a 4096-token prompt and 64 tokens
 //       of their own each, one token each per step (blocks of 128): X = 1 forks of one
 //       prompt, whose shared blocks a step reads once (serving/cascade.hpp), X = 0 the
@@ -663,6 +668,55 @@ void BM_SharedPrefix(benchmark::State& state) {
         (1024.0 * 1024.0);
 }
 
+void BM_ModelStep(benchmark::State& state) {
+    const bool model = state.range(0) != 0;
+    const Index layers = 4, batch = 16, length = 512, block = 32;
+    const HeadLayout layout{8, 2, 64};
+    const memattn::SerialExecutor serial;
+    const std::vector<memattn::ModelLayer> specs(static_cast<std::size_t>(layers),
+                                                 memattn::ModelLayer{.layout = layout, .blocks = 2 * batch * (length / block + 2),
+                                                                     .block_size = block});
+    memattn::ModelCache<float> cache(specs);
+    std::vector<memattn::PagedKVCache<float>> pools;
+    for (const auto& l : specs)
+        pools.emplace_back(l.layout, l.blocks, l.block_size, l.options);
+    const Index kv_cols = layout.kv_heads * layout.head_dim, q_cols = layout.q_heads * layout.head_dim;
+    const Matrix<float>& keys = pool(kv_cols, 2);
+    const Matrix<float>& values = pool(kv_cols, 3);
+    std::vector<Index> ids, slots;
+    for (Index i = 0; i < batch; ++i) {
+        ids.push_back(cache.add_sequence());
+        slots.push_back(cache.slot_of(ids.back()));
+        for (Index l = 0; l < layers; ++l) {
+            cache.layer(l).set_executor(serial);
+            cache.layer(l).extend(slots.back(), keys.topRows(length), values.topRows(length));
+            pools[static_cast<std::size_t>(l)].set_executor(serial);
+            const Index own = pools[static_cast<std::size_t>(l)].add_sequence();
+            pools[static_cast<std::size_t>(l)].extend(own, keys.topRows(length), values.topRows(length));
+        }
+    }
+    const Matrix<float> Q = pool(q_cols, 1).topRows(batch), K = keys.topRows(batch), V = values.topRows(batch);
+    Matrix<float> O(batch, q_cols);
+    const auto step = [&] {
+        if (model) {
+            const auto& planned = cache.plan_decode(ids);
+            for (Index l = 0; l < layers; ++l)
+                cache.decode(l, planned, Q, K, V, O);
+            for (const Index id : ids)
+                cache.truncate(id, length);
+        } else {
+            for (auto& p : pools)
+                memattn::batched_decode(p, slots, Q, K, V, O);
+            for (auto& p : pools)
+                for (const Index s : slots)
+                    p.truncate(s, length);
+        }
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    };
+    state.counters["step_ms"] = median_step_seconds(state, step) * 1e3;
+}
+
 void serving_cells(benchmark::internal::Benchmark* b) {
     b->ArgNames({"block", "t"});
     for (Index threads : {1, 2})
@@ -703,6 +757,7 @@ BENCHMARK(BM_BatchedDecode<float>)->Name("BM_BatchedDecode<float>")->Apply(servi
 BENCHMARK(BM_BatchedDecode<Eigen::bfloat16>)->Name("BM_BatchedDecode<bfloat16>")->Apply(serving_cells);
 BENCHMARK(BM_SeparateDecode<float>)->Name("BM_SeparateDecode<float>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SeparateDecode<Eigen::bfloat16>)->Name("BM_SeparateDecode<bfloat16>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ModelStep)->ArgName("model")->Arg(0)->Arg(1)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SharedPrefix<float>)
     ->Name("BM_SharedPrefix<float>")
     ->ArgNames({"shared", "t"})
