@@ -217,7 +217,7 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                 }
                 const SoftmaxTiles tiles = default_tiles(effective_window(options.window, chunk.length));
                 std::optional<SoftmaxScratch<T>>& tiled = tiles == SoftmaxTiles{} ? scratch.full : scratch.windowed;
-                if (!tiled || tiled->qt.rows() != d || tiled->acc.cols() != dv)
+                if (!tiled)  // a pool's d and dv never change: made once per tile shape
                     tiled.emplace(d, dv, tiles);
                 if (scratch.keys.rows() < tiles.keys || scratch.keys.cols() != d)
                     scratch.keys.resize(std::max(tiles.keys, SoftmaxTiles{}.keys), d);
