@@ -187,8 +187,35 @@ void model_cache(fuzz::FuzzInput& in) {
     };
     const Index steps = in.size(0, 40);
     for (Index op = 0; op < steps; ++op) {
-        const Index kind = live.empty() ? 0 : in.size(0, 5);
-        if (kind == 0 && live.size() < 5) {
+        const Index kind = live.empty() ? 0 : in.size(0, 6);
+        if (kind == 6) {  // a sequence's snapshot across every layer, loaded into another (or itself)
+            const Index from = pick(), to = pick();
+            std::vector<std::byte> bytes(snapshot_size(cache.sequence(from)));
+            save(cache.sequence(from), bytes);
+            std::vector<Index> in_use;
+            for (Index l = 0; l < layers; ++l)
+                in_use.push_back(cache.layer(l).blocks_in_use());
+            const Index before = cache.length(to);
+            auto target = cache.sequence(to);
+            try {
+                load(target, std::span<const std::byte>(bytes));
+            } catch (const PoolExhausted&) {
+                for (Index l = 0; l < layers; ++l)
+                    if (cache.layer(l).blocks_in_use() != in_use[static_cast<std::size_t>(l)])
+                        fail("a refused load changed a layer");
+                if (cache.length(to) != before)
+                    fail("a refused load changed the sequence");
+                agree("after a refused load");
+                continue;
+            }
+            for (Index l = 0; l < layers; ++l) {  // every layer could take it: so does each pool
+                auto& own = pools[static_cast<std::size_t>(l)];
+                std::vector<std::byte> part(snapshot_size(own.sequence(cache.slot_of(from))));
+                save(own.sequence(cache.slot_of(from)), part);
+                auto mine = own.sequence(cache.slot_of(to));
+                load(mine, std::span<const std::byte>(part));
+            }
+        } else if (kind == 0 && live.size() < 5) {
             const Index id = cache.add_sequence();
             for (auto& p : pools)
                 if (p.add_sequence() != cache.slot_of(id))

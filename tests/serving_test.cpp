@@ -1443,6 +1443,183 @@ TEST_CASE("ModelCache: random operations against independent pools; a step the l
     CHECK(refused_steps > 0);
 }
 
+TEMPLATE_TEST_CASE("ModelCache: a sequence's snapshot holds every layer, loads into another cache of other blocks "
+                   "bit for bit, and a load that one layer refuses changes none",
+                   "[serving][model][snapshot]", float, Eigen::bfloat16, Q8) {
+    using S = TestType;
+    const auto layers = [](Index small_blocks, Index block) {
+        return std::vector<ModelLayer>{{.layout = {4, 2, 8, 0}, .blocks = 40, .block_size = block},
+                                       {.layout = {4, 1, 8, 4},
+                                        .blocks = 40,
+                                        .block_size = block,
+                                        .options = {.window = 9, .sink_tokens = 2}},
+                                       {.layout = {2, 2, 4, 0}, .blocks = small_blocks, .block_size = block}};
+    };
+    ModelCache<float, S> cache(layers(40, 4));
+    const Index a = cache.add_sequence(), b = cache.add_sequence();
+    const auto feed = [&](ModelCache<float, S>& c, const std::vector<Index>& ids, Index tokens, std::uint64_t seed) {
+        std::vector<Index> offsets{0};
+        for (std::size_t i = 0; i < ids.size(); ++i)
+            offsets.push_back(offsets.back() + tokens);
+        const auto& step = c.plan(ids, offsets);
+        std::vector<Matrix<float>> out;
+        for (Index l = 0; l < c.layers(); ++l) {
+            const auto& pool = c.layer(l);
+            const std::uint64_t at = seed + 10 * static_cast<std::uint64_t>(l);
+            const Matrix<float> Q = random_matrix<float>(step.rows(), pool.query_dim(), at),
+                                K = random_matrix<float>(step.rows(), pool.key_dim(), at + 1),
+                                V = random_matrix<float>(step.rows(), pool.value_dim(), at + 2);
+            Matrix<float> O(step.rows(), pool.output_dim());
+            c.prefill(l, step, Q, K, V, O);
+            out.push_back(O);
+        }
+        return out;
+    };
+    feed(cache, {a, b}, 23, 500);
+    const Index c = cache.fork(a);
+    feed(cache, {c}, 5, 510);
+
+    // Into another cache of other block sizes: its next steps are the first's, bit for bit.
+    std::stringstream stream;
+    save(cache.sequence(c), stream);
+    CHECK(snapshot_size(cache.sequence(c)) == stream.str().size());
+    ModelCache<float, S> other(layers(40, 8));
+    const Index d = other.add_sequence();
+    auto target = other.sequence(d);
+    load(target, stream);
+    CHECK(other.length(d) == 28);
+    for (Index l = 0; l < 3; ++l)
+        CHECK(other.layer(l).length(other.slot_of(d)) == 28);
+    const auto mine = feed(cache, {c}, 3, 520), theirs = feed(other, {d}, 3, 520);
+    for (std::size_t l = 0; l < mine.size(); ++l)
+        CHECK((mine[l].array() == theirs[l].array()).all());
+
+    // A buffer, and a load the last layer has too few blocks for: every layer unchanged.
+    std::vector<std::byte> buffer(snapshot_size(cache.sequence(a)));
+    CHECK(save(cache.sequence(a), buffer) == buffer.size());
+    ModelCache<float, S> tight(layers(3, 4));
+    const Index e = tight.add_sequence();
+    feed(tight, {e}, 2, 530);
+    std::vector<Index> in_use;
+    for (Index l = 0; l < 3; ++l)
+        in_use.push_back(tight.layer(l).blocks_in_use());
+    auto small = tight.sequence(e);
+    CHECK_THROWS_WITH(load(small, std::span<const std::byte>(buffer)), Catch::Contains("ModelCache::read_sequence"));
+    CHECK_THROWS_AS(load(small, std::span<const std::byte>(buffer)), PoolExhausted);
+    for (Index l = 0; l < 3; ++l) {
+        CHECK(tight.layer(l).blocks_in_use() == in_use[static_cast<std::size_t>(l)]);
+        CHECK(tight.layer(l).length(tight.slot_of(e)) == 2);
+    }
+    // Another layer count or another layer's layout: SnapshotError, nothing changed.
+    auto two = layers(40, 4);
+    two.pop_back();
+    ModelCache<float, S> fewer(two);
+    auto f = fewer.sequence(fewer.add_sequence());
+    CHECK_THROWS_WITH(load(f, std::span<const std::byte>(buffer)), Catch::Contains("layers"));
+    auto changed = layers(40, 4);
+    changed[1].options.window = 10;
+    ModelCache<float, S> windowed(changed);
+    auto w = windowed.sequence(windowed.add_sequence());
+    CHECK_THROWS_WITH(load(w, std::span<const std::byte>(buffer)), Catch::Contains("window"));
+    CHECK(windowed.layer(0).blocks_in_use() == 0);
+    // A pool's sequence snapshot is not a model's.
+    std::stringstream one;
+    save(cache.layer(0).sequence(cache.slot_of(a)), one);
+    CHECK_THROWS_WITH(load(target, one), Catch::Contains("PagedKVCache::Sequence"));
+    // Removed ids are refused.
+    cache.remove(b);
+    CHECK_THROWS_WITH(cache.sequence(b), Catch::Contains("was removed"));
+}
+
+TEST_CASE("ModelCache: a planned step holds its blocks against forks and loads, runs once per layer, and a half-run "
+          "step refuses new plans and changes to its sequences until it is finished or taken back",
+          "[serving][model]") {
+    // Blocks of 4 tokens; the last layer has few blocks.
+    const std::vector<ModelLayer> specs{{.layout = {2, 1, 4, 0}, .blocks = 30, .block_size = 4},
+                                        {.layout = {2, 1, 4, 0}, .blocks = 4, .block_size = 4}};
+    ModelCache<float> cache(specs);
+    const auto run = [&](Index l, const ModelCache<float>::Step& step) {
+        const auto& pool = cache.layer(l);
+        const Matrix<float> Q = random_matrix<float>(step.rows(), pool.query_dim(), 600),
+                            K = random_matrix<float>(step.rows(), pool.key_dim(), 601),
+                            V = random_matrix<float>(step.rows(), pool.value_dim(), 602);
+        Matrix<float> O(step.rows(), pool.output_dim());
+        cache.prefill(l, step, Q, K, V, O);
+    };
+    const Index a = cache.add_sequence();
+    {
+        const auto& step = cache.plan(std::vector<Index>{a}, std::vector<Index>{0, 6});
+        CHECK(cache.step_pending());
+        run(0, step);
+        CHECK_THROWS_WITH(run(0, step), Catch::Contains("has run in layer 0 already"));
+        // Half run: no new plan, no fork, truncate or load of its sequence; remove stays allowed.
+        CHECK_THROWS_WITH(cache.plan_decode(std::vector<Index>{a}), Catch::Contains("rollback(step) first"));
+        CHECK_THROWS_WITH(cache.fork(a), Catch::Contains("run it in every layer"));
+        CHECK_FALSE(cache.can_truncate(a, 0));
+        CHECK_THROWS_WITH(cache.truncate(a, 0), Catch::Contains("run it in every layer"));
+        run(1, step);
+        CHECK_FALSE(cache.step_pending());
+        CHECK_THROWS_WITH(run(1, step), Catch::Contains("not the latest plan"));
+        CHECK(cache.length(a) == 6);
+    }
+    // a holds 2 blocks of layer 1 (6 tokens, the second half full); a step of 2 tokens
+    // fills it, and after a fork of a it must copy that block first: 1 block more.
+    const Index b = cache.add_sequence();
+    {
+        const auto& step = cache.plan(std::vector<Index>{a, b}, std::vector<Index>{0, 2, 8});  // b takes 2 blocks
+        CHECK(cache.layer(1).free_blocks() == 2);
+        CHECK_THROWS_AS(cache.fork(a), PoolExhausted);  // its copy on write would need a third
+        CHECK_THROWS_WITH(cache.fork(a), Catch::Contains("the planned step holds blocks"));
+        CHECK(cache.sequences() == 2);
+        CHECK(cache.layer(1).sequences() == 2);
+        const Index c = cache.fork(b);  // b is empty: nothing to copy
+        run(0, step);
+        run(1, step);
+        CHECK(cache.length(a) == 8);
+        CHECK(cache.length(b) == 6);
+        cache.remove(c);
+    }
+    // Before any layer runs a step, a change to one of its sequences ends it.
+    {
+        const auto& step = cache.plan_decode(std::vector<Index>{b});
+        cache.truncate(b, 5);
+        CHECK_FALSE(cache.step_pending());
+        CHECK_THROWS_WITH(run(0, step), Catch::Contains("plan anew"));
+        CHECK_THROWS_WITH(cache.rollback(step), Catch::Contains("not the latest plan"));
+    }
+    // A rollback ends the step; a decode call refuses a plan of chunks.
+    {
+        const auto& step = cache.plan(std::vector<Index>{b}, std::vector<Index>{0, 1});
+        const Matrix<float> Q = random_matrix<float>(1, 2 * 4, 610), K = random_matrix<float>(1, 4, 611),
+                            V = random_matrix<float>(1, 4, 612);
+        Matrix<float> O(1, 8);
+        CHECK_THROWS_WITH(cache.decode(0, step, Q, K, V, O), Catch::Contains("plan_decode"));
+        run(0, step);
+        cache.rollback(step);
+        CHECK_FALSE(cache.step_pending());
+        CHECK(cache.layer(0).length(cache.slot_of(b)) == 5);
+        CHECK_THROWS_WITH(run(1, step), Catch::Contains("plan anew"));
+    }
+    // A load that would take the blocks a planned step holds is refused.
+    {
+        std::stringstream stream;
+        save(cache.sequence(b), stream);  // 5 tokens: 2 blocks in each layer
+        cache.remove(b);
+        const Index fresh = cache.add_sequence();
+        const auto& step = cache.plan(std::vector<Index>{a}, std::vector<Index>{0, 2});  // a: 8 → 10, a block more
+        CHECK(cache.layer(1).free_blocks() == 2);
+        auto target = cache.sequence(fresh);
+        CHECK_THROWS_WITH(load(target, stream), Catch::Contains("the planned step holds blocks"));
+        CHECK(cache.length(fresh) == 0);
+        CHECK(cache.layer(1).free_blocks() == 2);
+        cache.rollback(step);  // no step holds blocks now
+        stream.seekg(0);
+        load(target, stream);
+        CHECK(cache.length(fresh) == 5);
+        CHECK(cache.layer(1).free_blocks() == 0);
+    }
+}
+
 TEMPLATE_TEST_CASE("PagedKVCache with rollback room: every truncate of up to rollback_tokens succeeds, the blocks "
                    "stay bounded, and the attends equal the windowed reference after it",
                    "[serving][window][rollback]", float, Q8) {

@@ -62,15 +62,21 @@
 
 namespace memattn {
 
-/// A memory that can be saved and loaded: it names its kind (which, with its scalar
-/// and storage type, must match between the stream and the target) and writes and
-/// reads its payload (see the top of this header for the contract).
-template <class M>
-concept Snapshottable = Memory<M> && requires(const M& cm, M& m, snapshot::Writer& w, snapshot::Reader& r) {
-    { cm.snapshot_kind() } -> std::convertible_to<std::string>;
-    cm.write_snapshot(w);
-    m.read_snapshot(r);
+/// What save and load take: a type with a Scalar that names its kind (which, with its
+/// scalar and storage type, must match between the stream and the target) and writes
+/// and reads its payload (see the top of this header for the contract). Every
+/// Snapshottable memory is one; so is a ModelCache's sequence, which is not a Memory.
+template <class P>
+concept Persistent = requires(const P& cp, P& p, snapshot::Writer& w, snapshot::Reader& r) {
+    typename P::Scalar;
+    { cp.snapshot_kind() } -> std::convertible_to<std::string>;
+    cp.write_snapshot(w);
+    p.read_snapshot(r);
 };
+
+/// A memory that can be saved and loaded: a Memory that is Persistent.
+template <class M>
+concept Snapshottable = Memory<M> && Persistent<M>;
 
 namespace snapshot {
 
@@ -132,7 +138,7 @@ struct SnapshotPlan {
 };
 
 /// `function` is the caller's name without "memattn::", as for require.
-template <Snapshottable M>
+template <Persistent M>
 SnapshotPlan plan_snapshot(const M& memory, std::string_view function) {
     snapshot::Writer counter;
     memory.write_snapshot(counter);
@@ -155,7 +161,7 @@ inline std::size_t snapshot_bytes(const SnapshotPlan& plan, std::string_view fun
 
 /// The one write path of the format, whatever the sink of `w` (a stream or a buffer):
 /// the header, the memory's payload, the checksum.
-template <Snapshottable M>
+template <Persistent M>
 void write_snapshot_to(const M& memory, const SnapshotPlan& plan, snapshot::Writer& w) {
     w.bytes(snapshot::magic.data(), snapshot::magic.size());
     w.number(snapshot::format_version);
@@ -220,7 +226,7 @@ private:
 
 /// The one read path of the format, whatever the source: reads one snapshot into
 /// `memory` all or nothing and returns its size in bytes.
-template <Snapshottable M, class Source>
+template <Persistent M, class Source>
 std::uint64_t load_snapshot_from(M& memory, Source& source) {
     using namespace snapshot;
     // Header, up to the kind's length: magic, version, kind bytes.
@@ -285,7 +291,7 @@ std::uint64_t load_snapshot_from(M& memory, Source& source) {
 /// nothing for the bytes and takes a small part of a save's time (no copy, no checksum).
 /// The size changes as the memory takes tokens (a KVCache's grows with its length; the
 /// fixed-size memories' stays the same from the first token their state holds in full).
-template <Snapshottable M>
+template <Persistent M>
 [[nodiscard]] std::size_t snapshot_size(const M& memory) {
     return detail::snapshot_bytes(detail::plan_snapshot(memory, "snapshot_size"), "snapshot_size");
 }
@@ -293,7 +299,7 @@ template <Snapshottable M>
 /// Writes `memory` to `out` as one snapshot (docs/snapshot-format.md): the header, the
 /// memory's payload, the checksum. Open files in binary mode. Throws SnapshotError if the
 /// stream fails (what reached it is then an incomplete snapshot that load rejects).
-template <Snapshottable M>
+template <Persistent M>
 void save(const M& memory, std::ostream& out) {
     const detail::SnapshotPlan plan = detail::plan_snapshot(memory, "save");
     snapshot::Writer w(out);
@@ -306,7 +312,7 @@ void save(const M& memory, std::ostream& out) {
 /// throws std::invalid_argument, saying the size needed and the size given, before a byte
 /// is written. (Only a memory whose write_snapshot throws, or writes other sizes than it
 /// counted, leaves the buffer's first bytes unspecified, with SnapshotError.)
-template <Snapshottable M>
+template <Persistent M>
 std::size_t save(const M& memory, std::span<std::byte> out) {
     const detail::SnapshotPlan plan = detail::plan_snapshot(memory, "save");
     const std::size_t total = detail::snapshot_bytes(plan, "save");
@@ -320,7 +326,7 @@ std::size_t save(const M& memory, std::span<std::byte> out) {
 /// Reads one snapshot from `in` into `memory`, which must be of the kind, scalar,
 /// storage, dimensions and options the snapshot was saved from; leaves `in` just after
 /// it. All or nothing: on any fault (see SnapshotError) `memory` is unchanged.
-template <Snapshottable M>
+template <Persistent M>
 void load(M& memory, std::istream& in) {
     detail::StreamSource source(in);
     detail::load_snapshot_from(memory, source);
@@ -330,7 +336,7 @@ void load(M& memory, std::istream& in) {
 /// (the same checks, all or nothing), and returns its size in bytes, where the next
 /// snapshot of a buffer holding several back to back starts. Bytes after the snapshot are
 /// not read. Reads the payload where it lies in `in`, without copying it.
-template <Snapshottable M>
+template <Persistent M>
 std::size_t load(M& memory, std::span<const std::byte> in) {
     detail::SpanSource source(in);
     return static_cast<std::size_t>(detail::load_snapshot_from(memory, source));

@@ -19,22 +19,38 @@
 // ("sequence ... was removed"), where a slot of the pools would name the next sequence
 // given it, and a pool's own id (generation 0) is refused too.
 //
-// All or nothing: add_sequence, fork, truncate and remove act on every layer or on none
-// (truncate checks can_truncate in every layer first; add and fork take back what an
-// allocation that failed part way had made). A step planned by plan() has each layer's
-// blocks counted against its free ones (PagedKVCache::blocks_needed), so while no other
-// call takes blocks between the plan and the step's last layer, no layer's step throws
-// PoolExhausted: a model's step does not stop half way for want of blocks. rollback(step)
-// takes a step's tokens back from every layer that took them.
+// All or nothing: add_sequence, fork, truncate, remove and a sequence's load act on every
+// layer or on none (truncate checks can_truncate in every layer first; add and fork take
+// back what an allocation that failed part way had made; a load reads every layer before
+// it changes one).
+//
+// A step: plan() (or plan_decode()) checks the ids and counts each layer's blocks against
+// its free ones (PagedKVCache::blocks_needed), and from then on holds them: until a
+// layer has run the step, the cache's own calls that take blocks (fork, whose copies on
+// write a step's sequence may now need, and a sequence's load) are refused with
+// PoolExhausted if they would leave that layer short, so no layer's step throws
+// PoolExhausted: a model's step does not stop half way for want of blocks. (Calls made
+// on a layer's pool directly are the caller's to count.) Each layer runs the latest plan
+// once (decode, prefill); rollback(step) takes its tokens back from every layer that took
+// them. Between a step's first layer and its last, its sequences' lengths differ between
+// layers, so a new plan, and a fork, truncate or load of one of them, are refused until
+// the step has run in every layer or is taken back; remove is always allowed (and ends
+// the step it is in). Before any layer has run it, a truncate, remove or load of one of
+// its sequences ends the step (its lengths are stale): plan anew.
+//
+// Snapshots: sequence(id) is the sequence across every layer, for memattn::save and
+// memattn::load (memattn/persistence/snapshot.hpp): one snapshot, every layer's tokens.
 
 #include "memattn/execution/executor.hpp"
 #include "memattn/kernels/softmax_options.hpp"
 #include "memattn/layer/head_layout.hpp"
+#include "memattn/persistence/snapshot.hpp"
 #include "memattn/serving/batched.hpp"
 #include "memattn/serving/paged_kv_cache.hpp"
 #include "memattn/types.hpp"
 
 #include <cstdint>
+#include <algorithm>
 #include <span>
 #include <string>
 #include <utility>
@@ -75,7 +91,33 @@ public:
     private:
         friend class ModelCache;
         std::vector<Index> slots_, offsets_, before_;
+        std::uint64_t serial_ = 0;  // the plan it is (the cache's count of plans)
         bool decode_ = false;
+    };
+
+    /// One sequence across every layer, for snapshots: memattn::save and memattn::load
+    /// take it (it is Persistent, not a Memory). A view: the cache must outlive it.
+    class Sequence {
+    public:
+        using Scalar = T;  ///< the cache's scalar
+        /// The storage type a snapshot records.
+        static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
+        /// The kind a snapshot records.
+        [[nodiscard]] static std::string snapshot_kind() { return "ModelCache::Sequence"; }
+        /// Writes its tokens in every layer (ModelCache::write_sequence).
+        void write_snapshot(snapshot::Writer& w) const { cache_->write_sequence(id_, w); }
+        /// Reads them back, every layer or none (ModelCache::read_sequence).
+        void read_snapshot(snapshot::Reader& r) { cache_->read_sequence(id_, r); }
+        /// Its id.
+        [[nodiscard]] Index id() const noexcept { return id_; }
+        /// The cache it belongs to.
+        [[nodiscard]] ModelCache& cache() const noexcept { return *cache_; }
+
+    private:
+        friend class ModelCache;
+        Sequence(ModelCache& cache, Index id) : cache_(&cache), id_(id) {}
+        ModelCache* cache_;
+        Index id_;
     };
 
     /// The layers' pools, built now (each allocates its blocks).
@@ -84,6 +126,7 @@ public:
         pools_.reserve(layers.size());
         for (const ModelLayer& l : layers)
             pools_.emplace_back(l.layout, l.blocks, l.block_size, l.options, l.pool);
+        ran_.assign(pools_.size(), 0);
     }
 
     /// Layers of the model.
@@ -98,9 +141,21 @@ public:
         return in_every_layer([](Pool& pool) { return pool.add_sequence(); });
     }
     /// A new sequence holding `parent`'s tokens in every layer, sharing its blocks.
+    /// Refused (PoolExhausted, nothing changed) if the copies on write the planned step
+    /// would then make leave a layer that has not run it short of blocks.
     Index fork(Index parent) {
-        const Index from = slot_of("ModelCache::fork", "parent", parent);
-        return in_every_layer([from](Pool& pool) { return pool.fork(from); });
+        constexpr const char* function = "ModelCache::fork";
+        const Index from = slot_of(function, "parent", parent);
+        check_not_mid_step(function, "parent", parent, from);
+        const Index child = in_every_layer([from](Pool& pool) { return pool.fork(from); });
+        try {
+            admit(function);
+        } catch (...) {
+            for (Pool& pool : pools_)
+                pool.remove(slot(child));
+            throw;
+        }
+        return child;
     }
     /// Keeps the first `tokens` tokens of `id` in every layer (a rollback), or, when a
     /// windowed layer has freed tokens a sequence of that length needs, throws
@@ -108,6 +163,7 @@ public:
     void truncate(Index id, Index tokens) {
         constexpr const char* function = "ModelCache::truncate";
         const Index slot = slot_of(function, "id", id);
+        check_not_mid_step(function, "id", id, slot);
         for (Index l = 0; l < layers(); ++l)
             detail::require(pools_[static_cast<std::size_t>(l)].can_truncate(slot, tokens), function, "tokens", "is ",
                             tokens, ", which layer ", l, " cannot take sequence ", id, " back to (length ",
@@ -115,10 +171,11 @@ public:
                             ", its window has freed what that length needs, or more than its length)");
         for (Pool& pool : pools_)
             pool.truncate(slot, tokens);
+        end_step_of(slot);
     }
     /// Whether truncate(id, tokens) would succeed.
     [[nodiscard]] bool can_truncate(Index id, Index tokens) const noexcept {
-        if (!contains(id))
+        if (!contains(id) || (mid_step() && in_step(slot(id))))
             return false;
         for (const Pool& pool : pools_)
             if (!pool.can_truncate(slot(id), tokens))
@@ -131,6 +188,7 @@ public:
         for (Pool& pool : pools_)
             pool.remove(slot);
         ++generations_[static_cast<std::size_t>(slot)];
+        end_step_of(slot);
     }
 
     /// True when `id` names a live sequence.
@@ -146,6 +204,65 @@ public:
     /// The id of `id`'s sequence in every layer's pool.
     [[nodiscard]] Index slot_of(Index id) const { return slot_of("ModelCache::slot_of", "id", id); }
 
+    /// `id` across every layer, for memattn::save and memattn::load (see Sequence).
+    [[nodiscard]] Sequence sequence(Index id) {
+        slot_of("ModelCache::sequence", "id", id);
+        return Sequence(*this, id);
+    }
+    /// Writes `id`'s tokens in every layer: the layer count, then each layer's
+    /// PagedKVCache::write_sequence as a part of its own.
+    void write_sequence(Index id, snapshot::Writer& w) const {
+        const Index s = slot_of("ModelCache::write_sequence", "id", id);
+        w.index(layers());
+        for (const Pool& pool : pools_)
+            w.part([&](snapshot::Writer& part) { pool.write_sequence(s, part); });
+    }
+    /// Reads a payload of write_sequence into `id`, replacing its tokens in every layer
+    /// (each keeping what its window keeps, as PagedKVCache::read_sequence does), all or
+    /// nothing: every layer is read into blocks of its own before any sequence changes.
+    /// Throws SnapshotError (another layer count, a layer's layout or options, lengths that
+    /// differ between layers) or PoolExhausted (a layer without the blocks, or one that
+    /// would leave the planned step short), `id` unchanged.
+    void read_sequence(Index id, snapshot::Reader& r) {
+        constexpr const char* function = "ModelCache::read_sequence";
+        const Index s = slot_of(function, "id", id);
+        check_not_mid_step(function, "id", id, s);
+        r.expect("layers", layers());
+        using Loaded = decltype(detail::PagedAccess::read_state(pools_.front(), function, r));
+        std::vector<Loaded> loaded;
+        loaded.reserve(pools_.size());
+        std::size_t l = 0;
+        try {
+            for (; l < pools_.size(); ++l) {
+                snapshot::Reader part = r.part("a layer's part");
+                loaded.push_back(detail::PagedAccess::read_state(pools_[l], function, part));
+                if (loaded.back().length != loaded.front().length)
+                    part.fail("layer " + std::to_string(l) + " holds " + std::to_string(loaded.back().length) +
+                              " tokens, layer 0 " + std::to_string(loaded.front().length));
+                // The blocks the planned step holds in a layer that has not run it (unless `id`
+                // is in the step, which its load ends), against the free ones and those `id`
+                // alone holds (an upper bound: the blocks `id` frees may also spare the step a
+                // copy on write).
+                if (planned_ && !ran_[l] && !in_step(s)) {
+                    const Index needed = pools_[l].blocks_needed(step_.slots_, tokens_),
+                                free = pools_[l].free_blocks() + freed_by(l, s);
+                    if (needed > free)
+                        throw PoolExhausted(std::string(function) + " (layer " + std::to_string(l) +
+                                                ": the planned step holds blocks)",
+                                            needed, free, pools_[l].blocks());
+                }
+            }
+            r.expect_remaining(0, "the end of the layers");
+        } catch (...) {
+            for (std::size_t k = loaded.size(); k-- > 0;)
+                detail::PagedAccess::discard(pools_[k], loaded[k]);
+            throw;
+        }
+        for (std::size_t k = 0; k < pools_.size(); ++k)
+            detail::PagedAccess::install(pools_[k], s, loaded[k]);
+        end_step_of(s);
+    }
+
     /// Plans a mixed batch: sequence ids[i] brings the rows [q_offsets[i], q_offsets[i +
     /// 1]) of every layer's Q, K and V. Checks that every id is live and distinct and that
     /// every layer has the blocks the batch needs (PoolExhausted naming the layer
@@ -153,6 +270,7 @@ public:
     /// until the next plan: a step allocates nothing once one of its size has run).
     const Step& plan(std::span<const Index> ids, std::span<const Index> q_offsets) {
         constexpr const char* function = "ModelCache::plan";
+        begin_plan(function);
         detail::check_offsets(function, q_offsets, static_cast<Index>(ids.size()),
                               q_offsets.empty() ? 0 : q_offsets.back());
         fill_step(function, ids, false);
@@ -160,42 +278,54 @@ public:
         tokens_.resize(ids.size());
         for (std::size_t i = 0; i < ids.size(); ++i)
             tokens_[i] = q_offsets[i + 1] - q_offsets[i];
-        admit(function);
-        return step_;
+        return admit_plan(function);
     }
     /// Plans a decode step: one token for each sequence of `ids`.
     const Step& plan_decode(std::span<const Index> ids) {
         constexpr const char* function = "ModelCache::plan_decode";
+        begin_plan(function);
         fill_step(function, ids, true);
         step_.offsets_.resize(ids.size() + 1);
         tokens_.assign(ids.size(), 1);
         for (std::size_t i = 0; i <= ids.size(); ++i)
             step_.offsets_[i] = static_cast<Index>(i);
-        admit(function);
-        return step_;
+        return admit_plan(function);
     }
 
-    /// Layer l's decode step of `step` (plan_decode): batched_decode on its pool.
+    /// Layer l's decode step of `step` (the latest plan_decode, once per layer):
+    /// batched_decode on its pool.
     template <class DQ, class DK, class DV, detail::EigenMatrix DO>
     void decode(Index l, const Step& step, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                 const Eigen::MatrixBase<DV>& V, DO&& O) {
-        Pool& pool = pools_[checked_layer("ModelCache::decode", l)];
-        batched_decode(pool, step.slots(), Q, K, V, std::forward<DO>(O), pool.executor());
+        constexpr const char* function = "ModelCache::decode";
+        const std::size_t at = runnable(function, l, step);
+        detail::require(step.decode(), function, "step", "is a plan of chunks (plan), expected one of plan_decode");
+        batched_decode(pools_[at], step.slots(), Q, K, V, std::forward<DO>(O), pools_[at].executor());
+        ran(at);
     }
-    /// Layer l's step of `step` (plan or plan_decode): batched_prefill on its pool.
+    /// Layer l's step of `step` (the latest plan or plan_decode, once per layer):
+    /// batched_prefill on its pool.
     template <class DQ, class DK, class DV, detail::EigenMatrix DO>
     void prefill(Index l, const Step& step, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                  const Eigen::MatrixBase<DV>& V, DO&& O) {
-        Pool& pool = pools_[checked_layer("ModelCache::prefill", l)];
-        batched_prefill(pool, step.slots(), step.q_offsets(), Q, K, V, std::forward<DO>(O), pool.executor());
+        const std::size_t at = runnable("ModelCache::prefill", l, step);
+        batched_prefill(pools_[at], step.slots(), step.q_offsets(), Q, K, V, std::forward<DO>(O),
+                        pools_[at].executor());
+        ran(at);
     }
+    /// Whether a step is planned that some layers have not run yet.
+    [[nodiscard]] bool step_pending() const noexcept { return planned_; }
 
     /// Takes the tokens of `step` back from every layer that took them (a layer that
     /// threw, or was not reached, has none to give back), all or nothing: where a windowed
     /// layer has already freed what the shorter sequence needs, throws std::invalid_argument
     /// naming the layer and changes nothing.
+    /// Ends the step: plan anew to run it again.
     void rollback(const Step& step) {
         constexpr const char* function = "ModelCache::rollback";
+        detail::require(planned_ && step.serial_ == serial_, function, "step",
+                        "is not the latest plan of this cache, or has ended (run in every layer, taken back, or "
+                        "ended by a change to one of its sequences)");
         const auto slots = step.slots();
         for (Index l = 0; l < layers(); ++l)
             for (std::size_t i = 0; i < slots.size(); ++i) {
@@ -211,6 +341,7 @@ public:
             for (std::size_t i = 0; i < slots.size(); ++i)
                 if (pool.length(slots[i]) > step.before_[i])
                     pool.truncate(slots[i], step.before_[i]);
+        planned_ = false;
     }
 
     /// Bytes of every layer's pool.
@@ -286,21 +417,94 @@ private:
         step_.decode_ = decode;
     }
 
-    /// Every layer has the free blocks the step's tokens need.
+    /// Every layer that has not run the planned step has the free blocks its tokens need
+    /// (no step planned: nothing to hold).
     void admit(const char* function) const {
-        for (Index l = 0; l < layers(); ++l) {
-            const Pool& pool = pools_[static_cast<std::size_t>(l)];
+        if (!planned_)
+            return;
+        for (std::size_t l = 0; l < pools_.size(); ++l) {
+            if (ran_[l])
+                continue;
+            const Pool& pool = pools_[l];
             const Index needed = pool.blocks_needed(step_.slots_, tokens_);
             if (needed > pool.free_blocks())
-                throw PoolExhausted(std::string(function) + " (layer " + std::to_string(l) + ")", needed,
-                                    pool.free_blocks(), pool.blocks());
+                throw PoolExhausted(std::string(function) + " (layer " + std::to_string(l) +
+                                        (function == std::string_view("ModelCache::plan") ||
+                                                 function == std::string_view("ModelCache::plan_decode")
+                                             ? ")"
+                                             : ": the planned step holds blocks)"),
+                                    needed, pool.free_blocks(), pool.blocks());
         }
+    }
+    /// The step just filled becomes the plan, holding its blocks, or, refused, none is.
+    const Step& admit_plan(const char* function) {
+        planned_ = true;
+        std::fill(ran_.begin(), ran_.end(), char{0});
+        try {
+            admit(function);
+        } catch (...) {
+            planned_ = false;
+            throw;
+        }
+        step_.serial_ = ++serial_;
+        return step_;
+    }
+    /// The blocks of layer l that slot s alone holds (freed when its tokens are replaced).
+    [[nodiscard]] Index freed_by(std::size_t l, Index s) const {
+        return detail::PagedAccess::sole_blocks(pools_[l], s);
+    }
+    /// Whether slot s is in the planned step.
+    [[nodiscard]] bool in_step(Index s) const noexcept {
+        return planned_ && std::find(step_.slots_.begin(), step_.slots_.end(), s) != step_.slots_.end();
+    }
+    /// Whether the planned step has run in some layers and not in others.
+    [[nodiscard]] bool mid_step() const noexcept {
+        return planned_ && std::find(ran_.begin(), ran_.end(), char{1}) != ran_.end();
+    }
+    /// Refuses a change to slot s (id `id`) while its step is half run.
+    void check_not_mid_step(const char* function, const char* argument, Index id, Index s) const {
+        if (mid_step() && in_step(s))
+            detail::require(false, function, argument, "is ", id,
+                            ", a sequence of the step that has run in some layers and not in others: run it in "
+                            "every layer or rollback(step) first");
+    }
+    /// Refuses a new plan while the last one is half run; else the last plan ends (a
+    /// refused plan leaves none).
+    void begin_plan(const char* function) {
+        if (mid_step())
+            detail::require(false, function, "ids", "cannot be planned: the step planned before has run in ",
+                            std::count(ran_.begin(), ran_.end(), char{1}), " of ", layers(),
+                            " layers; run it in the rest or rollback(step) first");
+        planned_ = false;
+    }
+    /// A change to slot s ends the step it is in.
+    void end_step_of(Index s) noexcept {
+        if (in_step(s))
+            planned_ = false;
+    }
+    /// Layer l's index, where `step` is the latest plan and l has not run it.
+    std::size_t runnable(const char* function, Index l, const Step& step) const {
+        const std::size_t at = checked_layer(function, l);
+        detail::require(planned_ && step.serial_ == serial_, function, "step",
+                        "is not the latest plan of this cache, or has ended (run in every layer, taken back, or "
+                        "ended by a change to one of its sequences): plan anew");
+        detail::require(!ran_[at], function, "step", "has run in layer ", l, " already");
+        return at;
+    }
+    /// Layer `at` has run the step; after the last, the step has ended.
+    void ran(std::size_t at) noexcept {
+        ran_[at] = 1;
+        if (std::find(ran_.begin(), ran_.end(), char{0}) == ran_.end())
+            planned_ = false;
     }
 
     std::vector<Pool> pools_;
     std::vector<Index> generations_;  // per slot: the generation of its live (or next) sequence
     Step step_;
-    std::vector<Index> tokens_;
+    std::vector<Index> tokens_;             // the planned step's tokens per sequence
+    std::vector<char> ran_;                 // per layer: whether it has run the planned step
+    std::uint64_t serial_ = 0;              // plans made
+    bool planned_ = false;                  // a step is planned that some layer has not run
 };
 
 }  // namespace memattn

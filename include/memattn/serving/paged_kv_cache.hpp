@@ -486,55 +486,8 @@ public:
     /// blocks than the tokens kept need, its own blocks still held), `seq` unchanged.
     void read_sequence(Index seq, snapshot::Reader& r) {
         check_sequence("PagedKVCache::read_sequence", "seq", seq);
-        r.expect("q_heads", layout_.q_heads);
-        r.expect("kv_heads", layout_.kv_heads);
-        r.expect("head_dim", layout_.head_dim);
-        r.expect("value_dim", layout_.values());
-        r.expect("scale", scale_);
-        r.expect("window", window_);
-        r.expect("sinks", sinks_);
-        const std::size_t token = static_cast<std::size_t>(layout_.kv_heads) *
-                                  (detail::StoredRows<T, S>::row_bytes(layout_.head_dim) +
-                                   detail::StoredRows<T, S>::row_bytes(layout_.values()));
-        State loaded;
-        loaded.length = r.count("length", 0, max_length);
-        // first: the sinks when nothing was freed, else a token no later than the last query's window.
-        const Index stored_first = window_ == 0 ? r.count("first", 0, 0)
-                                                : r.count("first", sinks_, std::max(sinks_, loaded.length - window_));
-        loaded.first = stored_first;
-        const std::size_t pairs = static_cast<std::size_t>(held_tokens(loaded));  // capped: no overflow below
-        r.expect_remaining(std::min(pairs, r.remaining() / token + 1) * token, "the pairs");
-        // What this pool's window keeps of them: the tokens [stored_first, first) are skipped.
-        loaded.first = kept_first(loaded.length, stored_first);
-        const Index skipped = std::max<Index>(0, std::min(loaded.first, loaded.length) - stored_first);
-        const Index sink = sink_blocks(), total = blocks_for(loaded.length);
-        loaded.dropped = loaded.first < loaded.length ? std::max<Index>(0, loaded.first / block_size_ - sink) : 0;
-        const Index held = total - loaded.dropped;
-        if (held > free_blocks())
-            throw PoolExhausted("PagedKVCache::read_sequence", held, free_blocks(), blocks_);
-        loaded.table.reserve(static_cast<std::size_t>(blocks_));  // may throw: nothing changed yet
-        for (Index i = 0; i < held; ++i)
-            loaded.table.push_back(take_block());
-        for (const bool values : {false, true}) {
-            detail::StoredRows<T, S>& rows = values ? values_ : keys_;
-            const std::size_t row = detail::StoredRows<T, S>::row_bytes(values ? layout_.values() : layout_.head_dim);
-            for (Index h = 0; h < layout_.kv_heads; ++h) {
-                for_each_run(loaded, 0, std::min(sinks_, loaded.length), [&](Index block, Index offset, Index count, Index) {
-                    rows.read_rows(r, first_row(block, h) + offset, count);
-                });
-                r.skip(row * static_cast<std::size_t>(skipped), "the pairs the window frees");
-                for_each_run(loaded, loaded.first, loaded.length, [&](Index block, Index offset, Index count, Index) {
-                    rows.read_rows(r, first_row(block, h) + offset, count);
-                });
-            }
-        }
-        State& s = sequences_[static_cast<std::size_t>(seq)];
-        for (const Index b : s.table)
-            release(b);
-        s.table.swap(loaded.table);
-        s.length = loaded.length;
-        s.dropped = loaded.dropped;
-        s.first = loaded.first;
+        State loaded = read_state("PagedKVCache::read_sequence", r);
+        install(seq, loaded);
     }
 
     /// `seq` as a Memory of packed rows (see Sequence).
@@ -624,6 +577,73 @@ private:
         } undo;
         bool copies = false;  // fits_after_eviction's note: whether its member copies its last block
     };
+
+    /// read_sequence's checks and reads: a sequence of the payload's tokens in blocks it
+    /// takes (PoolExhausted, naming `function`, when they are too few), not yet anyone's.
+    /// Throws before it takes a block; cannot throw after.
+    State read_state(const char* function, snapshot::Reader& r) {
+        r.expect("q_heads", layout_.q_heads);
+        r.expect("kv_heads", layout_.kv_heads);
+        r.expect("head_dim", layout_.head_dim);
+        r.expect("value_dim", layout_.values());
+        r.expect("scale", scale_);
+        r.expect("window", window_);
+        r.expect("sinks", sinks_);
+        const std::size_t token = static_cast<std::size_t>(layout_.kv_heads) *
+                                  (detail::StoredRows<T, S>::row_bytes(layout_.head_dim) +
+                                   detail::StoredRows<T, S>::row_bytes(layout_.values()));
+        State loaded;
+        loaded.length = r.count("length", 0, max_length);
+        // first: the sinks when nothing was freed, else a token no later than the last query's window.
+        const Index stored_first = window_ == 0 ? r.count("first", 0, 0)
+                                                : r.count("first", sinks_, std::max(sinks_, loaded.length - window_));
+        loaded.first = stored_first;
+        const std::size_t pairs = static_cast<std::size_t>(held_tokens(loaded));  // capped: no overflow below
+        r.expect_remaining(std::min(pairs, r.remaining() / token + 1) * token, "the pairs");
+        // What this pool's window keeps of them: the tokens [stored_first, first) are skipped.
+        loaded.first = kept_first(loaded.length, stored_first);
+        const Index skipped = std::max<Index>(0, std::min(loaded.first, loaded.length) - stored_first);
+        const Index sink = sink_blocks(), total = blocks_for(loaded.length);
+        loaded.dropped = loaded.first < loaded.length ? std::max<Index>(0, loaded.first / block_size_ - sink) : 0;
+        const Index held = total - loaded.dropped;
+        if (held > free_blocks())
+            throw PoolExhausted(function, held, free_blocks(), blocks_);
+        loaded.table.reserve(static_cast<std::size_t>(blocks_));  // may throw: nothing changed yet
+        for (Index i = 0; i < held; ++i)
+            loaded.table.push_back(take_block());
+        for (const bool values : {false, true}) {
+            detail::StoredRows<T, S>& rows = values ? values_ : keys_;
+            const std::size_t row = detail::StoredRows<T, S>::row_bytes(values ? layout_.values() : layout_.head_dim);
+            for (Index h = 0; h < layout_.kv_heads; ++h) {
+                for_each_run(loaded, 0, std::min(sinks_, loaded.length), [&](Index block, Index offset, Index count, Index) {
+                    rows.read_rows(r, first_row(block, h) + offset, count);
+                });
+                r.skip(row * static_cast<std::size_t>(skipped), "the pairs the window frees");
+                for_each_run(loaded, loaded.first, loaded.length, [&](Index block, Index offset, Index count, Index) {
+                    rows.read_rows(r, first_row(block, h) + offset, count);
+                });
+            }
+        }
+        return loaded;
+    }
+    /// Puts a sequence read by read_state in place of `seq`'s tokens (whose blocks it frees).
+    void install(Index seq, State& loaded) noexcept {
+        State& s = sequences_[static_cast<std::size_t>(seq)];
+        for (const Index b : s.table)
+            release(b);
+        s.table.swap(loaded.table);
+        s.length = loaded.length;
+        s.dropped = loaded.dropped;
+        s.first = loaded.first;
+        loaded.table.clear();
+    }
+    /// Gives back the blocks of a sequence read by read_state and not installed, in the
+    /// reverse order of their taking (the free list as it was).
+    void discard(State& loaded) noexcept {
+        for (auto b = loaded.table.rbegin(); b != loaded.table.rend(); ++b)
+            release(*b);
+        loaded.table.clear();
+    }
 
     static HeadLayout checked(const HeadLayout& layout) {
         detail::check_layout("PagedKVCache", layout);
@@ -1306,6 +1326,30 @@ struct PagedAccess {
     template <class Pool, class... Args>
     static void prefill(Pool& pool, const char* function, Args&&... args) {
         pool.prefill_batch(function, std::forward<Args>(args)...);
+    }
+    /// A sequence's snapshot read into blocks of the pool, not yet anyone's (ModelCache's
+    /// load: every layer read before any is changed).
+    template <class Pool>
+    static auto read_state(Pool& pool, const char* function, snapshot::Reader& r) {
+        return pool.read_state(function, r);
+    }
+    /// Puts it in place of `seq`'s tokens.
+    template <class Pool, class State>
+    static void install(Pool& pool, Index seq, State& loaded) noexcept {
+        pool.install(seq, loaded);
+    }
+    /// Gives its blocks back.
+    template <class Pool, class State>
+    static void discard(Pool& pool, State& loaded) noexcept {
+        pool.discard(loaded);
+    }
+    /// The blocks `seq` alone holds (which its removal frees).
+    template <class Pool>
+    static Index sole_blocks(const Pool& pool, Index seq) noexcept {
+        Index n = 0;
+        for (const Index b : pool.sequences_[static_cast<std::size_t>(seq)].table)
+            n += pool.refs_[static_cast<std::size_t>(b)] == 1 ? 1 : 0;
+        return n;
     }
 };
 }  // namespace detail
