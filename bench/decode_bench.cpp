@@ -483,6 +483,12 @@ void cells(benchmark::internal::Benchmark* b) {
 //       of their own each, one token each per step (blocks of 128): X = 1 forks of one
 //       prompt, whose shared blocks a step reads once (serving/cascade.hpp), X = 0 the
 //       same tokens in 16 unshared sequences; step_ms, and MiB (the bytes each reads)
+//   BM_MixedBatch/t:T                  a step of a server's mixed batch over one pool of
+//       blocks of 128 (32/8 × 128, float): 28 sequences of 512 to 4096 tokens decoding one
+//       token each beside 4 prompts of 1024 cached tokens bringing a chunk of 256 rows
+//       each. Both ways alternate in each iteration: mixed_ms, the batch as one
+//       batched_prefill, against parts_ms, batched_prefill of the 4 chunks then
+//       batched_decode of the 28 tokens; parts_over_mixed > 1 when the one call is faster
 constexpr Index serving_batch = 32;
 const HeadLayout serving_layout{32, 8, head_dim};
 
@@ -668,6 +674,79 @@ void BM_SharedPrefix(benchmark::State& state) {
         (1024.0 * 1024.0);
 }
 
+void BM_MixedBatch(benchmark::State& state) {
+    const Index decodes = 28, prompts = 4, cached = 1024, chunk = 256, block = 128;
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(0))};
+    const Index kv_cols = serving_layout.kv_heads * head_dim, q_cols = serving_layout.q_heads * head_dim;
+    const Matrix<float>& keys = pool(kv_cols, 2);
+    const Matrix<float>& values = pool(kv_cols, 3);
+    std::vector<Index> lengths;
+    for (Index i = 0; i < decodes; ++i)
+        lengths.push_back(512 + i * (4096 - 512) / (decodes - 1));
+    for (Index i = 0; i < prompts; ++i)
+        lengths.push_back(cached);
+    Index blocks = 0;
+    for (const Index n : lengths)
+        blocks += (n + chunk) / block + 2;
+    memattn::PagedKVCache<float> paged(serving_layout, blocks, block);
+    std::vector<Index> all, decoding, prompting, offsets{0}, chunk_offsets{0};
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+        all.push_back(paged.add_sequence());
+        paged.extend(all.back(), keys.topRows(lengths[i]), values.topRows(lengths[i]));
+        const bool prompt = static_cast<Index>(i) >= decodes;
+        (prompt ? prompting : decoding).push_back(all.back());
+        offsets.push_back(offsets.back() + (prompt ? chunk : 1));
+        if (prompt)
+            chunk_offsets.push_back(chunk_offsets.back() + chunk);
+    }
+    const Index rows = offsets.back();
+    // The mixed batch's rows: the decodes' first, then the chunks', so the parts take
+    // contiguous blocks of the same rows.
+    const Matrix<float> Q = pool(q_cols, 1).topRows(rows), K = keys.middleRows(cached, rows),
+                        V = values.middleRows(cached, rows);
+    Matrix<float> O(rows, q_cols);
+    const auto take_back = [&] {
+        for (std::size_t i = 0; i < all.size(); ++i)
+            paged.truncate(all[i], lengths[i]);
+    };
+    const auto mixed = [&] {
+        memattn::batched_prefill(paged, all, offsets, Q, K, V, O, executor);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+        take_back();
+    };
+    const auto parts = [&] {
+        memattn::batched_prefill(paged, prompting, chunk_offsets, Q.bottomRows(rows - decodes),
+                                 K.bottomRows(rows - decodes), V.bottomRows(rows - decodes),
+                                 O.bottomRows(rows - decodes), executor);
+        memattn::batched_decode(paged, decoding, Q.topRows(decodes), K.topRows(decodes), V.topRows(decodes),
+                                O.topRows(decodes), executor);
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+        take_back();
+    };
+    mixed();
+    parts();
+    std::vector<double> mixed_s, parts_s;
+    mixed_s.reserve(1 << 16);
+    parts_s.reserve(1 << 16);
+    for (auto _ : state) {
+        auto before = Clock::now();
+        mixed();
+        const double m = seconds_since(before);
+        before = Clock::now();
+        parts();
+        if (mixed_s.size() < mixed_s.capacity()) {
+            mixed_s.push_back(m);
+            parts_s.push_back(seconds_since(before));
+        }
+    }
+    const double m = median(mixed_s), p = median(parts_s);
+    state.counters["mixed_ms"] = m * 1e3;
+    state.counters["parts_ms"] = p * 1e3;
+    state.counters["parts_over_mixed"] = p / m;
+}
+
 void BM_ModelStep(benchmark::State& state) {
     const bool model = state.range(0) != 0;
     const Index layers = 4, batch = 16, length = 512, block = 32;
@@ -757,6 +836,7 @@ BENCHMARK(BM_BatchedDecode<float>)->Name("BM_BatchedDecode<float>")->Apply(servi
 BENCHMARK(BM_BatchedDecode<Eigen::bfloat16>)->Name("BM_BatchedDecode<bfloat16>")->Apply(serving_cells);
 BENCHMARK(BM_SeparateDecode<float>)->Name("BM_SeparateDecode<float>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SeparateDecode<Eigen::bfloat16>)->Name("BM_SeparateDecode<bfloat16>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MixedBatch)->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ModelStep)->ArgName("model")->Arg(0)->Arg(1)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SharedPrefix<float>)
     ->Name("BM_SharedPrefix<float>")

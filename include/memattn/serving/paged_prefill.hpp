@@ -174,14 +174,31 @@ inline void plan_paged_items(const HeadLayout& layout, Index window, std::span<c
     }
 }
 
+/// A core's rate of a tile's multiply-adds over its rate of reading a decode item's
+/// stored pairs, in FLOPs per byte: a tile multiplies pairs from cache near the FMA peak,
+/// a decode item reads each pair once, from memory, for its g queries. Measured on AMD
+/// EPYC Zen 2 (AVX2): ~80 GFLOP/s of tiles against ~8 GB/s of decode per core (10); the
+/// AVX-512 Xeons' ratio is higher. Only the split of a mixed batch over the threads
+/// depends on it, never a result.
+inline constexpr double decode_flops_per_byte = 10;
+
+/// What a decode item's key costs, in the units of a tile's (query, key) pair (2(d + dv)
+/// FLOPs): its g queries' pairs, or, where more, the time its stored pair's `bytes` take
+/// to read (decode_flops_per_byte).
+inline double decode_key_cost(Index g, Index d, Index dv, std::size_t bytes) {
+    return std::max(static_cast<double>(g),
+                    decode_flops_per_byte * static_cast<double>(bytes) / (2.0 * static_cast<double>(d + dv)));
+}
+
 /// The keys an item's queries see, summed (at its middle query), plus a per-row constant;
-/// a decode item's for every query head of its group.
-inline double paged_item_cost(const PagedItem& item, const PagedChunk& chunk, Index window, Index sinks, Index g) {
+/// a decode item's at decode_key (decode_key_cost) each.
+inline double paged_item_cost(const PagedItem& item, const PagedChunk& chunk, Index window, Index sinks,
+                              double decode_key) {
     const Index position = chunk.length - chunk.rows + item.q_begin + item.rows / 2;
     Index keys = position + 1;
     if (window > 0 && keys > window)
         keys = window + std::min(sinks, position + 1 - window);
-    return static_cast<double>(item.decode ? g : item.rows) * static_cast<double>(keys + 64);
+    return (item.decode ? decode_key : static_cast<double>(item.rows)) * static_cast<double>(keys + 64);
 }
 
 /// The tiled prefill of `chunks` (see the top of the file) after the checks, the chunks'
@@ -199,12 +216,13 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
     const auto parts = static_cast<std::size_t>(std::min<Index>({serial ? 1 : executor.concurrency(), n, max_ranges}));
     if (work.ranges.size() < parts)
         work.ranges.resize(parts);
+    const double decode_key = decode_key_cost(g, d, dv, StoredRows<T, S>::row_bytes(d) + StoredRows<T, S>::row_bytes(dv));
     parallel_ranges(
         n,
         [&](Index i) {
             const PagedItem& item = work.items[static_cast<std::size_t>(i)];
             return paged_item_cost(item, chunks[static_cast<std::size_t>(item.chunk)], options.window, options.sinks,
-                                   g);
+                                   decode_key);
         },
         [&](Index first, Index last, int range) {
             PagedRangeScratch<T>& scratch = work.ranges[static_cast<std::size_t>(range)];
