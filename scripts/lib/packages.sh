@@ -16,3 +16,22 @@ require_packages() {
     "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
     "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
+
+# Compiles through ccache (installed if missing) in the build trees configured from now
+# on, unless the caller chose a launcher (CMAKE_CXX_COMPILER_LAUNCHER) or turned it off
+# (MEMATTN_CCACHE=0). The cache is the machine's (ccache's default directory, or
+# CCACHE_DIR), so a rebuild of sources already compiled here, in any clone, is a copy:
+# paths under the clone are hashed relative to it (CCACHE_BASEDIR), and the build
+# directory is left out of the hash (CCACHE_NOHASHDIR; the objects' debug paths then
+# name the first clone that built them). A compile that fails or warns into -Werror is
+# never cached, so the tests that expect a diagnostic still see it.
+use_ccache() {
+    local root=$1
+    [ "${MEMATTN_CCACHE:-1}" != 0 ] || return 0
+    [ -z "${CMAKE_CXX_COMPILER_LAUNCHER:-}" ] || return 0
+    require_packages ccache
+    export CMAKE_CXX_COMPILER_LAUNCHER=ccache
+    export CCACHE_BASEDIR="$root"
+    export CCACHE_NOHASHDIR=true
+    export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-8G}"
+}

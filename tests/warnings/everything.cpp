@@ -194,6 +194,10 @@ void everything(memattn::Index n, memattn::Index d) {
             const auto& step = model.plan_decode(std::vector<memattn::Index>{id});
             model.decode(0, step, q, x.topRows(1), x.topRows(1), o);
             model.prefill(1, step, q, x.topRows(1), x.topRows(1), o);
+            std::stringstream model_snapshot;
+            memattn::save(model.sequence(id), model_snapshot);
+            auto resumed = model.sequence(model.add_sequence());
+            memattn::load(resumed, model_snapshot);
             const memattn::Matrix<T> wide = memattn::Matrix<T>::Zero(n, 2 * d);
             memattn::Matrix<T> wide_out(n, 2 * d);
             memattn::multi_head_causal_softmax_attention(wide, x, x, wide_out, heads, {}, x * x.transpose());
