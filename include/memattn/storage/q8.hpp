@@ -1,0 +1,194 @@
+#pragma once
+// Q8 rows: int8 values with one float scale per block of 32 values of a row
+// (llama.cpp's q8_0).
+
+#include "memattn/storage/integer_dot.hpp"
+#include "memattn/storage/simd.hpp"
+#include "memattn/storage/stored_rows.hpp"
+
+namespace memattn::detail {
+
+/// Q8's rounding of n values that share a scale (a block of a row, or a channel of a
+/// group of keys): returns s = max|x_i| / 127 and writes round(x_i / s) to
+/// codes[i·stride]; a block holding ±∞ or NaN gets a NaN scale and zero codes.
+inline float q8_quantise(const float* x, Index n, std::int8_t* codes, Index stride) {
+    float amax = 0;
+    bool finite = true;
+    for (Index i = 0; i < n; ++i) {
+        finite = finite && std::isfinite(x[i]);
+        amax = std::max(amax, std::abs(x[i]));
+    }
+    float s = !finite ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+    if (finite && !std::isfinite(127.0f * s))  // amax near FLT_MAX: s rounded up past it
+        s = std::nextafter(s, 0.0f);
+    // 127 / amax overflows float for amax below 127 / FLT_MAX (~3.7e-37): such a block is
+    // scaled in double, where it cannot, and rounds as float's would.
+    const float inverse = finite && amax > 0 ? 127.0f / amax : 0.0f;
+    const bool tiny = !std::isfinite(inverse);
+    const double tiny_inverse = tiny ? 127.0 / static_cast<double>(amax) : 0.0;
+    for (Index i = 0; i < n; ++i) {
+        const float scaled = tiny ? static_cast<float>(static_cast<double>(x[i]) * tiny_inverse)
+                                  : x[i] * inverse;  // |scaled| ≤ 127
+        codes[i * stride] = static_cast<std::int8_t>(finite ? std::nearbyint(scaled) : 0.0f);
+    }
+    return s;
+}
+
+/// Q8: int8 values and one float scale per block of 32 values of a row.
+template <class T>
+class StoredRows<T, Q8> {
+public:
+    static constexpr bool compact = true;
+    StoredRows(Index rows, Index cols) : q_(rows, cols), scales_(rows, q8_blocks(cols)) {}
+
+    [[nodiscard]] Index rows() const noexcept { return q_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return q_.cols(); }
+    void swap(StoredRows& other) noexcept {
+        q_.swap(other.q_);
+        scales_.swap(other.scales_);
+    }
+
+    template <class D>
+    void put_rows(Index first, const D& rows) {
+        for (Index r = 0; r < rows.rows(); ++r)
+            for (Index b = 0; b < scales_.cols(); ++b) {
+                const Index c0 = b * Q8::block, n = std::min(Q8::block, cols() - c0);
+                float x[Q8::block];
+                for (Index c = 0; c < n; ++c)
+                    x[c] = static_cast<float>(rows(r, c0 + c));
+                scales_(first + r, b) = q8_quantise(x, n, &q_(first + r, c0), 1);
+            }
+    }
+    void copy_rows_from(const StoredRows& other, Index n) {
+        q_.topRows(n) = other.q_.topRows(n);
+        scales_.topRows(n) = other.scales_.topRows(n);
+    }
+    /// Rows [to, to + n) = rows [from, from + n), the two ranges apart.
+    void copy_within(Index from, Index to, Index n) {
+        q_.middleRows(to, n) = q_.middleRows(from, n);
+        scales_.middleRows(to, n) = scales_.middleRows(from, n);
+    }
+    void decode_rows(Index first, Index n, T* out, Index ld) const {
+        for (Index r = 0; r < n; ++r) {
+            T* row = out + r * ld;
+            for (Index b = 0; b < scales_.cols(); ++b) {
+                const Index c0 = b * Q8::block, m = std::min(Q8::block, cols() - c0);
+                if constexpr (std::is_same_v<T, float>) {
+                    decode_span(&q_(first + r, c0), m, scales_(first + r, b), row + c0);
+                } else {
+                    alignas(64) float buffer[Q8::block];
+                    decode_span(&q_(first + r, c0), m, scales_(first + r, b), buffer);
+                    for (Index c = 0; c < m; ++c)
+                        row[c0 + c] = static_cast<T>(buffer[c]);
+                }
+            }
+        }
+    }
+
+    /// Asks for a row towards the cache ahead of its use.
+    void prefetch_row(Index row) const {
+        prefetch_rows(&q_(row, 0), 1, 0, cols());
+        prefetch_rows(&scales_(row, 0), 1, 0, scales_.cols());
+    }
+
+    /// q·row in float: per block of 32, Σ q_i·q8_i in registers, times the block's scale.
+    [[nodiscard]] float dot(Index row, const float* q) const {
+        using namespace Eigen::internal;
+        const std::int8_t* x = &q_(row, 0);
+        const float* s = &scales_(row, 0);
+        const Index d = cols(), whole = d / Q8::block;
+        // Even and odd blocks on two accumulators: the scale FMAs of consecutive blocks
+        // do not wait on each other.
+        Packet<float> even = pset1<Packet<float>>(0.0f), odd = even;
+        Index b = 0;
+        for (; b + 1 < whole; b += 2) {
+            even = pmadd(pset1<Packet<float>>(s[b]), block_dot(q + b * Q8::block, x + b * Q8::block), even);
+            odd = pmadd(pset1<Packet<float>>(s[b + 1]), block_dot(q + (b + 1) * Q8::block, x + (b + 1) * Q8::block),
+                        odd);
+        }
+        if (b < whole)
+            even = pmadd(pset1<Packet<float>>(s[b]), block_dot(q + b * Q8::block, x + b * Q8::block), even);
+        float sum = predux(padd(even, odd));
+        if (whole < scales_.cols()) {  // the last, shorter block
+            float tail = 0;
+            for (Index c = whole * Q8::block; c < d; ++c)
+                tail += q[c] * static_cast<float>(x[c]);
+            sum += s[whole] * tail;
+        }
+        return sum;
+    }
+    /// q̃·row for the rounded query q̃ (IntegerDot<Q8>): per block s_k·s_q·Σ code·k, the
+    /// sum exact in int32 (int8_block_dot), the blocks added in float.
+    [[nodiscard]] float integer_dot(Index row, const IntegerQuery& q) const {
+        const std::int8_t* x = &q_(row, 0);
+        const float* s = &scales_(row, 0);
+        const Index d = cols(), whole = d / Q8::block;
+        float sum = 0;
+        Index b = 0;
+        if constexpr (integer_blocks) {
+            sum = q8_integer_blocks(x, s, q, whole);
+            b = whole;
+        }
+        for (; b < scales_.cols(); ++b) {  // without AVX2 every block, with it the last, shorter one
+            const Index c0 = b * Q8::block, end = std::min(d, c0 + Q8::block);
+            std::int32_t dot = 0;
+            for (Index c = c0; c < end; ++c)
+                dot += std::int32_t{q.code[c]} * std::int32_t{x[c]};
+            sum += s[b] * q.scale[b] * static_cast<float>(dot);
+        }
+        return sum;
+    }
+    /// acc += w · row in float, converted in registers.
+    void add_scaled(Index row, float w, float* acc) const {
+        const std::int8_t* x = &q_(row, 0);
+        for (Index b = 0; b < scales_.cols(); ++b) {
+            const Index c0 = b * Q8::block, m = std::min(Q8::block, cols() - c0);
+            const float ws = w * scales_(row, b);
+            for (Index c = add_span(ws, x + c0, m, acc + c0); c < m; ++c)
+                acc[c0 + c] += ws * static_cast<float>(x[c0 + c]);
+        }
+    }
+    /// add_scaled for rows [first, first + n) with weights w, acc in registers
+    /// (add_rows_in_registers; fused_storage). A packet never straddles two blocks: block
+    /// edges are multiples of 32, packets start at multiples of their width.
+    void add_rows(Index first, Index n, const float* w, float* acc, Index ahead, Index prefetch_end) const {
+        add_rows_in_registers(*this, first, n, w, acc, ahead, prefetch_end);
+    }
+    [[nodiscard]] Packet<float> packet(Index r, Index c) const { return load_packet(&q_(r, c)); }
+    [[nodiscard]] float scalar(Index r, Index c) const { return static_cast<float>(q_(r, c)); }
+    [[nodiscard]] float weight(Index r, Index c, float w) const { return w * scales_(r, c / Q8::block); }
+    /// The stored values as float, exactly as decode_rows gives them (scale · q_i): a
+    /// packet from column c (c + lanes ≤ cols, inside one block; fused_storage), and one value.
+    [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const {
+        return Eigen::internal::pmul(Eigen::internal::pset1<Packet<float>>(scales_(r, c / Q8::block)),
+                                     load_packet(&q_(r, c)));
+    }
+    [[nodiscard]] float stored_value(Index r, Index c) const {
+        return scales_(r, c / Q8::block) * to_float(q_(r, c));
+    }
+
+    [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
+    [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept {
+        return static_cast<std::size_t>(cols) + sizeof(float) * static_cast<std::size_t>(q8_blocks(cols));
+    }
+
+    /// Each row as its scales, then its values.
+    void write_rows(snapshot::Writer& w, Index first, Index n) const {
+        for (Index r = first; r < first + n; ++r) {
+            w.matrix(scales_.row(r));
+            w.matrix(q_.row(r));
+        }
+    }
+    void read_rows(snapshot::Reader& rd, Index first, Index n) {
+        for (Index r = first; r < first + n; ++r) {
+            rd.matrix(scales_.row(r), "rows");
+            rd.matrix(q_.row(r), "rows");
+        }
+    }
+
+private:
+    Eigen::Matrix<std::int8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> q_;
+    Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> scales_;
+};
+
+}  // namespace memattn::detail
