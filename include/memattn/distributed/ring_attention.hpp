@@ -88,9 +88,9 @@ void merge_rows(O& out, T* lse, const OB& block, const T* block_lse) {
 namespace detail::mpi {
 
 /// Ring attention after the local checks: every head of `heads` over the ring (see the
-/// top of the file). One pass round the ring carries every KV head's block, [K | V] of
-/// kv_heads·(d + dv) scalars per token; each query head h merges the blocks of KV head
-/// h / group_size into its columns of O.
+/// top of distributed/mpi.hpp). One pass round the ring carries every KV head's block,
+/// [K | V] of kv_heads·(d + dv) scalars per token; each query head h merges the blocks
+/// of KV head h / group_size into its columns of O.
 template <class T>
 void ring_attention(MPI_Comm comm, const char* function, const std::string& error, const ConstMatrixRef<T>& q,
                     const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v, MatrixRef<T> o, const HeadLayout& heads,

@@ -1,0 +1,553 @@
+#pragma once
+// A group of queries (the query heads of one KV head) against runs of stored pairs, each
+// row read once for the group (kernels/decode_attention.hpp describes the routes and
+// their measurements): the tiles of a few queries (logit_tiles, value_tiles), the logit
+// options of a decode step (DecodeLogits), and GroupAttention.
+
+#include "memattn/kernels/query_attention.hpp"
+
+namespace memattn::detail {
+
+// The grouped logits of a few queries (fewer than a packet's lanes): tiles of
+// GQ queries × GK keys with GQ·GK = lanes, one packet accumulator per (query, key) pair
+// summing along the head dim, and then the lanes of all of a tile's accumulators added
+// at once by one transpose-and-add network (lanes − 1 additions and twice as many
+// shuffles for lanes sums) instead of one horizontal reduction per pair. Every sum has
+// the same tree whatever the tile and the lane it lands in: first lanes (e, e + lanes/2),
+// then (e, e + lanes/4), ..., so a query's logits do not depend on the group it is in.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"  // packets as template arguments (see packet.hpp)
+#endif
+#if defined(EIGEN_VECTORIZE_AVX512)
+/// Lane ℓ of the result is the sum of the lanes of a[tile_slot(ℓ)].
+inline Packet<float> sum_lanes(const Packet<float> (&a)[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)  // 256-bit halves: lanes e + e+8 of a[2i], then of a[2i+1]
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)  // 128-bit quarters: + e+4, one input each
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // + e+2, two inputs per quarter
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));  // + e+1
+}
+/// The accumulator whose sum lands in lane ℓ: lane 4q + m holds a[4m + q].
+constexpr int tile_slot(int lane) { return lane % 4 * 4 + lane / 4; }
+inline constexpr bool decode_tiles = fused_storage;
+#elif defined(EIGEN_VECTORIZE_AVX2) && defined(EIGEN_VECTORIZE_FMA)
+inline Packet<float> sum_lanes(const Packet<float> (&a)[8]) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; ++i)  // 128-bit halves: lanes e + e+4 of a[2i], then of a[2i+1]
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i)  // + e+2
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xDD));  // + e+1
+}
+/// Lane 4h + m holds a[2m + h].
+constexpr int tile_slot(int lane) { return lane % 4 * 2 + lane / 4; }
+inline constexpr bool decode_tiles = fused_storage;
+#else
+/// Elsewhere the same sums one lane at a time (the route is not taken: decode_tiles).
+template <class P, int N>
+P sum_lanes(const P (&a)[N]) {
+    using T = typename Eigen::internal::unpacket_traits<P>::type;
+    constexpr int lanes = Eigen::internal::unpacket_traits<P>::size;
+    alignas(64) T out[lanes], x[lanes];
+    for (int i = 0; i < lanes; ++i) {
+        Eigen::internal::pstoreu(x, a[i]);
+        for (int w = lanes / 2; w > 0; w /= 2)
+            for (int e = 0; e < w; ++e)
+                x[e] += x[e + w];
+        out[i] = x[0];
+    }
+    return Eigen::internal::ploadu<P>(out);
+}
+constexpr int tile_slot(int lane) { return lane; }
+inline constexpr bool decode_tiles = false;
+#endif
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+/// Rows of float read in place (a run of a cache's own rows), with the interface of
+/// StoredRows' stored_packet and stored_value.
+struct InPlaceRows {
+    const float* data;
+    Index stride, cols;
+    void prefetch_row(Index r) const { prefetch_rows(data + r * stride, 1, 0, cols); }
+    [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const {
+        return Eigen::internal::ploadu<Packet<float>>(data + r * stride + c);
+    }
+    [[nodiscard]] float stored_value(Index r, Index c) const { return data[r * stride + c]; }
+};
+
+/// s (GQ rows, stride lds) = q (GQ rows of d values, stride ldq, zero-padded to whole
+/// packets, aligned) · K_jᵀ for the keys j ∈ [first, first + m) of `keys`
+/// (stored_packet/stored_value), GK = lanes / GQ keys per tile. Each tile asks for the
+/// key rows `ahead` rows on (below `end`) and for its own rows of `values` (towards L2,
+/// where value_tiles reads them next).
+template <int GQ, class Keys, class Values>
+void logit_tiles(const Keys& keys, const Values& values, Index first, Index m, Index d, const float* q, Index ldq,
+                 float* s, Index lds, Index ahead, Index end) {
+    using namespace Eigen::internal;
+    using P = Packet<float>;
+    constexpr int lanes = static_cast<int>(packet_lanes<float>), GK = lanes / GQ;
+    static_assert(GQ * GK == lanes);
+    const Index packed = d / lanes * lanes;
+    for (Index j = 0; j < m; j += GK) {
+        Index row[GK];  // a tile past the end repeats the last key, and drops its sums
+        for (int k = 0; k < GK; ++k)
+            row[k] = first + std::min<Index>(j + k, m - 1);
+        if (ahead > 0) {
+            for (Index r = first + j; r < std::min(first + j + GK, first + m); ++r) {
+                if (r + ahead < end)
+                    keys.prefetch_row(r + ahead);
+                values.prefetch_row(r);
+            }
+        }
+        P acc[lanes];
+        for (int i = 0; i < lanes; ++i)
+            acc[i] = pset1<P>(0.0f);
+        for (Index c = 0; c < packed; c += lanes) {
+            P qp[GQ];
+            for (int r = 0; r < GQ; ++r)
+                qp[r] = pload<P>(q + r * ldq + c);
+            for (int k = 0; k < GK; ++k) {
+                const P kp = keys.stored_packet(row[k], c);
+                for (int r = 0; r < GQ; ++r)
+                    acc[tile_slot(r * GK + k)] = pmadd(qp[r], kp, acc[tile_slot(r * GK + k)]);
+            }
+        }
+        if (packed < d) {  // the last, partial packet: zeros past d on both sides
+            for (int k = 0; k < GK; ++k) {
+                alignas(64) float tail[lanes] = {};
+                for (Index c = packed; c < d; ++c)
+                    tail[c - packed] = keys.stored_value(row[k], c);
+                const P kp = pload<P>(tail);
+                for (int r = 0; r < GQ; ++r)
+                    acc[tile_slot(r * GK + k)] = pmadd(pload<P>(q + r * ldq + packed), kp, acc[tile_slot(r * GK + k)]);
+            }
+        }
+        alignas(64) float sums[lanes];
+        pstore(sums, sum_lanes(acc));
+        const Index n = std::min<Index>(GK, m - j);
+        for (int r = 0; r < GQ; ++r)
+            for (Index k = 0; k < n; ++k)
+                s[r * lds + j + k] = sums[r * GK + k];
+    }
+}
+
+/// out (GQ rows of dv, stride ldo) = α ⊙ out + P·V_j for the values j ∈ [first, first + m)
+/// of `values` and the weights P (GQ rows, stride lds): register tiles of GQ rows and up
+/// to lanes/GQ packets, every value packet converted once for the GQ rows. Each output
+/// element adds its terms in order of j, one fused multiply-add each.
+template <int GQ, class Values>
+void value_tiles(const Values& values, Index first, Index m, Index dv, const float* p, Index lds, const float* alpha,
+                 float* out, Index ldo) {
+    using namespace Eigen::internal;
+    using P = Packet<float>;
+    constexpr Index lanes = packet_lanes<float>;
+    constexpr int width = std::clamp(static_cast<int>(lanes) / GQ, 1, 8);
+    const Index packed = dv / lanes * lanes;
+    for (Index c0 = 0; c0 < packed; c0 += width * lanes) {
+        dispatch<width>(std::min<Index>(width, (packed - c0) / lanes), [&]<int Packets>() {
+            P acc[GQ][Packets];
+            for (int r = 0; r < GQ; ++r)
+                for (int k = 0; k < Packets; ++k)
+                    acc[r][k] = pmul(pset1<P>(alpha[r]), ploadu<P>(out + r * ldo + c0 + k * lanes));
+            for (Index j = 0; j < m; ++j) {
+                P v[Packets];
+                for (int k = 0; k < Packets; ++k)
+                    v[k] = values.stored_packet(first + j, c0 + k * lanes);
+                for (int r = 0; r < GQ; ++r) {
+                    const P w = pset1<P>(p[r * lds + j]);
+                    for (int k = 0; k < Packets; ++k)
+                        acc[r][k] = pmadd(w, v[k], acc[r][k]);
+                }
+            }
+            for (int r = 0; r < GQ; ++r)
+                for (int k = 0; k < Packets; ++k)
+                    pstoreu(out + r * ldo + c0 + k * lanes, acc[r][k]);
+        });
+    }
+    for (Index c = packed; c < dv; ++c)
+        for (int r = 0; r < GQ; ++r) {
+            float x = alpha[r] * out[r * ldo + c];
+            for (Index j = 0; j < m; ++j)
+                x = std::fma(p[r * lds + j], values.stored_value(first + j, c), x);
+            out[r * ldo + c] = x;
+        }
+}
+
+/// f.template operator()<GQ>(r0) over the rows [0, g) in chunks of powers of two below
+/// the lanes, largest first.
+template <class F>
+void for_query_tiles(Index g, F&& f) {
+    Index r0 = 0;
+    [&]<int... I>(std::integer_sequence<int, I...>) {
+        const auto chunks = [&]<int GQ>() {
+            if constexpr (GQ < packet_lanes<float>)
+                for (; g - r0 >= GQ; r0 += GQ)
+                    f.template operator()<GQ>(r0);
+        };
+        (chunks.template operator()<(8 >> I)>(), ...);
+    }(std::make_integer_sequence<int, 4>{});
+}
+
+/// Grouped attend: at most `group_rows` queries and `group_keys` keys per step.
+inline constexpr Index group_rows = 16;
+inline constexpr Index group_keys = 128;
+
+/// Stored bytes of K and V from which a grouped attend asks for its rows ahead: past the
+/// L2, rows come from L3 or DRAM. Measured (bench/decode_bench.cpp, AMD EPYC family 25
+/// model 17, a 32/8 × 128 layer, bfloat16 and float): from DRAM, asking for key rows 4 KiB
+/// ahead and for a block's value rows while its logits are computed halves the step
+/// (bfloat16 at 32768 tokens: 17.5 → 9.8 ms; float at 4096: 3.0 → 1.9 ms); on pairs that
+/// sit in L3 it costs 10–12% (8/1 × 128 at 4096 tokens).
+inline constexpr std::size_t group_prefetch_bytes = std::size_t(1) << 20;
+
+/// True when the runs a memory's for_each_stored_run gives hold at least
+/// group_prefetch_bytes of K and V.
+template <class ForEachRun>
+bool beyond_l2(const ForEachRun& for_each_stored_run) {
+    std::size_t bytes = 0;
+    for_each_stored_run([&bytes](const auto& keys, const auto& values, Index, Index n) {
+        bytes += static_cast<std::size_t>(n) * (keys.row_bytes(keys.cols()) + values.row_bytes(values.cols()));
+    });
+    return bytes >= group_prefetch_bytes;
+}
+
+/// What a decode attend does to a logit beyond scale·q·k (SoftmaxOptions,
+/// kernels/softmax_options.hpp), for a group of queries of one token: a softcap, an
+/// ALiBi slope and a sink logit per query of the group. Default: nothing.
+struct DecodeLogits {
+    double softcap = 0;              ///< c > 0: s ← c·tanh(s/c)
+    const double* slopes = nullptr;  ///< ALiBi: s ← s − slopes[r]·(position − j), one per query
+    const double* sinks = nullptr;   ///< σ_r joins query r's denominator, one per query
+    Index position = 0;              ///< the queries' position (the token they belong to)
+
+    /// Whether the logits change (the sinks act at the end, in finish).
+    [[nodiscard]] bool transforms() const noexcept { return softcap > 0 || slopes != nullptr; }
+
+    /// The same for the queries from r0 on (a later group of group_rows of them).
+    [[nodiscard]] DecodeLogits from(Index r0) const noexcept {
+        DecodeLogits later = *this;
+        if (slopes != nullptr)
+            later.slopes += r0;
+        if (sinks != nullptr)
+            later.sinks += r0;
+        return later;
+    }
+
+    /// The logits of SoftmaxOptions for queries of one token at `position`: their softcap,
+    /// and the per-query spans (one value per query, or none).
+    [[nodiscard]] static DecodeLogits of(const SoftmaxOptions& options, Index position) noexcept {
+        return {.softcap = options.softcap,
+                .slopes = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data(),
+                .sinks = options.sink_logits.empty() ? nullptr : options.sink_logits.data(),
+                .position = position};
+    }
+
+    /// Softcap, then ALiBi, on logits s[0, m) of query r at key positions k0, k0 + 1, ...
+    /// (every `stride`-th value), in units of `unit` (1: natural; log2(e): base 2).
+    template <class T>
+    void apply(T* s, Index m, Index stride, Index r, Index k0, T unit) const {
+        if (softcap > 0) {
+            const T cap = static_cast<T>(unit * softcap), inverse = T(1) / cap;
+            if (stride == 1) {
+                Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> row(s, m);
+                row = (row * inverse).tanh() * cap;
+            } else {
+                Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>, 0, Eigen::InnerStride<>> row(s, m,
+                                                                                          Eigen::InnerStride<>(stride));
+                row = (row * inverse).tanh() * cap;
+            }
+        }
+        if (slopes != nullptr) {
+            const T slope = static_cast<T>(unit * slopes[r]);
+            for (Index j = 0; j < m; ++j)
+                s[j * stride] -= slope * static_cast<T>(position - (k0 + j));
+        }
+    }
+};
+
+/// g ≤ group_rows queries against runs of keys and values, each read once for the whole
+/// group (what grouped-query attention saves), per block of ≤ 128 keys, with all scratch
+/// on the stack. The logits take one of two routes, by measurement (bench/multi_head_bench.cpp,
+/// BM_Decode, and g queries against 4096 keys at d = 128):
+/// - g ≥ a packet's lanes and d ≤ max_depth, the tiled kernel's: Sᵀ = K_b · (log2(e)·scale·Q_g)ᵀ
+///   (keys × lanes, register-blocked) and the online softmax in base 2 across the lanes
+///   (SoftmaxBlockState); at g = 16 twice as fast as the other route;
+/// - fewer queries, in float with AVX2 or AVX-512 (decode_tiles) and d ≤ max_depth: the
+///   tiles route, S = (scale·Q_g) K_bᵀ by logit_tiles and one SoftmaxState per query, the
+///   rows converted in registers (a 32/8 × 128 layer at 32768 tokens, bfloat16: 24.5 →
+///   10.5 ms per step on one thread, float 23 → 19 ms);
+/// - elsewhere: S = scale · Q_g K_bᵀ as dot products vectorised along the head dim and
+///   one SoftmaxState per query, since a key-major product would fill only g of a
+///   packet's lanes (g = 4: 1.6× faster than the tiled route with AVX2).
+/// Then acc = α ⊙ acc + P · V_b, one register-blocked product with α fused into its load.
+/// One query goes through attend_contiguous, which is exactly `attend`.
+template <class T>
+class GroupAttention {
+public:
+    static constexpr Index max_depth = 256;
+
+    /// `ahead`: the pairs come from beyond the L2 (beyond_l2), so rows are asked for ahead.
+    /// `logits`: what the options do to the logits and the sums (none by default); the
+    /// keys of a fold are at positions key_position, key_position + 1, ...
+    template <class QB>
+    GroupAttention(const QB& queries, T scale, bool ahead = false, const DecodeLogits& logits = {})
+        : queries_(queries.data(), queries.rows(), queries.cols(), Eigen::OuterStride<>(queries.outerStride())),
+          scale_(scale), g_(queries.rows()), lanes_(round_up(g_, packet_lanes<T>)), ahead_(ahead), logits_(logits),
+          tiled_(g_ >= packet_lanes<T> && queries.cols() <= max_depth),
+          tiles_(std::is_same_v<T, float> && decode_tiles && g_ >= 2 && !tiled_ && queries.cols() <= max_depth),
+          depth_(round_up(queries.cols(), packet_lanes<T>)), block_(tiled_ ? lanes_ : 1) {
+        MEMATTN_DASSERT(g_ <= group_rows && lanes_ <= group_rows);
+        load_queries();
+    }
+
+    /// Takes other queries (as many, as wide, rows of any stride) for the folds that
+    /// follow; the states and the accumulators carry on. How a memory with RoPE reads
+    /// pairs it places elsewhere (the sinks of a cache at their positions in the cache)
+    /// with its queries turned to another position.
+    template <class QB>
+    void requery(const QB& queries) {
+        MEMATTN_DASSERT(queries.rows() == g_ && queries.cols() == queries_.cols());
+        new (&queries_) QueryMap(queries.data(), g_, queries.cols(), Eigen::OuterStride<>(queries.outerStride()));
+        load_queries();
+    }
+
+    /// Folds keys K (n×d) and values V (n×dv), contiguous rows of any stride, into the
+    /// states and the rows of `acc` (g×dv, zero before the first fold).
+    template <class KBlock, class VBlock, class Acc>
+    void fold(const KBlock& K, const VBlock& V, Acc&& acc, Index key_position = 0) {
+        MEMATTN_DASSERT(K.rows() == V.rows() && K.cols() == queries_.cols() && V.cols() == acc.cols() &&
+                        acc.rows() == g_);
+        key_position_ = key_position;
+        if (g_ == 1 && !logits_.transforms()) {
+            attend_contiguous(queries_.row(0), K, V, scale_, states_[0], acc.row(0));
+            return;
+        }
+        if constexpr (std::is_same_v<T, float> && decode_tiles) {
+            if (tiles_) {
+                fold_tiles(InPlaceRows{K.data(), K.outerStride(), K.cols()},
+                           InPlaceRows{V.data(), V.outerStride(), V.cols()}, 0, K.rows(), K.cols(), V.cols(),
+                           K.cols() * Index(sizeof(float)), K.rows(), acc);
+                return;
+            }
+        }
+        const auto in_place = [](const auto& X) {
+            return [&X](Index j, Index) { return Rows{X.data() + j * X.outerStride(), X.outerStride()}; };
+        };
+        fold_rows(K.rows(), K.cols(), V.cols(), in_place(K), in_place(V), group_keys, group_keys, acc);
+    }
+
+    /// fold() for the rows [first, first + n) of stored keys and values in any storage.
+    /// Stored as T they are read in place. Stored compactly, each key and value row is
+    /// converted once per tile of queries in registers (the tiles route) or once for the
+    /// whole group into a buffer that stays in L1 (the other routes), and the products
+    /// run on the converted rows in the same blocks and the same order of terms as fold():
+    /// the result is bitwise fold()'s on the stored values converted to T. One query takes
+    /// attend_stored, which is exactly the cache's attend.
+    template <class SK, class SV, class Acc>
+    void fold_stored(const StoredRows<T, SK>& K, const StoredRows<T, SV>& V, Index first, Index n, Acc&& acc,
+                     Index key_position = 0) {
+        key_position_ = key_position;
+        if constexpr (!StoredRows<T, SK>::compact) {
+            static_assert(!StoredRows<T, SV>::compact, "memattn: keys stored as T go with values stored as T");
+            if constexpr (std::is_same_v<T, float> && decode_tiles) {
+                if (tiles_) {  // read in place, asked for ahead past the run
+                    fold_tiles(K, V, first, n, K.cols(), V.cols(), K.cols() * Index(sizeof(float)), K.rows(), acc);
+                    return;
+                }
+            }
+            fold(K.block(first, n), V.block(first, n), acc, key_position);
+        } else {
+            MEMATTN_DASSERT(K.cols() == queries_.cols() && V.cols() == acc.cols() && acc.rows() == g_);
+            if (g_ == 1 && !logits_.transforms()) {
+                attend_stored(queries_.row(0), K, V, first, n, scale_, states_[0], acc.row(0));
+                return;
+            }
+            if constexpr (std::is_same_v<T, float> && decode_tiles) {
+                if (tiles_) {
+                    fold_tiles(K, V, first, n, K.cols(), V.cols(),
+                               static_cast<Index>(StoredRows<T, SK>::row_bytes(K.cols())), K.rows(), acc);
+                    return;
+                }
+            }
+            const Index d = K.cols(), dv = V.cols(), widest = std::max(d, dv);
+            alignas(64) T stack[stored_buffer<T>];
+            std::vector<T> heap;  // only for a row wider than the stack buffer
+            T* buffer = stack;
+            if (widest > stored_buffer<T>) {
+                heap.resize(static_cast<std::size_t>(widest));
+                buffer = heap.data();
+            }
+            const Index buffered = std::max<Index>(stored_buffer<T>, widest);
+            const auto converted = [&](const auto& X) {
+                return [&X, first, buffer](Index j, Index m) {
+                    X.decode_rows(first + j, m, buffer, X.cols());
+                    return Rows{buffer, X.cols()};
+                };
+            };
+            fold_rows(n, d, dv, converted(K), converted(V), std::clamp<Index>(buffered / d, 1, group_keys),
+                      std::clamp<Index>(buffered / dv, 1, group_keys), acc);
+        }
+    }
+    /// Query r's state (natural logarithms), to finish or merge its accumulator row. The
+    /// sink logits are not in it (they join once, in finish, after any merge).
+    [[nodiscard]] SoftmaxState<T> state(Index r) const { return tiled_ ? block_.state(r) : states_[r]; }
+
+    /// Query r's output: its sink logit, if any, joins the denominator, then acc / sum.
+    template <class Row>
+    void finish(Index r, Row&& acc) const {
+        finish_state(state(r), logits_, r, acc);
+    }
+    /// The same for a state merged from parts (a split attend): the sink joins once here.
+    template <class Row>
+    static void finish_state(SoftmaxState<T> state, const DecodeLogits& logits, Index r, Row&& acc) {
+        if (logits.sinks != nullptr)
+            state.add_sink(static_cast<T>(logits.sinks[r]), acc);
+        state.finish(acc);
+    }
+
+private:
+    using QueryMap = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
+
+    static constexpr Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
+
+    /// The queries as the routes read them: scale·Q_g (tiles route), log2(e)·scale·Q_gᵀ
+    /// (tiled route), rows zero-padded to whole packets.
+    void load_queries() noexcept {
+        const Index d = queries_.cols();
+        if (tiles_) {
+            for (Index r = 0; r < g_; ++r) {
+                for (Index k = 0; k < d; ++k)
+                    qt_[r * depth_ + k] = scale_ * queries_(r, k);
+                for (Index k = d; k < depth_; ++k)
+                    qt_[r * depth_ + k] = T(0);
+            }
+            return;
+        }
+        if (!tiled_)
+            return;
+        const T factor = scale_ * T(1.44269504088896340735992468100);  // base-2 logits
+        for (Index k = 0; k < d; ++k) {
+            for (Index r = 0; r < g_; ++r)
+                qt_[k * lanes_ + r] = factor * queries_(r, k);
+            for (Index r = g_; r < lanes_; ++r)
+                qt_[k * lanes_ + r] = T(0);
+        }
+    }
+
+    /// Rows of T: the first one and the distance between rows.
+    struct Rows {
+        const T* data;
+        Index stride;
+    };
+
+    /// The one loop of fold and fold_stored over n pairs: per block of group_keys keys,
+    /// the logits (from key_rows(j, m), at most key_step rows at a time), the online
+    /// softmax, then acc = α ⊙ acc + P·V (from value_rows(j, m), value_step rows at a
+    /// time: the first part scales by α, the others accumulate, so the terms are added in
+    /// the order one product over the block would add them).
+    template <class KeyRows, class ValueRows, class Acc>
+    void fold_rows(Index n, Index d, Index dv, const KeyRows& key_rows, const ValueRows& value_rows, Index key_step,
+                   Index value_step, Acc& acc) {
+        for (Index j0 = 0; j0 < n; j0 += group_keys) {
+            const Index block = std::min(group_keys, n - j0);
+            const T* alpha = alpha_;
+            for (Index j = 0; j < block; j += key_step) {
+                const Index m = std::min(key_step, block - j);
+                const Rows k = key_rows(j0 + j, m);
+                if (tiled_) {  // Sᵀ, keys × lanes, then P read from it with strides (1, lanes)
+                    tile_product<T>(m, lanes_, d, k.data, k.stride, 1, qt_, lanes_, s_ + j * lanes_, lanes_, nullptr);
+                } else {  // S, g × keys, then P read from it with strides (group_keys, 1)
+                    for (Index i = 0; i < m; ++i)
+                        for (Index r = 0; r < g_; ++r)
+                            s_[r * group_keys + j + i] =
+                                scale_ * dot_in_order(queries_.data() + r * queries_.outerStride(), k.data + i * k.stride, d);
+                }
+            }
+            if (logits_.transforms()) {
+                const Index k0 = key_position_ + j0;
+                for (Index r = 0; r < g_; ++r) {
+                    if (tiled_)
+                        logits_.apply(s_ + r, block, lanes_, r, k0, T(1.44269504088896340735992468100));
+                    else
+                        logits_.apply(s_ + r * group_keys, block, 1, r, k0, T(1));
+                }
+            }
+            if (tiled_) {
+                block_.absorb(s_, block, lanes_, lanes_);
+                alpha = block_.alpha();
+            } else {
+                for (Index r = 0; r < g_; ++r)
+                    alpha_[r] = states_[r].absorb(s_ + r * group_keys, block);
+            }
+            const Index a_row = tiled_ ? 1 : group_keys, a_k = tiled_ ? lanes_ : 1;
+            for (Index j = 0; j < block; j += value_step) {
+                const Index m = std::min(value_step, block - j);
+                const Rows v = value_rows(j0 + j, m);
+                if (j == 0)
+                    tile_product<T>(g_, dv, m, s_, a_row, a_k, v.data, v.stride, acc.data(), acc.outerStride(), alpha);
+                else
+                    tile_product<T, DefaultBlocking, true>(g_, dv, m, s_ + j * a_k, a_row, a_k, v.data, v.stride,
+                                                           acc.data(), acc.outerStride(), nullptr);
+            }
+        }
+    }
+
+    /// The route of 2 ≤ g < lanes queries in float (decode_tiles): per block of group_keys
+    /// keys, the logits by logit_tiles, one SoftmaxState per query, then α ⊙ acc + P·V by
+    /// value_tiles; every stored row is converted in registers, once per tile of queries.
+    /// Key rows are asked for ahead up to `prefetch_end`: the end of the store, past the
+    /// run, since the next run most often follows in memory (a paged sequence's next
+    /// block, a split's next piece). Measured on the batched step of 32 paged bfloat16
+    /// sequences, one thread: 43–44 ms against 48–56 within blocks only, in two
+    /// interleaved runs; later runs moved by as much (docs/performance.md, "Serving").
+    template <class Keys, class Values, class Acc>
+    void fold_tiles(const Keys& keys, const Values& values, Index first, Index n, Index d, Index dv,
+                    Index key_row_bytes, Index prefetch_end, Acc& acc) {
+        float* out = acc.data();
+        const Index ldo = acc.outerStride();
+        const Index ahead = ahead_ ? std::max<Index>(1, Index(4096) / std::max<Index>(1, key_row_bytes)) : 0;
+        for (Index j0 = 0; j0 < n; j0 += group_keys) {
+            const Index block = std::min(group_keys, n - j0);
+            for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                logit_tiles<GQ>(keys, values, first + j0, block, d, qt_ + r0 * depth_, depth_, s_ + r0 * group_keys,
+                                group_keys, r0 == 0 ? ahead : 0, prefetch_end);
+            });
+            if (logits_.transforms())
+                for (Index r = 0; r < g_; ++r)
+                    logits_.apply(s_ + r * group_keys, block, 1, r, key_position_ + j0, 1.0f);
+            for (Index r = 0; r < g_; ++r)
+                alpha_[r] = states_[r].absorb(s_ + r * group_keys, block);
+            for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                value_tiles<GQ>(values, first + j0, block, dv, s_ + r0 * group_keys, group_keys, alpha_ + r0,
+                                out + r0 * ldo, ldo);
+            });
+        }
+    }
+
+    QueryMap queries_;
+    T scale_;
+    Index g_, lanes_;
+    bool ahead_;
+    DecodeLogits logits_;
+    Index key_position_ = 0;  // of the current fold's first key
+    bool tiled_, tiles_;
+    Index depth_;  // the head dim rounded up to whole packets
+    SoftmaxBlockState<T, static_cast<int>(group_rows)> block_;  // tiled route
+    SoftmaxState<T> states_[group_rows];                        // the other routes
+    T alpha_[group_rows];
+    alignas(64) T qt_[max_depth * group_rows];  // log2(e)·scale·Q_gᵀ (tiled route), scale·Q_g (tiles)
+    alignas(64) T s_[group_rows * group_keys];  // logits, then weights
+};
+
+}  // namespace memattn::detail

@@ -1,0 +1,573 @@
+#pragma once
+// The tiled causal softmax kernel itself (TiledCausalSoftmax): its tiles, its scratch,
+// the logit rule of one head, and the tile loop. kernels/causal_softmax.hpp describes
+// the algorithm and the measurements, and holds the checks and the entry points.
+
+#include "memattn/detail/bf16_product.hpp"
+#include "memattn/detail/tile_product.hpp"
+#include "memattn/kernels/softmax_masks.hpp"
+#include "memattn/kernels/softmax_options.hpp"
+#include "memattn/kernels/softmax_rows.hpp"
+#include "memattn/softmax_state.hpp"
+#include "memattn/types.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+namespace memattn::detail {
+
+/// Rows of a query tile under a window. With 16 registers (AVX2, 6 × 2 blocking) 48: a
+/// whole number of 6-row strips in P·V and of 2-packet column blocks in Sᵀ, so no
+/// product runs a leftover micro-tile. With 32 registers (AVX-512, 6 × 4) 64, one column
+/// block of Sᵀ. Full causal calls take three times as many (144 or 192), so that each
+/// K/V tile, read from L3 or DRAM once per query tile, serves three times the work. The
+/// AVX-512 sizes were measured on an Intel Xeon (see the top of kernels/causal_softmax.hpp).
+inline constexpr Index window_query_tile = vector_registers >= 32 ? 64 : 48;
+
+/// Rows of a query tile and of a key tile (measured: see the top of kernels/causal_softmax.hpp).
+struct SoftmaxTiles {
+    Index queries = 3 * window_query_tile;
+    Index keys = 128;
+    friend constexpr bool operator==(const SoftmaxTiles&, const SoftmaxTiles&) = default;
+};
+
+/// The tiles for a call: under a window, narrower query tiles (a query tile's keys span
+/// window + queries − 1 for `window` useful ones) and shorter key tiles (a key tile cut
+/// by the window's edge is partly wasted).
+constexpr SoftmaxTiles default_tiles(Index window) {
+    return window > 0 ? SoftmaxTiles{window_query_tile, 96} : SoftmaxTiles{};
+}
+
+/// A window of at least Nk keys limits nothing: 0, so no position arithmetic sees a
+/// window near the largest Index.
+constexpr Index effective_window(Index window, Index keys) { return window >= keys ? 0 : window; }
+
+/// The scratch of the tiled kernel (see the top of kernels/causal_softmax.hpp), allocated once and reused
+/// by every call on the same d, dv and tiles: a multi-head call keeps one per thread.
+template <class T>
+struct SoftmaxScratch {
+    SoftmaxScratch(Index d, Index dv, SoftmaxTiles tiles)
+        : tiles(tiles), lanes(round_up(tiles.queries, 2 * packet_lanes<T>)), qt(d, lanes), s(tiles.keys, lanes),
+          acc(lanes, dv), state(lanes) {}
+
+    /// Bytes of scratch: all the extra memory a call needs, whatever Nq and Nk.
+    static std::size_t bytes(Index d, Index dv, SoftmaxTiles tiles) {
+        const Index lanes = round_up(tiles.queries, 2 * packet_lanes<T>);
+        return sizeof(T) * static_cast<std::size_t>(lanes * (d + tiles.keys + dv + 3));
+    }
+
+    SoftmaxTiles tiles;
+    Index lanes;
+    Matrix<T> qt, s, acc;
+    SoftmaxBlockState<T> state;
+    Matrix<T> bias, bias_rows;  // a tile of a dense bias, mask or tree: keys × lanes, and as filled
+    // bfloat16 products (detail/bf16_product.hpp), sized by the kernel that uses them:
+    // the query tile's transpose, the weights and the value tile as pairs of bfloat16.
+    std::vector<std::uint32_t> query_pairs, weight_pairs, value_pairs;
+    // 16-bit inputs converted to float, a tile of Q, K and V (ConvertedRows), on first use
+    Matrix<float> converted_q, converted_k, converted_v;
+};
+
+/// What the tiled kernel does to a logit beyond scale·q·k, for one head (SoftmaxOptions,
+/// kernels/softmax_options.hpp): the causal rule, a softcap, an ALiBi slope, a sink logit.
+struct LogitRule {
+    bool causal = true;   ///< keys after a query are masked
+    double softcap = 0;   ///< c > 0: s ← c·tanh(s/c); 0: off
+    bool alibi = false;   ///< s ← s − slope·|p − j|
+    double slope = 0;     ///< ALiBi's slope
+    bool sink = false;    ///< a logit σ joins each query's denominator with no value
+    double sink_logit = 0;  ///< σ (−∞: none)
+
+    /// The rule of a single head's options (their spans of one value).
+    static LogitRule of(const SoftmaxOptions& options) {
+        LogitRule rule;
+        rule.causal = options.causal;
+        rule.softcap = options.softcap;
+        rule.alibi = !options.alibi_slopes.empty();
+        rule.slope = rule.alibi ? options.alibi_slopes[0] : 0;
+        rule.sink = !options.sink_logits.empty() && !std::isinf(options.sink_logits[0]);
+        rule.sink_logit = rule.sink ? options.sink_logits[0] : 0;
+        return rule;
+    }
+};
+
+/// The tiled kernel for one call on a scratch: its steps (see the top of kernels/causal_softmax.hpp). The
+/// products use the register blocking B (detail/tile_product.hpp), which changes no bit.
+/// Q, K and V are read through row sources: PlainRows (in place), DecodedRows (compact
+/// storage, converted tile by tile) or ConvertedRows (bfloat16 or float16 inputs). When
+/// all three hold bfloat16 pairs (ConvertedRows<Eigen::bfloat16> on AVX512-BF16) both
+/// products run in bfloat16 arithmetic (detail/bf16_product.hpp), the softmax in float.
+template <class T, class B = DefaultBlocking, class KRows = PlainRows<T>, class VRows = PlainRows<T>,
+          class QRows = PlainRows<T>>
+class TiledCausalSoftmax {
+    static constexpr bool pairs = QRows::pairs && KRows::pairs && VRows::pairs;
+    static_assert(!pairs || std::is_same_v<T, float>);
+
+public:
+    TiledCausalSoftmax(QRows Q, KRows K, VRows V, T scale, Index window, Index sinks, SoftmaxScratch<T>& scratch,
+                       const LogitRule& rule = {}, TileBias<T> bias = {})
+        : q_(std::move(Q)), k_(std::move(K)), v_(std::move(V)), scale_(scale), window_(window), sinks_(sinks),
+          tiles_(scratch.tiles), lanes_(scratch.lanes), qt_(scratch.qt), s_(scratch.s), acc_(scratch.acc),
+          state_(scratch.state), bias_tile_(scratch.bias), bias_rows_(scratch.bias_rows), query_offset_(k_.rows() - q_.rows()), rule_(rule),
+          bias_(bias), softcap2_(static_cast<T>(rule.softcap * log2e)), slope2_(static_cast<T>(rule.slope * log2e)) {
+        MEMATTN_DASSERT(qt_.rows() == k_.cols() && acc_.cols() == v_.cols());
+        if (bias_ && (bias_tile_.rows() != tiles_.keys || bias_tile_.cols() != lanes_)) {
+            bias_tile_ = Matrix<T>::Zero(tiles_.keys, lanes_);
+            bias_rows_.resize(lanes_, tiles_.keys);
+        }
+        if constexpr (pairs) {
+            value_stride_ = round_up(v_.cols(), 16);
+            resize(scratch.query_pairs, (k_.cols() + 1) / 2 * lanes_, query_pairs_);
+            resize(scratch.weight_pairs, (tiles_.keys + 1) / 2 * lanes_, weight_pairs_);
+            resize(scratch.value_pairs, (tiles_.keys + 1) / 2 * value_stride_, value_pairs_);
+        }
+    }
+
+    /// Query row i sits at position query_offset + i of the keys (by default Nk − Nq, the
+    /// queries continuing the keys). Under the causal rule any offset ≥ 0 works: keys
+    /// past a query's position are its future, and an offset past the keys' end makes
+    /// every key its past (a block of keys wholly before the queries, as in ring
+    /// attention). Without it (cross attention) the offset may be negative.
+    void set_query_offset(Index offset) {
+        MEMATTN_DASSERT(offset >= 0 || !rule_.causal);
+        query_offset_ = offset;
+    }
+
+    /// Bytes of scratch one call allocates: all the extra memory it needs, whatever Nq and Nk
+    /// (with bfloat16 products, their pair buffers too).
+    static std::size_t scratch_bytes(Index d, Index dv, SoftmaxTiles tiles) {
+        std::size_t bytes = SoftmaxScratch<T>::bytes(d, dv, tiles);
+        if constexpr (pairs) {
+            const Index lanes = round_up(tiles.queries, 2 * packet_lanes<T>), half_keys = (tiles.keys + 1) / 2;
+            bytes += sizeof(std::uint32_t) *
+                     static_cast<std::size_t>((d + 1) / 2 * lanes + half_keys * lanes + half_keys * round_up(dv, 16));
+        }
+        return bytes;
+    }
+
+    /// Writes O (of T, or of the inputs' bfloat16 or float16) and calls lse(i, lse_i) for
+    /// every query row i.
+    template <class E, class LseSink>
+    void run(MatrixRef<E> O, LseSink&& lse) {
+        for (Index i0 = 0; i0 < q_.rows(); i0 += tiles_.queries) {
+            start_query_tile(i0, std::min(tiles_.queries, q_.rows() - i0));
+            // The next query tile's rows of Q and O towards L2, a few lines per strip of
+            // this tile's products: with a window, a tile's Q and O are a large share of
+            // what it reads and writes (0.1 read them as they came: 7% of a windowed call).
+            ahead_.clear();
+            if (const Index next = i0 + tiles_.queries, n = std::min(tiles_.queries, q_.rows() - next); n > 0) {
+                ahead_.add(q_.row(next), n, q_.stride(), q_.cols());
+                ahead_.template add<E, true>(O.data() + next * O.outerStride(), n, O.outerStride(), O.cols());
+            }
+            // Keys [lo, hi): causal, [0, p1] within the window; else the window both ways.
+            const Index hi = rule_.causal  ? std::min(p1_ + 1, k_.rows())
+                             : window_ > 0 ? std::clamp<Index>(p1_ + window_, 0, k_.rows())
+                                           : k_.rows();
+            const Index lo = window_ > 0 ? std::clamp<Index>(p0_ - window_ + 1, 0, k_.rows()) : 0;
+            for (Index j1 = hi; j1 > lo; j1 -= tiles_.keys) {             // diagonal tile first
+                const Index j0 = std::max(lo, j1 - tiles_.keys);
+                prefetch_key_tile(std::max(lo, j0 - tiles_.keys), j0);     // the next one
+                attend_key_tile(j0, j1 - j0);
+            }
+            const Index sink_end = std::min({sinks_, lo, hi});             // sinks below the window
+            for (Index j0 = 0; j0 < sink_end; j0 += tiles_.keys)
+                attend_key_tile(j0, std::min(tiles_.keys, sink_end - j0));
+            if (!rule_.causal) {  // and, both ways, sinks past the window's end
+                const Index begin = std::max(hi, lo), end = std::min(sinks_, k_.rows());
+                for (Index j0 = begin; j0 < end; j0 += tiles_.keys)
+                    attend_key_tile(j0, std::min(tiles_.keys, end - j0));
+            }
+            finish_query_tile(O, lse);
+        }
+    }
+
+private:
+    /// A scratch vector of at least n words: its data.
+    static void resize(std::vector<std::uint32_t>& v, Index n, std::uint32_t*& data) {
+        if (static_cast<Index>(v.size()) < n)
+            v.resize(static_cast<std::size_t>(n));
+        data = v.data();
+    }
+
+    /// Loads log2(e)·scale·Q_tileᵀ (base-2 logits, see SoftmaxBlockState) and empties the
+    /// accumulators for queries [i0, i0 + rows). bfloat16 pairs: Q_tileᵀ as they are, pairs
+    /// along d (the factor multiplies the logits as the product stores them).
+    void start_query_tile(Index i0, Index rows) {
+        i0_ = i0;
+        rows_ = rows;
+        cols_ = std::min(lanes_, round_up(rows, 2 * packet_lanes<T>));
+        p0_ = query_offset_ + i0;
+        p1_ = p0_ + rows - 1;
+        if constexpr (pairs) {
+            const Index d = q_.cols(), whole = d / 2;
+            for (Index i = 0; i < cols_; ++i) {
+                if (i >= rows) {
+                    for (Index k = 0; k < (d + 1) / 2; ++k)
+                        query_pairs_[k * lanes_ + i] = 0;
+                    continue;
+                }
+                const std::uint16_t* row = q_.bits(i0 + i).first;
+                for (Index k = 0; k < whole; ++k)
+                    query_pairs_[k * lanes_ + i] = load_pair(row + 2 * k);
+                if (d % 2 == 1)
+                    query_pairs_[whole * lanes_ + i] = row[d - 1];
+            }
+        } else {
+            const auto [q, ldq] = q_.tile(i0, rows);
+            transpose(q, rows, q_.cols(), ldq, qt_.data(), lanes_);
+            qt_.leftCols(rows) *= scale_ * T(log2e);
+            qt_.middleCols(rows, cols_ - rows).setZero();
+        }
+        acc_.topRows(cols_).setZero();
+        state_.reset();
+    }
+
+    /// Keys and values [j0, j1) towards L2 while the current tile computes.
+    void prefetch_key_tile(Index j0, Index j1) const {
+        k_.prefetch(j0, j1);
+        v_.prefetch(j0, j1);
+    }
+
+    /// Folds keys [j0, j0 + n) into every query of the tile.
+    void attend_key_tile(Index j0, Index n) {
+        const Index d = k_.cols(), dv = v_.cols();
+        // Sᵀ = K_tile · (log2(e)·scale·Q_tile)ᵀ, keys × queries.
+        // A tile that crosses the diagonal or the window's edge computes, per strip of
+        // keys, only the query lanes that see one of them (the rest is masked below).
+        biased_ = false;
+        if (bias_ && !fill_bias(j0, n))
+            return;  // the bias masks every key of the tile for every query
+        const bool masked = !fully_visible(j0, n);
+        if constexpr (pairs) {
+            attend_key_pairs(j0, n, masked);
+            return;
+        }
+        const auto [keys, ldk] = k_.tile(j0, n);
+        if (masked) {
+            tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr,
+                               LanesSeeingKeys{*this, j0}, &ahead_);
+            transform_logits(j0, n);
+            mask(j0, n);
+        } else {
+            tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr, {},
+                               &ahead_);
+            transform_logits(j0, n);
+        }
+        state_.absorb(s_.data(), n, lanes_, cols_);  // m, sum, α; Sᵀ becomes Pᵀ
+        // acc = α ⊙ acc + P · V_tile: A(r, k) = Pᵀ(k, r) is read with strides (1, lanes).
+        // A masked weight is 0, and 0 · ∞ = NaN: where V_tile is not all finite, a masked
+        // tile goes query by query over the keys each one sees (O(n·dv) to check, against
+        // O(lanes·n·dv) for the product), so a bad value poisons only the queries that see it.
+        const auto [values, ldv] = v_.tile(j0, n);
+        if (biased_ && !finite_values(values, ldv, n)) {  // weights the bias made 0 must not meet ∞
+            accumulate_weighted_keys(n, values, ldv);
+            return;
+        }
+        // A masked tile's strips of queries skip the keys none of them sees: their weights
+        // are 0, and x + 0·v is x.
+        if (!masked)
+            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, values, ldv, acc_.data(), dv, state_.alpha(), {},
+                               &ahead_);
+        else if (finite_values(values, ldv, n))
+            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, values, ldv, acc_.data(), dv, state_.alpha(),
+                               KeysSeenByLanes{*this, j0, n}, &ahead_);
+        else
+            accumulate_visible_keys(j0, n, values, ldv);
+    }
+
+    /// attend_key_tile in bfloat16 arithmetic: both products by vdpbf16ps on the bits of K
+    /// and V (banded on masked tiles as the float ones), the softmax in float, the weights
+    /// rounded to bfloat16 for P·V. A value tile that is not all finite goes the float way
+    /// (converted, query by query where weights are masked), so a masked weight of 0 never
+    /// meets ∞.
+    void attend_key_pairs(Index j0, Index n, bool masked) {
+        const Index d = k_.cols(), dv = v_.cols();
+        const auto [keys, ldk] = k_.bits(j0);
+        const float post = scale_ * T(log2e);
+        if (masked) {
+            bf16_product<B>(n, cols_, d, keys, ldk, 2, query_pairs_, lanes_, s_.data(), lanes_, nullptr, post,
+                            LanesSeeingKeys{*this, j0}, &ahead_);
+            transform_logits(j0, n);
+            mask(j0, n);
+        } else {
+            bf16_product<B>(n, cols_, d, keys, ldk, 2, query_pairs_, lanes_, s_.data(), lanes_, nullptr, post,
+                            WholeStrip{}, &ahead_);
+            transform_logits(j0, n);
+        }
+        state_.absorb(s_.data(), n, lanes_, cols_, RoundToBf16{});
+        const auto [values, ldv] = v_.bits(j0);
+        if (pack_row_pairs(values, n, dv, ldv, value_pairs_, value_stride_)) {
+            pack_weight_pairs(s_.data(), n, cols_, lanes_, weight_pairs_);
+            const auto* weights = reinterpret_cast<const std::uint16_t*>(weight_pairs_);
+            if (masked)
+                bf16_product<B, true>(cols_, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_,
+                                      acc_.data(), dv, state_.alpha(), 1.0f, KeysSeenByLanes{*this, j0, n},
+                                      &ahead_);
+            else
+                bf16_product<B, true>(cols_, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_,
+                                      acc_.data(), dv, state_.alpha(), 1.0f, WholeStrip{}, &ahead_);
+            return;
+        }
+        const auto [converted, ldc] = v_.tile(j0, n);
+        if (biased_)
+            accumulate_weighted_keys(n, converted, ldc);
+        else if (masked)
+            accumulate_visible_keys(j0, n, converted, ldc);
+        else
+            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, converted, ldc, acc_.data(), dv,
+                               state_.alpha(), {}, &ahead_);
+    }
+
+    /// The bias tile of keys [j0, j0 + n) for the query tile (zero in the padding lanes),
+    /// biased_ when it adds anything; false when it masks every (query, key) pair of it.
+    bool fill_bias(Index j0, Index n) {
+        if (bias_.rows != nullptr) {  // in place: transposed from the caller's rows
+            const T* src = bias_.rows + i0_ * bias_.stride + j0;
+            // The key tile after next asked for now (the walk goes down from the diagonal):
+            // a d = 64 call with a 4096² bias costs +23–26% of the plain one so, against
+            // +31–33% asking for the next tile only (the loads still stalled on it).
+            const Index ahead = std::min(j0, 2 * n);
+            prefetch_rows(src - ahead, rows_, bias_.stride, std::min(ahead, n));
+            transpose(src, rows_, n, bias_.stride, bias_tile_.data(), lanes_);
+            const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> tile(bias_tile_.data(), n, rows_,
+                                                                            Eigen::OuterStride<>(lanes_));
+            if (!(tile.array() != -std::numeric_limits<T>::infinity()).any())
+                return false;
+            biased_ = true;
+            return true;
+        }
+        const Index ld = bias_rows_.cols();
+        const TileCover cover = bias_.fill(bias_.context, i0_, rows_, j0, n, bias_rows_.data(), ld);
+        if (cover == TileCover::open)
+            return true;
+        if (cover == TileCover::closed)
+            return false;
+        const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> filled(bias_rows_.data(), rows_, n,
+                                                                          Eigen::OuterStride<>(ld));
+        if (!(filled.array() != -std::numeric_limits<T>::infinity()).any())
+            return false;
+        transpose(bias_rows_.data(), rows_, n, ld, bias_tile_.data(), lanes_);  // key-major, as Sᵀ
+        biased_ = true;
+        return true;
+    }
+
+    /// acc_i = α_i·acc_i + Σ_j p_ji v_j over the keys with a weight p_ji ≠ 0 only: a
+    /// value row that is not finite reaches only the queries that see it.
+    void accumulate_weighted_keys(Index n, const T* values, Index ldv) {
+        const Index dv = v_.cols();
+        for (Index i = 0; i < rows_; ++i) {
+            Eigen::Map<Vector<T>> acc(acc_.data() + i * dv, dv);
+            acc *= state_.alpha()[i];
+            for (Index jj = 0; jj < n; ++jj)
+                if (const T p = s_(jj, i); p != T(0))
+                    acc += p * Eigen::Map<const Vector<T>>(values + jj * ldv, dv);
+        }
+    }
+
+    /// Softcap, then ALiBi, on the logits Sᵀ of keys [j0, j0 + n) (base 2, as the tile
+    /// holds them: c·tanh(s/c) and −slope·|p − j| are scaled by log2(e) like s). Lanes a
+    /// masked tile did not compute hold anything; mask() overwrites them after.
+    void transform_logits(Index j0, Index n) {
+        if (rule_.softcap > 0) {
+            const T inverse = T(1) / softcap2_;
+            for (Index jj = 0; jj < n; ++jj) {
+                Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> row(s_.data() + jj * lanes_, cols_);
+                row = (row * inverse).tanh() * softcap2_;
+            }
+        }
+        if (rule_.alibi) {
+            for (Index jj = 0; jj < n; ++jj) {
+                T* row = s_.data() + jj * lanes_;
+                const Index offset = p0_ - (j0 + jj);  // p − j of lane 0
+                for (Index i = 0; i < cols_; ++i)
+                    row[i] -= slope2_ * static_cast<T>(offset + i < 0 ? -(offset + i) : offset + i);
+            }
+        }
+        if (biased_) {  // the bias in base 2; −∞ stays −∞
+            const T factor = static_cast<T>(log2e);
+            for (Index jj = 0; jj < n; ++jj) {
+                T* row = s_.data() + jj * lanes_;
+                const T* b = bias_tile_.data() + jj * lanes_;
+                for (Index i = 0; i < cols_; ++i)
+                    row[i] += factor * b[i];
+            }
+        }
+    }
+
+    /// Query lanes [first, end) that see key j: j ≤ p0 + i (causal) and, unless j is a
+    /// sink, |p0 + i − j| < window.
+    [[nodiscard]] Range lanes_seeing(Index j) const {
+        const bool anywhere = window_ == 0 || j < sinks_;
+        const Index first = rule_.causal ? std::clamp<Index>(j - p0_, 0, cols_)
+                            : anywhere   ? 0
+                                         : std::clamp<Index>(j - window_ + 1 - p0_, 0, cols_);
+        const Index end = anywhere ? cols_ : std::clamp<Index>(j + window_ - p0_, first, cols_);
+        return {first, end};
+    }
+
+    /// The keys of [j0, j0 + n) that lane i sees lie in [first, end), relative to j0
+    /// (empty when it sees none): the sinks below its window, then (p − window, p].
+    [[nodiscard]] Range keys_seen(Index i, Index j0, Index n) const {
+        Index first = n, end = 0;
+        for (const Range& run : visible_runs(p0_ + i)) {
+            const Index begin = std::max(run.first, j0), stop = std::min(run.end, j0 + n);
+            if (begin < stop) {
+                first = std::min(first, begin - j0);
+                end = std::max(end, stop - j0);
+            }
+        }
+        return {first, end};
+    }
+
+    /// The keys position p sees, as three runs in key order (some empty): the sinks below
+    /// its window, the window, and (not causal) the sinks past the window's end.
+    [[nodiscard]] std::array<Range, 3> visible_runs(Index p) const {
+        const Index nk = k_.rows();
+        const Index window_begin = window_ == 0 ? 0 : std::clamp<Index>(p - window_ + 1, 0, nk);
+        const Index window_end = rule_.causal ? std::clamp<Index>(p + 1, 0, nk)
+                                 : window_ == 0 ? nk
+                                                : std::clamp<Index>(p + window_, 0, nk);
+        const Index below = std::min(sinks_, std::min(window_begin, window_end));
+        const Index past = rule_.causal ? window_end : std::max(window_end, std::min(sinks_, nk));
+        return {Range{0, below}, Range{window_begin, window_end}, Range{window_end, past}};
+    }
+
+    /// The band of Sᵀ = K_tile · Qᵀ on a masked tile: a strip of keys takes the lanes
+    /// that see one of its keys.
+    struct LanesSeeingKeys {
+        const TiledCausalSoftmax& kernel;
+        Index j0;
+        [[nodiscard]] Range columns(Index row, Index rows, Index) const {
+            Range hull{kernel.cols_, 0};
+            for (Index j = j0 + row; j < j0 + row + rows; ++j) {
+                const Range r = kernel.lanes_seeing(j);
+                if (r.first < r.end)
+                    hull = {std::min(hull.first, r.first), std::max(hull.end, r.end)};
+            }
+            return hull;
+        }
+        static constexpr Range terms(Index, Index, Index depth) { return {0, depth}; }
+    };
+
+    /// The band of acc = α ⊙ acc + P·V_tile on a masked tile: a strip of query lanes
+    /// takes the keys one of them sees.
+    struct KeysSeenByLanes {
+        const TiledCausalSoftmax& kernel;
+        Index j0, n;
+        static constexpr Range columns(Index, Index, Index cols) { return {0, cols}; }
+        [[nodiscard]] Range terms(Index row, Index rows, Index) const {
+            Range hull{n, 0};
+            for (Index i = row; i < row + rows; ++i) {
+                const Range r = kernel.keys_seen(i, j0, n);
+                if (r.first < r.end)
+                    hull = {std::min(hull.first, r.first), std::max(hull.end, r.end)};
+            }
+            return hull.first < hull.end ? hull : Range{0, 0};
+        }
+    };
+
+    /// Every value of the n rows at `values` is finite: 0·x is 0, or NaN for ±∞ and NaN,
+    /// and a sum keeps NaN. A vectorised reduction (Eigen's allFinite is a scalar loop here).
+    [[nodiscard]] bool finite_values(const T* values, Index ldv, Index n) const {
+        const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> v(values, n, v_.cols(), Eigen::OuterStride<>(ldv));
+        return (v.array() * T(0)).sum() == T(0);
+    }
+
+    /// acc_i = α_i·acc_i + Σ_{j visible to i} p_ji v_j for each query i of the tile, keys
+    /// [j0, j0 + n), whose values are the rows at `values`.
+    void accumulate_visible_keys(Index j0, Index n, const T* values, Index ldv) {
+        const Index dv = v_.cols();
+        const T one = 1;
+        for (Index i = 0; i < rows_; ++i) {
+            const Index p = p0_ + i;
+            Eigen::Map<Vector<T>>(acc_.data() + i * dv, dv) *= state_.alpha()[i];
+            for (const Range& run : visible_runs(p)) {
+                const Index begin = std::max(run.first, j0), end = std::min(run.end, j0 + n);
+                if (begin < end)
+                    tile_product<T, B>(1, dv, end - begin, s_.data() + (begin - j0) * lanes_ + i, 1, lanes_,
+                                       values + (begin - j0) * ldv, ldv, acc_.data() + i * dv, dv, &one);
+            }
+        }
+    }
+
+    /// Every query of the tile sees every key of [j0, j0 + n).
+    [[nodiscard]] bool fully_visible(Index j0, Index n) const {
+        const Index j_last = j0 + n - 1;
+        if (window_ == 0 || j_last < sinks_)
+            return !rule_.causal || j_last <= p0_;
+        return j0 > p1_ - window_ && (rule_.causal ? j_last <= p0_ : j_last < p0_ + window_);
+    }
+
+    /// Sᵀ(j, i) = −∞ where query i does not see key j: a masked key gets weight 0.
+    /// Query i (position p0 + i) sees key j iff j ≤ p0 + i (causal) and, unless j is a
+    /// sink, |p0 + i − j| < window: for each key a contiguous run of lanes [first, end).
+    void mask(Index j0, Index n) {
+        constexpr T minus_inf = -std::numeric_limits<T>::infinity();
+        for (Index jj = 0; jj < n; ++jj) {
+            const Range seen = lanes_seeing(j0 + jj);
+            T* row = s_.data() + jj * lanes_;
+            std::fill(row, row + seen.first, minus_inf);
+            std::fill(row + seen.end, row + cols_, minus_inf);
+        }
+    }
+
+    /// o_i = acc_i / sum_i, lse_i = m_i + log(sum_i); a query with no visible key gets 0 and −∞.
+    /// An output of bfloat16 or float16 is finished in T, then rounded (nearest even).
+    template <class E, class LseSink>
+    void finish_query_tile(MatrixRef<E>& O, LseSink& lse) {
+        for (Index i = 0; i < rows_; ++i) {
+            SoftmaxState<T> state = state_.state(i);
+            if constexpr (std::is_same_v<E, T>) {
+                O.row(i0_ + i) = acc_.row(i);
+                if (rule_.sink)
+                    state.add_sink(static_cast<T>(rule_.sink_logit), O.row(i0_ + i));
+                state.finish(O.row(i0_ + i));
+            } else {
+                auto row = acc_.row(i);
+                if (rule_.sink)
+                    state.add_sink(static_cast<T>(rule_.sink_logit), row);
+                state.finish(row);
+                O.row(i0_ + i) = row.template cast<E>();
+            }
+            lse(i0_ + i, state.log_sum_exp());
+        }
+    }
+
+    QRows q_;
+    KRows k_;
+    VRows v_;
+    T scale_;
+    Index window_, sinks_;
+    SoftmaxTiles tiles_;
+    Index lanes_;
+    Matrix<T>& qt_;  // scratch, see the top of kernels/causal_softmax.hpp
+    Matrix<T>& s_;
+    Matrix<T>& acc_;
+    SoftmaxBlockState<T>& state_;
+    Matrix<T>& bias_tile_;  // keys × lanes (padding lanes hold zeros or an earlier tile's values)
+    Matrix<T>& bias_rows_;  // lanes × keys, as fill writes it
+    Index query_offset_;
+    LogitRule rule_;
+    TileBias<T> bias_;
+    bool biased_ = false;  // the current key tile's bias adds something (TileCover::some)
+    T softcap2_, slope2_;  // log2(e)·c and log2(e)·slope: the tile's logits are base 2
+    Index i0_ = 0, rows_ = 0, cols_ = 0, p0_ = 0, p1_ = 0;  // the current query tile
+    static constexpr double log2e = 1.44269504088896340735992468100;
+    PrefetchQueue ahead_{4};                                 // the next query tile's rows
+    // bfloat16 products: the scratch's pair buffers, the value tile's row stride in words
+    std::uint32_t* query_pairs_ = nullptr;
+    std::uint32_t* weight_pairs_ = nullptr;
+    std::uint32_t* value_pairs_ = nullptr;
+    Index value_stride_ = 0;
+};
+
+}  // namespace memattn::detail
