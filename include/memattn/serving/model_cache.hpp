@@ -49,8 +49,8 @@
 #include "memattn/serving/paged_kv_cache.hpp"
 #include "memattn/types.hpp"
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <utility>
@@ -149,7 +149,7 @@ public:
         check_not_mid_step(function, "parent", parent, from);
         const Index child = in_every_layer([from](Pool& pool) { return pool.fork(from); });
         try {
-            admit(function);
+            admit(function, true);
         } catch (...) {
             for (Pool& pool : pools_)
                 pool.remove(slot(child));
@@ -418,8 +418,9 @@ private:
     }
 
     /// Every layer that has not run the planned step has the free blocks its tokens need
-    /// (no step planned: nothing to hold).
-    void admit(const char* function) const {
+    /// (no step planned: nothing to hold); `held`: the call is not the plan, whose blocks
+    /// it would take.
+    void admit(const char* function, bool held) const {
         if (!planned_)
             return;
         for (std::size_t l = 0; l < pools_.size(); ++l) {
@@ -429,10 +430,7 @@ private:
             const Index needed = pool.blocks_needed(step_.slots_, tokens_);
             if (needed > pool.free_blocks())
                 throw PoolExhausted(std::string(function) + " (layer " + std::to_string(l) +
-                                        (function == std::string_view("ModelCache::plan") ||
-                                                 function == std::string_view("ModelCache::plan_decode")
-                                             ? ")"
-                                             : ": the planned step holds blocks)"),
+                                        (held ? ": the planned step holds blocks)" : ")"),
                                     needed, pool.free_blocks(), pool.blocks());
         }
     }
@@ -441,7 +439,7 @@ private:
         planned_ = true;
         std::fill(ran_.begin(), ran_.end(), char{0});
         try {
-            admit(function);
+            admit(function, false);
         } catch (...) {
             planned_ = false;
             throw;
