@@ -35,6 +35,7 @@
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
+#include "memattn/memory/recurrent_memory.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/types.hpp"
 
@@ -67,137 +68,59 @@ void check_extras(const PairSite& site, const K& keys, Index d, Index beta_colum
     }
 }
 
-/// A state given to set_state: m is rows × cols and finite, or the call throws.
-template <class M>
-void check_state(const char* function, const char* name, const M& m, Index rows, Index cols) {
-    require(m.rows() == rows && m.cols() == cols, function, name, "has shape ", shape(m), ", expected ", rows, 'x',
-            cols);
-    for (Index r = 0; r < m.rows(); ++r)
-        for (Index c = 0; c < m.cols(); ++c)
-            require(std::isfinite(m(r, c)), function, name, "has ", m(r, c), " at (", r, ", ", c,
-                    "), expected finite values");
-}
+/// The names of GatedLinearAttentionMemory's messages.
+inline constexpr RecurrentNames gated_names{
+    "GatedLinearAttentionMemory",         "GatedLinearAttentionMemory::update",
+    "GatedLinearAttentionMemory::extend", "GatedLinearAttentionMemory::validate",
+    "GatedLinearAttentionMemory::attend", "GatedLinearAttentionMemory::attend_group",
+    "GatedLinearAttentionMemory::prefill", "GatedLinearAttentionMemory::set_state"};
+/// The names of DeltaRuleMemory's messages.
+inline constexpr RecurrentNames delta_names{"DeltaRuleMemory",          "DeltaRuleMemory::update",
+                                            "DeltaRuleMemory::extend",  "DeltaRuleMemory::validate",
+                                            "DeltaRuleMemory::attend",  "DeltaRuleMemory::attend_group",
+                                            "DeltaRuleMemory::prefill", "DeltaRuleMemory::set_state"};
+/// The names of KdaMemory's messages.
+inline constexpr RecurrentNames kda_names{"KdaMemory",          "KdaMemory::update",       "KdaMemory::extend",
+                                          "KdaMemory::validate", "KdaMemory::attend",      "KdaMemory::attend_group",
+                                          "KdaMemory::prefill",  "KdaMemory::set_state"};
+/// The names of Rwkv7Memory's messages.
+inline constexpr RecurrentNames rwkv7_names{"Rwkv7Memory",          "Rwkv7Memory::update",
+                                            "Rwkv7Memory::extend",  "Rwkv7Memory::validate",
+                                            "Rwkv7Memory::attend",  "Rwkv7Memory::attend_group",
+                                            "Rwkv7Memory::prefill", "Rwkv7Memory::set_state"};
 
 }  // namespace detail
 
-/// The gated linear-attention state (S, z) as a Memory; see the top of the file.
+/// The gated linear-attention state (S, z) as a Memory; see the top of the file. update:
+/// key = [k | log-gate(s)], S ← diag(a) S + kᵀ v, z ← a ⊙ z + k. attend: q̂ S, or
+/// q̂ S / (q̂·z + eps) with options.normalize (q̂ = q's scale and norm applied, as the
+/// kernels). prefill: chunked_gated_linear_attention over the keys' first d columns and
+/// their gates.
 template <RowScalar T>
-class GatedLinearAttentionMemory {
-public:
-    using Scalar = T;  ///< float or double: the rows' scalar and the state's
+class GatedLinearAttentionMemory
+    : public RecurrentMemory<GatedLinearAttentionMemory<T>, T, true> {
+    using Base = RecurrentMemory<GatedLinearAttentionMemory<T>, T, true>;
+    friend Base;
 
+public:
     /// k of width `key_dim` (d; the key row adds the gate columns), values of width
     /// `value_dim` (dv); `options` as for the gated kernels (q scaled by 1/√d unless
     /// options.scale is given; no normaliser unless options.normalize).
     GatedLinearAttentionMemory(Index key_dim, Index value_dim, GateKind gates = GateKind::scalar,
                                GatedOptions options = {})
-        : d_(detail::at_least(key_dim, 1, "GatedLinearAttentionMemory", "key_dim")),
-          dv_(detail::at_least(value_dim, 1, "GatedLinearAttentionMemory", "value_dim")),
+        : Base(detail::gated_names, key_dim, value_dim, gates == GateKind::scalar ? 1 : key_dim),
           gates_(gates),
           options_(options),
           a_(gates == GateKind::channel ? d_ : 0),
-          k_(d_),
-          key_copy_(d_ + (gates == GateKind::scalar ? 1 : d_)),
-          value_copy_(dv_) {
+          k_(d_) {
         const Matrix<T> none(0, d_), values(0, dv_), gate(0, gate_cols());
         detail::check_gated_arguments<T, T, T>("GatedLinearAttentionMemory", none, none, values, gate, {0, dv_}, options_,
                                          nullptr);
         detail::require_one_span("GatedLinearAttentionMemory", options_.span_tokens,
                                  "a memory prefills its state as one span (a MultiHead layer spreads its heads)");
         factor_ = detail::query_factor<T>(options_, d_);
-        reset();
     }
 
-    /// key = [k | log-gate(s)]: S ← diag(a) S + kᵀ v, z ← a ⊙ z + k. A key or value that
-    /// views the state is copied first (allocates nothing).
-    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        validate(key, value, {"GatedLinearAttentionMemory::update", "key", "value"});
-        if (detail::views_own(key, state_.mu, state_.nu) || detail::views_own(value, state_.mu, state_.nu)) {
-            key_copy_ = key;
-            value_copy_ = value;
-            return step(key_copy_, value_copy_);
-        }
-        step(key, value);
-    }
-
-    /// Feeds the rows of K/V in order, all or nothing; rows that view the state are copied
-    /// first (the copy allocates).
-    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
-        validate(keys, values, {"GatedLinearAttentionMemory::extend"});
-        if (detail::views_own(keys, state_.mu, state_.nu) || detail::views_own(values, state_.mu, state_.nu)) {
-            const Matrix<T> own_keys = keys, own_values = values;
-            return extend(own_keys, own_values);
-        }
-        for (Index i = 0; i < keys.rows(); ++i)
-            step(keys.row(i), values.row(i));
-    }
-
-    /// Throws what update would throw for these pairs (a log-gate that is NaN or above 0),
-    /// changing nothing; std::length_error past memattn::max_length. `site` names the
-    /// caller (a layer's check of one head's part of its packed rows).
-    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values,
-                  const detail::PairSite& site = {"GatedLinearAttentionMemory::validate"}) const {
-        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), dv_, length_);
-        detail::check_extras(site, keys, d_, -1, d_);
-    }
-
-    /// out = q̂ S, or q̂ S / (q̂·z + eps) with options.normalize (q̂ = q's scale and norm
-    /// applied, as the kernels); zero before any update.
-    void attend(ConstRowRef<T> query, RowRef<T> out) const {
-        detail::check_query("GatedLinearAttentionMemory::attend", query, out, d_, dv_);
-        out.noalias() = query * state_.mu;
-        finish(query, out);
-    }
-
-    /// Row r of `out` = attend(row r of `queries`), to rounding: S and z read once for the
-    /// group, one register-blocked product Q_g S. Allocates nothing.
-    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
-        detail::check_group_query("GatedLinearAttentionMemory::attend_group", queries, out, d_, dv_);
-        if (queries.rows() == 0)
-            return;
-        detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, state_.mu.data(),
-                                dv_, out.data(), out.outerStride(), nullptr);
-        for (Index r = 0; r < queries.rows(); ++r)
-            finish(queries.row(r), out.row(r));
-    }
-
-    /// chunked_gated_linear_attention over the keys' first d columns and their gates, from
-    /// and into the memory's state.
-    void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
-        constexpr const char* function = "GatedLinearAttentionMemory::prefill";
-        validate(keys, values, {function});  // shapes, gates (and beta)
-        detail::check_prefill(function, queries, keys, values, out, d_, dv_);
-        if (keys.rows() == 0)
-            return;
-        LinearState<T> state = state_;  // a throw (no memory) leaves the memory as it was
-        chunked_gated_linear_attention(queries, keys.leftCols(d_), values, keys.rightCols(gate_cols()), out, options_,
-                                       &state);
-        state_.mu.swap(state.mu);
-        state_.nu.swap(state.nu);
-        length_ += keys.rows();
-    }
-
-    /// Tokens seen since reset.
-    [[nodiscard]] Index length() const noexcept { return length_; }
-    /// Bytes of state held now: S and z, whatever the length.
-    [[nodiscard]] std::size_t footprint() const noexcept {
-        return sizeof(T) * static_cast<std::size_t>(state_.mu.size() + state_.nu.size());
-    }
-    /// Forgets every token: S = 0, z = 0.
-    void reset() {
-        state_.mu.setZero(d_, dv_);
-        state_.nu.setZero(d_);
-        length_ = 0;
-    }
-
-    /// The key row's width: d plus the gate columns.
-    [[nodiscard]] Index key_dim() const noexcept { return d_ + gate_cols(); }
-    /// The value width dv.
-    [[nodiscard]] Index value_dim() const noexcept { return dv_; }
-    /// The query width d: the key row without its gates.
-    [[nodiscard]] Index query_dim() const noexcept { return d_; }
-    /// The output width dv.
-    [[nodiscard]] Index output_dim() const noexcept { return dv_; }
     /// One log-gate per token (scalar) or one per key channel.
     [[nodiscard]] GateKind gates() const noexcept { return gates_; }
     /// The options it was built with.
@@ -208,60 +131,23 @@ public:
     /// `initial_state` is S with z unused, as normalize = false ignores it), as after
     /// `length` tokens. Throws std::invalid_argument, changing nothing, unless mu is d × dv
     /// and nu 1 × d (or empty: z = 0), all finite; copies into the memory's own storage.
-    void set_state(const LinearState<T>& state, Index length = 0) {
-        constexpr const char* function = "GatedLinearAttentionMemory::set_state";
-        detail::check_state(function, "state.mu", state.mu, d_, dv_);
-        if (state.nu.size() != 0)
-            detail::check_state(function, "state.nu", state.nu, 1, d_);
-        detail::require(length >= 0 && length <= max_length, function, "length", "is ", length,
-                        ", expected 0 .. memattn::max_length = 2^62");
-        state_.mu = state.mu;
-        if (state.nu.size() != 0)
-            state_.nu = state.nu;
-        else
-            state_.nu.setZero();
-        length_ = length;
-    }
+    void set_state(const LinearState<T>& state, Index length = 0) { this->install_state(state.mu, &state.nu, length); }
 
     /// Snapshots: d, dv, the gate kind, the options (chunk_size, the resolved scale,
     /// normalize, eps, qk_l2norm, l2norm_eps), length, S, z.
     [[nodiscard]] static std::string snapshot_kind() { return "GatedLinearAttentionMemory"; }
-    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
-    void write_snapshot(snapshot::Writer& w) const {
-        w.index(d_);
-        w.index(dv_);
-        w.index(static_cast<Index>(gates_));
-        w.index(options_.chunk_size);
-        w.number(detail::resolved_scale(options_.scale, d_));
-        w.flag(options_.normalize);
-        w.number(options_.eps);
-        w.flag(options_.qk_l2norm);
-        w.number(options_.l2norm_eps);
-        w.index(length_);
-        w.matrix(state_.mu);
-        w.matrix(state_.nu);
-    }
-    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
-    /// memory unchanged, unless d, dv, the gate kind and the options are its own.
-    void read_snapshot(snapshot::Reader& r) {
-        r.expect("key_dim", d_);
-        r.expect("value_dim", dv_);
-        r.expect("gate kind", static_cast<Index>(gates_));
-        r.expect("chunk_size", options_.chunk_size);
-        r.expect("scale", detail::resolved_scale(options_.scale, d_));
-        r.expect("normalize", options_.normalize);
-        r.expect("eps", options_.eps);
-        r.expect("qk_l2norm", options_.qk_l2norm);
-        r.expect("l2norm_eps", options_.l2norm_eps);
-        const Index length = r.count("length", 0, max_length);
-        r.expect_remaining(sizeof(T) * static_cast<std::size_t>(state_.mu.size() + state_.nu.size()), "S and z");
-        r.matrix(state_.mu, "S");
-        r.matrix(state_.nu, "z");
-        length_ = length;
-    }
 
 private:
+    using Base::d_;
+    using Base::dv_;
+    using Base::length_;
+    using Base::state_;
+
     [[nodiscard]] Index gate_cols() const noexcept { return gates_ == GateKind::scalar ? 1 : d_; }
+
+    void check_extras(const detail::PairSite& site, ConstMatrixRef<T> keys) const {
+        detail::check_extras(site, keys, d_, -1, d_);
+    }
 
     /// update after its checks, on a key and value apart from the state.
     void step(ConstRowRef<T> key, ConstRowRef<T> value) {
@@ -285,7 +171,6 @@ private:
             k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
         state_.mu.noalias() += k_.transpose() * value;
         state_.nu += k_;
-        ++length_;
     }
 
     /// out (= q S) times the query's factor, divided by q̂·z + eps with options.normalize
@@ -298,235 +183,150 @@ private:
         else if (factor_.active())
             out *= f;
     }
+    void finish_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+        for (Index r = 0; r < queries.rows(); ++r)
+            finish(queries.row(r), out.row(r));
+    }
 
-    Index d_, dv_;
+    void run_prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out,
+                     LinearState<T>& state) const {
+        chunked_gated_linear_attention(queries, keys.leftCols(d_), values, keys.rightCols(gate_cols()), out, options_,
+                                       &state);
+    }
+
+    void write_fields(snapshot::Writer& w) const {
+        w.index(static_cast<Index>(gates_));
+        w.index(options_.chunk_size);
+        w.number(detail::resolved_scale(options_.scale, d_));
+        w.flag(options_.normalize);
+        w.number(options_.eps);
+        w.flag(options_.qk_l2norm);
+        w.number(options_.l2norm_eps);
+    }
+    void read_fields(snapshot::Reader& r) const {
+        r.expect("gate kind", static_cast<Index>(gates_));
+        r.expect("chunk_size", options_.chunk_size);
+        r.expect("scale", detail::resolved_scale(options_.scale, d_));
+        r.expect("normalize", options_.normalize);
+        r.expect("eps", options_.eps);
+        r.expect("qk_l2norm", options_.qk_l2norm);
+        r.expect("l2norm_eps", options_.l2norm_eps);
+    }
+
     GateKind gates_;
     GatedOptions options_;
     detail::QueryFactor<T> factor_;  ///< q's scale and norm
     Vector<T> a_;  ///< update's channel gates (allocated once)
     Vector<T> k_;  ///< update's key, normalised (allocated once)
-    Vector<T> key_copy_, value_copy_;  ///< update's key and value when they view the state
-    LinearState<T> state_;
-    Index length_ = 0;
 };
 
-/// The (gated) delta-rule state S as a Memory; see the top of the file.
+/// The (gated) delta-rule state S as a Memory; see the top of the file. update: key =
+/// [k | β (| log g | log α)], S ← g S (KDA: Diag(α) S), then S ← S + β kᵀ (v − k S).
+/// attend: q̂ S (q̂: q scaled, and normalised with qk_l2norm, as the kernels). prefill:
+/// chunked_delta_rule_attention over the keys' columns.
 template <RowScalar T>
-class DeltaRuleMemory {
-public:
-    using Scalar = T;  ///< float or double: the rows' scalar and the state's
+class DeltaRuleMemory : public RecurrentMemory<DeltaRuleMemory<T>, T, false> {
+    using Base = RecurrentMemory<DeltaRuleMemory<T>, T, false>;
+    friend Base;
 
+public:
     /// k of width `key_dim` (d; the key row adds β and, when `gated`, a log-gate), values
     /// of width `value_dim` (dv).
     DeltaRuleMemory(Index key_dim, Index value_dim, DeltaOptions options = {}, bool gated = false)
-        : DeltaRuleMemory(key_dim, value_dim, options, gated ? 1 : 0, delta_names) {}
+        : DeltaRuleMemory(key_dim, value_dim, options, gated ? 1 : 0, detail::delta_names) {}
 
-    /// key = [k | β (| log g | log α)]: S ← g S (KDA: Diag(α) S), then S ← S + β kᵀ (v − k S).
-    /// A key or value that views the state is copied first (allocates nothing).
-    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        validate(key, value, {names_->update, "key", "value"});
-        if (detail::views_own(key, S_) || detail::views_own(value, S_)) {
-            key_copy_ = key;
-            value_copy_ = value;
-            return step(key_copy_, value_copy_);
-        }
-        step(key, value);
-    }
-
-    /// Feeds the rows of K/V in order, all or nothing; rows that view the state are copied
-    /// first (the copy allocates).
-    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
-        validate(keys, values, {names_->extend});
-        if (detail::views_own(keys, S_) || detail::views_own(values, S_)) {
-            const Matrix<T> own_keys = keys, own_values = values;
-            return extend(own_keys, own_values);
-        }
-        for (Index i = 0; i < keys.rows(); ++i)
-            step(keys.row(i), values.row(i));
-    }
-
-
-    /// Throws what update would throw for these pairs (β outside [0, 1], or [0, 2] with
-    /// options.allow_negative_eigenvalues; a log-gate that is NaN or above 0), changing
-    /// nothing; std::length_error past memattn::max_length. `site` names the caller (a
-    /// layer's check of one head's part).
-    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values, const detail::PairSite& site) const {
-        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), dv_, length_);
-        detail::check_extras(site, keys, d_, d_, d_ + 1, options_.allow_negative_eigenvalues ? 2.0 : 1.0);
-    }
-    /// The same, naming this memory's validate.
-    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) const { validate(keys, values, {names_->validate}); }
-
-    /// out = q̂ S (q̂: q scaled, and normalised with qk_l2norm, as the kernels); zero
-    /// before any update.
-    void attend(ConstRowRef<T> query, RowRef<T> out) const {
-        detail::check_query(names_->attend, query, out, d_, dv_);
-        out.noalias() = query * S_;
-        if (factor_.active())
-            out *= factor_(query.data(), d_);
-    }
-
-    /// Row r of `out` = attend(row r of `queries`), to rounding: S read once for the
-    /// group, one register-blocked product Q_g S. Allocates nothing.
-    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
-        detail::check_group_query(names_->attend_group, queries, out, d_, dv_);
-        if (queries.rows() == 0)
-            return;
-        detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, S_.data(), dv_,
-                                out.data(), out.outerStride(), nullptr);
-        detail::scale_by_queries(factor_, queries, out);
-    }
-
-    /// chunked_delta_rule_attention over the keys' columns, from and into the memory's state.
-    void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
-        const char* function = names_->prefill;
-        validate(keys, values, {function});  // shapes, gates (and beta)
-        detail::check_prefill(function, queries, keys, values, out, d_, dv_);
-        if (keys.rows() == 0)
-            return;
-        LinearState<T> state{S_, {}};  // a throw (no memory) leaves the memory as it was
-        if (gate_cols_ > 0)  // N×1 (the gated delta rule) or N×d (KDA) log-gates
-            chunked_delta_rule_attention(queries, keys.leftCols(d_), values, keys.col(d_), keys.rightCols(gate_cols_),
-                                         out, options_, &state);
-        else
-            chunked_delta_rule_attention(queries, keys.leftCols(d_), values, keys.col(d_), out, options_, &state);
-        S_.swap(state.mu);
-        length_ += keys.rows();
-    }
-
-    /// Tokens seen since reset.
-    [[nodiscard]] Index length() const noexcept { return length_; }
-    /// Bytes of state held now: S, whatever the length.
-    [[nodiscard]] std::size_t footprint() const noexcept { return sizeof(T) * static_cast<std::size_t>(S_.size()); }
-    /// Forgets every token: S = 0.
-    void reset() {
-        S_.setZero(d_, dv_);
-        length_ = 0;
-    }
-
-    /// The key row's width: d, β, and the log-gate when gated (KDA: d log-gates).
-    [[nodiscard]] Index key_dim() const noexcept { return d_ + 1 + gate_cols_; }
-    /// The value width dv.
-    [[nodiscard]] Index value_dim() const noexcept { return dv_; }
-    /// The query width d: the key row without β and the gate.
-    [[nodiscard]] Index query_dim() const noexcept { return d_; }
-    /// The output width dv.
-    [[nodiscard]] Index output_dim() const noexcept { return dv_; }
     /// Whether the key row carries log-gates (the gated delta rule, KDA).
     [[nodiscard]] bool gated() const noexcept { return gate_cols_ > 0; }
     /// The options it was built with.
     [[nodiscard]] const DeltaOptions& options() const noexcept { return options_; }
     /// The state S (d × dv).
-    [[nodiscard]] const Matrix<T>& state() const noexcept { return S_; }
+    [[nodiscard]] const Matrix<T>& state() const noexcept { return state_.mu; }
     /// Resumes from a state S (a saved state(), or one computed elsewhere: FLA's
     /// `initial_state`, transposed to d × dv if it is dv × d), as after `length` tokens.
     /// Throws std::invalid_argument, changing nothing, unless S is d × dv and finite;
     /// copies into the memory's own storage.
-    void set_state(const Matrix<T>& S, Index length = 0) {
-        const char* function = names_->set_state;
-        detail::check_state(function, "S", S, d_, dv_);
-        detail::require(length >= 0 && length <= max_length, function, "length", "is ", length,
-                        ", expected 0 .. memattn::max_length = 2^62");
-        S_ = S;
-        length_ = length;
-    }
+    void set_state(const Matrix<T>& S, Index length = 0) { this->install_state(S, nullptr, length); }
 
     /// Snapshots: d, dv, gated, the options (chunk_size, the resolved scale, qk_l2norm,
     /// l2norm_eps; not allow_negative_eigenvalues, which only widens what update
     /// accepts), length, S.
     [[nodiscard]] static std::string snapshot_kind() { return "DeltaRuleMemory"; }
-    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
-    void write_snapshot(snapshot::Writer& w) const {
-        w.index(d_);
-        w.index(dv_);
+
+protected:
+    /// `gate_cols` log-gates in the key row after β: 0, 1, or −1 for one per key channel (KDA).
+    DeltaRuleMemory(Index key_dim, Index value_dim, DeltaOptions options, Index gate_cols,
+                    const detail::RecurrentNames& names)
+        : Base(names, key_dim, value_dim, 1 + (gate_cols < 0 ? key_dim : gate_cols)),
+          options_(options),
+          gate_cols_(gate_cols < 0 ? d_ : gate_cols),
+          k_(1, d_),
+          u_(dv_) {
+        detail::require(options_.chunk_size > 0, names.type, "options.chunk_size", "is ", options_.chunk_size,
+                        ", expected > 0");
+        detail::check_query_key_options<T>(names.type, options_.scale, options_.l2norm_eps);
+        factor_ = detail::query_factor<T>(options_, d_);
+    }
+
+private:
+    using Base::d_;
+    using Base::dv_;
+    using Base::state_;
+
+    void check_extras(const detail::PairSite& site, ConstMatrixRef<T> keys) const {
+        detail::check_extras(site, keys, d_, d_, d_ + 1, options_.allow_negative_eigenvalues ? 2.0 : 1.0);
+    }
+
+    /// update after its checks, on a key and value apart from the state.
+    void step(ConstRowRef<T> key, ConstRowRef<T> value) {
+        Matrix<T>& S = state_.mu;
+        k_ = key.head(d_);
+        if (options_.qk_l2norm)
+            k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
+        if (gate_cols_ > 0)  // S ← g S, or KDA's S ← Diag(α) S; −∞ resets
+            detail::delta_decay(key.tail(gate_cols_), S);
+        u_.noalias() = k_ * S;
+        u_ = key(d_) * (value - u_);
+        S.noalias() += k_.transpose() * u_;
+    }
+
+    template <class Q, class O>
+    void finish(const Q& query, O&& out) const {
+        if (factor_.active())
+            out *= factor_(query.data(), d_);
+    }
+    void finish_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
+        detail::scale_by_queries(factor_, queries, out);
+    }
+
+    void run_prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out,
+                     LinearState<T>& state) const {
+        if (gate_cols_ > 0)  // N×1 (the gated delta rule) or N×d (KDA) log-gates
+            chunked_delta_rule_attention(queries, keys.leftCols(d_), values, keys.col(d_), keys.rightCols(gate_cols_),
+                                         out, options_, &state);
+        else
+            chunked_delta_rule_attention(queries, keys.leftCols(d_), values, keys.col(d_), out, options_, &state);
+    }
+
+    void write_fields(snapshot::Writer& w) const {
         w.flag(gate_cols_ > 0);
         w.index(options_.chunk_size);
         w.number(detail::resolved_scale(options_.scale, d_));
         w.flag(options_.qk_l2norm);
         w.number(options_.l2norm_eps);
-        w.index(length_);
-        w.matrix(S_);
     }
-    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
-    /// memory unchanged, unless d, dv, gated and the options are its own.
-    void read_snapshot(snapshot::Reader& r) {
-        r.expect("key_dim", d_);
-        r.expect("value_dim", dv_);
+    void read_fields(snapshot::Reader& r) const {
         r.expect("gated", gate_cols_ > 0);
         r.expect("chunk_size", options_.chunk_size);
         r.expect("scale", detail::resolved_scale(options_.scale, d_));
         r.expect("qk_l2norm", options_.qk_l2norm);
         r.expect("l2norm_eps", options_.l2norm_eps);
-        const Index length = r.count("length", 0, max_length);
-        r.expect_remaining(sizeof(T) * static_cast<std::size_t>(S_.size()), "S");
-        r.matrix(S_, "S");
-        length_ = length;
     }
 
-protected:
-    /// The names its messages give (DeltaRuleMemory's or KdaMemory's).
-    struct Names {
-        const char* type;          ///< the class
-        const char* update;        ///< its update
-        const char* extend;        ///< its extend
-        const char* validate;      ///< its validate
-        const char* attend;        ///< its attend
-        const char* attend_group;  ///< its attend_group
-        const char* prefill;       ///< its prefill
-        const char* set_state;     ///< its set_state
-    };
-    /// DeltaRuleMemory's names.
-    static constexpr Names delta_names{"DeltaRuleMemory",           "DeltaRuleMemory::update",
-                                       "DeltaRuleMemory::extend",   "DeltaRuleMemory::validate",
-                                       "DeltaRuleMemory::attend",   "DeltaRuleMemory::attend_group",
-                                       "DeltaRuleMemory::prefill",  "DeltaRuleMemory::set_state"};
-    /// KdaMemory's names.
-    static constexpr Names kda_names{"KdaMemory",         "KdaMemory::update",       "KdaMemory::extend",
-                                     "KdaMemory::validate", "KdaMemory::attend",     "KdaMemory::attend_group",
-                                     "KdaMemory::prefill",  "KdaMemory::set_state"};
-
-    /// `gate_cols` log-gates in the key row after β: 0, 1, or −1 for one per key channel (KDA).
-    DeltaRuleMemory(Index key_dim, Index value_dim, DeltaOptions options, Index gate_cols, const Names& names)
-        : d_(detail::at_least(key_dim, 1, names.type, "key_dim")),
-          dv_(detail::at_least(value_dim, 1, names.type, "value_dim")),
-          options_(options),
-          gate_cols_(gate_cols < 0 ? d_ : gate_cols),
-          names_(&names),
-          k_(1, d_),
-          u_(dv_),
-          key_copy_(d_ + 1 + gate_cols_),
-          value_copy_(dv_) {
-        detail::require(options_.chunk_size > 0, names.type, "options.chunk_size", "is ", options_.chunk_size,
-                        ", expected > 0");
-        detail::check_query_key_options<T>(names.type, options_.scale, options_.l2norm_eps);
-        factor_ = detail::query_factor<T>(options_, d_);
-        reset();
-    }
-
-private:
-    /// update after its checks, on a key and value apart from the state.
-    void step(ConstRowRef<T> key, ConstRowRef<T> value) {
-        k_ = key.head(d_);
-        if (options_.qk_l2norm)
-            k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
-        if (gate_cols_ > 0)  // S ← g S, or KDA's S ← Diag(α) S; −∞ resets
-            detail::delta_decay(key.tail(gate_cols_), S_);
-        u_.noalias() = k_ * S_;
-        u_ = key(d_) * (value - u_);
-        S_.noalias() += k_.transpose() * u_;
-        ++length_;
-    }
-
-    Index d_, dv_;
     DeltaOptions options_;
     detail::QueryFactor<T> factor_;  ///< q's scale and norm
     Index gate_cols_;  ///< log-gates in the key row: 0, 1 or d
-    const Names* names_;
-    Matrix<T> S_;
     Matrix<T> k_;   ///< update's key, normalised (allocated once)
     Vector<T> u_;   ///< update's correction
-    Vector<T> key_copy_, value_copy_;  ///< update's key and value when they view the state
-    Index length_ = 0;
 };
 
 /// KDA's state S as a Memory (kernels/delta_rule.hpp, recurrent_kda_attention): the delta
@@ -538,175 +338,84 @@ public:
     /// k of width `key_dim` (d; the key row adds β and d log-gates), values of width
     /// `value_dim` (dv).
     KdaMemory(Index key_dim, Index value_dim, DeltaOptions options = {})
-        : DeltaRuleMemory<T>(key_dim, value_dim, options, -1, DeltaRuleMemory<T>::kda_names) {}
+        : DeltaRuleMemory<T>(key_dim, value_dim, options, -1, detail::kda_names) {}
 
     /// Snapshots: DeltaRuleMemory's fields (gated: true), under this kind.
     [[nodiscard]] static std::string snapshot_kind() { return "KdaMemory"; }
 };
 
 /// RWKV-7's state S as a Memory (kernels/rwkv7.hpp): key row [k (d) | a (d) | b (d) |
-/// log w (d)], so key_dim() = 4d; S ← (Diag(w) + bᵀa) S + kᵀv, out = q S.
+/// log w (d)], so key_dim() = 4d; S ← (Diag(w) + bᵀa) S + kᵀv, out = scale · q S;
+/// prefill: chunked_rwkv7_attention over the keys' columns.
 template <RowScalar T>
-class Rwkv7Memory {
-public:
-    using Scalar = T;  ///< float or double: the rows' scalar and the state's
+class Rwkv7Memory : public RecurrentMemory<Rwkv7Memory<T>, T, false> {
+    using Base = RecurrentMemory<Rwkv7Memory<T>, T, false>;
+    friend Base;
 
+public:
     /// k, a, b and log w of width `key_dim` (d) in one key row, values of width `value_dim` (dv).
     Rwkv7Memory(Index key_dim, Index value_dim, Rwkv7Options options = {})
-        : d_(detail::at_least(key_dim, 1, "Rwkv7Memory", "key_dim")),
-          dv_(detail::at_least(value_dim, 1, "Rwkv7Memory", "value_dim")),
-          options_(options),
-          read_(dv_),
-          key_copy_(4 * d_),
-          value_copy_(dv_) {
+        : Base(detail::rwkv7_names, key_dim, value_dim, 3 * key_dim), options_(options), read_(dv_) {
         detail::require(options_.chunk_size > 0, "Rwkv7Memory", "options.chunk_size", "is ", options_.chunk_size,
                         ", expected > 0");
         detail::require(detail::finite_in<T>(options_.scale), "Rwkv7Memory", "options.scale", "is ", options_.scale,
                         ", expected a number finite as ", detail::scalar_name<T>);
-        reset();
     }
 
-    /// key = [k | a | b | log w]: S ← (Diag(w) + bᵀa) S + kᵀv. A key or value that views
-    /// the state is copied first (allocates nothing).
-    void update(ConstRowRef<T> key, ConstRowRef<T> value) {
-        validate(key, value, {"Rwkv7Memory::update", "key", "value"});
-        if (detail::views_own(key, S_) || detail::views_own(value, S_)) {
-            key_copy_ = key;
-            value_copy_ = value;
-            return step(key_copy_, value_copy_);
-        }
-        step(key, value);
-    }
-
-    /// Feeds the rows of K/V in order, all or nothing; rows that view the state are copied
-    /// first (the copy allocates).
-    void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
-        validate(keys, values, {"Rwkv7Memory::extend"});
-        if (detail::views_own(keys, S_) || detail::views_own(values, S_)) {
-            const Matrix<T> own_keys = keys, own_values = values;
-            return extend(own_keys, own_values);
-        }
-        for (Index i = 0; i < keys.rows(); ++i)
-            step(keys.row(i), values.row(i));
-    }
-
-    /// Throws what update would throw for these pairs (a log-decay that is NaN or above 0),
-    /// changing nothing; std::length_error past memattn::max_length.
-    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values, const detail::PairSite& site) const {
-        detail::check_site_pairs(site, detail::shape(keys), detail::shape(values), key_dim(), dv_, length_);
-        detail::check_extras(site, keys, d_, -1, 3 * d_);
-    }
-    /// The same, naming this memory's validate.
-    void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) const {
-        validate(keys, values, {"Rwkv7Memory::validate"});
-    }
-
-    /// out = scale · q S; zero before any update.
-    void attend(ConstRowRef<T> query, RowRef<T> out) const {
-        detail::check_query("Rwkv7Memory::attend", query, out, d_, dv_);
-        out.noalias() = query * S_;
-        if (options_.scale != 1)
-            out *= static_cast<T>(options_.scale);
-    }
-
-    /// Row r of `out` = attend(row r of `queries`), to rounding: one register-blocked
-    /// product Q_g S. Allocates nothing.
-    void attend_group(ConstMatrixRef<T> queries, MatrixRef<T> out) const {
-        detail::check_group_query("Rwkv7Memory::attend_group", queries, out, d_, dv_);
-        if (queries.rows() == 0)
-            return;
-        detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, S_.data(), dv_,
-                                out.data(), out.outerStride(), nullptr);
-        if (options_.scale != 1)
-            out *= static_cast<T>(options_.scale);
-    }
-
-    /// chunked_rwkv7_attention over the keys' columns, from and into the memory's state.
-    void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
-        constexpr const char* function = "Rwkv7Memory::prefill";
-        validate(keys, values, {function});
-        detail::check_prefill(function, queries, keys, values, out, d_, dv_);
-        if (keys.rows() == 0)
-            return;
-        LinearState<T> state{S_, {}};  // a throw (no memory) leaves the memory as it was
-        chunked_rwkv7_attention(queries, keys.leftCols(d_), values, keys.middleCols(d_, d_), keys.middleCols(2 * d_, d_),
-                                keys.rightCols(d_), out, options_, &state);
-        S_.swap(state.mu);
-        length_ += keys.rows();
-    }
-
-    /// Tokens seen since reset.
-    [[nodiscard]] Index length() const noexcept { return length_; }
-    /// Bytes of state held now: S, whatever the length.
-    [[nodiscard]] std::size_t footprint() const noexcept { return sizeof(T) * static_cast<std::size_t>(S_.size()); }
-    /// Forgets every token: S = 0.
-    void reset() {
-        S_.setZero(d_, dv_);
-        length_ = 0;
-    }
-
-    /// The key row's width: k, a, b and log w, 4d.
-    [[nodiscard]] Index key_dim() const noexcept { return 4 * d_; }
-    /// The value width dv.
-    [[nodiscard]] Index value_dim() const noexcept { return dv_; }
-    /// The query width d.
-    [[nodiscard]] Index query_dim() const noexcept { return d_; }
-    /// The output width dv.
-    [[nodiscard]] Index output_dim() const noexcept { return dv_; }
     /// The options it was built with.
     [[nodiscard]] const Rwkv7Options& options() const noexcept { return options_; }
     /// The state S (d × dv: flash-linear-attention's, dv × d, transposed).
-    [[nodiscard]] const Matrix<T>& state() const noexcept { return S_; }
+    [[nodiscard]] const Matrix<T>& state() const noexcept { return state_.mu; }
     /// Resumes from a state S, as after `length` tokens. Throws std::invalid_argument,
     /// changing nothing, unless S is d × dv and finite. (A snapshot, by contrast, restores
     /// whatever state was saved, non-finite too: docs/snapshot-format.md, "Guarantees".)
-    void set_state(const Matrix<T>& S, Index length = 0) {
-        constexpr const char* function = "Rwkv7Memory::set_state";
-        detail::check_state(function, "S", S, d_, dv_);
-        detail::require(length >= 0 && length <= max_length, function, "length", "is ", length,
-                        ", expected 0 .. memattn::max_length = 2^62");
-        S_ = S;
-        length_ = length;
-    }
+    void set_state(const Matrix<T>& S, Index length = 0) { this->install_state(S, nullptr, length); }
 
     /// Snapshots: d, dv, chunk_size, scale, length, S.
     [[nodiscard]] static std::string snapshot_kind() { return "Rwkv7Memory"; }
-    /// Snapshots (memattn/persistence/snapshot.hpp): writes the payload, the fields listed at snapshot_kind().
-    void write_snapshot(snapshot::Writer& w) const {
-        w.index(d_);
-        w.index(dv_);
-        w.index(options_.chunk_size);
-        w.number(options_.scale);
-        w.index(length_);
-        w.matrix(S_);
-    }
-    /// Snapshots: reads a payload written by write_snapshot(); throws SnapshotError, the
-    /// memory unchanged, unless d, dv, chunk_size and scale are its own.
-    void read_snapshot(snapshot::Reader& r) {
-        r.expect("key_dim", d_);
-        r.expect("value_dim", dv_);
-        r.expect("chunk_size", options_.chunk_size);
-        r.expect("scale", options_.scale);
-        const Index length = r.count("length", 0, max_length);
-        r.expect_remaining(sizeof(T) * static_cast<std::size_t>(S_.size()), "S");
-        r.matrix(S_, "S");
-        length_ = length;
-    }
 
 private:
-    /// update after its checks, on a key and value apart from the state.
-    void step(ConstRowRef<T> key, ConstRowRef<T> value) {
-        detail::rwkv7_update(key.head(d_), value, key.segment(d_, d_), key.segment(2 * d_, d_), key.tail(d_), S_,
-                             read_);
-        ++length_;
+    using Base::d_;
+    using Base::dv_;
+    using Base::state_;
+
+    void check_extras(const detail::PairSite& site, ConstMatrixRef<T> keys) const {
+        detail::check_extras(site, keys, d_, -1, 3 * d_);
     }
 
-    Index d_, dv_;
+    /// update after its checks, on a key and value apart from the state.
+    void step(ConstRowRef<T> key, ConstRowRef<T> value) {
+        detail::rwkv7_update(key.head(d_), value, key.segment(d_, d_), key.segment(2 * d_, d_), key.tail(d_),
+                             state_.mu, read_);
+    }
+
+    template <class Q, class O>
+    void finish(const Q&, O&& out) const {
+        if (options_.scale != 1)
+            out *= static_cast<T>(options_.scale);
+    }
+    void finish_group(ConstMatrixRef<T>, MatrixRef<T> out) const {
+        if (options_.scale != 1)
+            out *= static_cast<T>(options_.scale);
+    }
+
+    void run_prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out,
+                     LinearState<T>& state) const {
+        chunked_rwkv7_attention(queries, keys.leftCols(d_), values, keys.middleCols(d_, d_), keys.middleCols(2 * d_, d_),
+                                keys.rightCols(d_), out, options_, &state);
+    }
+
+    void write_fields(snapshot::Writer& w) const {
+        w.index(options_.chunk_size);
+        w.number(options_.scale);
+    }
+    void read_fields(snapshot::Reader& r) const {
+        r.expect("chunk_size", options_.chunk_size);
+        r.expect("scale", options_.scale);
+    }
+
     Rwkv7Options options_;
-    Matrix<T> S_;
     Vector<T> read_;  ///< update's a S (allocated once)
-    Vector<T> key_copy_, value_copy_;  ///< update's key and value when they view the state
-    Index length_ = 0;
 };
 
 /// Rwkv7Memory of 16-bit rows: Rwkv7Memory<float> behind members that take and give rows

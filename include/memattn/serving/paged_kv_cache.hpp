@@ -44,15 +44,11 @@
 // std::invalid_argument and changes nothing.
 
 #include "memattn/execution/executor.hpp"
-#include "memattn/kernels/decode_attention.hpp"
 #include "memattn/kernels/softmax_options.hpp"
 #include "memattn/layer/head_layout.hpp"
-#include "memattn/layer/parallel.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
-#include "memattn/serving/cascade.hpp"
-#include "memattn/serving/paged_prefill.hpp"
-#include "memattn/softmax_state.hpp"
+#include "memattn/serving/detail/paged_pairs.hpp"
 #include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
 
@@ -112,7 +108,9 @@ struct PoolOptions {
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp).
 template <Scalar T, class S = T>
     requires StorageFor<S, T> && detail::PlainKeys<S>
-class PagedKVCache : public ExecutorSlot {
+class PagedKVCache : public ExecutorSlot, private detail::paged::PagedPairs<T, S> {
+    using Pairs = detail::paged::PagedPairs<T, S>;
+
 public:
     using Scalar = T;       ///< the rows' scalar and the arithmetic's
     using StorageType = S;  ///< how the pairs are stored
@@ -140,24 +138,8 @@ public:
     /// pairs.
     PagedKVCache(const HeadLayout& layout, Index blocks, Index block_size, const SoftmaxOptions& options,
                  const PoolOptions& pool)
-        : layout_(checked(layout)),
-          blocks_(detail::at_least(blocks, 1, "PagedKVCache", "blocks")),
-          block_size_(detail::at_least(block_size, 1, "PagedKVCache", "block_size")),
-          scale_(detail::checked_scale(static_cast<T>(options.scale), layout.head_dim, "PagedKVCache")),
-          window_(checked_options(options, layout_).window),
-          sinks_(window_ > 0 ? options.sink_tokens : 0),
-          rollback_(window_ > 0 ? checked_rollback(pool.rollback_tokens) : 0),
-          reject_nonfinite_(pool.reject_nonfinite),
-          softcap_(options.softcap),
-          slopes_(options.alibi_slopes.begin(), options.alibi_slopes.end()),
-          sink_logits_(options.sink_logits.begin(), options.sink_logits.end()),
-          keys_(pool_rows(), layout_.head_dim),
-          values_(pool_rows(), layout_.values()),
-          refs_(static_cast<std::size_t>(blocks_), 0) {
-        free_.reserve(static_cast<std::size_t>(blocks_));
-        for (Index b = blocks_; b-- > 0;)  // popped from the back: block 0 first
-            free_.push_back(b);
-    }
+        : Pairs(layout, checked_shape(layout, blocks, block_size, options, pool), options),
+          reject_nonfinite_(pool.reject_nonfinite) {}
 
     /// A new, empty sequence; returns its id (the smallest id not in use).
     Index add_sequence() {
@@ -382,7 +364,7 @@ public:
 
     /// Pairs × query heads × (head_dim + value_dim) of one attend below which it runs on
     /// the calling thread (as memattn::MultiHead's).
-    static constexpr double parallel_work = 1 << 20;
+    static constexpr double parallel_work = Pairs::parallel_work;
 
     /// One token for each sequence of `seqs` (distinct live ids): row i of K/V is appended
     /// to seqs[i] (and the blocks its window leaves freed), in batch order, all or
@@ -555,28 +537,51 @@ public:
 
 private:
     friend struct detail::PagedAccess;
+    // The blocks' bookkeeping (serving/detail/block_tables.hpp) and their pairs
+    // (serving/detail/paged_pairs.hpp), named here: they are members of a dependent base.
+    using typename Pairs::State;
+    using Pairs::blocks_;
+    using Pairs::block_size_;
+    using Pairs::window_;
+    using Pairs::sinks_;
+    using Pairs::rollback_;
+    using Pairs::refs_;
+    using Pairs::free_;
+    using Pairs::sequences_;
+    using Pairs::layout_;
+    using Pairs::scale_;
+    using Pairs::softcap_;
+    using Pairs::slopes_;
+    using Pairs::sink_logits_;
+    using Pairs::keys_;
+    using Pairs::values_;
+    using Pairs::fresh_id;
+    using Pairs::take_block;
+    using Pairs::release;
+    using Pairs::install;
+    using Pairs::discard;
+    using Pairs::blocks_for;
+    using Pairs::sink_blocks;
+    using Pairs::held_tokens;
+    using Pairs::for_each_run;
+    using Pairs::for_each_held_run;
+    using Pairs::kept_first;
+    using Pairs::freed_by_next;
+    using Pairs::evict;
+    using Pairs::extend_peak;
+    using Pairs::peak_blocks;
+    using Pairs::begin_undo;
+    using Pairs::undo_batch;
+    using Pairs::chunk_blocks;
+    using Pairs::pool_rows;
+    using Pairs::block_bytes;
+    using Pairs::first_row;
+    using Pairs::append;
+    using Pairs::attend_batch;
+    using Pairs::attend_rows;
+    using Pairs::attend_decode;
+    using Pairs::prefill_chunks;
 
-    /// A sequence: its tokens [0, min(sinks, length)) and [first, length) are held. Token
-    /// block j (tokens j·block … ) is table[j] for j below the sink blocks, table[j −
-    /// dropped] past the blocks a window has freed, and not held between.
-    struct State {
-        std::vector<Index> table;  // the held blocks, in token order; capacity: every block
-        Index length = 0;
-        Index dropped = 0;  // token blocks freed after the sink blocks
-        Index first = 0;    // its first held token past the sinks (≥ sinks)
-        bool live = false;
-        /// What a batch call's append (and, in update, eviction) changed, to put it back if
-        /// the call fails after it (undo_batch).
-        struct Undo {
-            Index length = 0;    ///< the length before
-            Index table = 0;     ///< the table's size before
-            Index dropped = 0;   ///< the blocks the window had dropped before
-            Index first = 0;     ///< the first held token past the sinks before
-            Index shared = -1;   ///< the shared block a copy-on-write replaced (−1: none)
-            Index evicted = -1;  ///< the block the window freed (−1: none)
-        } undo;
-        bool copies = false;  // fits_after_eviction's note: whether its member copies its last block
-    };
 
     /// read_sequence's checks and reads: a sequence of the payload's tokens in blocks it
     /// takes (PoolExhausted, naming `function`, when they are too few), not yet anyone's.
@@ -626,93 +631,30 @@ private:
         }
         return loaded;
     }
-    /// Puts a sequence read by read_state in place of `seq`'s tokens (whose blocks it frees).
-    void install(Index seq, State& loaded) noexcept {
-        State& s = sequences_[static_cast<std::size_t>(seq)];
-        for (const Index b : s.table)
-            release(b);
-        s.table.swap(loaded.table);
-        s.length = loaded.length;
-        s.dropped = loaded.dropped;
-        s.first = loaded.first;
-        loaded.table.clear();
-    }
-    /// Gives back the blocks of a sequence read by read_state and not installed, in the
-    /// reverse order of their taking (the free list as it was).
-    void discard(State& loaded) noexcept {
-        for (auto b = loaded.table.rbegin(); b != loaded.table.rend(); ++b)
-            release(*b);
-        loaded.table.clear();
-    }
 
-    static HeadLayout checked(const HeadLayout& layout) {
-        detail::check_layout("PagedKVCache", layout);
-        return layout;
-    }
-    static Index checked_rollback(Index tokens) {
-        detail::require(tokens >= 0 && tokens <= max_length, "PagedKVCache", "pool.rollback_tokens", "is ", tokens,
-                        ", expected 0 to ", max_length);
-        return tokens;
-    }
-    static const SoftmaxOptions& checked_options(const SoftmaxOptions& options, const HeadLayout& layout) {
-        detail::check_logit_options<T>("PagedKVCache", options, layout.q_heads);
-        detail::require(options.causal, "PagedKVCache", "options.causal", "is false, but a pool's queries come after "
+    /// Every argument of the constructor checked, in their order (std::invalid_argument
+    /// naming the first that is wrong), as the shape of its blocks.
+    static detail::paged::PoolShape checked_shape(const HeadLayout& layout, Index blocks, Index block_size,
+                                                  const SoftmaxOptions& options, const PoolOptions& pool) {
+        constexpr const char* function = "PagedKVCache";
+        detail::check_layout(function, layout);
+        detail::at_least(blocks, 1, function, "blocks");
+        detail::at_least(block_size, 1, function, "block_size");
+        detail::checked_scale(static_cast<T>(options.scale), layout.head_dim, function);
+        detail::check_logit_options<T>(function, options, layout.q_heads);
+        detail::require(options.causal, function, "options.causal", "is false, but a pool's queries come after "
                         "its keys (each new token attends its past)");
-        return options;
+        const Index window = options.window;
+        if (window > 0)
+            detail::require(pool.rollback_tokens >= 0 && pool.rollback_tokens <= max_length, function,
+                            "pool.rollback_tokens", "is ", pool.rollback_tokens, ", expected 0 to ", max_length);
+        return {.blocks = blocks,
+                .block_size = block_size,
+                .window = window,
+                .sinks = window > 0 ? options.sink_tokens : 0,
+                .rollback = window > 0 ? pool.rollback_tokens : 0};
     }
 
-    /// Rows of each of the two stores: blocks × kv_heads × block_size, checked.
-    [[nodiscard]] Index pool_rows() const {
-        return detail::checked_product("PagedKVCache", "blocks", blocks_,
-                                       detail::checked_product("PagedKVCache", "block_size", block_size_,
-                                                               layout_.kv_heads, "block_size x kv_heads"),
-                                       "blocks x block_size x kv_heads");
-    }
-    [[nodiscard]] std::size_t block_bytes() const noexcept {
-        return static_cast<std::size_t>(block_size_ * layout_.kv_heads) *
-               (detail::StoredRows<T, S>::row_bytes(layout_.head_dim) +
-                detail::StoredRows<T, S>::row_bytes(layout_.values()));
-    }
-    /// The first row of KV head h in block b: head-major, so a head's tokens in blocks
-    /// b, b + 1, ... (a sequence's blocks, taken in order from a fresh pool) follow each
-    /// other in memory and stream as one cache's would.
-    [[nodiscard]] Index first_row(Index b, Index h) const noexcept { return (h * blocks_ + b) * block_size_; }
-    [[nodiscard]] Index blocks_for(Index tokens) const noexcept { return (tokens + block_size_ - 1) / block_size_; }
-    /// Blocks of the sinks, never freed by the window.
-    [[nodiscard]] Index sink_blocks() const noexcept { return blocks_for(sinks_); }
-    /// Token blocks of s, held or freed.
-    [[nodiscard]] static Index token_blocks(const State& s) noexcept {
-        return static_cast<Index>(s.table.size()) + s.dropped;
-    }
-    /// The block holding token block j of s (a held one).
-    [[nodiscard]] Index block_of(const State& s, Index j) const noexcept {
-        return s.table[static_cast<std::size_t>(j < sink_blocks() ? j : j - s.dropped)];
-    }
-    /// Tokens s holds.
-    [[nodiscard]] Index held_tokens(const State& s) const noexcept {
-        return std::min(sinks_, s.length) + std::max<Index>(0, s.length - s.first);
-    }
-    /// f(block, offset, count, token) for the runs of tokens [begin, end) of s, block by
-    /// block (`token`: the position of the run's first).
-    template <class F>
-    void for_each_run(const State& s, Index begin, Index end, F&& f) const {
-        if (begin >= end)  // a short sequence's run past the sinks: [sinks, length) is empty
-            return;
-        for (Index j = begin / block_size_; j * block_size_ < end; ++j) {
-            const Index lo = std::max(begin, j * block_size_), hi = std::min(end, (j + 1) * block_size_);
-            f(block_of(s, j), lo - j * block_size_, hi - lo, lo);
-        }
-    }
-    /// The same over every held token, in order: the sinks, then [first, length).
-    template <class F>
-    void for_each_held_run(const State& s, F&& f) const {
-        for_each_run(s, 0, std::min(sinks_, s.length), f);
-        for_each_run(s, s.first, s.length, f);
-    }
-    /// Tokens the query at position n − 1 sees.
-    [[nodiscard]] Index visible_pairs(Index n) const noexcept {
-        return window_ == 0 || n <= sinks_ + window_ ? n : sinks_ + window_;
-    }
 
     /// With PoolOptions::reject_nonfinite, a key (or value) row that is not all finite is
     /// refused, naming the first value that is not.
@@ -725,51 +667,6 @@ private:
                 detail::require(std::isfinite(rows(r, c)), site.function, values ? site.value_name : site.key_name,
                                 "has the value ", rows(r, c), " in row ", site.first_row + r, ", column ", c,
                                 ", and the pool refuses values that are not finite (PoolOptions::reject_nonfinite)");
-    }
-    /// The first token past the sinks a sequence of `length` tokens must keep: its last
-    /// query's window, and the rollback room before it.
-    [[nodiscard]] Index keep_from(Index length) const noexcept {
-        const Index past = length - window_;  // no overflow: length, window ≥ 0
-        return past <= sinks_ ? sinks_ : std::max(sinks_, past - rollback_);
-    }
-    /// The first token past the sinks that a sequence of `length` tokens, holding them from
-    /// `first` on, keeps in this pool once its window has freed what it can (evict).
-    [[nodiscard]] Index kept_first(Index length, Index first) const noexcept {
-        if (window_ == 0)
-            return first;
-        const Index keep = keep_from(length);
-        const Index dropped = std::max<Index>(0, keep / block_size_ - sink_blocks());
-        return dropped == 0 ? first : std::max(first, (sink_blocks() + dropped) * block_size_);
-    }
-    /// The block s's window frees once one more token is appended (−1: none): at most one,
-    /// its first past the sinks, since every call leaves a sequence evicted.
-    [[nodiscard]] Index freed_by_next(const State& s) const noexcept {
-        if (window_ == 0)
-            return -1;
-        const Index keep = keep_from(s.length + 1), sink = sink_blocks();
-        if ((sink + s.dropped + 1) * block_size_ > keep)
-            return -1;
-        MEMATTN_DASSERT(static_cast<Index>(s.table.size()) > sink);
-        return s.table[static_cast<std::size_t>(sink)];
-    }
-
-    /// Frees the window's blocks (past the sink blocks) whose tokens all lie below
-    /// length − window, the first token the last query saw past the sinks.
-    void evict(State& s) noexcept {
-        if (window_ == 0)
-            return;
-        const Index keep = keep_from(s.length), sink = sink_blocks();
-        Index k = 0;
-        while ((sink + s.dropped + k + 1) * block_size_ <= keep)
-            ++k;
-        if (k == 0)
-            return;
-        const auto from = s.table.begin() + static_cast<std::ptrdiff_t>(sink);
-        for (auto it = from; it != from + static_cast<std::ptrdiff_t>(k); ++it)
-            release(*it);
-        s.table.erase(from, from + static_cast<std::ptrdiff_t>(k));  // within its capacity: no allocation
-        s.dropped += k;
-        s.first = std::max(s.first, (sink + s.dropped) * block_size_);
     }
 
     /// prefill under the name of `function` (PagedKVCache::prefill, batched_prefill).
@@ -859,98 +756,6 @@ private:
         }
     }
 
-    /// The free blocks extending s by n tokens takes at its most (extend: the window frees
-    /// its blocks as it passes them, before the next block is taken): over the new blocks,
-    /// those taken so far (a copy of a shared last block first) less those freed so far
-    /// (the held blocks no other sequence holds, and the ones this extend took).
-    [[nodiscard]] Index extend_peak(const State& s, Index n) const noexcept {
-        if (n <= 0)
-            return 0;
-        const Index sink = sink_blocks(), before = token_blocks(s);
-        const bool copies = s.length % block_size_ != 0 && refs_[static_cast<std::size_t>(s.table.back())] > 1;
-        Index taken = copies ? 1 : 0, freed = 0, peak = taken, dropped = s.dropped;
-        for (Index p = blocks_for(s.length) * block_size_; p < s.length + n; p += block_size_) {
-            if (window_ > 0)  // what the window frees once the sequence holds p tokens
-                for (const Index keep = keep_from(p); (sink + dropped + 1) * block_size_ <= keep;
-                     ++dropped) {
-                    const Index j = sink + dropped;  // a token block past the sinks, below the window
-                    const bool own = j >= before - (copies ? 1 : 0) ||
-                                     refs_[static_cast<std::size_t>(s.table[static_cast<std::size_t>(j - s.dropped)])] == 1;
-                    freed += own ? 1 : 0;
-                }
-            ++taken;
-            peak = std::max(peak, taken - freed);
-        }
-        return peak;
-    }
-
-    /// The free blocks a batch of one token per sequence of `seqs` takes at its most as
-    /// update_batch runs it: member by member, a copy of a shared last block it writes
-    /// into and a new block when its last is full, then the block its window frees (free
-    /// once no other sequence holds it). Counted on the reference counts as they go, and
-    /// put back before it returns.
-    [[nodiscard]] Index peak_blocks(std::span<const Index> seqs) noexcept {
-        Index net = 0, peak = 0;
-        for (const Index seq : seqs) {
-            State& s = sequences_[static_cast<std::size_t>(seq)];
-            s.copies = s.length % block_size_ != 0 && refs_[static_cast<std::size_t>(s.table.back())] > 1;
-            if (s.copies) {  // its copy releases the shared block, which stays held
-                --refs_[static_cast<std::size_t>(s.table.back())];
-                ++net;
-            }
-            if (s.length % block_size_ == 0)
-                ++net;
-            peak = std::max(peak, net);
-            const Index freed = freed_by_next(s);
-            if (freed >= 0 && --refs_[static_cast<std::size_t>(freed)] == 0)
-                --net;
-        }
-        for (auto it = seqs.rbegin(); it != seqs.rend(); ++it) {  // the counts put back
-            State& s = sequences_[static_cast<std::size_t>(*it)];
-            const Index freed = freed_by_next(s);
-            if (freed >= 0)
-                ++refs_[static_cast<std::size_t>(freed)];
-            if (s.copies)
-                ++refs_[static_cast<std::size_t>(s.table.back())];
-        }
-        return peak;
-    }
-
-    /// Notes what s is before a batch call changes it (State::Undo).
-    static void begin_undo(State& s) noexcept {
-        s.undo = {s.length, static_cast<Index>(s.table.size()), s.dropped, s.first, -1, -1};
-    }
-    /// Puts back what the batch's appends and evictions changed, member by member in the
-    /// reverse order of the changes, so the free list's pops and pushes unwind as a stack
-    /// and every block, count and table is as it was.
-    void undo_batch(std::span<const Index> seqs) noexcept {
-        const Index sink = sink_blocks();
-        for (auto it = seqs.rbegin(); it != seqs.rend(); ++it) {
-            State& s = sequences_[static_cast<std::size_t>(*it)];
-            const typename State::Undo& u = s.undo;
-            if (u.evicted >= 0) {  // held again, in its place after the sink blocks
-                if (refs_[static_cast<std::size_t>(u.evicted)] == 0) {
-                    MEMATTN_DASSERT(!free_.empty() && free_.back() == u.evicted);
-                    free_.pop_back();
-                }
-                ++refs_[static_cast<std::size_t>(u.evicted)];
-                s.table.insert(s.table.begin() + static_cast<std::ptrdiff_t>(sink), u.evicted);  // within capacity
-                s.dropped = u.dropped;
-                s.first = u.first;
-            }
-            while (static_cast<Index>(s.table.size()) > u.table) {
-                release(s.table.back());
-                s.table.pop_back();
-            }
-            if (u.shared >= 0) {  // the copy-on-write: the shared block back, the copy freed
-                const Index own = s.table.back();
-                ++refs_[static_cast<std::size_t>(u.shared)];
-                s.table.back() = u.shared;
-                release(own);
-            }
-            s.length = u.length;
-        }
-    }
 
     /// The ids of a batch: live and distinct, one per row.
     void check_batch(std::string_view function, std::span<const Index> seqs, Index rows, const char* rows_name) const {
@@ -964,20 +769,6 @@ private:
                         " rows, expected ", seqs.size(), " (one per sequence)");
     }
 
-    /// Whether batch member i, writing into its partly filled last block, copies it: of
-    /// the k members writing into one block held r times, those before the r-th copy it.
-    /// `writes(j)`: member j appends at least one token.
-    template <class Writes>
-    [[nodiscard]] bool copies_before(std::span<const Index> seqs, std::size_t i, const Writes& writes) const noexcept {
-        const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
-        const Index block = s.table.back();
-        Index earlier = 0;
-        for (std::size_t j = 0; j < i; ++j) {
-            const State& o = sequences_[static_cast<std::size_t>(seqs[j])];
-            earlier += writes(j) && o.length % block_size_ != 0 && o.table.back() == block ? 1 : 0;
-        }
-        return refs_[static_cast<std::size_t>(block)] - earlier > 1;
-    }
 
     void check_sequence(std::string_view function, const char* argument, Index seq) const {
         if (!contains(seq)) [[unlikely]]
@@ -985,335 +776,9 @@ private:
                             sequences(), " live, ids below ", sequences_.size(), ")");
     }
 
-    /// The smallest id not in use, its state made ready (may allocate: not a step).
-    Index fresh_id() {
-        for (std::size_t i = 0; i < sequences_.size(); ++i)
-            if (!sequences_[i].live)
-                return static_cast<Index>(i);
-        sequences_.emplace_back();
-        return static_cast<Index>(sequences_.size() - 1);
-    }
 
-    /// Free blocks that appending chunk(i) tokens to each seqs[i] takes, in order: the new
-    /// blocks, and one more for a member that writes into its partly filled last block
-    /// while it is shared (copies_before).
-    template <class Chunk>
-    [[nodiscard]] Index chunk_blocks(std::span<const Index> seqs, const Chunk& chunk) const noexcept {
-        Index needed = 0;
-        for (std::size_t i = 0; i < seqs.size(); ++i) {
-            const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
-            if (chunk(i) == 0)
-                continue;
-            needed += blocks_for(s.length + chunk(i)) - token_blocks(s);
-            if (s.length % block_size_ != 0 && copies_before(seqs, i, [&](std::size_t j) { return chunk(j) > 0; }))
-                ++needed;
-        }
-        return needed;
-    }
 
-    Index take_block() noexcept {
-        MEMATTN_DASSERT(!free_.empty());
-        const Index b = free_.back();
-        free_.pop_back();
-        refs_[static_cast<std::size_t>(b)] = 1;
-        return b;
-    }
-    void release(Index b) noexcept {
-        if (--refs_[static_cast<std::size_t>(b)] == 0)
-            free_.push_back(b);  // within its capacity: every block
-    }
-
-    /// Appends the rows of K/V to s, checked by validate (cannot throw). Returns the
-    /// shared block a copy-on-write of its last block replaced (−1: none).
-    template <class KRows, class VRows>
-    Index append(State& s, const KRows& keys, const VRows& values) noexcept {
-        const Index d = layout_.head_dim, dv = layout_.values();
-        Index replaced = -1;
-        for (Index r = 0; r < keys.rows(); ++r) {
-            const Index t = s.length % block_size_;
-            if (t == 0) {
-                s.table.push_back(take_block());  // within its capacity: every block
-            } else if (refs_[static_cast<std::size_t>(s.table.back())] > 1) {  // copy-on-write
-                const Index shared = s.table.back(), own = take_block();
-                for (Index h = 0; h < layout_.kv_heads; ++h) {
-                    keys_.copy_within(first_row(shared, h), first_row(own, h), t);
-                    values_.copy_within(first_row(shared, h), first_row(own, h), t);
-                }
-                release(shared);
-                s.table.back() = own;
-                replaced = shared;
-            }
-            const Index b = s.table.back();
-            for (Index h = 0; h < layout_.kv_heads; ++h) {
-                keys_.put_rows(first_row(b, h) + t, keys.block(r, h * d, 1, d));
-                values_.put_rows(first_row(b, h) + t, values.block(r, h * dv, 1, dv));
-            }
-            ++s.length;
-        }
-        return replaced;
-    }
-
-    /// The attends of attend(seqs, Q, O, executor), after its checks.
-    void attend_batch(std::span<const Index> seqs, ConstMatrixRef<T> queries, MatrixRef<T> out,
-                      ExecutorRef executor) const {
-        const auto state = [&](Index row) -> const State& {
-            return sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(row)])];
-        };
-        attend_rows(
-            queries.rows(), state, [&](Index row) { return state(row).length; }, queries.data(),
-            queries.outerStride(), out.data(), out.outerStride(), executor);
-    }
-
-    /// The attends of prefill after its appends: every chunk of two rows or more through
-    /// the tiled kernel over its blocks (serving/paged_prefill.hpp), a chunk of one row as
-    /// a decode step (attend_head), a chunk of none not at all.
-    void prefill_chunks(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
-                        MatrixRef<T> out, ExecutorRef executor) {
-        const Index g = layout_.group_size(), d = layout_.head_dim, dv = layout_.values();
-        chunks_.clear();
-        double work = 0;
-        for (std::size_t i = 0; i < seqs.size(); ++i) {
-            const Index rows = q_offsets[i + 1] - q_offsets[i];
-            if (rows == 0)
-                continue;
-            const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
-            chunks_.push_back({static_cast<Index>(i), q_offsets[i], rows, s.length,
-                               detail::BlockTableView{s.table.data(), sink_blocks(), s.dropped, block_size_, blocks_, 0}});
-            work += static_cast<double>(rows) * static_cast<double>(visible_pairs(s.length));
-        }
-        work *= static_cast<double>(layout_.q_heads) * static_cast<double>(d + dv);
-        const detail::PagedOptions options{layout_, static_cast<double>(scale_), window_, sinks_, softcap_, slopes_,
-                                           sink_logits_};
-        const Index ldq = queries.outerStride(), ldo = out.outerStride();
-        detail::paged_prefill<T, S>(
-            options, keys_, values_, std::span<const detail::PagedChunk>(chunks_), queries.data(), ldq, out.data(),
-            ldo, prefill_work_, executor, work < parallel_work, [&](Index c, Index h) {
-                const detail::PagedChunk& chunk = chunks_[static_cast<std::size_t>(c)];
-                const State& s = sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(chunk.sequence)])];
-                attend_head(s, h, queries.data() + chunk.q_begin * ldq + h * g * d,
-                            out.data() + chunk.q_begin * ldo + h * g * dv, s.length);
-            });
-    }
-
-    /// The attends of a decode step (decode_batch): the sequences that share their first
-    /// blocks read them once, together (serving/cascade.hpp); every other one as
-    /// attend_batch reads it.
-    void attend_decode(std::span<const Index> seqs, ConstMatrixRef<T> queries, MatrixRef<T> out,
-                       ExecutorRef executor) {
-        const Index rows = queries.rows(), g = layout_.group_size(), kv = layout_.kv_heads;
-        const Index chunk = detail::cascade_rows / g;
-        const auto state = [&](Index r) -> const State& {
-            return sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(r)])];
-        };
-        detail::CascadeWork<T>& work = cascade_;
-        if (window_ > 0 || !slopes_.empty() || chunk < 2 || rows < 2 ||
-            !detail::find_shared_runs(
-                rows, block_size_, [&](Index r) { return std::span<const Index>(state(r).table); },
-                [&](Index r) { return state(r).length; }, work.order, work.runs)) {
-            attend_batch(seqs, queries, out, executor);
-            return;
-        }
-        detail::plan_cascade(rows, kv, chunk, work.order, work.runs, work.items);
-        const auto cost = [&](Index i) {
-            const detail::CascadeItem& item = work.items[static_cast<std::size_t>(i)];
-            if (item.run < 0)
-                return 1.0 + static_cast<double>(state(item.row).length);
-            const Index shared = work.runs[static_cast<std::size_t>(item.run)].blocks * block_size_;
-            double pairs = 1.0 + static_cast<double>(shared);
-            for (Index m = item.first; m < item.first + item.count; ++m)
-                pairs += static_cast<double>(state(work.order[static_cast<std::size_t>(m)]).length - shared);
-            return pairs;
-        };
-        double total = 0;
-        for (Index r = 0; r < rows; ++r)
-            total += static_cast<double>(state(r).length);
-        const bool serial = total * static_cast<double>(layout_.q_heads) *
-                                static_cast<double>(layout_.head_dim + layout_.values()) <
-                            parallel_work;
-        const auto n = static_cast<Index>(work.items.size());
-        const auto parts = static_cast<std::size_t>(std::min<Index>({serial ? 1 : executor.concurrency(), n,
-                                                                     detail::max_ranges}));
-        if (work.ranges.size() < parts)
-            work.ranges.resize(parts);
-        const T* q = queries.data();
-        T* o = out.data();
-        const Index ldq = queries.outerStride(), ldo = out.outerStride(), d = layout_.head_dim, dv = layout_.values();
-        detail::parallel_ranges(
-            n, cost,
-            [&](Index first, Index last, int range) {
-                detail::CascadeScratch<T>& scratch = work.ranges[static_cast<std::size_t>(range)];
-                for (Index i = first; i < last; ++i) {
-                    const detail::CascadeItem& item = work.items[static_cast<std::size_t>(i)];
-                    if (item.run >= 0) {
-                        attend_shared(work.runs[static_cast<std::size_t>(item.run)].blocks,
-                                      std::span<const Index>(work.order).subspan(static_cast<std::size_t>(item.first),
-                                                                                 static_cast<std::size_t>(item.count)),
-                                      item.head, seqs, q, ldq, o, ldo, scratch);
-                        continue;
-                    }
-                    const State& s = state(item.row);
-                    T* rows_out = o + item.row * ldo + item.head * g * dv;
-                    if (s.length == 0)
-                        std::fill(rows_out, rows_out + g * dv, T(0));
-                    else
-                        attend_head(s, item.head, q + item.row * ldq + item.head * g * d, rows_out, s.length);
-                }
-            },
-            serial ? 1 : 0, executor);
-    }
-
-    /// KV head h of the batch rows `members` (a chunk of a shared run, at most
-    /// cascade_rows / g sequences), whose sequences hold the same first `shared` blocks (no
-    /// window, no ALiBi): their g·|members| queries fold the shared blocks block by block,
-    /// in groups of group_rows (a block is read from memory once, then from cache for the
-    /// next group), each sequence's g queries its own tokens, and the two partial states
-    /// merge (the sink logits join after).
-    void attend_shared(Index shared, std::span<const Index> members, Index h, std::span<const Index> seqs,
-                       const T* q, Index ldq, T* out, Index ldo, detail::CascadeScratch<T>& scratch) const {
-        const Index g = layout_.group_size(), d = layout_.head_dim, dv = layout_.values();
-        const Index rows = static_cast<Index>(members.size()) * g;
-        const Index groups = (rows + detail::group_rows - 1) / detail::group_rows;
-        MEMATTN_DASSERT(rows <= detail::cascade_rows);
-        if (scratch.queries.rows() < detail::cascade_rows || scratch.queries.cols() != d)
-            scratch.queries.resize(detail::cascade_rows, d);
-        if (scratch.acc.rows() < detail::cascade_rows || scratch.acc.cols() != dv)
-            scratch.acc.resize(detail::cascade_rows, dv);
-        using Rows = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
-        using OutRows = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
-        for (std::size_t m = 0; m < members.size(); ++m)
-            scratch.queries.middleRows(static_cast<Index>(m) * g, g) =
-                Rows(q + members[m] * ldq + h * g * d, g, d, Eigen::OuterStride<>(d));
-        scratch.acc.topRows(rows).setZero();
-        const std::size_t pair_bytes =
-            detail::StoredRows<T, S>::row_bytes(d) + detail::StoredRows<T, S>::row_bytes(dv);
-        const bool ahead = static_cast<std::size_t>(shared * block_size_) * pair_bytes >= detail::group_prefetch_bytes;
-        const auto group_of = [&](Index c) {
-            const Index r0 = c * detail::group_rows;
-            return std::pair{r0, std::min(detail::group_rows, rows - r0)};
-        };
-        for (Index c = 0; c < groups; ++c) {
-            const auto [r0, n] = group_of(c);
-            scratch.groups[static_cast<std::size_t>(c)].emplace(
-                Rows(scratch.queries.data() + r0 * d, n, d, Eigen::OuterStride<>(d)), scale_, ahead,
-                detail::DecodeLogits{.softcap = softcap_});
-        }
-        const State& lead = sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(members[0])])];
-        for (Index j = 0; j < shared; ++j) {  // a table's blocks need not be adjacent: one at a time
-            const Index first = first_row(lead.table[static_cast<std::size_t>(j)], h);
-            for (Index c = 0; c < groups; ++c) {
-                const auto [r0, n] = group_of(c);
-                scratch.groups[static_cast<std::size_t>(c)]->fold_stored(keys_, values_, first, block_size_,
-                                                                         scratch.acc.middleRows(r0, n), j * block_size_);
-            }
-        }
-        for (std::size_t m = 0; m < members.size(); ++m) {
-            const State& s = sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(members[m])])];
-            OutRows outputs(out + members[m] * ldo + h * g * dv, g, dv, Eigen::OuterStride<>(dv));
-            outputs.setZero();
-            const detail::DecodeLogits own{
-                .softcap = softcap_,
-                .sinks = sink_logits_.empty() ? nullptr : sink_logits_.data() + h * g,
-                .position = s.length - 1};
-            const Index begin = shared * block_size_;
-            detail::GroupAttention<T> alone(Rows(q + members[m] * ldq + h * g * d, g, d, Eigen::OuterStride<>(d)),
-                                            scale_,
-                                            static_cast<std::size_t>(s.length - begin) * pair_bytes >=
-                                                detail::group_prefetch_bytes,
-                                            own);
-            for_each_run(s, begin, s.length, [&](Index block, Index offset, Index count, Index token) {
-                alone.fold_stored(keys_, values_, first_row(block, h) + offset, count, outputs, token);
-            });
-            for (Index r = 0; r < g; ++r) {
-                SoftmaxState<T> state = alone.state(r);
-                const Index row = static_cast<Index>(m) * g + r;
-                state.merge(scratch.groups[static_cast<std::size_t>(row / detail::group_rows)]->state(
-                                row % detail::group_rows),
-                            outputs.row(r), scratch.acc.row(row));
-                detail::GroupAttention<T>::finish_state(state, own, r, outputs.row(r));
-            }
-        }
-    }
-
-    /// Every attend: for rows r < rows, the query heads of row r of q (stride ldq) over the
-    /// first visible(r) tokens of state(r) into row r of out (zero when none), as
-    /// (row, KV head) items spread over the executor's threads by their lengths; a step
-    /// whose work is below parallel_work stays on the calling thread.
-    template <class StateOf, class Visible>
-    void attend_rows(Index rows, const StateOf& state, const Visible& visible, const T* q, Index ldq, T* out, Index ldo,
-                     ExecutorRef executor) const {
-        const Index g = layout_.group_size(), kv = layout_.kv_heads, dv = layout_.values();
-        double work = 0;
-        for (Index row = 0; row < rows; ++row)
-            work += static_cast<double>(visible_pairs(visible(row)));
-        work *= static_cast<double>(layout_.q_heads) * static_cast<double>(layout_.head_dim + dv);
-        detail::parallel_ranges(
-            rows * kv, [&](Index item) { return 1.0 + static_cast<double>(visible_pairs(visible(item / kv))); },
-            [&](Index first, Index last) {
-                for (Index item = first; item < last; ++item) {
-                    const Index row = item / kv, h = item % kv, n = visible(row);
-                    T* o = out + row * ldo + h * g * dv;
-                    if (n == 0)
-                        std::fill(o, o + g * dv, T(0));
-                    else
-                        attend_head(state(row), h, q + row * ldq + h * g * layout_.head_dim, o, n);
-                }
-            },
-            work < parallel_work ? 1 : 0, executor);
-    }
-
-    /// KV head h's group of query heads (g rows of q, g rows of out) over what the query
-    /// at position length − 1 of s sees (length ≥ 1): every token, or, past a window,
-    /// the sinks and then the window. Without a window, or with one the length has not
-    /// passed, what the attend gave when s held only those tokens, bit for bit (the blocks
-    /// hold the same rows).
-    void attend_head(const State& s, Index h, const T* q, T* out, Index length) const {
-        const Index g = layout_.group_size(), d = layout_.head_dim, dv = layout_.values();
-        const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> queries(q, g, d, Eigen::OuterStride<>(d));
-        Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> outputs(out, g, dv, Eigen::OuterStride<>(dv));
-        const bool ahead = static_cast<std::size_t>(visible_pairs(length)) *
-                               (detail::StoredRows<T, S>::row_bytes(d) + detail::StoredRows<T, S>::row_bytes(dv)) >=
-                           detail::group_prefetch_bytes;
-        const Index window_begin = length - window_;
-        const bool whole = window_ == 0 || window_begin <= sinks_;
-        for (Index r0 = 0; r0 < g; r0 += detail::group_rows) {
-            const Index rows = std::min(detail::group_rows, g - r0);
-            auto acc = outputs.middleRows(r0, rows);
-            acc.setZero();
-            const detail::DecodeLogits logits{
-                .softcap = softcap_,
-                .slopes = slopes_.empty() ? nullptr : slopes_.data() + h * g + r0,
-                .sinks = sink_logits_.empty() ? nullptr : sink_logits_.data() + h * g + r0,
-                .position = length - 1};
-            detail::GroupAttention<T> group(queries.middleRows(r0, rows), scale_, ahead, logits);
-            const auto fold = [&](Index block, Index offset, Index count, Index token) {
-                group.fold_stored(keys_, values_, first_row(block, h) + offset, count, acc, token);
-            };
-            if (whole) {
-                for_each_run(s, 0, length, fold);
-            } else {
-                for_each_run(s, 0, sinks_, fold);
-                for_each_run(s, window_begin, length, fold);
-            }
-            for (Index r = 0; r < rows; ++r)
-                group.finish(r, acc.row(r));
-        }
-    }
-
-    HeadLayout layout_;
-    Index blocks_, block_size_;
-    T scale_;
-    Index window_, sinks_;  // sinks_ is 0 without a window
-    Index rollback_;        // tokens kept before the window (PoolOptions::rollback_tokens), 0 without one
     bool reject_nonfinite_;
-    double softcap_;
-    std::vector<double> slopes_, sink_logits_;  // per query head, or none
-    detail::StoredRows<T, S> keys_, values_;
-    std::vector<Index> refs_;  // sequences holding each block
-    std::vector<Index> free_;  // blocks no one holds, taken from the back
-    std::vector<State> sequences_;
-    std::vector<detail::PagedChunk> chunks_;    // prefill's chunks, kept for the next call
-    detail::PagedPrefillWork<T> prefill_work_;  // prefill's items and scratch, likewise
-    detail::CascadeWork<T> cascade_;            // a decode step's shared runs, items and scratch, likewise
 };
 
 namespace detail {
