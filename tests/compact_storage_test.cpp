@@ -4,10 +4,12 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 #include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 using namespace memattn;
 using memattn::test::check_close;
@@ -29,6 +31,8 @@ constexpr double storage_tolerance() {
         return 1e-1;
     else if constexpr (std::is_same_v<S, Q4Affine>)
         return 1e-1;
+    else if constexpr (std::is_same_v<S, Fp8E4M3>)
+        return 5e-2;
     else
         return 2e-2;
 }
@@ -85,7 +89,7 @@ void check_layer_against_heads(const HeadLayout& layout, Make make) {
     (std::pair<float, Eigen::bfloat16>), (std::pair<float, Eigen::half>), (std::pair<float, Q8>),             \
         (std::pair<float, Q4>), (std::pair<float, Q4Affine>), (std::pair<double, Eigen::bfloat16>),           \
         (std::pair<double, Eigen::half>), (std::pair<double, Q8>), (std::pair<double, Q4>),                   \
-        (std::pair<double, Q4Affine>)
+        (std::pair<double, Q4Affine>), (std::pair<float, Fp8E4M3>), (std::pair<double, Fp8E4M3>)
 
 TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of the input", "[storage]",
                    MEMATTN_STORAGE_PAIRS) {
@@ -110,6 +114,8 @@ TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of th
                 } else if constexpr (std::is_same_v<S, Q4Affine>) {  // ≤ half a step of (max − min) / 15
                     const double range = double(block.maxCoeff()) - double(block.minCoeff());
                     REQUIRE(std::abs(x - y) <= range / 30.0 * (1 + 1e-5) + 0x1p-23 * amax + via_float);
+                } else if constexpr (std::is_same_v<S, Fp8E4M3>) {  // half a step: 2^-4 relative, 2^-10 subnormal
+                    REQUIRE(std::abs(x - y) <= 0x1p-4 * std::abs(x) + 0x1p-10 + via_float);
                 } else {  // round to nearest: half an ulp of 8 (bfloat16) or 11 (half) significant bits
                     const double half_ulp = std::is_same_v<S, Eigen::half> ? 0x1p-11 : 0x1p-8;
                     REQUIRE(std::abs(x - y) <= half_ulp * std::abs(x) + via_float + 0x1p-25);
@@ -123,6 +129,8 @@ TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of th
         exact << T(0), T(-7), T(7), T(5);
     else if constexpr (std::is_same_v<S, Q4Affine>)
         exact << T(0), T(15), T(3), T(5);
+    else if constexpr (std::is_same_v<S, Fp8E4M3>)
+        exact << T(0), T(-448), T(448), T(0.015625);
     else
         exact << T(0), T(-127), T(127), T(5);
     CHECK(stored<T, S>(exact) == exact);
@@ -208,6 +216,8 @@ TEMPLATE_TEST_CASE("Compact storage: footprint counts the stored bytes", "[stora
     KVCache<T, Q8> q8(d, d);
     KVCache<T, Q4> q4(d, d);
     KVCache<T, Q4Affine> q4_affine(d, d);
+    KVCache<T, Fp8E4M3> fp8(d, d);
+    memattn::extend(fp8, K, K);
     memattn::extend(plain, K, K);
     memattn::extend(bf16, K, K);
     memattn::extend(f16, K, K);
@@ -221,6 +231,7 @@ TEMPLATE_TEST_CASE("Compact storage: footprint counts the stored bytes", "[stora
     CHECK(q8.footprint() == pairs * 2 * (d + 4 * d / 32));  // 0.28 of float's
     CHECK(q4.footprint() == pairs * 2 * (d / 2 + 4 * d / 32));  // 0.156 of float's
     CHECK(q4_affine.footprint() == pairs * 2 * (d / 2 + 8 * d / 32));  // 0.19 of float's
+    CHECK(fp8.footprint() == pairs * 2 * d);  // a byte a value
     SlidingWindowCache<T, Q4Affine> window4(33, 33, 10, 1);  // the short last block takes 16 bytes too
     memattn::extend(window4, random_matrix<T>(20, 33, 2), random_matrix<T>(20, 33, 3));
     CHECK(window4.footprint() == 11u * 2 * (2 * 16 + 2 * 8));
@@ -299,6 +310,8 @@ TEMPLATE_TEST_CASE("Compact storage: snapshots resume bitwise and name the stora
     resume([] { return KVCache<T, Q4Affine>(6, 5); });
     resume([] { return SlidingWindowCache<T, Q4>(6, 5, 7, 2); });
     resume([] { return HybridCache<T, MeanPool, Q4Affine>(6, 5, 7, 3, 2); });
+    resume([] { return KVCache<T, Fp8E4M3>(6, 5); });
+    resume([] { return SlidingWindowCache<T, Fp8E4M3>(6, 5, 7, 2); });
 
     KVCache<T, Eigen::bfloat16> bf16(6, 5);
     KVCache<T> plain(6, 5);
@@ -435,7 +448,7 @@ TEMPLATE_TEST_CASE("Compact storage: grouped attend equals the plain cache's fed
 }
 
 TEMPLATE_TEST_CASE("Grouped attend: a query's output is the same bits in every group it is in, for every storage",
-                   "[storage][group]", float, Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine) {
+                   "[storage][group]", float, Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine, Fp8E4M3) {
     using S = TestType;
     // Groups below a packet's lanes take tiles of GQ queries × GK keys (decode_attention.hpp);
     // every logit adds its lanes by the same tree, so query r's output must not depend on
@@ -476,7 +489,7 @@ TEMPLATE_TEST_CASE("Grouped attend: a query's output is the same bits in every g
 }
 
 TEMPLATE_TEST_CASE("Compact storage: MultiHead splits compact caches over threads, the same bits for any executor",
-                   "[storage][multihead][split]", Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine) {
+                   "[storage][multihead][split]", Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine, Fp8E4M3) {
     using S = TestType;
     const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 16};
     const Index n = 2 * MultiHead<KVCache<float>>::split_keys + 333;  // three pieces per head
@@ -514,6 +527,123 @@ TEMPLATE_TEST_CASE("Compact storage: MultiHead splits compact caches over thread
                                                     to_double(K.middleCols(kv * 16, 16)),
                                                     to_double(V.middleCols(kv * 16, 16)));
     check_close(O.middleCols(h * 16, 16), exact.out, storage_tolerance<S>());
+}
+
+namespace {
+
+/// E4M3's value of a byte from the format's definition, in double.
+double fp8_reference_value(int byte) {
+    const int e = (byte >> 3) & 0xF, m = byte & 0x7;
+    const double sign = (byte & 0x80) != 0 ? -1.0 : 1.0;
+    if (e == 15 && m == 7)
+        return std::numeric_limits<double>::quiet_NaN();
+    return sign * (e == 0 ? std::ldexp(double(m), -9) : std::ldexp(1.0 + m / 8.0, e - 7));
+}
+
+/// The E4M3 byte nearest to x (ties to the even mantissa), by search over every finite
+/// byte of x's sign; the NaN byte of x's sign from 464 on.
+int fp8_reference_byte(double x) {
+    const int sign = std::signbit(x) ? 0x80 : 0;
+    if (!(std::abs(x) < 464.0))
+        return sign | 0x7F;
+    int best = sign;
+    for (int magnitude = 1; magnitude < 0x7F; ++magnitude) {
+        const double here = std::abs(fp8_reference_value(magnitude) - std::abs(x)),
+                     there = std::abs(fp8_reference_value(best & 0x7F) - std::abs(x));
+        if (here < there || (here == there && (magnitude & 1) == 0))
+            best = sign | magnitude;
+    }
+    return best;
+}
+
+}  // namespace
+
+TEST_CASE("FP8 E4M3: the table is the format's definition; a value is stored as the nearest, ties to even",
+          "[storage][fp8]") {
+    for (int byte = 0; byte < 256; ++byte) {
+        INFO("byte " << byte);
+        const double expected = fp8_reference_value(byte);
+        const float value = detail::fp8_e4m3_values[static_cast<std::size_t>(byte)];
+        if (std::isnan(expected)) {
+            CHECK(std::isnan(value));
+        } else {
+            CHECK(double(value) == expected);
+            CHECK(std::signbit(value) == ((byte & 0x80) != 0));  // −0 too
+            CHECK(detail::fp8_e4m3_encode(value) == byte);       // every value is its own byte
+        }
+    }
+    CHECK(detail::fp8_e4m3_values[0x7E] == 448.0f);            // the largest
+    CHECK(detail::fp8_e4m3_values[0x08] == 0x1p-6f);           // the smallest normal
+    CHECK(detail::fp8_e4m3_values[0x01] == 0x1p-9f);           // the smallest subnormal
+    // Every midpoint between neighbours (a tie: to the even one), a value just either side
+    // of it, and random values of every magnitude, of both signs.
+    std::vector<double> xs;
+    for (int magnitude = 0; magnitude < 0x7E; ++magnitude) {
+        const double lo = fp8_reference_value(magnitude), hi = fp8_reference_value(magnitude + 1), mid = (lo + hi) / 2;
+        for (const double x : {mid, std::nextafter(mid, 0.0), std::nextafter(mid, 1e9), lo + (hi - lo) / 3})
+            xs.insert(xs.end(), {x, -x});
+    }
+    std::mt19937 random(5);
+    std::uniform_real_distribution<double> exponent(-14.0, 9.2);
+    for (int i = 0; i < 4000; ++i)
+        xs.push_back((i % 2 == 0 ? 1 : -1) * std::exp2(exponent(random)));
+    for (const double x : {463.99, 464.0, 465.0, 1e30, 0x1p-11, 0x1p-10, 3 * 0x1p-11})
+        xs.insert(xs.end(), {x, -x});
+    for (const double x : xs) {
+        const auto xf = static_cast<float>(x);
+        INFO("x = " << double(xf));
+        CHECK(int(detail::fp8_e4m3_encode(xf)) == fp8_reference_byte(double(xf)));
+    }
+    // No infinity: ±∞ and NaN are stored as NaN, of their sign.
+    CHECK(detail::fp8_e4m3_encode(std::numeric_limits<float>::infinity()) == 0x7F);
+    CHECK(detail::fp8_e4m3_encode(-std::numeric_limits<float>::infinity()) == 0xFF);
+    CHECK(std::isnan(detail::fp8_e4m3_values[detail::fp8_e4m3_encode(std::numeric_limits<float>::quiet_NaN())]));
+}
+
+TEMPLATE_TEST_CASE("FP8 E4M3: caches and the pool refuse finite values from 464 on, hold non-finite ones as NaN, "
+                   "and resume from snapshots", "[storage][fp8]", float, double) {
+    using T = TestType;
+    KVCache<T, Fp8E4M3> cache(4, 3);
+    memattn::extend(cache, random_matrix<T>(5, 4, 1), random_matrix<T>(5, 3, 2));
+    const std::string before = snapshot_of(cache);
+    Matrix<T> K = random_matrix<T>(3, 4, 3), V = random_matrix<T>(3, 3, 4);
+    K(1, 2) = T(464);
+    CHECK_THROWS_WITH(memattn::extend(cache, K, V), Catch::Matchers::Contains("which Fp8E4M3 storage would hold as NaN"));
+    CHECK_THROWS_AS(cache.update(K.row(1), V.row(1)), std::invalid_argument);
+    CHECK(snapshot_of(cache) == before);
+    K(1, 2) = T(463.5);  // rounds to the largest, 448
+    memattn::extend(cache, K.topRows(2), V.topRows(2));
+    V(0, 1) = std::numeric_limits<T>::infinity();
+    cache.update(K.row(0), V.row(0));
+    Vector<T> out(3);
+    cache.attend(Vector<T>::Zero(4), out);
+    CHECK(std::isnan(double(out(1))));
+
+    // The paged pool of FP8 pairs: each step equals the plain pool's fed the stored pairs;
+    // a sequence's snapshot resumes it.
+    const HeadLayout heads{.q_heads = 4, .kv_heads = 2, .head_dim = 8};
+    PagedKVCache<T, Fp8E4M3> pool(heads, 16, 4);
+    PagedKVCache<T> plain(heads, 16, 4);
+    const Index a = pool.add_sequence(), b = plain.add_sequence();
+    const Index n = 13;
+    const Matrix<T> PK = random_matrix<T>(n, 16, 5), PV = random_matrix<T>(n, 16, 6), PQ = random_matrix<T>(n, 32, 7);
+    const Matrix<T> PKs = stored<T, Fp8E4M3>(PK), PVs = stored<T, Fp8E4M3>(PV);
+    Matrix<T> got(n, 32), expected(n, 32);
+    for (Index i = 0; i < n; ++i) {
+        pool.update(a, PK.row(i), PV.row(i));
+        plain.update(b, PKs.row(i), PVs.row(i));
+        pool.attend(a, PQ.row(i), got.row(i));
+        plain.attend(b, PQ.row(i), expected.row(i));
+    }
+    check_close(got, to_double(expected), tolerance<T>());
+    PagedKVCache<T, Fp8E4M3> other(heads, 8, 4);  // the same blocks: the same folds, bit for bit
+    auto resumed = other.sequence(other.add_sequence());
+    std::istringstream in(snapshot_of(pool.sequence(a)), std::ios::binary);
+    load(resumed, in);
+    Vector<T> o1(32), o2(32);
+    pool.attend(a, PQ.row(0), o1);
+    resumed.attend(PQ.row(0), o2);
+    CHECK(o1.cwiseEqual(o2).all());
 }
 
 TEST_CASE("Rotated storage: the Walsh-Hadamard rotation is the orthonormal matrix, and its own inverse",

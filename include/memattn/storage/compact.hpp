@@ -35,6 +35,9 @@
 //                    query rounded to int8 per block (StoredRows::integer_dot).
 //   memattn::PerChannelKeys<S>  keys quantised as S per channel over groups of 32
 //                    tokens (the newest, unfinished group exact), values as S (KIVI).
+//   memattn::Fp8E4M3  one byte a value, OCP FP8 E4M3 (storage/fp8.hpp): 3 mantissa
+//                    bits (relative rounding 2^-4) over [2^-6, 448], steps of 2^-9
+//                    below; finite values from 464 on are refused.
 //
 // One policy for every type (check_storable): a finite value that S would store as ±∞
 // or NaN (float16 from 65520 on, bfloat16 from ~3.3962e38, a double past float's range)
@@ -58,7 +61,10 @@
 //
 // This header includes them all, and the helpers over any S (stored_bytes, round_trip).
 
+// The formats: a new one is a header of its own (storage/formats.hpp, at the top) and
+// its line here.
 #include "memattn/storage/formats.hpp"
+#include "memattn/storage/fp8.hpp"
 #include "memattn/storage/integer_dot.hpp"
 #include "memattn/storage/per_channel_keys.hpp"
 #include "memattn/storage/q4.hpp"

@@ -1,8 +1,13 @@
 #pragma once
 // The storage formats a cache may keep its keys and values in (storage/compact.hpp
 // describes each): their tag types, the traits and names the caches and snapshots read,
-// and the one policy every format checks a value against (check_storable). A new format
-// is a tag here, its name and snapshot code below, and a header of its rows.
+// and the one policy every format checks a value against (check_storable).
+//
+// A new format is one header of its own and a line in storage/compact.hpp's list: the
+// header declares its tag, specializes detail::StorageFormat for it (its name, snapshot
+// type code, whether it keeps float scales, its overflow) and detail::StoredRows (its
+// rows); the traits below read StorageFormat. storage/fp8.hpp is one such. The formats
+// of the first releases are declared here, in the chains below, as they were.
 
 #include "memattn/detail/assert.hpp"
 #include "memattn/detail/packet.hpp"
@@ -92,6 +97,23 @@ struct PerChannelKeys {
 };
 
 namespace detail {
+
+/// What a storage format declared in a header of its own says of itself, by
+/// specializing this for its tag (storage/fp8.hpp):
+///
+///     static constexpr bool compact = true;
+///     static constexpr const char* name = "...";          // in messages
+///     static constexpr snapshot::TypeCode code = ...;     // in snapshots (docs/snapshot-format.md)
+///     static constexpr bool scaled = ...;                 // keeps float scales: float's whole range
+///     static constexpr float overflow = ...;              // unscaled: the smallest magnitude refused
+///     static constexpr const char* overflow_to = "...";   // unscaled: what it would hold it as
+///
+/// The primary template is no format.
+template <class S>
+struct StorageFormat {
+    static constexpr bool compact = false;  ///< not a format of its own header
+};
+
 template <class S>
 inline constexpr bool is_rotated = false;
 template <class S>
@@ -150,7 +172,7 @@ namespace detail {
 template <class S>
 inline constexpr bool compact_storage = std::is_same_v<S, Eigen::bfloat16> || std::is_same_v<S, Eigen::half> ||
                                         std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S> || IntegerDotStorage<S> ||
-                                        per_channel_keys<S>;
+                                        per_channel_keys<S> || StorageFormat<S>::compact;
 }  // namespace detail
 
 /// The element types a cache can store keys and values in besides its scalar. One atomic
@@ -168,6 +190,13 @@ template <class S, class T>
 concept StorageFor = Scalar<T> && (std::same_as<S, T> || (CompactStorage<S> && detail::integer_dot_for<S, T>));
 
 namespace detail {
+
+/// The name a format of its own header gives itself (none for any other type).
+template <class S>
+inline constexpr const char* stated_name = nullptr;
+template <class S>
+    requires(StorageFormat<S>::compact)
+inline constexpr const char* stated_name<S> = StorageFormat<S>::name;
 
 template <class S>
 inline constexpr const char* storage_name = std::is_same_v<S, Eigen::bfloat16>     ? "bfloat16"
@@ -188,7 +217,8 @@ inline constexpr const char* storage_name = std::is_same_v<S, Eigen::bfloat16>  
                                             : std::is_same_v<S, PerChannelKeys<Q4>>       ? "PerChannelKeys<Q4>"
                                             : std::is_same_v<S, PerChannelKeys<Q4Affine>> ? "PerChannelKeys<Q4Affine>"
                                             : std::is_same_v<S, float>             ? "float"
-                                                                                   : "double";
+                                            : std::is_same_v<S, double>            ? "double"
+                                                                                   : stated_name<S>;
 
 /// The snapshot type code of storage S for a cache of scalar T (IntegerDot<S>: S's, the
 /// bytes are the same).
@@ -218,6 +248,8 @@ constexpr snapshot::TypeCode storage_code() {
         return snapshot::TypeCode::q4_per_channel_keys;
     else if constexpr (std::is_same_v<S, PerChannelKeys<Q4Affine>>)
         return snapshot::TypeCode::q4_affine_per_channel_keys;
+    else if constexpr (StorageFormat<S>::compact)
+        return StorageFormat<S>::code;
     else
         return snapshot::type_code<T>();
 }
@@ -225,11 +257,18 @@ constexpr snapshot::TypeCode storage_code() {
 /// Q8 blocks in a row of `cols` values.
 constexpr Index q8_blocks(Index cols) { return (cols + Q8::block - 1) / Q8::block; }
 
+/// A format of its own header that says it keeps float scales.
+template <class S>
+inline constexpr bool stated_scaled = false;
+template <class S>
+    requires(StorageFormat<S>::compact)
+inline constexpr bool stated_scaled<S> = StorageFormat<S>::scaled;
+
 /// Whether S keeps float scales per block (Q8, Q4, Q4Affine): it holds float's whole
 /// range, and only a double past it is lost.
 template <class S>
-inline constexpr bool scaled_storage =
-    std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S> || IntegerDotStorage<S> || per_channel_keys<S>;
+inline constexpr bool scaled_storage = std::is_same_v<S, Q8> || Q4Storage<S> || RotatedStorage<S> ||
+                                       IntegerDotStorage<S> || per_channel_keys<S> || stated_scaled<S>;
 
 
 
@@ -239,6 +278,15 @@ inline constexpr bool scaled_storage =
 /// a value past float's own range is lost; for T = S = float nothing is.
 template <class S>
 inline constexpr float storage_overflow = std::numeric_limits<float>::infinity();
+template <class S>
+    requires(StorageFormat<S>::compact && !StorageFormat<S>::scaled)
+inline constexpr float storage_overflow<S> = StorageFormat<S>::overflow;
+/// What an unscaled S would hold a value past storage_overflow<S> as, in messages.
+template <class S>
+inline constexpr const char* overflow_name = "infinity";
+template <class S>
+    requires(StorageFormat<S>::compact && !StorageFormat<S>::scaled)
+inline constexpr const char* overflow_name<S> = StorageFormat<S>::overflow_to;
 template <>
 inline constexpr float storage_overflow<Eigen::half> = 65520.0f;  // 65504 + half an ulp (16)
 template <>
@@ -275,7 +323,7 @@ void check_storable([[maybe_unused]] const PairSite& site, [[maybe_unused]] cons
                 else
                     require(kept, site.function, argument, "has the finite value ", x, " in row ", site.first_row + r, ", column ",
                             SiteColumn{site, c, values}, ", which ", storage_name<S>, " storage would hold as ",
-                            "infinity (finite magnitudes below ", limit, " are kept, rounded)");
+                            overflow_name<S>, " (finite magnitudes below ", limit, " are kept, rounded)");
             }
     }
 }

@@ -136,7 +136,7 @@ public:
                             "has the finite value ", x, " in row ", site.first_row + r, ", column ", SiteColumn{site, c, false},
                             ", which ", rotates() ? (rope_ ? "RoPE and the rotation" : "the rotation") : "RoPE",
                             " may turn into up to ", growth(), " times as much: ", storage_name<S>, " storage would hold it as ",
-                            scaled_storage<S> ? "NaN" : "infinity", " (magnitudes below ", limit, " are kept)");
+                            scaled_storage<S> ? "NaN" : overflow_name<S>, " (magnitudes below ", limit, " are kept)");
                 }
         }
     }
