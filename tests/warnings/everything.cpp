@@ -1,9 +1,12 @@
 // A user's translation unit that instantiates every kernel and every memory of memattn:
 // the kernels and the plain caches for float and (in the default target's unit) double,
-// the rest (the same template code in either scalar) for float. The build compiles it with -Wall -Wextra -Wpedantic -Werror for
-// the default target, x86-64-v3 (AVX2), x86-64-v4 (AVX-512) and sapphirerapids (AVX512-BF16),
-// Eigen by a plain -I, so a warning that memattn's headers (or Eigen's) cause in a user's
-// optimised build on any of them fails the build.
+// the rest (the same template code in either scalar) for float. The build compiles it with
+// -Wall -Wextra -Wpedantic -Werror at -O3 for the default target, x86-64-v3 (AVX2) and
+// sapphirerapids (AVX-512 with BF16 and FP16), Eigen by a plain -I, so a warning that
+// memattn's headers (or Eigen's) cause in a user's optimised build on any of them fails
+// the build. The layers, the paged pool and the model cache (MEMATTN_WARNINGS_LAYERS)
+// compose the kernels and memories, adding no code of an instruction set's own: the
+// default and sapphirerapids units compile them, x86-64-v3's does not (tests/CMakeLists.txt).
 // It is compiled, not run: it needs only to instantiate, so it works on any CPU.
 #include <memattn/memattn.hpp>
 
@@ -160,7 +163,9 @@ void everything(memattn::Index n, memattn::Index d) {
     // The rest is the same template code in double as in float (no double-only packet
     // path): float alone, since compile time is the cost of this unit.
     if constexpr (std::is_same_v<T, float>) {
+#if defined(MEMATTN_WARNINGS_LAYERS)
         layer<T>(x, out, d);
+#endif
         use_memory(memattn::MovingAverageCache<T>(d, d, 4), x, out);
         use_memory(memattn::MovingAverageCache<T>(d, d, 0), x, out);
         use_memory(memattn::MovingAverageCache<T>::exponential(d, d, T(0.5)), x, out);
@@ -168,7 +173,22 @@ void everything(memattn::Index n, memattn::Index d) {
         use_memory(memattn::HybridCache<T, memattn::MaxPool>(d, d, 4, 2, 3), x, out);
         use_memory(memattn::HybridCache<T, memattn::WeightedPool>(d, d, 4, 2, 3, T(0), memattn::WeightedPool({0.5, 0.5})),
                    x, out);
-        // The paged pool with a window and the logit options, in float and compactly.
+        // The softmax memories with the logit options.
+        {
+            const double one_value[1] = {0.5};
+            const memattn::SoftmaxOptions single{.softcap = 3, .sink_logits = one_value, .alibi_slopes = one_value};
+            use_memory(memattn::KVCache<T>(d, d, single), x, out);
+            use_memory(memattn::KVCache<T, Eigen::bfloat16>(d, d, single), x, out);
+            memattn::SoftmaxOptions windowed = single;
+            windowed.window = 4;
+            windowed.sink_tokens = 1;
+            use_memory(memattn::SlidingWindowCache<T, memattn::Q8>(d, d, windowed), x, out);
+            use_memory(memattn::HybridCache<T>(d, d, 4, 2, 0, single), x, out);
+            use_memory(memattn::SparseKVCache<T, memattn::Q8>(d, d, {.block = 2, .top_k_blocks = 1}, single), x, out);
+        }
+#if defined(MEMATTN_WARNINGS_LAYERS)
+        // The paged pool with a window and the logit options, in float and compactly; a
+        // model cache; a layer of caches with the options.
         {
             const memattn::HeadLayout heads{.q_heads = 2, .kv_heads = 1, .head_dim = d};
             const double values[2] = {0.5, 0.25};
@@ -201,28 +221,19 @@ void everything(memattn::Index n, memattn::Index d) {
             const memattn::Matrix<T> wide = memattn::Matrix<T>::Zero(n, 2 * d);
             memattn::Matrix<T> wide_out(n, 2 * d);
             memattn::multi_head_causal_softmax_attention(wide, x, x, wide_out, heads, {}, x * x.transpose());
-            // The softmax memories with the logit options, alone and in a layer.
-            const double one_value[1] = {0.5};
-            const memattn::SoftmaxOptions single{.softcap = 3, .sink_logits = one_value, .alibi_slopes = one_value};
-            use_memory(memattn::KVCache<T>(d, d, single), x, out);
-            use_memory(memattn::KVCache<T, Eigen::bfloat16>(d, d, single), x, out);
-            memattn::SoftmaxOptions windowed = single;
-            windowed.window = 4;
-            windowed.sink_tokens = 1;
-            use_memory(memattn::SlidingWindowCache<T, memattn::Q8>(d, d, windowed), x, out);
-            use_memory(memattn::HybridCache<T>(d, d, 4, 2, 0, single), x, out);
-            use_memory(memattn::SparseKVCache<T, memattn::Q8>(d, d, {.block = 2, .top_k_blocks = 1}, single), x, out);
             const auto group = [&](memattn::Index) { return memattn::KVCache<T>(d, d, options); };
             memattn::MultiHead<memattn::KVCache<T>> layer_of(heads, group);
             memattn::prefill(layer_of, wide, x, x, wide_out);
             memattn::decode(layer_of, wide, x, x, wide_out);
         }
+#endif
         // Compact K/V storage: every conversion path of the instruction set.
         {
             use_memory(memattn::KVCache<T, Eigen::bfloat16>(d, d), x, out);
             use_memory(memattn::KVCache<T, Eigen::half>(d, d), x, out);
             use_memory(memattn::KVCache<T, memattn::Q8>(d, d), x, out);
             use_memory(memattn::KVCache<T, memattn::Q4>(d, d), x, out);
+            use_memory(memattn::KVCache<T, memattn::Fp8E4M3>(d, d), x, out);
             use_memory(memattn::SlidingWindowCache<T, memattn::Q4Affine>(d, d, 4, 1), x, out);
             use_memory(memattn::SlidingWindowCache<T, Eigen::half>(d, d, 4, 1), x, out);
             use_memory(memattn::HybridCache<T, memattn::MeanPool, memattn::Q8>(d, d, 4, 2, 3), x, out);
@@ -266,6 +277,7 @@ void everything(memattn::Index n, memattn::Index d) {
             const memattn::Matrix<bf16> gated_b = memattn::Matrix<bf16>::Zero(n, d + 2);
             use_memory(memattn::DeltaRuleMemory<bf16>(d, d, {}, true), b, gated_b, out_b);
             use_memory(memattn::GatedLinearAttentionMemory<bf16>(d, d), b, gated_b.leftCols(d + 1).eval(), out_b);
+#if defined(MEMATTN_WARNINGS_LAYERS)
             const memattn::HeadLayout pair{2, 1, d / 2};
             const auto k = b.leftCols(d / 2);
             use_memory(memattn::MultiHead<memattn::KVCache<bf16>>(pair, [d](memattn::Index) { return memattn::KVCache<bf16>(d / 2, d / 2); }),
@@ -273,6 +285,7 @@ void everything(memattn::Index n, memattn::Index d) {
             use_memory(memattn::MultiHead<memattn::SlidingWindowCache<bf16>>(
                            pair, [d](memattn::Index) { return memattn::SlidingWindowCache<bf16>(d / 2, d / 2, 4); }),
                        k, k, out_b);
+#endif
         }
     }
 }
