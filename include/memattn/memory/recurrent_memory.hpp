@@ -4,7 +4,7 @@
 // key row [k (d) | extra columns] and a value row (dv), update and extend (a key or value
 // that views the state copied first), validate, attend and attend_group (q S, one
 // register-blocked product for a group), prefill on a copy of the state (a throw changes
-// nothing), set_state's checks, length, reset and the snapshot payload
+// nothing), set_state's checks, length, reset and the snapshot payload:
 //
 //   d, dv, the memory's own fields, length, S (and z)
 //
