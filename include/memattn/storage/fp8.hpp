@@ -28,7 +28,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -117,15 +116,13 @@ template <class T>
 class StoredRows<T, Fp8E4M3> {
 public:
     static constexpr bool compact = true;
-    StoredRows(Index rows, Index cols)
-        : rows_(rows), cols_(cols), bytes_(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols)) {}
+    StoredRows(Index rows, Index cols) : m_(rows, cols), cols_(cols) {}  // Eigen checks rows × cols
 
-    [[nodiscard]] Index rows() const noexcept { return rows_; }
+    [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return cols_; }
     void swap(StoredRows& other) noexcept {
-        std::swap(rows_, other.rows_);
+        m_.swap(other.m_);
         std::swap(cols_, other.cols_);
-        bytes_.swap(other.bytes_);
     }
 
     /// Rows [first, first + rows) = the rows, each value rounded to E4M3 (double through
@@ -139,12 +136,12 @@ public:
         }
     }
     void copy_rows_from(const StoredRows& other, Index n) {
-        if (n > 0)
+        if (n > 0 && cols_ > 0)
             std::memcpy(at(0, 0), other.at(0, 0), row_bytes(cols_) * static_cast<std::size_t>(n));
     }
     /// Rows [to, to + n) = rows [from, from + n), the two ranges apart.
     void copy_within(Index from, Index to, Index n) {
-        if (n > 0)
+        if (n > 0 && cols_ > 0)
             std::memcpy(at(to, 0), at(from, 0), row_bytes(cols_) * static_cast<std::size_t>(n));
     }
     void decode_rows(Index first, Index n, T* out, Index ld) const {
@@ -218,15 +215,11 @@ public:
     }
 
 private:
-    [[nodiscard]] std::uint8_t* at(Index r, Index c) noexcept {
-        return bytes_.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(cols_) + static_cast<std::size_t>(c);
-    }
-    [[nodiscard]] const std::uint8_t* at(Index r, Index c) const noexcept {
-        return bytes_.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(cols_) + static_cast<std::size_t>(c);
-    }
+    [[nodiscard]] std::uint8_t* at(Index r, Index c) noexcept { return m_.data() + r * cols_ + c; }
+    [[nodiscard]] const std::uint8_t* at(Index r, Index c) const noexcept { return m_.data() + r * cols_ + c; }
 
-    Index rows_, cols_;
-    std::vector<std::uint8_t> bytes_;
+    Eigen::Matrix<std::uint8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m_;  ///< the bytes, row-major
+    Index cols_;
 };
 
 }  // namespace detail
