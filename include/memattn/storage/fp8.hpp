@@ -111,6 +111,11 @@ inline Packet<float> fp8_packet(const std::uint8_t* p) {
 #endif
 }
 
+/// fp8_packet as a callable: the loader dot_span and add_span take for FP8 rows.
+struct Fp8Packets {
+    Packet<float> operator()(const std::uint8_t* p) const { return fp8_packet(p); }
+};
+
 /// FP8 E4M3 rows: one byte per value, row-major.
 template <class T>
 class StoredRows<T, Fp8E4M3> {
@@ -155,36 +160,20 @@ public:
     /// Asks for a row towards the cache ahead of its use.
     void prefetch_row(Index row) const { prefetch_rows(at(row, 0), 1, 0, cols_); }
 
-    /// q·row in float, converted in registers (fused_storage).
+    /// q·row in float, converted in registers (dot_span with the table's gather).
     [[nodiscard]] float dot(Index row, const float* q) const {
-        using namespace Eigen::internal;
-        using P = Packet<float>;
-        constexpr Index lanes = packet_lanes<float>;
         const std::uint8_t* x = at(row, 0);
-        P a0 = pset1<P>(0.0f), a1 = a0;
-        Index c = 0;
-        for (; c + 2 * lanes <= cols_; c += 2 * lanes) {
-            a0 = pmadd(ploadu<P>(q + c), fp8_packet(x + c), a0);
-            a1 = pmadd(ploadu<P>(q + c + lanes), fp8_packet(x + c + lanes), a1);
-        }
-        for (; c + lanes <= cols_; c += lanes)
-            a0 = pmadd(ploadu<P>(q + c), fp8_packet(x + c), a0);
-        float sum = predux(padd(a0, a1));
-        for (; c < cols_; ++c)
+        const Index packed = cols_ / packet_lanes<float> * packet_lanes<float>;
+        float sum = Eigen::internal::predux(
+            dot_span(q, x, packed, Eigen::internal::pset1<Packet<float>>(0.0f), Fp8Packets{}));
+        for (Index c = packed; c < cols_; ++c)
             sum += q[c] * fp8_e4m3_values[x[c]];
         return sum;
     }
-    /// acc += w · row in float, converted in registers (fused_storage).
+    /// acc += w · row in float, converted in registers (add_span with the table's gather).
     void add_scaled(Index row, float w, float* acc) const {
-        using namespace Eigen::internal;
-        using P = Packet<float>;
-        constexpr Index lanes = packet_lanes<float>;
         const std::uint8_t* x = at(row, 0);
-        const P weight = pset1<P>(w);
-        Index c = 0;
-        for (; c + lanes <= cols_; c += lanes)
-            pstoreu(acc + c, pmadd(weight, fp8_packet(x + c), ploadu<P>(acc + c)));
-        for (; c < cols_; ++c)
+        for (Index c = add_span(w, x, cols_, acc, Fp8Packets{}); c < cols_; ++c)
             acc[c] += w * fp8_e4m3_values[x[c]];
     }
     /// add_scaled for rows [first, first + n) with weights w, acc in registers

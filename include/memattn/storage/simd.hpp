@@ -142,22 +142,32 @@ void decode_span(const E* x, Index n, float s, float* out) {
         out[i] = std::is_same_v<E, std::int8_t> ? s * to_float(x[i]) : to_float(x[i]);
 }
 
-/// Σ_i q_i·x_i over n stored values, four packet accumulators (fused_storage only).
-template <class E>
-inline Packet<float> dot_span(const float* q, const E* x, Index n, Packet<float> acc) {
+/// load_floats as a callable: how dot_span and add_span read a packet of stored values
+/// unless told otherwise (a format of its own header passes its own: storage/fp8.hpp).
+struct LoadFloats {
+    template <class E>
+    Packet<float> operator()(const E* p) const {
+        return load_floats(p);
+    }
+};
+
+/// Σ_i q_i·x_i over n stored values, four packet accumulators (fused_storage only, or
+/// with a `load` of the format's own).
+template <class E, class Load = LoadFloats>
+inline Packet<float> dot_span(const float* q, const E* x, Index n, Packet<float> acc, Load load = {}) {
     using namespace Eigen::internal;
     using P = Packet<float>;
     constexpr Index lanes = packet_lanes<float>;
     P a1 = pset1<P>(0.0f), a2 = a1, a3 = a1;
     Index c = 0;
     for (; c + 4 * lanes <= n; c += 4 * lanes) {
-        acc = pmadd(ploadu<P>(q + c), load_floats(x + c), acc);
-        a1 = pmadd(ploadu<P>(q + c + lanes), load_floats(x + c + lanes), a1);
-        a2 = pmadd(ploadu<P>(q + c + 2 * lanes), load_floats(x + c + 2 * lanes), a2);
-        a3 = pmadd(ploadu<P>(q + c + 3 * lanes), load_floats(x + c + 3 * lanes), a3);
+        acc = pmadd(ploadu<P>(q + c), load(x + c), acc);
+        a1 = pmadd(ploadu<P>(q + c + lanes), load(x + c + lanes), a1);
+        a2 = pmadd(ploadu<P>(q + c + 2 * lanes), load(x + c + 2 * lanes), a2);
+        a3 = pmadd(ploadu<P>(q + c + 3 * lanes), load(x + c + 3 * lanes), a3);
     }
     for (; c + lanes <= n; c += lanes)
-        acc = pmadd(ploadu<P>(q + c), load_floats(x + c), acc);
+        acc = pmadd(ploadu<P>(q + c), load(x + c), acc);
     return padd(padd(acc, a1), padd(a2, a3));
 }
 
@@ -178,16 +188,17 @@ inline Packet<float> block_dot(const float* q, const E* x) {
     return padd(a, b);
 }
 
-/// acc[0, n) += w · x[0, n) (fused_storage only; the packet part, the tail is the caller's).
-template <class E>
-inline Index add_span(float w, const E* x, Index n, float* acc) {
+/// acc[0, n) += w · x[0, n) (fused_storage only, or with a `load` of the format's own; the
+/// packet part, the tail is the caller's).
+template <class E, class Load = LoadFloats>
+inline Index add_span(float w, const E* x, Index n, float* acc, Load load = {}) {
     using namespace Eigen::internal;
     using P = Packet<float>;
     constexpr Index lanes = packet_lanes<float>;
     const P weight = pset1<P>(w);
     Index c = 0;
     for (; c + lanes <= n; c += lanes)
-        pstoreu(acc + c, pmadd(weight, load_floats(x + c), ploadu<P>(acc + c)));
+        pstoreu(acc + c, pmadd(weight, load(x + c), ploadu<P>(acc + c)));
     return c;
 }
 
