@@ -3,10 +3,10 @@
 // the logit rule of one head, and the tile loop. kernels/causal_softmax.hpp describes
 // the algorithm and the measurements, and holds the checks and the entry points.
 
-#include "memattn/detail/bf16_product.hpp"
 #include "memattn/detail/tile_product.hpp"
 #include "memattn/kernels/softmax_masks.hpp"
 #include "memattn/kernels/softmax_options.hpp"
+#include "memattn/kernels/softmax_products.hpp"
 #include "memattn/kernels/softmax_rows.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/types.hpp"
@@ -103,32 +103,27 @@ struct LogitRule {
 /// The tiled kernel for one call on a scratch: its steps (see the top of kernels/causal_softmax.hpp). The
 /// products use the register blocking B (detail/tile_product.hpp), which changes no bit.
 /// Q, K and V are read through row sources: PlainRows (in place), DecodedRows (compact
-/// storage, converted tile by tile) or ConvertedRows (bfloat16 or float16 inputs). When
-/// all three hold bfloat16 pairs (ConvertedRows<Eigen::bfloat16> on AVX512-BF16) both
-/// products run in bfloat16 arithmetic (detail/bf16_product.hpp), the softmax in float.
+/// storage, converted tile by tile) or ConvertedRows (bfloat16 or float16 inputs). The
+/// two products of a tile are the Products' (kernels/softmax_products.hpp): T's FMAs, or,
+/// when all three sources hold bfloat16 pairs (ConvertedRows<Eigen::bfloat16> on
+/// AVX512-BF16), bfloat16 arithmetic with the softmax in float.
 template <class T, class B = DefaultBlocking, class KRows = PlainRows<T>, class VRows = PlainRows<T>,
-          class QRows = PlainRows<T>>
+          class QRows = PlainRows<T>, class Products = TileProductsFor<T, B, QRows, KRows, VRows>>
 class TiledCausalSoftmax {
-    static constexpr bool pairs = QRows::pairs && KRows::pairs && VRows::pairs;
-    static_assert(!pairs || std::is_same_v<T, float>);
+    static_assert(!(QRows::pairs && KRows::pairs && VRows::pairs) || std::is_same_v<T, float>);
 
 public:
     TiledCausalSoftmax(QRows Q, KRows K, VRows V, T scale, Index window, Index sinks, SoftmaxScratch<T>& scratch,
                        const LogitRule& rule = {}, TileBias<T> bias = {})
         : q_(std::move(Q)), k_(std::move(K)), v_(std::move(V)), scale_(scale), window_(window), sinks_(sinks),
-          tiles_(scratch.tiles), lanes_(scratch.lanes), qt_(scratch.qt), s_(scratch.s), acc_(scratch.acc),
-          state_(scratch.state), bias_tile_(scratch.bias), bias_rows_(scratch.bias_rows), query_offset_(k_.rows() - q_.rows()), rule_(rule),
-          bias_(bias), softcap2_(static_cast<T>(rule.softcap * log2e)), slope2_(static_cast<T>(rule.slope * log2e)) {
-        MEMATTN_DASSERT(qt_.rows() == k_.cols() && acc_.cols() == v_.cols());
+          tiles_(scratch.tiles), lanes_(scratch.lanes), s_(scratch.s), acc_(scratch.acc), state_(scratch.state),
+          bias_tile_(scratch.bias), bias_rows_(scratch.bias_rows), products_(scratch, k_.cols(), v_.cols()),
+          query_offset_(k_.rows() - q_.rows()), rule_(rule), bias_(bias),
+          softcap2_(static_cast<T>(rule.softcap * log2e)), slope2_(static_cast<T>(rule.slope * log2e)) {
+        MEMATTN_DASSERT(scratch.qt.rows() == k_.cols() && acc_.cols() == v_.cols());
         if (bias_ && (bias_tile_.rows() != tiles_.keys || bias_tile_.cols() != lanes_)) {
             bias_tile_ = Matrix<T>::Zero(tiles_.keys, lanes_);
             bias_rows_.resize(lanes_, tiles_.keys);
-        }
-        if constexpr (pairs) {
-            value_stride_ = round_up(v_.cols(), 16);
-            resize(scratch.query_pairs, (k_.cols() + 1) / 2 * lanes_, query_pairs_);
-            resize(scratch.weight_pairs, (tiles_.keys + 1) / 2 * lanes_, weight_pairs_);
-            resize(scratch.value_pairs, (tiles_.keys + 1) / 2 * value_stride_, value_pairs_);
         }
     }
 
@@ -143,15 +138,10 @@ public:
     }
 
     /// Bytes of scratch one call allocates: all the extra memory it needs, whatever Nq and Nk
-    /// (with bfloat16 products, their pair buffers too).
+    /// (with the Products' own buffers, such as the bfloat16 products' pairs).
     static std::size_t scratch_bytes(Index d, Index dv, SoftmaxTiles tiles) {
-        std::size_t bytes = SoftmaxScratch<T>::bytes(d, dv, tiles);
-        if constexpr (pairs) {
-            const Index lanes = round_up(tiles.queries, 2 * packet_lanes<T>), half_keys = (tiles.keys + 1) / 2;
-            bytes += sizeof(std::uint32_t) *
-                     static_cast<std::size_t>((d + 1) / 2 * lanes + half_keys * lanes + half_keys * round_up(dv, 16));
-        }
-        return bytes;
+        const Index lanes = round_up(tiles.queries, 2 * packet_lanes<T>);
+        return SoftmaxScratch<T>::bytes(d, dv, tiles) + Products::extra_bytes(d, dv, lanes, tiles.keys);
     }
 
     /// Writes O (of T, or of the inputs' bfloat16 or float16) and calls lse(i, lse_i) for
@@ -191,42 +181,15 @@ public:
     }
 
 private:
-    /// A scratch vector of at least n words: its data.
-    static void resize(std::vector<std::uint32_t>& v, Index n, std::uint32_t*& data) {
-        if (static_cast<Index>(v.size()) < n)
-            v.resize(static_cast<std::size_t>(n));
-        data = v.data();
-    }
-
-    /// Loads log2(e)·scale·Q_tileᵀ (base-2 logits, see SoftmaxBlockState) and empties the
-    /// accumulators for queries [i0, i0 + rows). bfloat16 pairs: Q_tileᵀ as they are, pairs
-    /// along d (the factor multiplies the logits as the product stores them).
+    /// Loads log2(e)·scale·Q_tileᵀ (base-2 logits, see SoftmaxBlockState) into the
+    /// products and empties the accumulators for queries [i0, i0 + rows).
     void start_query_tile(Index i0, Index rows) {
         i0_ = i0;
         rows_ = rows;
         cols_ = std::min(lanes_, round_up(rows, 2 * packet_lanes<T>));
         p0_ = query_offset_ + i0;
         p1_ = p0_ + rows - 1;
-        if constexpr (pairs) {
-            const Index d = q_.cols(), whole = d / 2;
-            for (Index i = 0; i < cols_; ++i) {
-                if (i >= rows) {
-                    for (Index k = 0; k < (d + 1) / 2; ++k)
-                        query_pairs_[k * lanes_ + i] = 0;
-                    continue;
-                }
-                const std::uint16_t* row = q_.bits(i0 + i).first;
-                for (Index k = 0; k < whole; ++k)
-                    query_pairs_[k * lanes_ + i] = load_pair(row + 2 * k);
-                if (d % 2 == 1)
-                    query_pairs_[whole * lanes_ + i] = row[d - 1];
-            }
-        } else {
-            const auto [q, ldq] = q_.tile(i0, rows);
-            transpose(q, rows, q_.cols(), ldq, qt_.data(), lanes_);
-            qt_.leftCols(rows) *= scale_ * T(log2e);
-            qt_.middleCols(rows, cols_ - rows).setZero();
-        }
+        products_.load_queries(q_, i0, rows, cols_, scale_ * T(log2e));
         acc_.topRows(cols_).setZero();
         state_.reset();
     }
@@ -239,7 +202,6 @@ private:
 
     /// Folds keys [j0, j0 + n) into every query of the tile.
     void attend_key_tile(Index j0, Index n) {
-        const Index d = k_.cols(), dv = v_.cols();
         // Sᵀ = K_tile · (log2(e)·scale·Q_tile)ᵀ, keys × queries.
         // A tile that crosses the diagonal or the window's edge computes, per strip of
         // keys, only the query lanes that see one of them (the rest is masked below).
@@ -247,84 +209,35 @@ private:
         if (bias_ && !fill_bias(j0, n))
             return;  // the bias masks every key of the tile for every query
         const bool masked = !fully_visible(j0, n);
-        if constexpr (pairs) {
-            attend_key_pairs(j0, n, masked);
-            return;
-        }
-        const auto [keys, ldk] = k_.tile(j0, n);
         if (masked) {
-            tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr,
-                               LanesSeeingKeys{*this, j0}, &ahead_);
+            products_.scores(k_, j0, n, cols_, s_.data(), LanesSeeingKeys{*this, j0}, &ahead_);
             transform_logits(j0, n);
             mask(j0, n);
         } else {
-            tile_product<T, B>(n, cols_, d, keys, ldk, 1, qt_.data(), lanes_, s_.data(), lanes_, nullptr, {},
-                               &ahead_);
+            products_.scores(k_, j0, n, cols_, s_.data(), WholeStrip{}, &ahead_);
             transform_logits(j0, n);
         }
-        state_.absorb(s_.data(), n, lanes_, cols_);  // m, sum, α; Sᵀ becomes Pᵀ
-        // acc = α ⊙ acc + P · V_tile: A(r, k) = Pᵀ(k, r) is read with strides (1, lanes).
-        // A masked weight is 0, and 0 · ∞ = NaN: where V_tile is not all finite, a masked
-        // tile goes query by query over the keys each one sees (O(n·dv) to check, against
-        // O(lanes·n·dv) for the product), so a bad value poisons only the queries that see it.
-        const auto [values, ldv] = v_.tile(j0, n);
-        if (biased_ && !finite_values(values, ldv, n)) {  // weights the bias made 0 must not meet ∞
-            accumulate_weighted_keys(n, values, ldv);
-            return;
-        }
-        // A masked tile's strips of queries skip the keys none of them sees: their weights
-        // are 0, and x + 0·v is x.
-        if (!masked)
-            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, values, ldv, acc_.data(), dv, state_.alpha(), {},
-                               &ahead_);
-        else if (finite_values(values, ldv, n))
-            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, values, ldv, acc_.data(), dv, state_.alpha(),
-                               KeysSeenByLanes{*this, j0, n}, &ahead_);
+        state_.absorb(s_.data(), n, lanes_, cols_, typename Products::Rounding{});  // m, sum, α; Sᵀ becomes Pᵀ
+        // acc = α ⊙ acc + P · V_tile. A masked weight is 0, and 0 · ∞ = NaN: where V_tile is
+        // not all finite, a masked or biased tile goes query by query over the keys each
+        // one sees (O(n·dv) to check, against O(lanes·n·dv) for the product), so a bad
+        // value poisons only the queries that see it.
+        const auto careful = [&](const T* values, Index ldv) {
+            if (biased_)  // weights the bias made 0 must not meet ∞
+                accumulate_weighted_keys(n, values, ldv);
+            else if (masked)
+                accumulate_visible_keys(j0, n, values, ldv);
+            else  // every query sees every key: the plain product, in T
+                tile_product<T, B>(cols_, v_.cols(), n, s_.data(), 1, lanes_, values, ldv, acc_.data(), v_.cols(),
+                                   state_.alpha(), {}, &ahead_);
+        };
+        const bool zeros_matter = masked || biased_;
+        if (masked)
+            products_.accumulate(v_, j0, n, cols_, s_.data(), acc_.data(), state_.alpha(), zeros_matter,
+                                 KeysSeenByLanes{*this, j0, n}, &ahead_, careful);
         else
-            accumulate_visible_keys(j0, n, values, ldv);
-    }
-
-    /// attend_key_tile in bfloat16 arithmetic: both products by vdpbf16ps on the bits of K
-    /// and V (banded on masked tiles as the float ones), the softmax in float, the weights
-    /// rounded to bfloat16 for P·V. A value tile that is not all finite goes the float way
-    /// (converted, query by query where weights are masked), so a masked weight of 0 never
-    /// meets ∞.
-    void attend_key_pairs(Index j0, Index n, bool masked) {
-        const Index d = k_.cols(), dv = v_.cols();
-        const auto [keys, ldk] = k_.bits(j0);
-        const float post = scale_ * T(log2e);
-        if (masked) {
-            bf16_product<B>(n, cols_, d, keys, ldk, 2, query_pairs_, lanes_, s_.data(), lanes_, nullptr, post,
-                            LanesSeeingKeys{*this, j0}, &ahead_);
-            transform_logits(j0, n);
-            mask(j0, n);
-        } else {
-            bf16_product<B>(n, cols_, d, keys, ldk, 2, query_pairs_, lanes_, s_.data(), lanes_, nullptr, post,
-                            WholeStrip{}, &ahead_);
-            transform_logits(j0, n);
-        }
-        state_.absorb(s_.data(), n, lanes_, cols_, RoundToBf16{});
-        const auto [values, ldv] = v_.bits(j0);
-        if (pack_row_pairs(values, n, dv, ldv, value_pairs_, value_stride_)) {
-            pack_weight_pairs(s_.data(), n, cols_, lanes_, weight_pairs_);
-            const auto* weights = reinterpret_cast<const std::uint16_t*>(weight_pairs_);
-            if (masked)
-                bf16_product<B, true>(cols_, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_,
-                                      acc_.data(), dv, state_.alpha(), 1.0f, KeysSeenByLanes{*this, j0, n},
-                                      &ahead_);
-            else
-                bf16_product<B, true>(cols_, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_,
-                                      acc_.data(), dv, state_.alpha(), 1.0f, WholeStrip{}, &ahead_);
-            return;
-        }
-        const auto [converted, ldc] = v_.tile(j0, n);
-        if (biased_)
-            accumulate_weighted_keys(n, converted, ldc);
-        else if (masked)
-            accumulate_visible_keys(j0, n, converted, ldc);
-        else
-            tile_product<T, B>(cols_, dv, n, s_.data(), 1, lanes_, converted, ldc, acc_.data(), dv,
-                               state_.alpha(), {}, &ahead_);
+            products_.accumulate(v_, j0, n, cols_, s_.data(), acc_.data(), state_.alpha(), zeros_matter,
+                                 WholeStrip{}, &ahead_, careful);
     }
 
     /// The bias tile of keys [j0, j0 + n) for the query tile (zero in the padding lanes),
@@ -475,13 +388,6 @@ private:
         }
     };
 
-    /// Every value of the n rows at `values` is finite: 0·x is 0, or NaN for ±∞ and NaN,
-    /// and a sum keeps NaN. A vectorised reduction (Eigen's allFinite is a scalar loop here).
-    [[nodiscard]] bool finite_values(const T* values, Index ldv, Index n) const {
-        const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> v(values, n, v_.cols(), Eigen::OuterStride<>(ldv));
-        return (v.array() * T(0)).sum() == T(0);
-    }
-
     /// acc_i = α_i·acc_i + Σ_{j visible to i} p_ji v_j for each query i of the tile, keys
     /// [j0, j0 + n), whose values are the rows at `values`.
     void accumulate_visible_keys(Index j0, Index n, const T* values, Index ldv) {
@@ -549,12 +455,12 @@ private:
     Index window_, sinks_;
     SoftmaxTiles tiles_;
     Index lanes_;
-    Matrix<T>& qt_;  // scratch, see the top of kernels/causal_softmax.hpp
-    Matrix<T>& s_;
+    Matrix<T>& s_;  // scratch, see the top of kernels/causal_softmax.hpp
     Matrix<T>& acc_;
     SoftmaxBlockState<T>& state_;
     Matrix<T>& bias_tile_;  // keys × lanes (padding lanes hold zeros or an earlier tile's values)
     Matrix<T>& bias_rows_;  // lanes × keys, as fill writes it
+    Products products_;     // Sᵀ = K·Qᵀ and acc = α ⊙ acc + P·V, in their arithmetic
     Index query_offset_;
     LogitRule rule_;
     TileBias<T> bias_;
@@ -563,11 +469,6 @@ private:
     Index i0_ = 0, rows_ = 0, cols_ = 0, p0_ = 0, p1_ = 0;  // the current query tile
     static constexpr double log2e = 1.44269504088896340735992468100;
     PrefetchQueue ahead_{4};                                 // the next query tile's rows
-    // bfloat16 products: the scratch's pair buffers, the value tile's row stride in words
-    std::uint32_t* query_pairs_ = nullptr;
-    std::uint32_t* weight_pairs_ = nullptr;
-    std::uint32_t* value_pairs_ = nullptr;
-    Index value_stride_ = 0;
 };
 
 }  // namespace memattn::detail

@@ -1,0 +1,200 @@
+#pragma once
+// The two products of the tiled softmax kernel (kernels/softmax_tiles.hpp), one class per
+// arithmetic, behind one interface:
+//
+//   Sᵀ = K_tile · (f·Q_tile)ᵀ          keys × query lanes, f = scale·log2(e) (base-2 logits)
+//   acc = α ⊙ acc + P · V_tile          query lanes × dv, α per lane (SoftmaxBlockState)
+//
+// The kernel owns the tile loop, the logit options, the masks and the softmax; a product
+// class owns how Q, K and V are laid out for its arithmetic and how the two products run:
+//
+//   FloatTileProducts<T, B>   T = float or double: tile_product's FMAs on Q_tileᵀ
+//                             (transposed and scaled once per query tile) and on K and V
+//                             rows as their source gives them (detail/tile_product.hpp);
+//   Bf16TileProducts<B>       bfloat16 Q, K and V on AVX512-BF16: vdpbf16ps on the bits
+//                             of K in place, Q_tileᵀ and each V tile packed as pairs along
+//                             the depth, the weights rounded to bfloat16
+//                             (detail/bf16_product.hpp).
+//
+// A product class P for the kernel's scalar T and register blocking B offers
+//
+//   P(scratch, d, dv)                    binds the buffers it keeps in the kernel's
+//                                        SoftmaxScratch (sized on first use, reused)
+//   P::extra_bytes(d, dv, lanes, keys)   the bytes of those buffers past SoftmaxScratch's
+//   P::Rounding                          what SoftmaxBlockState::absorb does to a weight
+//                                        before it sums it: the weights P·V multiplies
+//   load_queries(Q, i0, rows, cols, f)   query rows [i0, i0 + rows), times f; lanes
+//                                        [rows, cols) zero (cols: rows rounded up)
+//   scores(K, j0, n, cols, s, band, ahead)
+//                                        Sᵀ of keys [j0, j0 + n) into s (row stride: the
+//                                        scratch's lanes); a band (LanesSeeingKeys) may
+//                                        leave lanes outside it unwritten
+//   accumulate(V, j0, n, cols, p, acc, α, zeros_matter, band, ahead, careful)
+//                                        acc = α ⊙ acc + Pᵀ·V of keys [j0, j0 + n), p the
+//                                        weights as Sᵀ; or, where a value is not finite
+//                                        and a weight of 0 must stay 0 (zeros_matter: a
+//                                        mask or a bias made some), nothing but
+//                                        careful(values, ldv) on the tile's values in T
+//
+// Q, K and V are row sources (kernels/softmax_rows.hpp): tile(j0, n) gives rows of T, and
+// sources whose `pairs` is true also give their bfloat16 bits in place (bits(j)).
+// TileProductsFor picks the class from the sources. A new arithmetic (AMX tiles) is a
+// new class here, or in a file of its own that this one includes, plus its line in
+// TileProductsFor: the tile loop does not change.
+
+#include "memattn/detail/bf16_product.hpp"
+#include "memattn/detail/packet.hpp"
+#include "memattn/detail/tile_product.hpp"
+#include "memattn/types.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <type_traits>
+#include <vector>
+
+namespace memattn::detail {
+
+/// Every value of the n rows at `values` (cols each, row stride ld) is finite: 0·x is 0,
+/// or NaN for ±∞ and NaN, and a sum keeps NaN. A vectorised reduction (Eigen's allFinite
+/// is a scalar loop here).
+template <class T>
+[[nodiscard]] bool finite_rows(const T* values, Index n, Index cols, Index ld) {
+    const Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> v(values, n, cols, Eigen::OuterStride<>(ld));
+    return (v.array() * T(0)).sum() == T(0);
+}
+
+/// The products in T by tile_product (FMA), register blocking B.
+template <class T, class B>
+class FloatTileProducts {
+public:
+    using Rounding = std::identity;
+
+    template <class Scratch>
+    FloatTileProducts(Scratch& scratch, Index, Index) : qt_(scratch.qt), lanes_(scratch.lanes) {}
+
+    static constexpr std::size_t extra_bytes(Index, Index, Index, Index) { return 0; }
+
+    /// f·Q_tileᵀ into the scratch's d × lanes block, zero past `rows` up to `cols`.
+    template <class QRows>
+    void load_queries(QRows& q, Index i0, Index rows, Index cols, T factor) {
+        const auto [data, ldq] = q.tile(i0, rows);
+        transpose(data, rows, q.cols(), ldq, qt_.data(), lanes_);
+        qt_.leftCols(rows) *= factor;
+        qt_.middleCols(rows, cols - rows).setZero();
+    }
+
+    template <class KRows, class Band>
+    void scores(KRows& k, Index j0, Index n, Index cols, T* s, const Band& band, PrefetchQueue* ahead) {
+        const auto [keys, ldk] = k.tile(j0, n);
+        tile_product<T, B>(n, cols, k.cols(), keys, ldk, 1, qt_.data(), lanes_, s, lanes_, nullptr, band, ahead);
+    }
+
+    /// A(r, k) = Pᵀ(k, r) is read with strides (1, lanes). A masked tile's strips of
+    /// queries skip (by the band) the keys none of them sees: their weights are 0, and
+    /// x + 0·v is x for a finite v; 0·∞ is NaN, hence `careful` where a value is not.
+    template <class VRows, class Band, class Careful>
+    void accumulate(VRows& v, Index j0, Index n, Index cols, const T* p, T* acc, const T* alpha, bool zeros_matter,
+                    const Band& band, PrefetchQueue* ahead, Careful&& careful) {
+        const auto [values, ldv] = v.tile(j0, n);
+        if (zeros_matter && !finite_rows(values, n, v.cols(), ldv))
+            careful(values, ldv);
+        else
+            tile_product<T, B>(cols, v.cols(), n, p, 1, lanes_, values, ldv, acc, v.cols(), alpha, band, ahead);
+    }
+
+private:
+    Matrix<T>& qt_;  // f·Q_tileᵀ, d × lanes
+    Index lanes_;
+};
+
+/// The products in bfloat16 arithmetic by vdpbf16ps (AVX512-BF16), the accumulators in
+/// float: K read in place as pairs along d, Q_tileᵀ and each V tile packed as pairs along
+/// their depth, the weights rounded to bfloat16 and packed as pairs along the keys. A
+/// value tile that is not all finite goes to `careful` converted to float, so a weight of
+/// 0 never meets ∞ (the float arithmetic's behaviour exactly).
+template <class B>
+class Bf16TileProducts {
+public:
+    using Rounding = RoundToBf16;
+
+    template <class Scratch>
+    Bf16TileProducts(Scratch& scratch, Index d, Index dv)
+        : lanes_(scratch.lanes), value_stride_(round_up(dv, 16)) {
+        const Index half_keys = (scratch.tiles.keys + 1) / 2;
+        query_pairs_ = sized(scratch.query_pairs, (d + 1) / 2 * lanes_);
+        weight_pairs_ = sized(scratch.weight_pairs, half_keys * lanes_);
+        value_pairs_ = sized(scratch.value_pairs, half_keys * value_stride_);
+    }
+
+    static std::size_t extra_bytes(Index d, Index dv, Index lanes, Index keys) {
+        const Index half_keys = (keys + 1) / 2;
+        return sizeof(std::uint32_t) *
+               static_cast<std::size_t>((d + 1) / 2 * lanes + half_keys * lanes + half_keys * round_up(dv, 16));
+    }
+
+    /// Q_tileᵀ as pairs along d, as the rows hold them; f multiplies the logits as the
+    /// product stores them.
+    template <class QRows>
+    void load_queries(QRows& q, Index i0, Index rows, Index cols, float factor) {
+        factor_ = factor;
+        const Index d = q.cols(), whole = d / 2;
+        for (Index i = 0; i < cols; ++i) {
+            if (i >= rows) {
+                for (Index k = 0; k < (d + 1) / 2; ++k)
+                    query_pairs_[k * lanes_ + i] = 0;
+                continue;
+            }
+            const std::uint16_t* row = q.bits(i0 + i).first;
+            for (Index k = 0; k < whole; ++k)
+                query_pairs_[k * lanes_ + i] = load_pair(row + 2 * k);
+            if (d % 2 == 1)
+                query_pairs_[whole * lanes_ + i] = row[d - 1];
+        }
+    }
+
+    template <class KRows, class Band>
+    void scores(KRows& k, Index j0, Index n, Index cols, float* s, const Band& band, PrefetchQueue* ahead) {
+        const auto [keys, ldk] = k.bits(j0);
+        bf16_product<B>(n, cols, k.cols(), keys, ldk, 2, query_pairs_, lanes_, s, lanes_, nullptr, factor_, band,
+                        ahead);
+    }
+
+    template <class VRows, class Band, class Careful>
+    void accumulate(VRows& v, Index j0, Index n, Index cols, const float* p, float* acc, const float* alpha, bool,
+                    const Band& band, PrefetchQueue* ahead, Careful&& careful) {
+        const Index dv = v.cols();
+        const auto [values, ldv] = v.bits(j0);
+        if (!pack_row_pairs(values, n, dv, ldv, value_pairs_, value_stride_)) {
+            const auto [converted, ldc] = v.tile(j0, n);
+            careful(converted, ldc);
+            return;
+        }
+        pack_weight_pairs(p, n, cols, lanes_, weight_pairs_);
+        const auto* weights = reinterpret_cast<const std::uint16_t*>(weight_pairs_);
+        bf16_product<B, true>(cols, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_, acc, dv, alpha, 1.0f,
+                              band, ahead);
+    }
+
+private:
+    /// A scratch vector of at least n words: its data.
+    static std::uint32_t* sized(std::vector<std::uint32_t>& v, Index n) {
+        if (static_cast<Index>(v.size()) < n)
+            v.resize(static_cast<std::size_t>(n));
+        return v.data();
+    }
+
+    Index lanes_, value_stride_;  // value_stride_: a packed value row, in words
+    float factor_ = 1;
+    std::uint32_t* query_pairs_ = nullptr;
+    std::uint32_t* weight_pairs_ = nullptr;
+    std::uint32_t* value_pairs_ = nullptr;
+};
+
+/// The products for sources Q, K, V of T: bfloat16 arithmetic where all three give
+/// bfloat16 pairs (ConvertedRows<Eigen::bfloat16> on AVX512-BF16), T's otherwise.
+template <class T, class B, class QRows, class KRows, class VRows>
+using TileProductsFor = std::conditional_t<QRows::pairs && KRows::pairs && VRows::pairs, Bf16TileProducts<B>,
+                                           FloatTileProducts<T, B>>;
+
+}  // namespace memattn::detail
