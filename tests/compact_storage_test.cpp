@@ -33,6 +33,8 @@ constexpr double storage_tolerance() {
         return 1e-1;
     else if constexpr (std::is_same_v<S, Fp8E4M3>)
         return 5e-2;
+    else if constexpr (std::is_same_v<S, Fp8E5M2>)
+        return 1e-1;
     else
         return 2e-2;
 }
@@ -89,7 +91,8 @@ void check_layer_against_heads(const HeadLayout& layout, Make make) {
     (std::pair<float, Eigen::bfloat16>), (std::pair<float, Eigen::half>), (std::pair<float, Q8>),             \
         (std::pair<float, Q4>), (std::pair<float, Q4Affine>), (std::pair<double, Eigen::bfloat16>),           \
         (std::pair<double, Eigen::half>), (std::pair<double, Q8>), (std::pair<double, Q4>),                   \
-        (std::pair<double, Q4Affine>), (std::pair<float, Fp8E4M3>), (std::pair<double, Fp8E4M3>)
+        (std::pair<double, Q4Affine>), (std::pair<float, Fp8E4M3>), (std::pair<double, Fp8E4M3>),              \
+        (std::pair<float, Fp8E5M2>), (std::pair<double, Fp8E5M2>)
 
 TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of the input", "[storage]",
                    MEMATTN_STORAGE_PAIRS) {
@@ -116,6 +119,8 @@ TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of th
                     REQUIRE(std::abs(x - y) <= range / 30.0 * (1 + 1e-5) + 0x1p-23 * amax + via_float);
                 } else if constexpr (std::is_same_v<S, Fp8E4M3>) {  // half a step: 2^-4 relative, 2^-10 subnormal
                     REQUIRE(std::abs(x - y) <= 0x1p-4 * std::abs(x) + 0x1p-10 + via_float);
+                } else if constexpr (std::is_same_v<S, Fp8E5M2>) {  // half a step: 2^-3 relative, 2^-17 subnormal
+                    REQUIRE(std::abs(x - y) <= 0x1p-3 * std::abs(x) + 0x1p-17 + via_float);
                 } else {  // round to nearest: half an ulp of 8 (bfloat16) or 11 (half) significant bits
                     const double half_ulp = std::is_same_v<S, Eigen::half> ? 0x1p-11 : 0x1p-8;
                     REQUIRE(std::abs(x - y) <= half_ulp * std::abs(x) + via_float + 0x1p-25);
@@ -131,6 +136,8 @@ TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of th
         exact << T(0), T(15), T(3), T(5);
     else if constexpr (std::is_same_v<S, Fp8E4M3>)
         exact << T(0), T(-448), T(448), T(0.015625);
+    else if constexpr (std::is_same_v<S, Fp8E5M2>)
+        exact << T(0), T(-57344), T(57344), T(0x1p-16);
     else
         exact << T(0), T(-127), T(127), T(5);
     CHECK(stored<T, S>(exact) == exact);
@@ -217,7 +224,9 @@ TEMPLATE_TEST_CASE("Compact storage: footprint counts the stored bytes", "[stora
     KVCache<T, Q4> q4(d, d);
     KVCache<T, Q4Affine> q4_affine(d, d);
     KVCache<T, Fp8E4M3> fp8(d, d);
+    KVCache<T, Fp8E5M2> fp8_e5m2(d, d);
     memattn::extend(fp8, K, K);
+    memattn::extend(fp8_e5m2, K, K);
     memattn::extend(plain, K, K);
     memattn::extend(bf16, K, K);
     memattn::extend(f16, K, K);
@@ -232,6 +241,7 @@ TEMPLATE_TEST_CASE("Compact storage: footprint counts the stored bytes", "[stora
     CHECK(q4.footprint() == pairs * 2 * (d / 2 + 4 * d / 32));  // 0.156 of float's
     CHECK(q4_affine.footprint() == pairs * 2 * (d / 2 + 8 * d / 32));  // 0.19 of float's
     CHECK(fp8.footprint() == pairs * 2 * d);  // a byte a value
+    CHECK(fp8_e5m2.footprint() == pairs * 2 * d);
     SlidingWindowCache<T, Q4Affine> window4(33, 33, 10, 1);  // the short last block takes 16 bytes too
     memattn::extend(window4, random_matrix<T>(20, 33, 2), random_matrix<T>(20, 33, 3));
     CHECK(window4.footprint() == 11u * 2 * (2 * 16 + 2 * 8));
@@ -312,6 +322,8 @@ TEMPLATE_TEST_CASE("Compact storage: snapshots resume bitwise and name the stora
     resume([] { return HybridCache<T, MeanPool, Q4Affine>(6, 5, 7, 3, 2); });
     resume([] { return KVCache<T, Fp8E4M3>(6, 5); });
     resume([] { return SlidingWindowCache<T, Fp8E4M3>(6, 5, 7, 2); });
+    resume([] { return KVCache<T, Fp8E5M2>(6, 5); });
+    resume([] { return HybridCache<T, MeanPool, Fp8E5M2>(6, 5, 7, 3, 2); });
 
     KVCache<T, Eigen::bfloat16> bf16(6, 5);
     KVCache<T> plain(6, 5);
@@ -323,6 +335,11 @@ TEMPLATE_TEST_CASE("Compact storage: snapshots resume bitwise and name the stora
     KVCache<T, Q4Affine> q4_affine(6, 5);
     std::istringstream in4(snapshot_of(q4), std::ios::binary);
     CHECK_THROWS_WITH(load(q4_affine, in4), Catch::Matchers::Contains("the storage is q4 in the stream, q4_affine in the memory"));
+    KVCache<T, Fp8E4M3> e4m3(6, 5);  // the FP8 formats' names come from their own header
+    KVCache<T, Fp8E5M2> e5m2(6, 5);
+    std::istringstream in8(snapshot_of(e5m2), std::ios::binary);
+    CHECK_THROWS_WITH(load(e4m3, in8), Catch::Matchers::Contains("the storage is fp8_e5m2 in the stream, fp8_e4m3 in the memory"));
+    CHECK(snapshot::type_name(16) == "unknown type 16");
 }
 
 TEMPLATE_TEST_CASE("Compact storage: truncate rolls a compact cache back", "[storage][truncate]", float, double) {
@@ -448,7 +465,8 @@ TEMPLATE_TEST_CASE("Compact storage: grouped attend equals the plain cache's fed
 }
 
 TEMPLATE_TEST_CASE("Grouped attend: a query's output is the same bits in every group it is in, for every storage",
-                   "[storage][group]", float, Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine, Fp8E4M3) {
+                   "[storage][group]", float, Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine, Fp8E4M3,
+                   Fp8E5M2) {
     using S = TestType;
     // Groups below a packet's lanes take tiles of GQ queries × GK keys (decode_attention.hpp);
     // every logit adds its lanes by the same tree, so query r's output must not depend on
@@ -489,7 +507,8 @@ TEMPLATE_TEST_CASE("Grouped attend: a query's output is the same bits in every g
 }
 
 TEMPLATE_TEST_CASE("Compact storage: MultiHead splits compact caches over threads, the same bits for any executor",
-                   "[storage][multihead][split]", Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine, Fp8E4M3) {
+                   "[storage][multihead][split]", Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine, Fp8E4M3,
+                   Fp8E5M2) {
     using S = TestType;
     const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 16};
     const Index n = 2 * MultiHead<KVCache<float>>::split_keys + 333;  // three pieces per head
@@ -531,103 +550,177 @@ TEMPLATE_TEST_CASE("Compact storage: MultiHead splits compact caches over thread
 
 namespace {
 
-/// E4M3's value of a byte from the format's definition, in double.
-double fp8_reference_value(int byte) {
-    const int e = (byte >> 3) & 0xF, m = byte & 0x7;
-    const double sign = (byte & 0x80) != 0 ? -1.0 : 1.0;
-    if (e == 15 && m == 7)
-        return std::numeric_limits<double>::quiet_NaN();
-    return sign * (e == 0 ? std::ldexp(double(m), -9) : std::ldexp(1.0 + m / 8.0, e - 7));
-}
+/// The layout of an FP8 format, written out: exponent bits, mantissa bits, whether the
+/// top exponent holds ±∞ (m = 0) and NaNs (E5M2) or normal numbers but for one NaN (E4M3).
+struct Fp8Reference {
+    int exponent_bits, mantissa_bits;
+    bool ieee;
+    double overflow;  // where a finite magnitude is refused: the largest + half a step
 
-/// The E4M3 byte nearest to x (ties to the even mantissa), by search over every finite
-/// byte of x's sign; the NaN byte of x's sign from 464 on.
-int fp8_reference_byte(double x) {
-    const int sign = std::signbit(x) ? 0x80 : 0;
-    if (!(std::abs(x) < 464.0))
-        return sign | 0x7F;
-    int best = sign;
-    for (int magnitude = 1; magnitude < 0x7F; ++magnitude) {
-        const double here = std::abs(fp8_reference_value(magnitude) - std::abs(x)),
-                     there = std::abs(fp8_reference_value(best & 0x7F) - std::abs(x));
-        if (here < there || (here == there && (magnitude & 1) == 0))
-            best = sign | magnitude;
+    /// The value of a byte from the format's definition, in double.
+    [[nodiscard]] double value(int byte) const {
+        const int m_bits = mantissa_bits, top = (1 << exponent_bits) - 1, bias = (1 << (exponent_bits - 1)) - 1;
+        const int e = (byte >> m_bits) & top, m = byte & ((1 << m_bits) - 1);
+        const double sign = (byte & 0x80) != 0 ? -1.0 : 1.0;
+        if (ieee && e == top)
+            return m == 0 ? sign * std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+        if (!ieee && e == top && m == (1 << m_bits) - 1)
+            return std::numeric_limits<double>::quiet_NaN();
+        return sign * (e == 0 ? std::ldexp(double(m), 1 - bias - m_bits)
+                              : std::ldexp(1.0 + m / double(1 << m_bits), e - bias));
     }
-    return best;
-}
+
+    /// The byte nearest to x (ties to the even mantissa), by search over every finite byte
+    /// of x's sign; from `overflow` on, the NaN byte (E4M3) or ±∞ (E5M2) of x's sign.
+    [[nodiscard]] int byte(double x) const {
+        const int sign = std::signbit(x) ? 0x80 : 0;
+        if (!(std::abs(x) < overflow))
+            return sign | (ieee ? (std::isnan(x) ? 0x7E : 0x7C) : 0x7F);
+        int best = sign;
+        for (int magnitude = 1; magnitude < 0x80; ++magnitude) {
+            if (!std::isfinite(value(magnitude)))
+                continue;
+            const double here = std::abs(value(magnitude) - std::abs(x)),
+                         there = std::abs(value(best & 0x7F) - std::abs(x));
+            if (here < there || (here == there && (magnitude & 1) == 0))
+                best = sign | magnitude;
+        }
+        return best;
+    }
+};
+
+template <class S>
+constexpr Fp8Reference fp8_reference = std::is_same_v<S, Fp8E4M3> ? Fp8Reference{4, 3, false, 464.0}
+                                                                   : Fp8Reference{5, 2, true, 61440.0};
 
 }  // namespace
 
-TEST_CASE("FP8 E4M3: the table is the format's definition; a value is stored as the nearest, ties to even",
-          "[storage][fp8]") {
+TEMPLATE_TEST_CASE("FP8: the table is the format's definition; a value is stored as the nearest, ties to even; "
+                   "packets and rows decode as the table",
+                   "[storage][fp8]", Fp8E4M3, Fp8E5M2) {
+    using S = TestType;
+    const Fp8Reference format = fp8_reference<S>;
+    const auto& table = detail::fp8_values<S>;
+    int largest = 0;
     for (int byte = 0; byte < 256; ++byte) {
         INFO("byte " << byte);
-        const double expected = fp8_reference_value(byte);
-        const float value = detail::fp8_e4m3_values[static_cast<std::size_t>(byte)];
+        const double expected = format.value(byte);
+        const float value = table[static_cast<std::size_t>(byte)];
         if (std::isnan(expected)) {
             CHECK(std::isnan(value));
         } else {
             CHECK(double(value) == expected);
-            CHECK(std::signbit(value) == ((byte & 0x80) != 0));  // −0 too
-            CHECK(detail::fp8_e4m3_encode(value) == byte);       // every value is its own byte
+            CHECK(std::signbit(value) == ((byte & 0x80) != 0));  // −0 and −∞ too
+            CHECK(detail::fp8_encode<S>(value) == byte);         // every value is its own byte
+            if (std::isfinite(expected) && expected > format.value(largest))
+                largest = byte;
         }
     }
-    CHECK(detail::fp8_e4m3_values[0x7E] == 448.0f);            // the largest
-    CHECK(detail::fp8_e4m3_values[0x08] == 0x1p-6f);           // the smallest normal
-    CHECK(detail::fp8_e4m3_values[0x01] == 0x1p-9f);           // the smallest subnormal
+    CHECK(double(table[static_cast<std::size_t>(largest)]) == (std::is_same_v<S, Fp8E4M3> ? 448.0 : 57344.0));
+    CHECK(format.overflow == double(detail::StorageFormat<S>::overflow));
     // Every midpoint between neighbours (a tie: to the even one), a value just either side
     // of it, and random values of every magnitude, of both signs.
     std::vector<double> xs;
-    for (int magnitude = 0; magnitude < 0x7E; ++magnitude) {
-        const double lo = fp8_reference_value(magnitude), hi = fp8_reference_value(magnitude + 1), mid = (lo + hi) / 2;
+    for (int magnitude = 0; magnitude < largest; ++magnitude) {
+        const double lo = format.value(magnitude), hi = format.value(magnitude + 1), mid = (lo + hi) / 2;
         for (const double x : {mid, std::nextafter(mid, 0.0), std::nextafter(mid, 1e9), lo + (hi - lo) / 3})
             xs.insert(xs.end(), {x, -x});
     }
     std::mt19937 random(5);
-    std::uniform_real_distribution<double> exponent(-14.0, 9.2);
+    const double top = std::log2(format.overflow) + 0.2;
+    std::uniform_real_distribution<double> exponent(-20.0, top);
     for (int i = 0; i < 4000; ++i)
         xs.push_back((i % 2 == 0 ? 1 : -1) * std::exp2(exponent(random)));
-    for (const double x : {463.99, 464.0, 465.0, 1e30, 0x1p-11, 0x1p-10, 3 * 0x1p-11})
+    for (const double x : {format.overflow, std::nextafter(format.overflow, 0.0), format.overflow + 1, 1e30,
+                           0x1p-11, 0x1p-10, 3 * 0x1p-11, 0x1p-18, 0x1p-17, 3 * 0x1p-18})
         xs.insert(xs.end(), {x, -x});
     for (const double x : xs) {
         const auto xf = static_cast<float>(x);
         INFO("x = " << double(xf));
-        CHECK(int(detail::fp8_e4m3_encode(xf)) == fp8_reference_byte(double(xf)));
+        CHECK(int(detail::fp8_encode<S>(xf)) == format.byte(double(xf)));
     }
-    // No infinity: ±∞ and NaN are stored as NaN, of their sign.
-    CHECK(detail::fp8_e4m3_encode(std::numeric_limits<float>::infinity()) == 0x7F);
-    CHECK(detail::fp8_e4m3_encode(-std::numeric_limits<float>::infinity()) == 0xFF);
-    CHECK(std::isnan(detail::fp8_e4m3_values[detail::fp8_e4m3_encode(std::numeric_limits<float>::quiet_NaN())]));
+    // ±∞ and NaN: E4M3 holds them as NaN, E5M2 as they are; of their sign.
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    CHECK(detail::fp8_encode<S>(inf) == format.byte(double(inf)));
+    CHECK(detail::fp8_encode<S>(-inf) == format.byte(-double(inf)));
+    CHECK(std::isnan(table[detail::fp8_encode<S>(std::numeric_limits<float>::quiet_NaN())]));
+    // Every byte through the packet decoder (F16C where the target has it) and the rows'
+    // decode_rows: the table's value, NaN for NaN.
+    const Index lanes = detail::packet_lanes<float>;
+    std::vector<std::uint8_t> bytes(256 + 7);
+    for (int byte = 0; byte < 256; ++byte)
+        bytes[static_cast<std::size_t>(byte)] = static_cast<std::uint8_t>(byte);
+    for (Index at = 0; at + lanes <= 256; at += lanes) {
+        alignas(64) float out[64];
+        Eigen::internal::pstoreu(out, detail::fp8_packet<S>(bytes.data() + at));
+        for (Index i = 0; i < lanes; ++i) {
+            const float expected = table[static_cast<std::size_t>(at + i)];
+            INFO("byte " << at + i);
+            CHECK((std::isnan(expected) ? std::isnan(out[i]) : out[i] == expected && std::signbit(out[i]) == std::signbit(expected)));
+        }
+    }
+    for (const Index cols : {1, 7, 8, 16, 17, 37}) {  // rows of all 256 bytes, off every packet
+        const Index rows = (256 + cols - 1) / cols;
+        detail::StoredRows<float, S> stored(rows, cols);
+        detail::StoredRows<double, S> stored_double(rows, cols);
+        Matrix<float> values(rows, cols);
+        for (Index i = 0; i < rows * cols; ++i)
+            values(i / cols, i % cols) = table[static_cast<std::size_t>(i % 256)];
+        stored.put_rows(0, values);
+        stored_double.put_rows(0, values.cast<double>());
+        Matrix<float> decoded(rows, cols + 3);
+        Matrix<double> decoded_double(rows, cols);
+        stored.decode_rows(0, rows, decoded.data(), decoded.cols());
+        stored_double.decode_rows(0, rows, decoded_double.data(), cols);
+        for (Index i = 0; i < rows * cols; ++i) {
+            const Index r = i / cols, c = i % cols;
+            INFO("cols " << cols << ", value " << values(r, c));
+            if (std::isnan(values(r, c))) {
+                CHECK(std::isnan(decoded(r, c)));
+                CHECK(std::isnan(decoded_double(r, c)));
+            } else {
+                CHECK(decoded(r, c) == values(r, c));
+                CHECK(decoded_double(r, c) == double(values(r, c)));
+                CHECK(stored.stored_value(r, c) == values(r, c));
+            }
+        }
+    }
 }
 
-TEMPLATE_TEST_CASE("FP8 E4M3: caches and the pool refuse finite values from 464 on, hold non-finite ones as NaN, "
-                   "and resume from snapshots", "[storage][fp8]", float, double) {
-    using T = TestType;
-    KVCache<T, Fp8E4M3> cache(4, 3);
+TEMPLATE_TEST_CASE("FP8: caches and the pool refuse finite values past the format's range, hold non-finite ones "
+                   "(as NaN in E4M3), and resume from snapshots",
+                   "[storage][fp8]", (std::pair<float, Fp8E4M3>), (std::pair<double, Fp8E4M3>),
+                   (std::pair<float, Fp8E5M2>), (std::pair<double, Fp8E5M2>)) {
+    using T = typename TestType::first_type;
+    using S = typename TestType::second_type;
+    const Fp8Reference format = fp8_reference<S>;
+    KVCache<T, S> cache(4, 3);
     memattn::extend(cache, random_matrix<T>(5, 4, 1), random_matrix<T>(5, 3, 2));
     const std::string before = snapshot_of(cache);
     Matrix<T> K = random_matrix<T>(3, 4, 3), V = random_matrix<T>(3, 3, 4);
-    K(1, 2) = T(464);
-    CHECK_THROWS_WITH(memattn::extend(cache, K, V), Catch::Matchers::Contains("which Fp8E4M3 storage would hold as NaN"));
+    K(1, 2) = T(format.overflow);
+    CHECK_THROWS_WITH(memattn::extend(cache, K, V),
+                      Catch::Matchers::Contains(std::string("which ") + detail::storage_name<S> + " storage would hold as " +
+                                                (format.ieee ? "infinity" : "NaN")));
     CHECK_THROWS_AS(cache.update(K.row(1), V.row(1)), std::invalid_argument);
     CHECK(snapshot_of(cache) == before);
-    K(1, 2) = T(463.5);  // rounds to the largest, 448
+    K(1, 2) = T(format.overflow - 0.5);  // rounds to the largest, 448 or 57344
     memattn::extend(cache, K.topRows(2), V.topRows(2));
     V(0, 1) = std::numeric_limits<T>::infinity();
     cache.update(K.row(0), V.row(0));
     Vector<T> out(3);
     cache.attend(Vector<T>::Zero(4), out);
-    CHECK(std::isnan(double(out(1))));
+    CHECK(!std::isfinite(double(out(1))));  // NaN (E4M3), or ∞ (E5M2)
 
     // The paged pool of FP8 pairs: each step equals the plain pool's fed the stored pairs;
     // a sequence's snapshot resumes it.
     const HeadLayout heads{.q_heads = 4, .kv_heads = 2, .head_dim = 8};
-    PagedKVCache<T, Fp8E4M3> pool(heads, 16, 4);
+    PagedKVCache<T, S> pool(heads, 16, 4);
     PagedKVCache<T> plain(heads, 16, 4);
     const Index a = pool.add_sequence(), b = plain.add_sequence();
     const Index n = 13;
     const Matrix<T> PK = random_matrix<T>(n, 16, 5), PV = random_matrix<T>(n, 16, 6), PQ = random_matrix<T>(n, 32, 7);
-    const Matrix<T> PKs = stored<T, Fp8E4M3>(PK), PVs = stored<T, Fp8E4M3>(PV);
+    const Matrix<T> PKs = stored<T, S>(PK), PVs = stored<T, S>(PV);
     Matrix<T> got(n, 32), expected(n, 32);
     for (Index i = 0; i < n; ++i) {
         pool.update(a, PK.row(i), PV.row(i));
@@ -636,7 +729,7 @@ TEMPLATE_TEST_CASE("FP8 E4M3: caches and the pool refuse finite values from 464 
         plain.attend(b, PQ.row(i), expected.row(i));
     }
     check_close(got, to_double(expected), tolerance<T>());
-    PagedKVCache<T, Fp8E4M3> other(heads, 8, 4);  // the same blocks: the same folds, bit for bit
+    PagedKVCache<T, S> other(heads, 8, 4);  // the same blocks: the same folds, bit for bit
     auto resumed = other.sequence(other.add_sequence());
     std::istringstream in(snapshot_of(pool.sequence(a)), std::ios::binary);
     load(resumed, in);

@@ -43,6 +43,7 @@
 
 #include "memattn/memory/concept.hpp"
 #include "memattn/persistence/stream.hpp"
+#include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
@@ -88,7 +89,8 @@ inline constexpr std::uint32_t format_version = 1;
 /// The longest kind name a snapshot may hold.
 inline constexpr std::uint32_t max_kind_bytes = 255;
 
-/// A type code's name in messages: float32, float64, bfloat16, float16, q8, q4, q4_affine, one of the three rotated or the three per-channel-keys codes.
+/// A type code's name in messages: float32, float64, bfloat16, float16, q8, q4, q4_affine, one of the three rotated
+/// or the three per-channel-keys codes, or a format of a header of its own (fp8_e4m3, fp8_e5m2).
 inline std::string type_name(std::uint8_t code) {
     switch (code) {
         case 1: return "float32";
@@ -104,7 +106,10 @@ inline std::string type_name(std::uint8_t code) {
         case 11: return "q8_per_channel_keys";
         case 12: return "q4_per_channel_keys";
         case 13: return "q4_affine_per_channel_keys";
-        default: return "unknown type " + std::to_string(code);
+        default: {
+            const char* stated = detail::stated_formats::code_name(code);  // FP8 and any later format
+            return stated != nullptr ? std::string(stated) : "unknown type " + std::to_string(code);
+        }
     }
 }
 

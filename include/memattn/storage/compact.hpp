@@ -38,6 +38,9 @@
 //   memattn::Fp8E4M3  one byte a value, OCP FP8 E4M3 (storage/fp8.hpp): 3 mantissa
 //                    bits (relative rounding 2^-4) over [2^-6, 448], steps of 2^-9
 //                    below; finite values from 464 on are refused.
+//   memattn::Fp8E5M2  one byte a value, OCP FP8 E5M2 (storage/fp8.hpp): 2 mantissa
+//                    bits (relative rounding 2^-3) over [2^-14, 57344], steps of 2^-16
+//                    below; finite values from 61440 on are refused.
 //
 // One policy for every type (check_storable): a finite value that S would store as ±∞
 // or NaN (float16 from 65520 on, bfloat16 from ~3.3962e38, a double past float's range)
@@ -61,8 +64,8 @@
 //
 // This header includes them all, and the helpers over any S (stored_bytes, round_trip).
 
-// The formats: a new one is a header of its own (storage/formats.hpp, at the top) and
-// its line here.
+// The formats: a new one is a header of its own (storage/formats.hpp, at the top), its
+// line here and its tag in stated_formats below.
 #include "memattn/storage/formats.hpp"
 #include "memattn/storage/fp8.hpp"
 #include "memattn/storage/integer_dot.hpp"
@@ -74,9 +77,28 @@
 #include "memattn/storage/simd.hpp"
 #include "memattn/storage/stored_rows.hpp"
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
+#include <utility>
 
 namespace memattn::detail {
+
+/// The formats of headers of their own (StorageFormat), by their snapshot type codes:
+/// a new one adds its tag here.
+template <class... S>
+struct StatedFormats {
+    /// The snapshot type name of `code` among them (nullptr: none of them has it).
+    static constexpr const char* code_name(std::uint8_t code) noexcept {
+        constexpr std::array<std::pair<std::uint8_t, const char*>, sizeof...(S)> names{
+            {{static_cast<std::uint8_t>(StorageFormat<S>::code), StorageFormat<S>::code_name}...}};
+        for (const auto& [stated, name] : names)
+            if (stated == code)
+                return name;
+        return nullptr;
+    }
+};
+using stated_formats = StatedFormats<Fp8E4M3, Fp8E5M2>;
 
 /// Bytes of the first `rows` rows of `cols` values as Rows stores them, before any is stored.
 template <class Rows>

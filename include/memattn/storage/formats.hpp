@@ -104,6 +104,7 @@ namespace detail {
 ///     static constexpr bool compact = true;
 ///     static constexpr const char* name = "...";          // in messages
 ///     static constexpr snapshot::TypeCode code = ...;     // in snapshots (docs/snapshot-format.md)
+///     static constexpr const char* code_name = "...";     // that code's name (snapshot::type_name)
 ///     static constexpr bool scaled = ...;                 // keeps float scales: float's whole range
 ///     static constexpr float overflow = ...;              // unscaled: the smallest magnitude refused
 ///     static constexpr const char* overflow_to = "...";   // unscaled: what it would hold it as
