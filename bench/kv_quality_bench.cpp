@@ -148,6 +148,12 @@ BENCHMARK(BM_KvQuality<Eigen::half>)->Name("BM_KvQuality<half>")->Apply(cells);
 BENCHMARK(BM_KvQuality<memattn::Q8>)->Name("BM_KvQuality<Q8>")->Apply(cells);
 BENCHMARK(BM_KvQuality<memattn::Fp8E4M3>)->Name("BM_KvQuality<Fp8E4M3>")->Apply(cells);
 BENCHMARK(BM_KvQuality<memattn::Fp8E5M2>)->Name("BM_KvQuality<Fp8E5M2>")->Apply(cells);
+BENCHMARK(BM_KvQuality<memattn::PerTokenScale<memattn::Fp8E4M3>>)
+    ->Name("BM_KvQuality<PerTokenScale<Fp8E4M3>>")
+    ->Apply(cells);
+BENCHMARK(BM_KvQuality<memattn::PerTokenScale<memattn::Fp8E5M2>>)
+    ->Name("BM_KvQuality<PerTokenScale<Fp8E5M2>>")
+    ->Apply(cells);
 BENCHMARK(BM_KvQuality<memattn::Rotated<memattn::Q8>>)->Name("BM_KvQuality<Rotated<Q8>>")->Apply(cells);
 BENCHMARK(BM_KvQuality<memattn::Q4>)->Name("BM_KvQuality<Q4>")->Apply(cells);
 BENCHMARK(BM_KvQuality<memattn::Rotated<memattn::Q4>>)->Name("BM_KvQuality<Rotated<Q4>>")->Apply(cells);

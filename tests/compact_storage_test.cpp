@@ -33,8 +33,10 @@ constexpr double storage_tolerance() {
         return 1e-1;
     else if constexpr (std::is_same_v<S, Fp8E4M3>)
         return 5e-2;
-    else if constexpr (std::is_same_v<S, Fp8E5M2>)
+    else if constexpr (std::is_same_v<S, Fp8E5M2> || std::is_same_v<S, PerTokenScale<Fp8E5M2>>)
         return 1e-1;
+    else if constexpr (std::is_same_v<S, PerTokenScale<Fp8E4M3>>)
+        return 5e-2;
     else
         return 2e-2;
 }
@@ -92,7 +94,8 @@ void check_layer_against_heads(const HeadLayout& layout, Make make) {
         (std::pair<float, Q4>), (std::pair<float, Q4Affine>), (std::pair<double, Eigen::bfloat16>),           \
         (std::pair<double, Eigen::half>), (std::pair<double, Q8>), (std::pair<double, Q4>),                   \
         (std::pair<double, Q4Affine>), (std::pair<float, Fp8E4M3>), (std::pair<double, Fp8E4M3>),              \
-        (std::pair<float, Fp8E5M2>), (std::pair<double, Fp8E5M2>)
+        (std::pair<float, Fp8E5M2>), (std::pair<double, Fp8E5M2>), (std::pair<float, PerTokenScale<Fp8E4M3>>), \
+        (std::pair<double, PerTokenScale<Fp8E5M2>>)
 
 TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of the input", "[storage]",
                    MEMATTN_STORAGE_PAIRS) {
@@ -121,6 +124,15 @@ TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of th
                     REQUIRE(std::abs(x - y) <= 0x1p-4 * std::abs(x) + 0x1p-10 + via_float);
                 } else if constexpr (std::is_same_v<S, Fp8E5M2>) {  // half a step: 2^-3 relative, 2^-17 subnormal
                     REQUIRE(std::abs(x - y) <= 0x1p-3 * std::abs(x) + 0x1p-17 + via_float);
+                } else if constexpr (std::is_same_v<S, PerTokenScale<Fp8E4M3>> || std::is_same_v<S, PerTokenScale<Fp8E5M2>>) {
+                    // PerTokenScale<F>: F's half step at x / s, times s = max|x| / largest, and
+                    // float's roundings of x / s and of s · value (2^-24 each).
+                    using F = typename S::storage;
+                    const bool e4m3 = std::is_same_v<F, Fp8E4M3>;
+                    const double s = double(X.row(r).cwiseAbs().maxCoeff()) / (e4m3 ? 448.0 : 57344.0);
+                    const double step = e4m3 ? 0x1p-10 : 0x1p-17;  // half the subnormal step, before s
+                    REQUIRE(std::abs(x - y) <= (e4m3 ? 0x1p-4 : 0x1p-3) * std::abs(x) * (1 + 0x1p-22) + step * s +
+                                                   via_float);
                 } else {  // round to nearest: half an ulp of 8 (bfloat16) or 11 (half) significant bits
                     const double half_ulp = std::is_same_v<S, Eigen::half> ? 0x1p-11 : 0x1p-8;
                     REQUIRE(std::abs(x - y) <= half_ulp * std::abs(x) + via_float + 0x1p-25);
@@ -138,6 +150,10 @@ TEMPLATE_TEST_CASE("Compact storage: a stored value is within its rounding of th
         exact << T(0), T(-448), T(448), T(0.015625);
     else if constexpr (std::is_same_v<S, Fp8E5M2>)
         exact << T(0), T(-57344), T(57344), T(0x1p-16);
+    else if constexpr (std::is_same_v<S, PerTokenScale<Fp8E4M3>>)  // s = 1
+        exact << T(0), T(-448), T(448), T(0.015625);
+    else if constexpr (std::is_same_v<S, PerTokenScale<Fp8E5M2>>)  // s = 1/64: 57344/64 = 896
+        exact << T(0), T(-896), T(896), T(0x1p-16);
     else
         exact << T(0), T(-127), T(127), T(5);
     CHECK(stored<T, S>(exact) == exact);
@@ -225,8 +241,10 @@ TEMPLATE_TEST_CASE("Compact storage: footprint counts the stored bytes", "[stora
     KVCache<T, Q4Affine> q4_affine(d, d);
     KVCache<T, Fp8E4M3> fp8(d, d);
     KVCache<T, Fp8E5M2> fp8_e5m2(d, d);
+    KVCache<T, PerTokenScale<Fp8E4M3>> fp8_scaled(d, d);
     memattn::extend(fp8, K, K);
     memattn::extend(fp8_e5m2, K, K);
+    memattn::extend(fp8_scaled, K, K);
     memattn::extend(plain, K, K);
     memattn::extend(bf16, K, K);
     memattn::extend(f16, K, K);
@@ -242,6 +260,7 @@ TEMPLATE_TEST_CASE("Compact storage: footprint counts the stored bytes", "[stora
     CHECK(q4_affine.footprint() == pairs * 2 * (d / 2 + 8 * d / 32));  // 0.19 of float's
     CHECK(fp8.footprint() == pairs * 2 * d);  // a byte a value
     CHECK(fp8_e5m2.footprint() == pairs * 2 * d);
+    CHECK(fp8_scaled.footprint() == pairs * 2 * (d + 4));  // and a float per row
     SlidingWindowCache<T, Q4Affine> window4(33, 33, 10, 1);  // the short last block takes 16 bytes too
     memattn::extend(window4, random_matrix<T>(20, 33, 2), random_matrix<T>(20, 33, 3));
     CHECK(window4.footprint() == 11u * 2 * (2 * 16 + 2 * 8));
@@ -324,6 +343,8 @@ TEMPLATE_TEST_CASE("Compact storage: snapshots resume bitwise and name the stora
     resume([] { return SlidingWindowCache<T, Fp8E4M3>(6, 5, 7, 2); });
     resume([] { return KVCache<T, Fp8E5M2>(6, 5); });
     resume([] { return HybridCache<T, MeanPool, Fp8E5M2>(6, 5, 7, 3, 2); });
+    resume([] { return KVCache<T, PerTokenScale<Fp8E4M3>>(6, 5); });
+    resume([] { return SlidingWindowCache<T, PerTokenScale<Fp8E5M2>>(6, 5, 7, 2); });
 
     KVCache<T, Eigen::bfloat16> bf16(6, 5);
     KVCache<T> plain(6, 5);
@@ -339,7 +360,8 @@ TEMPLATE_TEST_CASE("Compact storage: snapshots resume bitwise and name the stora
     KVCache<T, Fp8E5M2> e5m2(6, 5);
     std::istringstream in8(snapshot_of(e5m2), std::ios::binary);
     CHECK_THROWS_WITH(load(e4m3, in8), Catch::Matchers::Contains("the storage is fp8_e5m2 in the stream, fp8_e4m3 in the memory"));
-    CHECK(snapshot::type_name(16) == "unknown type 16");
+    CHECK(snapshot::type_name(17) == "fp8_e5m2_per_token");
+    CHECK(snapshot::type_name(18) == "unknown type 18");
 }
 
 TEMPLATE_TEST_CASE("Compact storage: truncate rolls a compact cache back", "[storage][truncate]", float, double) {
@@ -466,7 +488,7 @@ TEMPLATE_TEST_CASE("Compact storage: grouped attend equals the plain cache's fed
 
 TEMPLATE_TEST_CASE("Grouped attend: a query's output is the same bits in every group it is in, for every storage",
                    "[storage][group]", float, Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine, Fp8E4M3,
-                   Fp8E5M2) {
+                   Fp8E5M2, PerTokenScale<Fp8E4M3>) {
     using S = TestType;
     // Groups below a packet's lanes take tiles of GQ queries × GK keys (decode_attention.hpp);
     // every logit adds its lanes by the same tree, so query r's output must not depend on
@@ -508,7 +530,7 @@ TEMPLATE_TEST_CASE("Grouped attend: a query's output is the same bits in every g
 
 TEMPLATE_TEST_CASE("Compact storage: MultiHead splits compact caches over threads, the same bits for any executor",
                    "[storage][multihead][split]", Eigen::bfloat16, Eigen::half, Q8, Q4, Q4Affine, Fp8E4M3,
-                   Fp8E5M2) {
+                   Fp8E5M2, PerTokenScale<Fp8E5M2>) {
     using S = TestType;
     const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 16};
     const Index n = 2 * MultiHead<KVCache<float>>::split_keys + 333;  // three pieces per head
@@ -737,6 +759,78 @@ TEMPLATE_TEST_CASE("FP8: caches and the pool refuse finite values past the forma
     pool.attend(a, PQ.row(0), o1);
     resumed.attend(PQ.row(0), o2);
     CHECK(o1.cwiseEqual(o2).all());
+}
+
+TEMPLATE_TEST_CASE("FP8 with a scale per token: each row is s * S(x / s) with s = max|x| / largest, a row "
+                   "holding a non-finite value reads as NaN, tiny and zero rows keep their values",
+                   "[storage][fp8]", Fp8E4M3, Fp8E5M2) {
+    using F = TestType;
+    using S = PerTokenScale<F>;
+    const Fp8Reference format = fp8_reference<F>;
+    const double largest = std::is_same_v<F, Fp8E4M3> ? 448.0 : 57344.0;
+    // A double model: s in float (max|x| / largest, at least 2^-126), each value x / s
+    // in float, its FP8 byte by search, s times its value in float.
+    const auto model = [&](const Matrix<float>& row) {
+        const float amax = row.cwiseAbs().maxCoeff();
+        const float s = std::max(amax / float(largest), std::numeric_limits<float>::min());
+        Matrix<float> out(1, row.cols());
+        for (Index c = 0; c < row.cols(); ++c)
+            out(0, c) = s * float(format.value(format.byte(double(row(0, c) / s))));
+        return out;
+    };
+    for (const double magnitude : {1.0, 1e3, 1e-3, 3e4, 1e-30, 1e-37, 1e-44, 0.0}) {
+        for (const Index cols : {1, 7, 8, 16, 33, 128}) {
+            const Matrix<float> row = random_matrix<float>(1, cols, 11, magnitude);
+            INFO("magnitude " << magnitude << ", cols " << cols);
+            detail::StoredRows<float, S> stored(1, cols);
+            stored.put_rows(0, row);
+            Matrix<float> decoded(1, cols);
+            stored.decode_rows(0, 1, decoded.data(), cols);
+            const Matrix<float> expected = model(row);
+            CHECK(decoded.cwiseEqual(expected).all());
+            for (Index c = 0; c < cols; ++c)
+                CHECK(stored.stored_value(0, c) == expected(0, c));
+            if (magnitude >= 1e-30) {  // F's precision relative to the row's largest magnitude
+                const double amax = double(row.cwiseAbs().maxCoeff());
+                CHECK((decoded - row).cwiseAbs().maxCoeff() <= (std::is_same_v<F, Fp8E4M3> ? 0x1p-4 : 0x1p-3) * amax);
+            }
+            // The scale folded into dot and add_scaled: s·(q·x̃) and (w·s)·x̃, within float's
+            // rounding of the products of the decoded row.
+            const Matrix<float> q = random_matrix<float>(1, cols, 12);
+            const double exact_dot = q.cast<double>().row(0).dot(expected.cast<double>().row(0));
+            const double terms = q.cast<double>().cwiseAbs().row(0).dot(expected.cast<double>().cwiseAbs().row(0));
+            CHECK(std::abs(double(stored.dot(0, q.data())) - exact_dot) <= 1e-6 * terms + 1e-45);
+            Matrix<float> acc = Matrix<float>::Zero(1, cols);
+            stored.add_scaled(0, 0.5f, acc.data());
+            CHECK((acc.cast<double>() - 0.5 * expected.cast<double>()).cwiseAbs().maxCoeff() <=
+                  1e-6 * expected.cwiseAbs().cast<double>().maxCoeff() + 1e-45);
+        }
+    }
+    // ±∞ or NaN anywhere in a row: the whole row reads NaN (its scale is NaN), the other rows not.
+    for (const float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN()}) {
+        Matrix<float> rows = random_matrix<float>(2, 9, 13);
+        rows(0, 4) = bad;
+        detail::StoredRows<float, S> stored(2, 9);
+        stored.put_rows(0, rows);
+        Matrix<float> decoded(2, 9);
+        stored.decode_rows(0, 2, decoded.data(), 9);
+        CHECK(decoded.row(0).array().isNaN().all());
+        CHECK(decoded.row(1).cwiseEqual(model(rows.row(1))).all());
+    }
+    // A cache of double refuses only a value past float's range; 1e30 is kept, scaled.
+    KVCache<double, S> cache(4, 3);
+    Matrix<double> K = random_matrix<double>(2, 4, 14), V = random_matrix<double>(2, 3, 15);
+    K(1, 1) = 1e39;
+    CHECK_THROWS_AS(memattn::extend(cache, K, V), std::invalid_argument);
+    CHECK(cache.length() == 0);
+    K(1, 1) = 1e30;
+    memattn::extend(cache, K, V);
+    CHECK(cache.length() == 2);
+    CHECK(cache.footprint() == 2u * ((4 + 4) + (3 + 4)));  // a byte a value and a float scale per row
+    Vector<double> out(3);
+    cache.attend(Vector<double>::Zero(4), out);
+    CHECK(out.allFinite());
 }
 
 TEST_CASE("Rotated storage: the Walsh-Hadamard rotation is the orthonormal matrix, and its own inverse",

@@ -235,6 +235,7 @@ void everything(memattn::Index n, memattn::Index d) {
             use_memory(memattn::KVCache<T, memattn::Q4>(d, d), x, out);
             use_memory(memattn::KVCache<T, memattn::Fp8E4M3>(d, d), x, out);
             use_memory(memattn::KVCache<T, memattn::Fp8E5M2>(d, d), x, out);
+            use_memory(memattn::KVCache<T, memattn::PerTokenScale<memattn::Fp8E4M3>>(d, d), x, out);
             use_memory(memattn::SlidingWindowCache<T, memattn::Q4Affine>(d, d, 4, 1), x, out);
             use_memory(memattn::SlidingWindowCache<T, Eigen::half>(d, d, 4, 1), x, out);
             use_memory(memattn::HybridCache<T, memattn::MeanPool, memattn::Q8>(d, d, 4, 2, 3), x, out);

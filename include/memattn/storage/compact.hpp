@@ -41,6 +41,9 @@
 //   memattn::Fp8E5M2  one byte a value, OCP FP8 E5M2 (storage/fp8.hpp): 2 mantissa
 //                    bits (relative rounding 2^-3) over [2^-14, 57344], steps of 2^-16
 //                    below; finite values from 61440 on are refused.
+//   memattn::PerTokenScale<S>  S = Fp8E4M3 or Fp8E5M2 with one float scale per
+//                    stored row, max|x| / S's largest: float's range, S's precision
+//                    relative to the row's largest magnitude (storage/fp8.hpp).
 //
 // One policy for every type (check_storable): a finite value that S would store as ±∞
 // or NaN (float16 from 65520 on, bfloat16 from ~3.3962e38, a double past float's range)
@@ -98,7 +101,7 @@ struct StatedFormats {
         return nullptr;
     }
 };
-using stated_formats = StatedFormats<Fp8E4M3, Fp8E5M2>;
+using stated_formats = StatedFormats<Fp8E4M3, Fp8E5M2, PerTokenScale<Fp8E4M3>, PerTokenScale<Fp8E5M2>>;
 
 /// Bytes of the first `rows` rows of `cols` values as Rows stores them, before any is stored.
 template <class Rows>

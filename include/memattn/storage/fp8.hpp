@@ -21,6 +21,12 @@
 //
 // Either poisons the attends that see a non-finite value it holds.
 //
+// PerTokenScale<S> keeps, beside each stored row x (a token's key or value of one head),
+// one float s = max|x| / (S's largest value), and stores S(x / s): four bytes more per
+// row, float's whole range, and S's relative precision (2^−4 or 2^−3) measured against
+// the row's largest magnitude instead of a fixed range. The scale is multiplied into the
+// token's logit and into its weight, never into each value.
+//
 // The whole family is this file: the tags, what each format declares of itself
 // (StorageFormat: its name, its snapshot type code, its overflow), and their rows
 // (StoredRows<T, S> for both); storage/compact.hpp includes it and lists the formats.
@@ -65,6 +71,22 @@ namespace detail {
 /// S is one of the FP8 formats.
 template <class S>
 concept Fp8Storage = std::same_as<S, Fp8E4M3> || std::same_as<S, Fp8E5M2>;
+
+}  // namespace detail
+
+/// FP8 K/V storage with a scale per token: each stored row (one token's key, or value, of
+/// one head) is kept as S(x / s) (S = Fp8E4M3 or Fp8E5M2, one byte a value) beside one
+/// float s = max|x| / (S's largest value), and read as s · S(x / s) (see the top of
+/// storage/fp8.hpp). The scale is folded where it costs least: into the token's logit,
+/// s·(q·x̃), and into its weight in the output, (p·s)·x̃, as the scaled FP8 caches of vLLM
+/// and SGLang fold theirs (theirs is one per layer).
+template <class S>
+    requires detail::Fp8Storage<S>
+struct PerTokenScale {
+    using storage = S;  ///< the format of the scaled values
+};
+
+namespace detail {
 
 /// The bit layout of an FP8 format.
 template <Fp8Storage S>
@@ -161,6 +183,18 @@ struct StorageFormat<Fp8E5M2> : Fp8Declared<Fp8E5M2> {
     static constexpr const char* name = "Fp8E5M2";                      ///< its name in messages
     static constexpr const char* code_name = "fp8_e5m2";                ///< its snapshot type's name
     static constexpr snapshot::TypeCode code = snapshot::TypeCode{15};  ///< its snapshot type code
+};
+
+/// FP8 with a scale per token as a compact storage format: a float scale per row, so
+/// float's whole range is kept (only a double past it is refused).
+template <Fp8Storage S>
+struct StorageFormat<PerTokenScale<S>> {
+    static constexpr bool compact = true;  ///< a compact format
+    static constexpr bool scaled = true;   ///< a float scale per row
+    static constexpr bool e4m3 = std::same_as<S, Fp8E4M3>;
+    static constexpr const char* name = e4m3 ? "PerTokenScale<Fp8E4M3>" : "PerTokenScale<Fp8E5M2>";  ///< in messages
+    static constexpr const char* code_name = e4m3 ? "fp8_e4m3_per_token" : "fp8_e5m2_per_token";  ///< its code's name
+    static constexpr snapshot::TypeCode code = snapshot::TypeCode{e4m3 ? 16 : 17};  ///< its snapshot type code
 };
 
 #if defined(MEMATTN_FP8_F16C)
@@ -324,12 +358,131 @@ public:
                 *at(i, c) = r.number<std::uint8_t>("rows");
     }
 
+    /// Row r's bytes (the scaled rows of PerTokenScale<S> write and read them).
+    [[nodiscard]] std::uint8_t* row_data(Index r) noexcept { return at(r, 0); }
+    [[nodiscard]] const std::uint8_t* row_data(Index r) const noexcept { return at(r, 0); }
+
 private:
     [[nodiscard]] std::uint8_t* at(Index r, Index c) noexcept { return m_.data() + r * cols_ + c; }
     [[nodiscard]] const std::uint8_t* at(Index r, Index c) const noexcept { return m_.data() + r * cols_ + c; }
 
     Eigen::Matrix<std::uint8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m_;  ///< the bytes, row-major
     Index cols_;
+};
+
+/// FP8 rows with a scale per row (PerTokenScale<S>): the bytes of S(x / s) as
+/// StoredRows<T, S> keeps them, and the scales s = max|x| / largest beside them. A row's
+/// value is s · S(x / s), rounded once in float. A row holding ±∞ or NaN gets a NaN
+/// scale, so it reads as NaN throughout (Q8's rule for a block); a row of magnitudes all
+/// below largest · 2^−126 takes the scale 2^−126 (float's smallest normal), so zero rows
+/// and tiny ones divide by no zero and no subnormal.
+template <class T, Fp8Storage S>
+class StoredRows<T, PerTokenScale<S>> {
+public:
+    static constexpr bool compact = true;
+    StoredRows(Index rows, Index cols) : codes_(rows, cols), scales_(rows) {}
+
+    [[nodiscard]] Index rows() const noexcept { return codes_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return codes_.cols(); }
+    void swap(StoredRows& other) noexcept {
+        codes_.swap(other.codes_);
+        scales_.swap(other.scales_);
+    }
+
+    /// Rows [first, first + rows) = the rows, each with its scale (double through float).
+    template <class D>
+    void put_rows(Index first, const D& rows) {
+        const Index d = cols();
+        for (Index r = 0; r < rows.rows(); ++r) {
+            float amax = 0;
+            bool finite = true;
+            for (Index c = 0; c < d; ++c) {
+                const auto x = static_cast<float>(rows(r, c));
+                finite = finite && std::isfinite(x);
+                amax = std::max(amax, std::abs(x));
+            }
+            const float s = finite ? std::max(amax / Fp8Layout<S>::largest, std::numeric_limits<float>::min())
+                                   : std::numeric_limits<float>::quiet_NaN();
+            scales_(first + r) = s;
+            std::uint8_t* out = codes_.row_data(first + r);
+            for (Index c = 0; c < d; ++c)  // |x / s| ≤ largest (to float's rounding): no refusal
+                out[c] = fp8_encode<S>(static_cast<float>(rows(r, c)) / s);
+        }
+    }
+    void copy_rows_from(const StoredRows& other, Index n) {
+        codes_.copy_rows_from(other.codes_, n);
+        scales_.head(n) = other.scales_.head(n);
+    }
+    /// Rows [to, to + n) = rows [from, from + n), the two ranges apart.
+    void copy_within(Index from, Index to, Index n) {
+        codes_.copy_within(from, to, n);
+        scales_.segment(to, n) = scales_.segment(from, n);
+    }
+    /// Rows [first, first + n) in T: s · value in float, a packet at a time for float.
+    void decode_rows(Index first, Index n, T* out, Index ld) const {
+        constexpr Index lanes = packet_lanes<float>;
+        for (Index r = 0; r < n; ++r) {
+            const std::uint8_t* x = codes_.row_data(first + r);
+            const float s = scales_(first + r);
+            T* row = out + r * ld;
+            Index c = 0;
+            if constexpr (std::is_same_v<T, float>) {
+                for (; c + lanes <= cols(); c += lanes)
+                    Eigen::internal::pstoreu(row + c, Eigen::internal::pmul(Eigen::internal::pset1<Packet<float>>(s),
+                                                                            fp8_packet<S>(x + c)));
+            }
+            for (; c < cols(); ++c)
+                row[c] = static_cast<T>(s * fp8_values<S>[x[c]]);
+        }
+    }
+
+    /// Asks for a row and its scale towards the cache ahead of their use.
+    void prefetch_row(Index row) const {
+        codes_.prefetch_row(row);
+        prefetch_rows(scales_.data() + row, 1, 0, 1);
+    }
+
+    /// q·row in float: s · (q · S(x / s)), the sum in registers.
+    [[nodiscard]] float dot(Index row, const float* q) const { return scales_(row) * codes_.dot(row, q); }
+    /// acc += w · row in float: the weight times the scale, then the values in registers.
+    void add_scaled(Index row, float w, float* acc) const { codes_.add_scaled(row, w * scales_(row), acc); }
+    /// add_scaled for rows [first, first + n) with weights w, acc in registers
+    /// (add_rows_in_registers; fused_storage).
+    void add_rows(Index first, Index n, const float* w, float* acc, Index ahead, Index prefetch_end) const {
+        add_rows_in_registers(*this, first, n, w, acc, ahead, prefetch_end);
+    }
+    [[nodiscard]] Packet<float> packet(Index r, Index c) const { return fp8_packet<S>(codes_.row_data(r) + c); }
+    [[nodiscard]] float scalar(Index r, Index c) const { return fp8_values<S>[codes_.row_data(r)[c]]; }
+    [[nodiscard]] float weight(Index r, Index, float w) const { return w * scales_(r); }
+    /// The stored values as float, exactly as decode_rows gives them (s · value): a packet
+    /// from column c (c + lanes ≤ cols; fused_storage), and one value.
+    [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const {
+        return Eigen::internal::pmul(Eigen::internal::pset1<Packet<float>>(scales_(r)), packet(r, c));
+    }
+    [[nodiscard]] float stored_value(Index r, Index c) const { return scales_(r) * scalar(r, c); }
+
+    [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols()) * static_cast<std::size_t>(rows); }
+    [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept {
+        return static_cast<std::size_t>(cols) + sizeof(float);
+    }
+
+    /// Each row as its scale, then its bytes.
+    void write_rows(snapshot::Writer& w, Index first, Index n) const {
+        for (Index r = first; r < first + n; ++r) {
+            w.number(scales_(r));
+            codes_.write_rows(w, r, 1);
+        }
+    }
+    void read_rows(snapshot::Reader& rd, Index first, Index n) {
+        for (Index r = first; r < first + n; ++r) {
+            scales_(r) = rd.number<float>("rows");
+            codes_.read_rows(rd, r, 1);
+        }
+    }
+
+private:
+    StoredRows<T, S> codes_;                   ///< S(x / s), row by row
+    Eigen::Matrix<float, Eigen::Dynamic, 1> scales_;  ///< s, one per row
 };
 
 }  // namespace detail
