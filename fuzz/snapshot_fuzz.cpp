@@ -53,7 +53,7 @@ M fed(M memory, Index tokens) {
 /// Calls f(memory) with target number `which` (the seeds use every one).
 template <class F>
 void with_target(unsigned which, F&& f) {
-    switch (which % 17) {
+    switch (which % 19) {
         case 0: return f(fed(KVCache<float>(d, dv), 3));
         case 1: return f(fed(KVCache<double>(d, dv), 0));
         case 2: return f(fed(SlidingWindowCache<float>(d, dv, 4, 1), 7));
@@ -69,6 +69,8 @@ void with_target(unsigned which, F&& f) {
         case 14: return f(fed(KVCache<float, Q4>(d, dv), 5));
         case 15: return f(fed(SlidingWindowCache<float, Q4Affine>(d, dv, 4, 1), 7));
         case 16: return f(fed(KVCache<double, Fp8E4M3>(d, dv), 5));
+        case 17: return f(fed(KVCache<float, Fp8E5M2>(d, dv), 4));
+        case 18: return f(fed(SlidingWindowCache<double, PerTokenScale<Fp8E4M3>>(d, dv, 3, 1), 6));
         case 10:
             return f(fed(MultiHead<KVCache<float>>({.q_heads = 2, .kv_heads = 2, .head_dim = d, .value_dim = dv},
                                                     [](Index) { return KVCache<float>(d, dv); }),
@@ -156,7 +158,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 int main(int argc, char** argv) {
     if (argc != 2)
         return 2;
-    for (unsigned which = 0; which < 17; ++which)
+    for (unsigned which = 0; which < 19; ++which)
         with_target(which, [&](const auto& memory) {
             std::ofstream out(std::string(argv[1]) + "/seed-" + std::to_string(which), std::ios::binary);
             out.put(static_cast<char>(which | 0x80));  // a fixed checksum: mutations reach the payload checks
