@@ -90,7 +90,8 @@ inline constexpr std::uint32_t format_version = 1;
 inline constexpr std::uint32_t max_kind_bytes = 255;
 
 /// A type code's name in messages: float32, float64, bfloat16, float16, q8, q4, q4_affine, one of the three rotated
-/// or the three per-channel-keys codes, or a format of a header of its own (fp8_e4m3, fp8_e5m2).
+/// or the three per-channel-keys codes, or a format of a header of its own (the FP8 codes 14–17, by
+/// detail::stated_formats).
 inline std::string type_name(std::uint8_t code) {
     switch (code) {
         case 1: return "float32";

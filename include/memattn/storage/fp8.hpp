@@ -29,7 +29,8 @@
 //
 // The whole family is this file: the tags, what each format declares of itself
 // (StorageFormat: its name, its snapshot type code, its overflow), and their rows
-// (StoredRows<T, S> for both); storage/compact.hpp includes it and lists the formats.
+// (StoredRows<T, S> for both, and for PerTokenScale<S>); storage/compact.hpp includes it
+// and lists the formats (stated_formats).
 // A byte is decoded in registers through IEEE binary16 (F16C's vcvtph2ps, on AVX2 and
 // AVX-512 targets): an E5M2 byte is a half's upper byte; an E4M3 byte's bits, moved to a
 // half's exponent and mantissa fields, are its value times 2^−8 (the biases differ by 8,
@@ -255,6 +256,21 @@ inline Packet<float> fp8_packet(const std::uint8_t* p) {
 #endif
 }
 
+/// A row of `cols` bytes of FP8 format S times s (1 for the unscaled rows, exactly their
+/// values) into out, as T: s · value in float, a packet at a time for float, by the table
+/// for the columns past the last whole packet and for double.
+template <Fp8Storage S, class T>
+void fp8_decode_row(const std::uint8_t* x, Index cols, float s, T* out) {
+    Index c = 0;
+    if constexpr (std::is_same_v<T, float>) {
+        using namespace Eigen::internal;
+        for (; c + packet_lanes<float> <= cols; c += packet_lanes<float>)
+            pstoreu(out + c, pmul(pset1<Packet<float>>(s), fp8_packet<S>(x + c)));
+    }
+    for (; c < cols; ++c)
+        out[c] = static_cast<T>(s * fp8_values<S>[x[c]]);
+}
+
 /// fp8_packet as a callable: the loader dot_span and add_span take for FP8 rows.
 template <Fp8Storage S>
 struct Fp8Packets {
@@ -295,21 +311,10 @@ public:
         if (n > 0 && cols_ > 0)
             std::memcpy(at(to, 0), at(from, 0), row_bytes(cols_) * static_cast<std::size_t>(n));
     }
-    /// Rows [first, first + n) in T: a packet at a time into float, the table for the
-    /// columns past the last whole packet and for double.
+    /// Rows [first, first + n) in T (fp8_decode_row).
     void decode_rows(Index first, Index n, T* out, Index ld) const {
-        constexpr Index lanes = packet_lanes<float>;
-        for (Index r = 0; r < n; ++r) {
-            const std::uint8_t* x = at(first + r, 0);
-            T* row = out + r * ld;
-            Index c = 0;
-            if constexpr (std::is_same_v<T, float>) {
-                for (; c + lanes <= cols_; c += lanes)
-                    Eigen::internal::pstoreu(row + c, fp8_packet<S>(x + c));
-            }
-            for (; c < cols_; ++c)
-                row[c] = static_cast<T>(fp8_values<S>[x[c]]);
-        }
+        for (Index r = 0; r < n; ++r)
+            fp8_decode_row<S>(at(first + r, 0), cols_, 1.0f, out + r * ld);
     }
 
     /// Asks for a row towards the cache ahead of its use.
@@ -418,22 +423,10 @@ public:
         codes_.copy_within(from, to, n);
         scales_.segment(to, n) = scales_.segment(from, n);
     }
-    /// Rows [first, first + n) in T: s · value in float, a packet at a time for float.
+    /// Rows [first, first + n) in T: s · value in float (fp8_decode_row).
     void decode_rows(Index first, Index n, T* out, Index ld) const {
-        constexpr Index lanes = packet_lanes<float>;
-        for (Index r = 0; r < n; ++r) {
-            const std::uint8_t* x = codes_.row_data(first + r);
-            const float s = scales_(first + r);
-            T* row = out + r * ld;
-            Index c = 0;
-            if constexpr (std::is_same_v<T, float>) {
-                for (; c + lanes <= cols(); c += lanes)
-                    Eigen::internal::pstoreu(row + c, Eigen::internal::pmul(Eigen::internal::pset1<Packet<float>>(s),
-                                                                            fp8_packet<S>(x + c)));
-            }
-            for (; c < cols(); ++c)
-                row[c] = static_cast<T>(s * fp8_values<S>[x[c]]);
-        }
+        for (Index r = 0; r < n; ++r)
+            fp8_decode_row<S>(codes_.row_data(first + r), cols(), scales_(first + r), out + r * ld);
     }
 
     /// Asks for a row and its scale towards the cache ahead of their use.
