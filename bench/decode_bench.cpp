@@ -39,6 +39,13 @@
 //       stored turned, each step's query and key turned), 3 both; what they cost is
 //       the difference to variant 0 in the same run
 //
+//   BM_LatentDecode<S>/heads:H/length:L/t:T/absorbed:A   multi-head latent attention
+//       (DeepSeek-V3's shape: r = 512, d_r = 64) over a LatentKVCache<float, S> of L
+//       tokens: A = 0 the attend of H absorbed queries, A = 1 the whole mla_decode step
+//       (nope 128, v 128: the two absorptions read 2 · H · 128 · 512 floats of weights);
+//       the FLOPs of the roofline are the attend's, 2 · H · L · (2r + d_r), and its bytes
+//       the cache's footprint (plus the weights for A = 1)
+//
 // The figure and the table: scripts/plot.py (decode_roofline.png; `plot.py decode-table
 // decode_bench.json` prints the table of docs/performance.md). On a shared machine run
 //   decode_bench --benchmark_filter=BM_DecodeStep --benchmark_repetitions=5
@@ -47,6 +54,7 @@
 #include "bench_common.hpp"
 
 #include <memattn/execution/executor.hpp>
+#include <memattn/layer/latent_attention.hpp>
 #include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/kv_cache.hpp>
 #include <memattn/memory/sparse_kv_cache.hpp>
@@ -455,6 +463,55 @@ void BM_SparseDecode(benchmark::State& state) {
     report_roofline(state, step_seconds, static_cast<std::size_t>(bytes), flops, executor);
 }
 
+template <class S>
+void BM_LatentDecode(benchmark::State& state) {
+    constexpr Index r = 512, dr = 64, nope = 128, dv = 128;
+    const Index heads = state.range(0), length = state.range(1);
+    const bool absorbed = state.range(3) != 0;
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(2))};
+#if !defined(_OPENMP)
+    if (state.range(2) > 1) {
+        state.SkipWithError("built without OpenMP");
+        return;
+    }
+#endif
+    memattn::LatentKVCache<float, S> cache(r, dr, static_cast<float>(memattn::mla_softmax_scale(nope + dr, 40)));
+    cache.reserve(length);
+    const Matrix<float>& rows = pool(r + dr, 2);
+    for (Index filled = 0; filled < length; filled += pool_tokens) {
+        const Index n = std::min(pool_tokens, length - filled);
+        cache.extend(rows.topRows(n).leftCols(r), rows.topRows(n).rightCols(dr));
+    }
+    const Matrix<float> queries = pool(r + dr, 1).topRows(heads), q_nope = pool(nope, 3).topRows(heads),
+                        q_rope = pool(dr, 4).topRows(heads);
+    const Matrix<float> W_UK = memattn::bench::random_matrix<float>(heads * nope, r, 5) * 0.05f,
+                        W_UV = memattn::bench::random_matrix<float>(heads * dv, r, 6) * 0.05f;
+    Matrix<float> latent(heads, r), out(heads, dv);
+    const double step_seconds = median_step_seconds(state, [&] {
+        if (absorbed)
+            memattn::mla_decode(cache, q_nope, q_rope, W_UK, W_UV, out, executor);
+        else
+            cache.attend(queries, latent, executor);
+    });
+    std::size_t bytes = cache.footprint();
+    if (absorbed)
+        bytes += sizeof(float) * static_cast<std::size_t>(W_UK.size() + W_UV.size());
+    const double flops = 2.0 * static_cast<double>(heads) * static_cast<double>(length) * (2 * r + dr);
+    report_roofline(state, step_seconds, bytes, flops, executor);
+    state.counters["GFLOPS"] = flops / step_seconds * 1e-9;
+    state.counters["token_bytes"] = static_cast<double>(memattn::LatentKVCache<float, S>::token_bytes(r, dr));
+}
+
+void latent_cells(benchmark::internal::Benchmark* b) {
+    b->ArgNames({"heads", "length", "t", "absorbed"});
+    for (Index length : {8192, 65536})
+        for (Index threads : {1, 2})
+            b->Args({128, length, threads, 0});
+    b->Args({16, 8192, 1, 0});
+    b->Args({128, 8192, 1, 1});
+    b->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
 void cells(benchmark::internal::Benchmark* b) {
     b->ArgNames({"q", "kv", "length", "t"});
     for (auto [q, kv] : {std::pair<Index, Index>{32, 8}, {8, 1}})
@@ -808,6 +865,8 @@ void serving_cells(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(BM_DecodeStep<float>)->Name("BM_DecodeStep<float>")->Apply(cells);
+BENCHMARK(BM_LatentDecode<float>)->Name("BM_LatentDecode<float>")->Apply(latent_cells);
+BENCHMARK(BM_LatentDecode<Eigen::bfloat16>)->Name("BM_LatentDecode<bfloat16>")->Apply(latent_cells);
 BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<Eigen::half>)->Name("BM_DecodeStep<half>")->Apply(cells);
 BENCHMARK(BM_DecodeStepBf16Rows)->Apply(cells);

@@ -36,6 +36,7 @@ inline void eigen_assertion_failed(const char* condition) {
 
 #include "support.hpp"
 
+#include <memattn/layer/latent_attention.hpp>
 #include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/hybrid_cache.hpp>
 #include <memattn/memory/sparse_kv_cache.hpp>
@@ -538,4 +539,40 @@ TEST_CASE("PagedKVCache with a window: steps that free the blocks the window lea
     CHECK(counts.eigen_mallocs == 0);
     CHECK(pool.length(a) > pool.blocks() * pool.block_size());
     CHECK(O.allFinite());
+}
+
+TEMPLATE_TEST_CASE("LatentKVCache and mla_decode: reserved decode steps allocate nothing, at 1 and 2 threads",
+                   "[memory][allocation][latent]", float, Eigen::bfloat16) {
+    using S = TestType;
+    // 32 heads, r = 64, d_r = 16 over 4000 tokens: 4 pieces, enough work per step for the
+    // threads; the absorbed step's buffers sized by its first call on each thread.
+    const Index heads = 32, r = 64, dr = 16, nope = 8, dv = 8, n = 4000, steps = 12;
+    const Matrix<float> C = random_matrix<float>(n + steps, r, 4), KR = random_matrix<float>(n + steps, dr, 5);
+    const Matrix<float> Q = random_matrix<float>(heads, r + dr, 6), q_nope = random_matrix<float>(heads, nope, 7),
+                        q_rope = random_matrix<float>(heads, dr, 8), W_UK = random_matrix<float>(heads * nope, r, 9),
+                        W_UV = random_matrix<float>(heads * dv, r, 10);
+    const double sinks[1] = {0.5};
+    for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        LatentKVCache<float, S> cache(r, dr, 0.125f, SoftmaxOptions{.softcap = 8, .sink_logits = sinks});
+        cache.reserve(n + steps);
+        cache.extend(C.topRows(n), KR.topRows(n));
+        const OpenMPExecutor executor{.threads = threads};
+        Matrix<float> latent(heads, r), out(heads, dv);
+        cache.attend(Q, latent, executor);  // the first attend sizes the scratch
+        mla_decode(cache, q_nope, q_rope, W_UK, W_UV, out, executor);
+        HeapWatch watch;
+        for (Index i = 0; i < steps; ++i) {
+            cache.update(C.row(n + i), KR.row(n + i));
+            cache.attend(Q, latent, executor);
+            mla_decode(cache, q_nope, q_rope, W_UK, W_UV, out, executor);
+        }
+        cache.truncate(n);
+        cache.attend(Q, latent, executor);
+        const auto counts = watch.stop();
+        CHECK(counts.operator_news == 0);
+        CHECK(counts.eigen_mallocs == 0);
+        CHECK(latent.allFinite());
+        CHECK(out.allFinite());
+    }
 }

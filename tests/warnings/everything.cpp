@@ -160,6 +160,29 @@ void everything(memattn::Index n, memattn::Index d) {
     use_memory(memattn::KVCache<T>(d, d), x, out);
     use_memory(memattn::SlidingWindowCache<T>(d, d, 4, 1), x, out);
     use_memory(memattn::SparseKVCache<T>(d, d, {.block = 2, .top_k_blocks = 1, .window = 2, .sinks = 1}), x, out);
+    {  // multi-head latent attention: the cache, compactly too, and the absorbed step
+        const double sink[1] = {0.5};
+        memattn::LatentKVCache<T> latent(d, 2, T(0.1), {.softcap = 3, .sink_logits = sink});
+        latent.extend(x, x.leftCols(2));
+        latent.update(x.row(0), x.row(0).head(2));
+        const memattn::Matrix<T> packed = memattn::Matrix<T>::Zero(4, d + 2), q_nope = memattn::Matrix<T>::Zero(4, 3),
+                                 W_UK = memattn::Matrix<T>::Zero(12, d), W_UV = memattn::Matrix<T>::Zero(8, d);
+        memattn::Matrix<T> latent_out(4, d), mla_out(4, 2);
+        latent.attend(packed, latent_out);
+        memattn::mla_decode(latent, q_nope, packed.leftCols(2), W_UK, W_UV, mla_out);
+        std::stringstream snapshot;
+        memattn::save(latent, snapshot);
+        memattn::load(latent, snapshot);
+        latent.truncate(1);
+        if constexpr (std::is_same_v<T, float>) {
+            memattn::LatentKVCache<T, Eigen::bfloat16> bf16_latent(d, 2, T(0.1));
+            bf16_latent.extend(x, x.leftCols(2));
+            bf16_latent.attend(packed, latent_out);
+            memattn::LatentKVCache<T, memattn::Fp8E4M3> fp8_latent(d, 2, T(0.1));
+            fp8_latent.extend(x, x.leftCols(2));
+            fp8_latent.attend(packed, latent_out);
+        }
+    }
     // The rest is the same template code in double as in float (no double-only packet
     // path): float alone, since compile time is the cost of this unit.
     if constexpr (std::is_same_v<T, float>) {

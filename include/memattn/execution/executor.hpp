@@ -12,7 +12,7 @@
 //   void parallel_for(Index n, F f) const;  f(i) once for every i in [0, n), on any
 //                                        thread, in any order; returns when all are done
 // memattn cuts a call's items into at most concurrency() contiguous ranges of equal
-// estimated cost (layer/parallel.hpp) and asks for one parallel_for over the ranges, so
+// estimated cost (execution/parallel.hpp) and asks for one parallel_for over the ranges, so
 // a pool is entered once per call. No item's arithmetic depends on the cut, so the
 // outputs are bitwise the same for every executor and every thread count. memattn's own
 // callables catch their exceptions (they are rethrown on the calling thread after

@@ -7,7 +7,7 @@
 //   multi_head_chunked_linear_attention(Q, K, V, O, layout[, phi][, options][, states][, batch])
 //
 // Buffers and batches: layer/head_layout.hpp. A multi-head call is many single-head
-// calls plus a schedule (layer/parallel.hpp):
+// calls plus a schedule (execution/parallel.hpp):
 //
 // - Softmax: the work items are (sequence, KV head, tile of queries, query head of the
 //   group), in that order, so the query heads of a group read the same K/V tiles one
@@ -29,7 +29,7 @@
 #include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/kernels/linear_attention.hpp"
 #include "memattn/layer/head_layout.hpp"
-#include "memattn/layer/parallel.hpp"
+#include "memattn/execution/parallel.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>

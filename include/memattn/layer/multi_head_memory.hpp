@@ -38,7 +38,7 @@
 #include "memattn/kernels/decode_attention.hpp"
 #include "memattn/layer/head_layout.hpp"
 #include "memattn/layer/multi_head_kernels.hpp"
-#include "memattn/layer/parallel.hpp"
+#include "memattn/execution/parallel.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/detail/low_precision.hpp"
 #include "memattn/memory/detail/rollback.hpp"

@@ -14,7 +14,7 @@
 // changes nothing.
 
 #include "memattn/execution/executor.hpp"
-#include "memattn/layer/parallel.hpp"
+#include "memattn/execution/parallel.hpp"
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/memory/detail/rollback.hpp"

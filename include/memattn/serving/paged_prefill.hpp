@@ -29,7 +29,7 @@
 #include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/kernels/softmax_options.hpp"
 #include "memattn/layer/head_layout.hpp"
-#include "memattn/layer/parallel.hpp"
+#include "memattn/execution/parallel.hpp"
 #include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
 

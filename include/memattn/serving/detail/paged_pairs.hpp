@@ -14,7 +14,7 @@
 #include "memattn/kernels/decode_attention.hpp"
 #include "memattn/kernels/softmax_options.hpp"
 #include "memattn/layer/head_layout.hpp"
-#include "memattn/layer/parallel.hpp"
+#include "memattn/execution/parallel.hpp"
 #include "memattn/serving/cascade.hpp"
 #include "memattn/serving/detail/block_tables.hpp"
 #include "memattn/serving/paged_prefill.hpp"
