@@ -46,6 +46,12 @@
 //       the FLOPs of the roofline are the attend's, 2 · H · L · (2r + d_r), and its bytes
 //       the cache's footprint (plus the weights for A = 1)
 //
+//   BM_LatentPrefill/heads:H/past:P/tokens:N/t:T/mode:M   mla_prefill of N prompt tokens
+//       after P cached ones, DeepSeek-V3's shape, mode M = 1 absorbed, 2 expanded
+//       (MlaPrefill); its FLOPs the mode's own (absorbed 2·(2r + d_r) a head and pair
+//       plus the absorptions, expanded 2·(d_nope + d_r + d_v) a head and pair plus
+//       2·r·(d_nope + d_v) a head and key), a pair being a query and a key it sees
+//
 // The figure and the table: scripts/plot.py (decode_roofline.png; `plot.py decode-table
 // decode_bench.json` prints the table of docs/performance.md). On a shared machine run
 //   decode_bench --benchmark_filter=BM_DecodeStep --benchmark_repetitions=5
@@ -293,17 +299,25 @@ const Matrix<R>& pool_as(Index cols, unsigned seed) {
     }
 }
 
+/// Whether the cell's `threads` threads can run: a build without OpenMP skips the cells
+/// of more than one (SkipWithError).
+bool threads_available([[maybe_unused]] benchmark::State& state, [[maybe_unused]] Index threads) {
+#if !defined(_OPENMP)
+    if (threads > 1) {
+        state.SkipWithError("built without OpenMP");
+        return false;
+    }
+#endif
+    return true;
+}
+
 template <class S, class R = float>
 void decode_cell(benchmark::State& state, bool with_update) {
     const HeadLayout layout{state.range(0), state.range(1), head_dim};
     const Index length = state.range(2);
     const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(3))};
-#if !defined(_OPENMP)
-    if (state.range(3) > 1) {
-        state.SkipWithError("built without OpenMP");
+    if (!threads_available(state, state.range(3)))
         return;
-    }
-#endif
     using Cache = memattn::KVCache<R, S>;  // R: the rows' scalar (a 16-bit R converts them)
     using Layer = memattn::MultiHead<Cache>;
     const Index kv_cols = layout.kv_heads * head_dim, q_cols = layout.q_heads * head_dim;
@@ -469,12 +483,8 @@ void BM_LatentDecode(benchmark::State& state) {
     const Index heads = state.range(0), length = state.range(1);
     const bool absorbed = state.range(3) != 0;
     const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(2))};
-#if !defined(_OPENMP)
-    if (state.range(2) > 1) {
-        state.SkipWithError("built without OpenMP");
+    if (!threads_available(state, state.range(2)))
         return;
-    }
-#endif
     memattn::LatentKVCache<float, S> cache(r, dr, static_cast<float>(memattn::mla_softmax_scale(nope + dr, 40)));
     cache.reserve(length);
     const Matrix<float>& rows = pool(r + dr, 2);
@@ -500,6 +510,48 @@ void BM_LatentDecode(benchmark::State& state) {
     report_roofline(state, step_seconds, bytes, flops, executor);
     state.counters["GFLOPS"] = flops / step_seconds * 1e-9;
     state.counters["token_bytes"] = static_cast<double>(memattn::LatentKVCache<float, S>::token_bytes(r, dr));
+}
+
+void BM_LatentPrefill(benchmark::State& state) {
+    constexpr Index r = 512, dr = 64, nope = 128, dv = 128;
+    const Index heads = state.range(0), past = state.range(1), n = state.range(2);
+    const auto mode = static_cast<memattn::MlaPrefill>(state.range(4));
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(3))};
+    if (!threads_available(state, state.range(3)))
+        return;
+    const Matrix<float> rows = memattn::bench::random_matrix<float>(past + n, r + dr, 2);
+    const Matrix<float> q_nope = memattn::bench::random_matrix<float>(n * heads, nope, 3),
+                        q_rope = memattn::bench::random_matrix<float>(n * heads, dr, 4);
+    const Matrix<float> W_UK = memattn::bench::random_matrix<float>(heads * nope, r, 5) * 0.05f,
+                        W_UV = memattn::bench::random_matrix<float>(heads * dv, r, 6) * 0.05f;
+    Matrix<float> out(n * heads, dv);
+    memattn::LatentKVCache<float> cache(r, dr, static_cast<float>(memattn::mla_softmax_scale(nope + dr, 40)));
+    cache.reserve(past + n);
+    cache.extend(rows.topRows(past).leftCols(r), rows.topRows(past).rightCols(dr));
+    const double step_seconds = median_step_seconds(state, [&] {
+        cache.truncate(past);
+        memattn::mla_prefill(cache, q_nope, q_rope, rows.bottomRows(n).leftCols(r), rows.bottomRows(n).rightCols(dr),
+                             W_UK, W_UV, out, executor, mode);
+    });
+    const double pairs = static_cast<double>(heads) * static_cast<double>(n) *
+                         (static_cast<double>(past) + static_cast<double>(n + 1) / 2);
+    const double flops = mode == memattn::MlaPrefill::expanded
+                             ? pairs * 2 * (nope + dr + dv) +
+                                   static_cast<double>(heads) * static_cast<double>(past + n) * 2 * r * (nope + dv)
+                             : pairs * 2 * (2 * r + dr) + static_cast<double>(heads) * static_cast<double>(n) * 2 * r * (nope + dv);
+    report_roofline(state, step_seconds, cache.footprint(), flops, executor);
+    state.counters["GFLOPS"] = flops / step_seconds * 1e-9;
+}
+
+void latent_prefill_cells(benchmark::internal::Benchmark* b) {
+    b->ArgNames({"heads", "past", "tokens", "t", "mode"});
+    for (Index threads : {1, 2})
+        b->Args({128, 0, 2048, threads, 2});
+    for (Index past : {0, 4096})
+        for (Index n : {64, 128, 256, 512, 1024})
+            for (Index mode : {1, 2})
+                b->Args({16, past, n, 1, mode});
+    b->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 
 void latent_cells(benchmark::internal::Benchmark* b) {
@@ -867,6 +919,7 @@ void serving_cells(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_DecodeStep<float>)->Name("BM_DecodeStep<float>")->Apply(cells);
 BENCHMARK(BM_LatentDecode<float>)->Name("BM_LatentDecode<float>")->Apply(latent_cells);
 BENCHMARK(BM_LatentDecode<Eigen::bfloat16>)->Name("BM_LatentDecode<bfloat16>")->Apply(latent_cells);
+BENCHMARK(BM_LatentPrefill)->Apply(latent_prefill_cells);
 BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<Eigen::half>)->Name("BM_DecodeStep<half>")->Apply(cells);
 BENCHMARK(BM_DecodeStepBf16Rows)->Apply(cells);

@@ -6,7 +6,8 @@
 // own checks instead of stopping at the checksum. Then:
 //   - load throws SnapshotError: the target's own snapshot is byte for byte what it was;
 //   - load returns: saving the target gives exactly the bytes load consumed (the format
-//     is canonical), and the loaded memory decodes a token;
+//     is canonical), and the loaded memory decodes a token (a latent cache: two heads
+//     attend it);
 //   - loading the same bytes from a buffer (load(memory, span)) has the same outcome, and
 //     returns the size the stream load consumed, which is snapshot_size of the result.
 // Seeds (fuzz/corpus/snapshot) are valid snapshots of every target, written by this file
@@ -37,23 +38,39 @@ std::string saved(const M& memory) {
     return out.str();
 }
 
-/// A memory that has seen `tokens` tokens of a fixed sequence.
+/// A latent attention cache (not a Memory: its attend takes every head at once).
+template <class M>
+concept Latent = requires(const M& m) { m.latent_dim(); };
+
+/// A memory that has seen `tokens` tokens of a fixed sequence (a latent cache: latents
+/// and RoPE keys).
 template <class M>
 M fed(M memory, Index tokens) {
     using T = typename M::Scalar;
-    Matrix<T> K(tokens, memory.key_dim()), V(tokens, memory.value_dim());
+    Index kd = 0, vd = 0;
+    if constexpr (Latent<M>) {
+        kd = memory.latent_dim();
+        vd = memory.rope_dim();
+    } else {
+        kd = memory.key_dim();
+        vd = memory.value_dim();
+    }
+    Matrix<T> K(tokens, kd), V(tokens, vd);
     for (Index i = 0; i < K.size(); ++i)
         K.data()[i] = static_cast<T>((i * 37 % 11) - 5) / T(4);
     for (Index i = 0; i < V.size(); ++i)
         V.data()[i] = static_cast<T>((i * 13 % 7) - 3) / T(2);
-    memattn::extend(memory, K, V);
+    if constexpr (Latent<M>)
+        memory.extend(K, V);
+    else
+        memattn::extend(memory, K, V);
     return memory;
 }
 
 /// Calls f(memory) with target number `which` (the seeds use every one).
 template <class F>
 void with_target(unsigned which, F&& f) {
-    switch (which % 19) {
+    switch (which % 21) {
         case 0: return f(fed(KVCache<float>(d, dv), 3));
         case 1: return f(fed(KVCache<double>(d, dv), 0));
         case 2: return f(fed(SlidingWindowCache<float>(d, dv, 4, 1), 7));
@@ -71,6 +88,8 @@ void with_target(unsigned which, F&& f) {
         case 16: return f(fed(KVCache<double, Fp8E4M3>(d, dv), 5));
         case 17: return f(fed(KVCache<float, Fp8E5M2>(d, dv), 4));
         case 18: return f(fed(SlidingWindowCache<double, PerTokenScale<Fp8E4M3>>(d, dv, 3, 1), 6));
+        case 19: return f(fed(LatentKVCache<float>(d, dv, 0.5f), 5));
+        case 20: return f(fed(LatentKVCache<double, Q8>(d + 1, dv, 0.25), 3));
         case 10:
             return f(fed(MultiHead<KVCache<float>>({.q_heads = 2, .kv_heads = 2, .head_dim = d, .value_dim = dv},
                                                     [](Index) { return KVCache<float>(d, dv); }),
@@ -102,9 +121,29 @@ std::size_t span_load(M target, const std::string& stream, const std::string& be
     }
 }
 
+/// What loaded answers: a memory decodes a token, a latent cache attends two heads.
+template <class M>
+void use_loaded(M& target) {
+    using T = typename M::Scalar;
+    if constexpr (Latent<M>) {
+        const Matrix<T> q = Matrix<T>::Ones(2, target.query_dim());
+        Matrix<T> o(2, target.latent_dim());
+        target.attend(q, o);
+    } else {
+        Index qd = target.key_dim(), od = target.value_dim();
+        if constexpr (detail::KnowsQueryDims<M>) {
+            qd = target.query_dim();
+            od = target.output_dim();
+        }
+        const Matrix<T> q = Matrix<T>::Ones(1, qd), k = Matrix<T>::Ones(1, target.key_dim()),
+                        v = Matrix<T>::Ones(1, target.value_dim());
+        Matrix<T> o(1, od);
+        decode(target, q, k, v, o);
+    }
+}
+
 template <class M>
 void fuzz_load(M target, std::string stream) {
-    using T = typename M::Scalar;
     const std::string before = saved(target);
     const std::size_t from_span = span_load(target, stream, before);
     std::istringstream in(stream, std::ios::binary);
@@ -123,15 +162,7 @@ void fuzz_load(M target, std::string stream) {
         std::abort();  // what loaded does not save back to the same bytes
     if (from_span != consumed)
         std::abort();  // the buffer and the stream disagree
-    Index qd = target.key_dim(), od = target.value_dim();
-    if constexpr (detail::KnowsQueryDims<M>) {
-        qd = target.query_dim();
-        od = target.output_dim();
-    }
-    const Matrix<T> q = Matrix<T>::Ones(1, qd), k = Matrix<T>::Ones(1, target.key_dim()),
-                    v = Matrix<T>::Ones(1, target.value_dim());
-    Matrix<T> o(1, od);
-    decode(target, q, k, v, o);
+    use_loaded(target);
 }
 
 }  // namespace
@@ -158,7 +189,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 int main(int argc, char** argv) {
     if (argc != 2)
         return 2;
-    for (unsigned which = 0; which < 19; ++which)
+    for (unsigned which = 0; which < 21; ++which)
         with_target(which, [&](const auto& memory) {
             std::ofstream out(std::string(argv[1]) + "/seed-" + std::to_string(which), std::ios::binary);
             out.put(static_cast<char>(which | 0x80));  // a fixed checksum: mutations reach the payload checks

@@ -284,7 +284,7 @@ TEST_CASE("mla_decode: a DeepSeek-V3-shaped layer equals the unabsorbed MLA in d
     const reference::MatrixD W_UK = reference::to_double(random_matrix<double>(H * nope, r, 34, 1 / std::sqrt(double(r))));
     const reference::MatrixD W_UV = reference::to_double(random_matrix<double>(H * dv, r, 35, 1 / std::sqrt(double(r))));
     const reference::MatrixD expected =
-        reference::mla_unabsorbed(q_nope, q_rope, C, KR, W_UK, W_UV, reference::Logits{.scale = scale});
+        reference::mla_unabsorbed(H, q_nope, q_rope, C, KR, W_UK, W_UV, reference::Logits{.scale = scale});
 
     LatentKVCache<float> cache(r, dr, static_cast<float>(scale));
     cache.extend(C.cast<float>(), KR.cast<float>());
@@ -306,4 +306,98 @@ TEST_CASE("mla_decode: a DeepSeek-V3-shaped layer equals the unabsorbed MLA in d
     REQUIRE_THROWS_AS(mla_decode(cache, q_nope.cast<float>(), q_rope.cast<float>(), W_UK.topRows(H * nope - 1).cast<float>(),
                                  W_UV.cast<float>(), out),
                       std::invalid_argument);
+}
+
+TEMPLATE_TEST_CASE("mla_prefill: absorbed and expanded equal the unabsorbed MLA over the past and the prompt",
+                   "[layer][latent]", float, double) {
+    using T = TestType;
+    struct Shape {
+        Index heads, r, dr, nope, dv, past, n;
+    };
+    // One key chunk and past it (detail::mla_key_chunk 4096), no past, one token, RoPE 0.
+    const Shape shape = GENERATE(Shape{3, 20, 6, 8, 5, 37, 70}, Shape{2, 9, 4, 4, 3, 4100, 5}, Shape{4, 16, 0, 6, 7, 0, 33},
+                                 Shape{1, 5, 3, 2, 2, 12, 1});
+    const auto mode = GENERATE(MlaPrefill::absorbed, MlaPrefill::expanded, MlaPrefill::automatic);
+    const Index H = shape.heads, r = shape.r, dr = shape.dr, nope = shape.nope, dv = shape.dv, P = shape.past,
+                n = shape.n;
+    CAPTURE(H, r, dr, nope, dv, P, n, static_cast<int>(mode));
+    const double scale = mla_softmax_scale(nope + dr);
+    const Matrix<T> C = random_matrix<T>(P + n, r, 40), KR = random_matrix<T>(P + n, dr, 41);
+    const Matrix<T> q_nope = random_matrix<T>(n * H, nope, 42), q_rope = random_matrix<T>(n * H, dr, 43);
+    const Matrix<T> W_UK = random_matrix<T>(H * nope, r, 44, 0.5), W_UV = random_matrix<T>(H * dv, r, 45, 0.5);
+    const std::vector<double> sinks(static_cast<std::size_t>(H), 0.75);
+    for (const bool with_options : {false, true}) {
+        CAPTURE(with_options);
+        LatentKVCache<T> cache = with_options
+                                     ? LatentKVCache<T>(r, dr, static_cast<T>(scale), {.softcap = 2.0, .sink_logits = sinks})
+                                     : LatentKVCache<T>(r, dr, static_cast<T>(scale));
+        cache.extend(C.topRows(P), KR.topRows(P));
+        Matrix<T> out(n * H, dv);
+        mla_prefill(cache, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, out, {}, mode);
+        CHECK(cache.length() == P + n);
+        reference::Logits logits{.scale = scale};
+        if (with_options) {
+            logits.softcap = 2.0;
+            logits.sink = 0.75;
+        }
+        const reference::MatrixD expected =
+            reference::mla_unabsorbed(H, reference::to_double(q_nope), reference::to_double(q_rope), reference::to_double(C),
+                                      reference::to_double(KR), reference::to_double(W_UK), reference::to_double(W_UV),
+                                      logits);
+        check_close(out, expected, sizeof(T) == 4 ? 1e-4 : 1e-11);
+    }
+}
+
+TEST_CASE("mla_prefill: bitwise for any thread count, a compact cache's stored rows, bad input changes nothing",
+          "[layer][latent]") {
+    const Index H = 6, r = 24, dr = 8, nope = 8, dv = 8, P = 300, n = 40;
+    const Matrix<float> C = random_matrix<float>(P + n, r, 50), KR = random_matrix<float>(P + n, dr, 51);
+    const Matrix<float> q_nope = random_matrix<float>(n * H, nope, 52), q_rope = random_matrix<float>(n * H, dr, 53);
+    const Matrix<float> W_UK = random_matrix<float>(H * nope, r, 54, 0.5), W_UV = random_matrix<float>(H * dv, r, 55, 0.5);
+    for (const auto mode : {MlaPrefill::absorbed, MlaPrefill::expanded}) {
+        Matrix<float> serial(n * H, dv), threaded(n * H, dv);
+        LatentKVCache<float> a(r, dr, 0.2f), b(r, dr, 0.2f);
+        a.extend(C.topRows(P), KR.topRows(P));
+        b.extend(C.topRows(P), KR.topRows(P));
+        mla_prefill(a, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, serial, SerialExecutor{}, mode);
+        mla_prefill(b, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, threaded,
+                    OpenMPExecutor{.threads = 2}, mode);
+        CHECK((serial.array() == threaded.array()).all());
+
+        // A bfloat16 cache: the float cache of the rows it holds, bitwise.
+        LatentKVCache<float, Eigen::bfloat16> compact(r, dr, 0.2f);
+        compact.extend(C.topRows(P), KR.topRows(P));
+        Matrix<float> joined(P + n, r + dr), held(P + n, r + dr);
+        joined << C, KR;
+        detail::round_trip<float, Eigen::bfloat16>(joined, held.data(), r + dr);
+        LatentKVCache<float> plain(r, dr, 0.2f);
+        plain.extend(held.topRows(P).leftCols(r), held.topRows(P).rightCols(dr));
+        Matrix<float> from_compact(n * H, dv), from_plain(n * H, dv);
+        mla_prefill(compact, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, from_compact, {}, mode);
+        mla_prefill(plain, q_nope, q_rope, held.bottomRows(n).leftCols(r), held.bottomRows(n).rightCols(dr), W_UK, W_UV,
+                    from_plain, {}, mode);
+        CHECK((from_compact.array() == from_plain.array()).all());
+    }
+    LatentKVCache<float> cache(r, dr, 0.2f);
+    cache.extend(C.topRows(P), KR.topRows(P));
+    Matrix<float> out(n * H, dv), narrow(n * H, dv - 1);
+    REQUIRE_THROWS_AS(mla_prefill(cache, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, narrow),
+                      std::invalid_argument);
+    REQUIRE_THROWS_AS(mla_prefill(cache, q_nope.topRows(n * H - 1), q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK,
+                                  W_UV, out),
+                      std::invalid_argument);
+    REQUIRE_THROWS_AS(mla_prefill(cache, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n).leftCols(dr - 1), W_UK,
+                                  W_UV, out),
+                      std::invalid_argument);
+    CHECK(cache.length() == P);
+}
+
+TEST_CASE("mla_expands: the prefill's automatic choice by the FLOPs of each form", "[layer][latent]") {
+    // DeepSeek-V3's shapes: r = 512, d_r = 64, nope 128, v 128 (docs/performance.md).
+    CHECK_FALSE(mla_expands(64, 0, 512, 64, 128, 128));     // below mla_expand_tokens
+    CHECK(mla_expands(128, 0, 512, 64, 128, 128));          // no past: fewer FLOPs expanded
+    CHECK(mla_expands(2048, 0, 512, 64, 128, 128));
+    CHECK_FALSE(mla_expands(128, 4096, 512, 64, 128, 128)); // a long past to expand for few queries
+    CHECK(mla_expands(256, 4096, 512, 64, 128, 128));
+    CHECK_FALSE(mla_expands(200, 100000, 512, 64, 128, 128));
 }

@@ -279,22 +279,24 @@ inline MatrixD hybrid(const MatrixD& Q, const MatrixD& K, const MatrixD& V, Inde
 // ---------------------------------------------------------------- latent attention
 
 /// Multi-head latent attention unabsorbed (DeepSeek-V2 §2.1): head h's keys
-/// [C W_UK_hᵀ | KR] and values C W_UV_hᵀ expanded, its query [q_nope_h | q_rope_h], each
-/// head seeing every row; W_UK is (H·d_nope) × r and W_UV (H·d_v) × r, head after head.
-/// Returns H × d_v.
-inline MatrixD mla_unabsorbed(const MatrixD& q_nope, const MatrixD& q_rope, const MatrixD& C, const MatrixD& KR,
-                              const MatrixD& W_UK, const MatrixD& W_UV, const Logits& logits) {
-    const Index heads = q_nope.rows(), nope = q_nope.cols(), dr = q_rope.cols(), dv = W_UV.rows() / heads;
-    MatrixD out(heads, dv);
+/// [C W_UK_hᵀ | KR] and values C W_UV_hᵀ expanded, its queries [q_nope | q_rope] of the
+/// n tokens (head h of token t in row t·H + h), token t at position Nk − n + t under the
+/// causal rule (logits.causal; else every row seen); W_UK is (H·d_nope) × r and W_UV
+/// (H·d_v) × r, head after head. Returns (n·H) × d_v, rows as the queries'.
+inline MatrixD mla_unabsorbed(Index heads, const MatrixD& q_nope, const MatrixD& q_rope, const MatrixD& C,
+                              const MatrixD& KR, const MatrixD& W_UK, const MatrixD& W_UV, const Logits& logits) {
+    const Index n = q_nope.rows() / heads, nope = q_nope.cols(), dr = q_rope.cols(), dv = W_UV.rows() / heads;
+    MatrixD out(n * heads, dv);
     for (Index h = 0; h < heads; ++h) {
-        MatrixD K(C.rows(), nope + dr), q(1, nope + dr);
+        MatrixD K(C.rows(), nope + dr), Q(n, nope + dr);
         K.leftCols(nope) = C * W_UK.middleRows(h * nope, nope).transpose();
         K.rightCols(dr) = KR;
-        q << q_nope.row(h), q_rope.row(h);
+        for (Index t = 0; t < n; ++t)
+            Q.row(t) << q_nope.row(t * heads + h), q_rope.row(t * heads + h);
         const MatrixD V = C * W_UV.middleRows(h * dv, dv).transpose();
-        Logits o = logits;
-        o.causal = false;
-        out.row(h) = softmax_attention(q, K, V, o).out;
+        const MatrixD O = softmax_attention(Q, K, V, logits).out;
+        for (Index t = 0; t < n; ++t)
+            out.row(t * heads + h) = O.row(t);
     }
     return out;
 }

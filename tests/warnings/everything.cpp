@@ -170,6 +170,10 @@ void everything(memattn::Index n, memattn::Index d) {
         memattn::Matrix<T> latent_out(4, d), mla_out(4, 2);
         latent.attend(packed, latent_out);
         memattn::mla_decode(latent, q_nope, packed.leftCols(2), W_UK, W_UV, mla_out);
+        memattn::mla_prefill(latent, q_nope, packed.leftCols(2), x.topRows(1), x.topRows(1).leftCols(2), W_UK, W_UV,
+                             mla_out);
+        memattn::mla_prefill(latent, q_nope, packed.leftCols(2), x.topRows(1), x.topRows(1).leftCols(2), W_UK, W_UV,
+                             mla_out, {}, memattn::MlaPrefill::expanded);
         std::stringstream snapshot;
         memattn::save(latent, snapshot);
         memattn::load(latent, snapshot);

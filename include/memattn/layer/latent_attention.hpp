@@ -17,14 +17,31 @@
 //
 // which is the unabsorbed attention exactly, to rounding, at 2·(2r + d_r) FLOPs per head
 // and cached token instead of expanding every cached token's keys and values per head.
+//
+// A prompt (mla_prefill) attends causally: token t of n sees the cache's P past tokens
+// and the prompt's tokens up to itself. Absorbed, it costs 2·(2r + d_r) per head and
+// (query, key) pair; expanded (each head's keys [c W_UK_hᵀ | kr] and values c W_UV_hᵀ
+// made once per call, a chunk of keys at a time, then the plain causal kernel on them) it
+// costs 2·(d_nope + d_r + d_v) per pair plus 2·r·(d_nope + d_v) per head and key: for
+// DeepSeek's shapes 2,176 against 640 per pair plus 262,144 per key (the absorbed form
+// pays that per query instead), so expanding pays once the prompt is long beside the
+// past (mla_expands, measured), as DeepSeek's and vLLM's prefill expand and their
+// decode absorbs.
 
 #include "memattn/execution/executor.hpp"
 #include "memattn/execution/parallel.hpp"
+#include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/memory/latent_kv_cache.hpp"
 #include "memattn/types.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <optional>
+#include <span>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace memattn {
 
@@ -129,6 +146,291 @@ void mla_decode(const LatentKVCache<T, S>& cache, std::type_identity_t<ConstMatr
                 out.row(h).noalias() = latent.row(h) * W_UV.middleRows(h * dv, dv).transpose();
         },
         threads, executor);
+}
+
+/// How mla_prefill attends a prompt (see the top of the file).
+enum class MlaPrefill {
+    automatic,  ///< expanded where mla_expands says so, absorbed otherwise
+    absorbed,   ///< the queries absorbed, every head over the stored rows
+    expanded,   ///< each head's keys and values expanded, a chunk of keys at a time
+};
+
+/// The fewest prompt tokens mla_prefill's automatic choice expands.
+inline constexpr Index mla_expand_tokens = 128;
+
+/// Whether MlaPrefill::automatic expands a prompt of n tokens after `past` cached ones
+/// (d_nope, d_r, d_v the heads' widths, r the latent's): from mla_expand_tokens tokens
+/// on, where the expanded form's FLOPs, 2·(d_nope + d_r + d_v) a pair and 2·r·(d_nope +
+/// d_v) a key, times 1.25 are at most the absorbed form's, 2·(2r + d_r) a pair and
+/// 2·r·(d_nope + d_v) a query. Measured for DeepSeek-V3's shapes (16 heads, one thread,
+/// AMD EPYC Zen 2, docs/performance.md), the rule picks the faster form at 64–1024 tokens
+/// after 0 and 4096 cached ones: the expansion's products run slower than the kernel's.
+inline bool mla_expands(Index n, Index past, Index r, Index dr, Index nope, Index dv) {
+    if (n < mla_expand_tokens)
+        return false;
+    const double pairs = static_cast<double>(n) * (static_cast<double>(past) + static_cast<double>(n + 1) / 2);
+    const double project = 2.0 * static_cast<double>(r) * static_cast<double>(nope + dv);
+    const double absorbed = pairs * 2.0 * static_cast<double>(2 * r + dr) + static_cast<double>(n) * project;
+    const double expanded = pairs * 2.0 * static_cast<double>(nope + dr + dv) + static_cast<double>(past + n) * project;
+    return 1.25 * expanded <= absorbed;
+}
+
+namespace detail {
+
+/// Keys a chunk of the expanded prefill expands at a time (their keys and values
+/// 4096 · (d_nope + d_r + d_v) of T a thread).
+inline constexpr Index mla_key_chunk = 4096;
+/// Rows of stored latents the expansion's products take at a time (128 × 512 floats:
+/// 256 KiB, in L2 beside a panel of the weights).
+inline constexpr Index mla_expand_rows = 128;
+
+/// One thread's buffers of a prefill, sized by its first head and reused by the next.
+template <class T>
+struct MlaPrefillScratch {
+    Matrix<T> queries;            ///< n × (r + d_r) absorbed, n × (d_nope + d_r) expanded
+    Matrix<T> latent;             ///< n × r: the absorbed path's latent outputs
+    Matrix<T> uk_t, uv_t;         ///< W_UK_hᵀ (r × d_nope), W_UV_hᵀ (r × d_v)
+    Matrix<T> keys, values;       ///< a chunk's expanded keys and values
+    Matrix<T> decoded;            ///< a chunk's stored rows as T (compact storage)
+    Matrix<T> part, acc;          ///< a chunk's outputs, the merged outputs (n × d_v)
+    std::vector<T> part_lse, lse; ///< theirs log-sum-exps
+    std::optional<SoftmaxScratch<T>> softmax;
+
+    SoftmaxScratch<T>& kernel_scratch(Index d, Index dv, SoftmaxTiles tiles) {
+        if (!softmax || softmax->tiles != tiles || softmax->qt.rows() != d || softmax->acc.cols() != dv)
+            softmax.emplace(d, dv, tiles);
+        return *softmax;
+    }
+};
+
+/// A Matrix of at least rows × cols, exactly cols wide, reused when it is.
+template <class T>
+void size_rows(Matrix<T>& m, Index rows, Index cols) {
+    if (m.rows() < rows || m.cols() != cols)
+        m.resize(rows, cols);
+}
+
+/// What mla_prefill reads of its arguments, for one head h at a time: rows t·H + h of
+/// the packed queries and outputs (H heads of n tokens), head h's blocks of the weights.
+template <class T>
+struct MlaPrompt {
+    ConstMatrixRef<T> q_nope, q_rope, W_UK, W_UV;
+    T* out;      ///< row t·H + h of the outputs at out + (t·H + h)·ldo
+    Index ldo;
+    Index heads, tokens, past, r, dr, nope, dv;
+    T scale;
+    double softcap;
+    std::span<const double> sinks;
+
+    /// Head h's sink logit (−∞: none).
+    [[nodiscard]] T sink(Index h) const {
+        if (sinks.empty())
+            return -std::numeric_limits<T>::infinity();
+        return static_cast<T>(sinks[sinks.size() == 1 ? 0 : static_cast<std::size_t>(h)]);
+    }
+    /// out_h = latent · W_UV_hᵀ into rows t·H + h of out.
+    void project_out(Index h, const Matrix<T>& latent, MlaPrefillScratch<T>& scratch) const {
+        scratch.uv_t = W_UV.middleRows(h * dv, dv).transpose();
+        tile_product<T>(tokens, dv, r, latent.data(), latent.cols(), 1, scratch.uv_t.data(), dv,
+                        out + h * ldo, heads * ldo, nullptr);
+    }
+};
+
+/// The absorbed prefill of head h: [q_nope_h W_UK_h | q_rope_h] against every stored row.
+template <class T, class S>
+void mla_prefill_absorbed(const MlaPrompt<T>& p, Index h, const StoredRows<T, S>& rows, MlaPrefillScratch<T>& scratch) {
+    const Index width = p.r + p.dr, keys = p.past + p.tokens;
+    size_rows(scratch.queries, p.tokens, width);
+    tile_product<T>(p.tokens, p.r, p.nope, p.q_nope.data() + h * p.q_nope.outerStride(),
+                    p.heads * p.q_nope.outerStride(), 1, p.W_UK.data() + h * p.nope * p.W_UK.outerStride(),
+                    p.W_UK.outerStride(), scratch.queries.data(), width, nullptr);
+    for (Index t = 0; t < p.tokens; ++t)
+        scratch.queries.row(t).tail(p.dr) = p.q_rope.row(t * p.heads + h);
+    size_rows(scratch.latent, p.tokens, p.r);
+    const T sink = p.sink(h);
+    LogitRule rule{.causal = true, .softcap = p.softcap};
+    rule.sink = sink != -std::numeric_limits<T>::infinity();
+    rule.sink_logit = rule.sink ? static_cast<double>(sink) : 0;
+    SoftmaxScratch<T>& softmax = scratch.kernel_scratch(width, p.r, SoftmaxTiles{});
+    const ConstMatrixRef<T> queries = scratch.queries.topRows(p.tokens);
+    MatrixRef<T> latent = scratch.latent.topRows(p.tokens);
+    const auto no_lse = [](Index, T) {};
+    if constexpr (std::is_same_v<S, T>) {
+        const auto all = rows.block(0, keys);
+        TiledCausalSoftmax<T> kernel(PlainRows<T>(queries), PlainRows<T>(all), PlainRows<T>(all.leftCols(p.r)),
+                                     p.scale, 0, 0, softmax, rule);
+        kernel.run(latent, no_lse);
+    } else {
+        size_rows(scratch.decoded, softmax.tiles.keys, width);
+        LatentTile<T, S> tile(rows, 0, scratch.decoded);
+        using Source = LatentColumns<T, S>;
+        TiledCausalSoftmax<T, DefaultBlocking, Source, Source> kernel(
+            PlainRows<T>(queries), Source(tile, keys, width), Source(tile, keys, p.r), p.scale, 0, 0, softmax, rule);
+        kernel.run(latent, no_lse);
+    }
+    p.project_out(h, scratch.latent, scratch);
+}
+
+/// The expanded prefill of head h: its keys [c W_UK_hᵀ | kr] and values c W_UV_hᵀ made a
+/// chunk of stored rows at a time, the plain causal kernel on each chunk, the chunks'
+/// outputs merged by their log-sum-exps in order, then the head's sink logit.
+template <class T, class S>
+void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const StoredRows<T, S>& rows, MlaPrefillScratch<T>& scratch) {
+    const Index width = p.r + p.dr, qk = p.nope + p.dr, keys = p.past + p.tokens, n = p.tokens;
+    size_rows(scratch.queries, n, qk);
+    for (Index t = 0; t < n; ++t) {
+        scratch.queries.row(t).head(p.nope) = p.q_nope.row(t * p.heads + h);
+        scratch.queries.row(t).tail(p.dr) = p.q_rope.row(t * p.heads + h);
+    }
+    scratch.uk_t = p.W_UK.middleRows(h * p.nope, p.nope).transpose();
+    scratch.uv_t = p.W_UV.middleRows(h * p.dv, p.dv).transpose();
+    const Index chunk = std::min(mla_key_chunk, keys);
+    size_rows(scratch.keys, chunk, qk);
+    size_rows(scratch.values, chunk, p.dv);
+    size_rows(scratch.part, n, p.dv);
+    size_rows(scratch.acc, n, p.dv);
+    scratch.part_lse.resize(static_cast<std::size_t>(n));
+    scratch.lse.assign(static_cast<std::size_t>(n), -std::numeric_limits<T>::infinity());
+    scratch.acc.topRows(n).setZero();
+    SoftmaxScratch<T>& softmax = scratch.kernel_scratch(qk, p.dv, SoftmaxTiles{});
+    const LogitRule rule{.causal = true, .softcap = p.softcap};
+    for (Index j0 = 0; j0 < keys; j0 += chunk) {
+        const Index m = std::min(chunk, keys - j0);
+        const T* stored = nullptr;
+        if constexpr (std::is_same_v<S, T>) {
+            stored = rows.block(j0, m).data();
+        } else {
+            size_rows(scratch.decoded, chunk, width);
+            rows.decode_rows(j0, m, scratch.decoded.data(), width);
+            stored = scratch.decoded.data();
+        }
+        // The chunk's keys and values, a block of rows at a time: the block's latents stay
+        // in L2 while the panels of W_UK_hᵀ and W_UV_hᵀ pass over them.
+        for (Index b0 = 0; b0 < m; b0 += mla_expand_rows) {
+            const Index b = std::min(mla_expand_rows, m - b0);
+            const T* block = stored + b0 * width;
+            tile_product<T>(b, p.nope, p.r, block, width, 1, scratch.uk_t.data(), p.nope,
+                            scratch.keys.data() + b0 * qk, qk, nullptr);
+            tile_product<T>(b, p.dv, p.r, block, width, 1, scratch.uv_t.data(), p.dv,
+                            scratch.values.data() + b0 * p.dv, p.dv, nullptr);
+        }
+        for (Index j = 0; j < m; ++j)
+            for (Index c = 0; c < p.dr; ++c)
+                scratch.keys(j, p.nope + c) = stored[j * width + p.r + c];
+        // The prompt's queries at positions past + t that reach the chunk: t ≥ j0 − past.
+        const Index t0 = std::max<Index>(0, j0 - p.past);
+        if (t0 >= n)
+            break;
+        TiledCausalSoftmax<T> kernel(PlainRows<T>(scratch.queries.middleRows(t0, n - t0)),
+                                     PlainRows<T>(scratch.keys.topRows(m)), PlainRows<T>(scratch.values.topRows(m)),
+                                     p.scale, 0, 0, softmax, rule);
+        kernel.set_query_offset(p.past + t0 - j0);
+        T* part_lse = scratch.part_lse.data();
+        kernel.run(MatrixRef<T>(scratch.part.middleRows(t0, n - t0)), [part_lse, t0](Index i, T value) {
+            part_lse[t0 + i] = value;
+        });
+        for (Index t = t0; t < n; ++t) {  // the chunk's part into the merged outputs, in order
+            const T a = scratch.lse[static_cast<std::size_t>(t)], b = scratch.part_lse[static_cast<std::size_t>(t)];
+            if (b == -std::numeric_limits<T>::infinity())
+                continue;
+            if (a == -std::numeric_limits<T>::infinity()) {
+                scratch.acc.row(t) = scratch.part.row(t);
+                scratch.lse[static_cast<std::size_t>(t)] = b;
+                continue;
+            }
+            const T top = std::max(a, b), wa = std::exp(a - top), wb = std::exp(b - top), total = wa + wb;
+            scratch.acc.row(t) = (wa / total) * scratch.acc.row(t) + (wb / total) * scratch.part.row(t);
+            scratch.lse[static_cast<std::size_t>(t)] = top + std::log(total);
+        }
+    }
+    if (const T sink = p.sink(h); sink != -std::numeric_limits<T>::infinity())
+        for (Index t = 0; t < n; ++t) {  // σ joins each denominator: o · e^λ / (e^λ + e^σ)
+            const T l = scratch.lse[static_cast<std::size_t>(t)], top = std::max(l, sink);
+            const T keep = std::exp(l - top) / (std::exp(l - top) + std::exp(sink - top));
+            scratch.acc.row(t) *= keep;
+        }
+    for (Index t = 0; t < n; ++t)
+        Eigen::Map<Matrix<T>>(p.out + (t * p.heads + h) * p.ldo, 1, p.dv) = scratch.acc.row(t);
+}
+
+}  // namespace detail
+
+/// The prompt's n tokens appended to `cache` and attended by multi-head latent attention
+/// (see the top of the file), H query heads a token: token t (position P + t, P the
+/// cache's length before) sees the P cached tokens and the prompt's tokens 0..t, as
+/// stored (compact storage: rounded). Rows are packed token after token: q_nope (n·H) ×
+/// d_nope, q_rope (n·H) × d_r and out (n·H) × d_v hold head h of token t in row t·H + h
+/// (the same bytes as n × (H·d) packed rows); latents n × r and ropes n × d_r are the
+/// tokens' cache rows (RoPE keys turned), W_UK (H·d_nope) × r and W_UV (H·d_v) × r. The
+/// heads run on the executor's threads, each the same way whoever runs it. `mode`
+/// chooses the absorbed or the expanded form (automatic: mla_expands). Equal
+/// to the unabsorbed formula within rounding. Throws std::invalid_argument, changing
+/// nothing, on shapes that do not fit or values the cache's storage cannot hold; if the
+/// attention itself throws (std::bad_alloc), the cache is taken back to its length.
+template <class T, class S>
+void mla_prefill(LatentKVCache<T, S>& cache, std::type_identity_t<ConstMatrixRef<T>> q_nope,
+                 std::type_identity_t<ConstMatrixRef<T>> q_rope, std::type_identity_t<ConstMatrixRef<T>> latents,
+                 std::type_identity_t<ConstMatrixRef<T>> ropes, std::type_identity_t<ConstMatrixRef<T>> W_UK,
+                 std::type_identity_t<ConstMatrixRef<T>> W_UV, std::type_identity_t<MatrixRef<T>> out,
+                 ExecutorRef executor = {}, MlaPrefill mode = MlaPrefill::automatic) {
+    constexpr const char* function = "mla_prefill";
+    const Index n = latents.rows(), r = cache.latent_dim(), dr = cache.rope_dim();
+    cache.validate(latents, ropes, function);
+    detail::require(n > 0 ? q_nope.rows() % n == 0 && q_nope.rows() > 0 : q_nope.rows() == 0, function, "q_nope",
+                    "has shape ", detail::shape(q_nope), ", expected n·H rows for the n = ", n,
+                    " tokens of latents (head h of token t in row t·H + h)");
+    const Index heads = n > 0 ? q_nope.rows() / n : 0, nope = q_nope.cols();
+    detail::require(q_rope.rows() == q_nope.rows() && q_rope.cols() == dr, function, "q_rope", "has shape ",
+                    detail::shape(q_rope), ", expected ", q_nope.rows(), 'x', dr, " (q_nope is ",
+                    detail::shape(q_nope), ", the cache's rope_dim ", dr, ")");
+    detail::require(W_UK.cols() == r && W_UK.rows() == detail::checked_product(function, "q_nope", heads, nope,
+                                                                               "heads x d_nope"),
+                    function, "W_UK", "has shape ", detail::shape(W_UK), ", expected ", heads * nope, 'x', r,
+                    " (H · d_nope rows for H = ", heads, "; the cache's latent_dim columns)");
+    detail::require(W_UV.cols() == r && (heads == 0 || W_UV.rows() % heads == 0), function, "W_UV", "has shape ",
+                    detail::shape(W_UV), ", expected H · d_v rows for H = ", heads, " and the cache's latent_dim ", r,
+                    " columns");
+    const Index dv = heads > 0 ? W_UV.rows() / heads : 0;
+    detail::require(out.rows() == q_nope.rows() && out.cols() == dv, function, "out", "has shape ",
+                    detail::shape(out), ", expected ", q_nope.rows(), 'x', dv, " (n·H × d_v)");
+    for (const auto& [name, in] : {std::pair<const char*, const ConstMatrixRef<T>*>{"q_nope", &q_nope},
+                                   {"q_rope", &q_rope}, {"latents", &latents}, {"ropes", &ropes}, {"W_UK", &W_UK},
+                                   {"W_UV", &W_UV}})
+        detail::require_disjoint(function, "out", out, name, *in);
+    const SoftmaxOptions options = cache.options();
+    detail::require(options.sink_logits.size() <= 1 || static_cast<Index>(options.sink_logits.size()) == heads,
+                    function, "q_nope", "holds ", heads, " heads a token, but the cache's options give ",
+                    options.sink_logits.size(), " sink logits, one per head");
+    if (n == 0)
+        return;
+    const Index past = cache.length();
+    cache.extend(latents, ropes);  // may throw: nothing changed
+    try {
+        const detail::MlaPrompt<T> prompt{q_nope, q_rope, W_UK, W_UV, out.data(), out.outerStride(), heads, n, past,
+                                          r, dr, nope, dv,
+                                          cache.scale(), options.softcap, options.sink_logits};
+        const bool expand = mode == MlaPrefill::expanded ||
+                            (mode == MlaPrefill::automatic && mla_expands(n, past, r, dr, nope, dv));
+        std::vector<detail::MlaPrefillScratch<T>> scratch(
+            static_cast<std::size_t>(std::min<int>(executor.concurrency(), detail::max_ranges)));
+        cache.for_each_stored_run([&](const auto& rows, Index, Index) {
+            detail::parallel_ranges(
+                heads, [](Index) { return 1.0; },
+                [&](Index first, Index last, int range) {
+                    auto& mine = scratch[static_cast<std::size_t>(range)];
+                    for (Index h = first; h < last; ++h) {
+                        if (expand)
+                            detail::mla_prefill_expanded(prompt, h, rows, mine);
+                        else
+                            detail::mla_prefill_absorbed(prompt, h, rows, mine);
+                    }
+                },
+                0, executor);
+        });
+    } catch (...) {
+        cache.truncate(past);
+        throw;
+    }
 }
 
 }  // namespace memattn

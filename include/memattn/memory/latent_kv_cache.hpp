@@ -275,6 +275,14 @@ public:
         return logits_.into({.scale = static_cast<double>(scale_)});
     }
 
+    /// Calls f(rows, first, n) with the stored rows (detail::StoredRows, in storage S) and
+    /// the run [first, first + n) of them attend reads: how mla_prefill reads the cache.
+    template <class F>
+    void for_each_stored_run(F&& f) const {
+        if (length_ > 0)
+            f(rows_, Index{0}, length_);
+    }
+
     /// The stored rows [c | k_rope], oldest first, length() × (r + d_r) (stored as T).
     [[nodiscard]] auto rows() const
         requires std::same_as<S, T>
