@@ -9,7 +9,11 @@ using memattn::test::tolerance;
 
 TEMPLATE_TEST_CASE("KVCache decode equals causal softmax attention", "[memory][kv_cache]", float, double) {
     using T = TestType;
+#if defined(MEMATTN_TEST_MEMORY_ONLY)  // -O0 under ASan: the same paths, shorter
+    const Index n = GENERATE(0, 1, 2, 255, 256, 257);
+#else
     const Index n = GENERATE(0, 1, 2, 255, 256, 257, 1000);
+#endif
     const Index d = GENERATE(1, 3, 64);
     const Index dv = GENERATE(1, 5);
     const Matrix<T> Q = random_matrix<T>(n, d, 11), K = random_matrix<T>(n, d, 12), V = random_matrix<T>(n, dv, 13);

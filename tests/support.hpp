@@ -27,6 +27,15 @@ Matrix<T> random_matrix(Index rows, Index cols, std::uint64_t seed, double scale
     return m;
 }
 
+/// The sanitize build's test binary (MEMATTN_TEST_MEMORY_ONLY): built at -O0 under
+/// AddressSanitizer, its long numerical cases run shorter, through the same paths (the
+/// native build runs them whole).
+#if defined(MEMATTN_TEST_MEMORY_ONLY)
+inline constexpr bool memory_only = true;
+#else
+inline constexpr bool memory_only = false;
+#endif
+
 /// Relative tolerance for results computed in T from inputs of unit scale.
 template <class T>
 constexpr double tolerance() {

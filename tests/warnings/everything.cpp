@@ -1,12 +1,13 @@
 // A user's translation unit that instantiates every kernel and every memory of memattn:
 // the kernels and the plain caches for float and (in the default target's unit) double,
 // the rest (the same template code in either scalar) for float. The build compiles it with
-// -Wall -Wextra -Wpedantic -Werror at -O3 for the default target, x86-64-v3 (AVX2) and
-// sapphirerapids (AVX-512 with BF16 and FP16), Eigen by a plain -I, so a warning that
+// -Wall -Wextra -Wpedantic -Werror at -O3 for the default target and sapphirerapids
+// (AVX-512 with BF16 and FP16) and at -O2 for x86-64-v3 (AVX2), Eigen by a plain -I, so a warning that
 // memattn's headers (or Eigen's) cause in a user's optimised build on any of them fails
 // the build. The layers, the paged pool and the model cache (MEMATTN_WARNINGS_LAYERS)
 // compose the kernels and memories, adding no code of an instruction set's own: the
-// default and sapphirerapids units compile them, x86-64-v3's does not (tests/CMakeLists.txt).
+// default and sapphirerapids units compile them, x86-64-v3's does not (tests/CMakeLists.txt);
+// so does multi-head latent attention (float only).
 // It is compiled, not run: it needs only to instantiate, so it works on any CPU.
 #include <memattn/memattn.hpp>
 
@@ -160,7 +161,11 @@ void everything(memattn::Index n, memattn::Index d) {
     use_memory(memattn::KVCache<T>(d, d), x, out);
     use_memory(memattn::SlidingWindowCache<T>(d, d, 4, 1), x, out);
     use_memory(memattn::SparseKVCache<T>(d, d, {.block = 2, .top_k_blocks = 1, .window = 2, .sinks = 1}), x, out);
-    {  // multi-head latent attention: the cache, compactly too, and the absorbed step
+#if defined(MEMATTN_WARNINGS_LAYERS)
+    // Multi-head latent attention, in float: the cache (compactly too), the absorbed step and
+    // both prefills compose the tile kernels and products, adding no code of an instruction
+    // set's own (as the layers: the default and AVX-512 units).
+    if constexpr (std::is_same_v<T, float>) {
         const double sink[1] = {0.5};
         memattn::LatentKVCache<T> latent(d, 2, T(0.1), {.softcap = 3, .sink_logits = sink});
         latent.extend(x, x.leftCols(2));
@@ -178,15 +183,14 @@ void everything(memattn::Index n, memattn::Index d) {
         memattn::save(latent, snapshot);
         memattn::load(latent, snapshot);
         latent.truncate(1);
-        if constexpr (std::is_same_v<T, float>) {
-            memattn::LatentKVCache<T, Eigen::bfloat16> bf16_latent(d, 2, T(0.1));
-            bf16_latent.extend(x, x.leftCols(2));
-            bf16_latent.attend(packed, latent_out);
-            memattn::LatentKVCache<T, memattn::Fp8E4M3> fp8_latent(d, 2, T(0.1));
-            fp8_latent.extend(x, x.leftCols(2));
-            fp8_latent.attend(packed, latent_out);
-        }
+        memattn::LatentKVCache<T, Eigen::bfloat16> bf16_latent(d, 2, T(0.1));
+        bf16_latent.extend(x, x.leftCols(2));
+        bf16_latent.attend(packed, latent_out);
+        memattn::LatentKVCache<T, memattn::Fp8E4M3> fp8_latent(d, 2, T(0.1));
+        fp8_latent.extend(x, x.leftCols(2));
+        fp8_latent.attend(packed, latent_out);
     }
+#endif
     // The rest is the same template code in double as in float (no double-only packet
     // path): float alone, since compile time is the cost of this unit.
     if constexpr (std::is_same_v<T, float>) {
