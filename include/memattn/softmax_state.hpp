@@ -205,5 +205,26 @@ T resolve_scale(T scale, Index d) {
     return scale == T(0) ? T(1) / std::sqrt(static_cast<T>(std::max<Index>(d, 1))) : scale;
 }
 
+/// Merges a block's normalised outputs (of keys the running ones did not see) and log-sum-exps into the running ones, row by
+/// row: o = (e^{l−m} o + e^{l_b−m} o_b) / (e^{l−m} + e^{l_b−m}), l = m + log(…), m = max.
+template <class T, class O, class OB>
+void merge_rows(O& out, T* lse, const OB& block, const T* block_lse) {
+    for (Index i = 0; i < out.rows(); ++i) {
+        const T lb = block_lse[i];
+        if (lb == -std::numeric_limits<T>::infinity())
+            continue;  // the block held no key this query sees
+        if (lse[i] == -std::numeric_limits<T>::infinity()) {
+            out.row(i) = block.row(i);
+            lse[i] = lb;
+            continue;
+        }
+        const T m = std::max(lse[i], lb);
+        const T a = std::exp(lse[i] - m), b = std::exp(lb - m);
+        const T sum = a + b;
+        out.row(i) = (a / sum) * out.row(i) + (b / sum) * block.row(i);
+        lse[i] = m + std::log(sum);
+    }
+}
+
 }  // namespace detail
 }  // namespace memattn

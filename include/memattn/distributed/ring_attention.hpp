@@ -62,27 +62,6 @@ inline std::vector<std::vector<Chunk>> chunks_of(const std::vector<std::int64_t>
     return chunks;
 }
 
-/// Merges a block's normalised outputs and log-sum-exps into the running ones, row by
-/// row: o = (e^{l−m} o + e^{l_b−m} o_b) / (e^{l−m} + e^{l_b−m}), l = m + log(…), m = max.
-template <class T, class O, class OB>
-void merge_rows(O& out, T* lse, const OB& block, const T* block_lse) {
-    for (Index i = 0; i < out.rows(); ++i) {
-        const T lb = block_lse[i];
-        if (lb == -std::numeric_limits<T>::infinity())
-            continue;  // the block held no key this query sees
-        if (lse[i] == -std::numeric_limits<T>::infinity()) {
-            out.row(i) = block.row(i);
-            lse[i] = lb;
-            continue;
-        }
-        const T m = std::max(lse[i], lb);
-        const T a = std::exp(lse[i] - m), b = std::exp(lb - m);
-        const T sum = a + b;
-        out.row(i) = (a / sum) * out.row(i) + (b / sum) * block.row(i);
-        lse[i] = m + std::log(sum);
-    }
-}
-
 }  // namespace detail::mpi
 
 namespace detail::mpi {
@@ -168,7 +147,7 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
                                             held.block(kc.row, kv * d + g * dv, kc.rows, dv), offset + skip, scale,
                                             options.window, sinks, out, block_lse.data(), scratch, rule);
                     auto target = o.block(qc.row + skip, h * dv, rows, dv);
-                    merge_rows(target, &lse(h, qc.row + skip), out, block_lse.data());
+                    detail::merge_rows(target, &lse(h, qc.row + skip), out, block_lse.data());
                 }
             }
         }
@@ -184,7 +163,7 @@ void ring_attention(MPI_Comm comm, const char* function, const std::string& erro
                 continue;
             for (Index i = 0; i < q.rows(); ++i) {
                 auto target = o.block(i, h * dv, 1, dv);
-                merge_rows(target, &lse(h, i), zero, &sigma);
+                detail::merge_rows(target, &lse(h, i), zero, &sigma);
             }
         }
     }

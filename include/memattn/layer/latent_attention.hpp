@@ -329,26 +329,17 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const StoredRows<T, S>
         kernel.run(MatrixRef<T>(scratch.part.middleRows(t0, n - t0)), [part_lse, t0](Index i, T value) {
             part_lse[t0 + i] = value;
         });
-        for (Index t = t0; t < n; ++t) {  // the chunk's part into the merged outputs, in order
-            const T a = scratch.lse[static_cast<std::size_t>(t)], b = scratch.part_lse[static_cast<std::size_t>(t)];
-            if (b == -std::numeric_limits<T>::infinity())
-                continue;
-            if (a == -std::numeric_limits<T>::infinity()) {
-                scratch.acc.row(t) = scratch.part.row(t);
-                scratch.lse[static_cast<std::size_t>(t)] = b;
-                continue;
-            }
-            const T top = std::max(a, b), wa = std::exp(a - top), wb = std::exp(b - top), total = wa + wb;
-            scratch.acc.row(t) = (wa / total) * scratch.acc.row(t) + (wb / total) * scratch.part.row(t);
-            scratch.lse[static_cast<std::size_t>(t)] = top + std::log(total);
-        }
+        auto merged = scratch.acc.middleRows(t0, n - t0);
+        merge_rows(merged, scratch.lse.data() + t0, scratch.part.middleRows(t0, n - t0),
+                   scratch.part_lse.data() + t0);  // the chunk's part, in order
     }
-    if (const T sink = p.sink(h); sink != -std::numeric_limits<T>::infinity())
-        for (Index t = 0; t < n; ++t) {  // σ joins each denominator: o · e^λ / (e^λ + e^σ)
-            const T l = scratch.lse[static_cast<std::size_t>(t)], top = std::max(l, sink);
-            const T keep = std::exp(l - top) / (std::exp(l - top) + std::exp(sink - top));
-            scratch.acc.row(t) *= keep;
-        }
+    if (const T sink = p.sink(h); sink != -std::numeric_limits<T>::infinity()) {
+        // σ joins each denominator as a block of zero values whose log-sum-exp is σ.
+        scratch.part.topRows(n).setZero();
+        std::fill_n(scratch.part_lse.begin(), n, sink);
+        auto merged = scratch.acc.topRows(n);
+        merge_rows(merged, scratch.lse.data(), scratch.part.topRows(n), scratch.part_lse.data());
+    }
     for (Index t = 0; t < n; ++t)
         Eigen::Map<Matrix<T>>(p.out + (t * p.heads + h) * p.ldo, 1, p.dv) = scratch.acc.row(t);
 }
