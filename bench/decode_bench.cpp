@@ -52,6 +52,16 @@
 //       plus the absorptions, expanded 2·(d_nope + d_r + d_v) a head and pair plus
 //       2·r·(d_nope + d_v) a head and key), a pair being a query and a key it sees
 //
+//   BM_PagedLatentDecode<S>/heads:H/batch:B/length:L/t:T/pool:P   one decode step's
+//       attend of B sequences of L tokens each (DeepSeek-V3's r = 512, d_r = 64, H
+//       absorbed queries a sequence): P = 1 a PagedLatentKVCache<float, S> of blocks of
+//       128 attending the batch at once (PagedLatentKVCache::attend over the sequences),
+//       P = 0 B LatentKVCaches attended one after the other (what the pool replaces); P = 2
+//       the whole absorbed step of the batch, mla_decode(pool, seqs, ...) (nope 128, v
+//       128: each head's absorptions one product over the batch), P = 3 B mla_decode
+//       steps over the B caches; the roofline's FLOPs 2 · B · H · L · (2r + d_r), its
+//       bytes the rows read (and, P ≥ 2, the weights once, or B times for P = 3)
+//
 // The figure and the table: scripts/plot.py (decode_roofline.png; `plot.py decode-table
 // decode_bench.json` prints the table of docs/performance.md). On a shared machine run
 //   decode_bench --benchmark_filter=BM_DecodeStep --benchmark_repetitions=5
@@ -67,6 +77,7 @@
 #include <memattn/positional/rope.hpp>
 #include <memattn/serving/batched.hpp>
 #include <memattn/serving/paged_kv_cache.hpp>
+#include <memattn/serving/paged_latent_kv_cache.hpp>
 #include <memattn/serving/model_cache.hpp>
 
 #include <algorithm>
@@ -512,6 +523,81 @@ void BM_LatentDecode(benchmark::State& state) {
     state.counters["token_bytes"] = static_cast<double>(memattn::LatentKVCache<float, S>::token_bytes(r, dr));
 }
 
+template <class S>
+void BM_PagedLatentDecode(benchmark::State& state) {
+    constexpr Index r = 512, dr = 64, nope = 128, dv = 128;
+    const Index heads = state.range(0), batch = state.range(1), length = state.range(2), mode = state.range(4);
+    const bool paged = mode == 1 || mode == 2, step = mode >= 2;
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(3))};
+    if (!threads_available(state, state.range(3)))
+        return;
+    const float scale = static_cast<float>(memattn::mla_softmax_scale(nope + dr, 40));
+    const Matrix<float>& rows = pool(r + dr, 2);
+    const auto fill = [&](auto&& extend) {
+        for (Index filled = 0; filled < length; filled += pool_tokens) {
+            const Index n = std::min(pool_tokens, length - filled);
+            extend(rows.topRows(n).leftCols(r), rows.topRows(n).rightCols(dr));
+        }
+    };
+    const Index block = 128, blocks = batch * ((length + block - 1) / block);
+    memattn::PagedLatentKVCache<float, S> paged_pool(r, dr, scale, paged ? blocks : 1, block);
+    std::vector<memattn::LatentKVCache<float, S>> caches;
+    std::vector<Index> seqs;
+    for (Index i = 0; i < batch; ++i) {
+        if (paged) {
+            seqs.push_back(paged_pool.add_sequence());
+            fill([&](const auto& c, const auto& kr) { paged_pool.extend(seqs.back(), c, kr); });
+        } else {
+            caches.emplace_back(r, dr, scale);
+            caches.back().reserve(length);
+            fill([&](const auto& c, const auto& kr) { caches.back().extend(c, kr); });
+        }
+    }
+    Matrix<float> queries(batch * heads, r + dr), latent(batch * heads, r);
+    Matrix<float> q_nope(batch * heads, nope), q_rope(batch * heads, dr), out(batch * heads, dv);
+    for (Index i = 0; i < batch; ++i) {
+        queries.middleRows(i * heads, heads) = pool(r + dr, 1).topRows(heads);
+        q_nope.middleRows(i * heads, heads) = pool(nope, 3).topRows(heads);
+        q_rope.middleRows(i * heads, heads) = pool(dr, 4).topRows(heads);
+    }
+    const Matrix<float> W_UK = memattn::bench::random_matrix<float>(heads * nope, r, 5) * 0.05f,
+                        W_UV = memattn::bench::random_matrix<float>(heads * dv, r, 6) * 0.05f;
+    const double step_seconds = median_step_seconds(state, [&] {
+        if (mode == 2) {
+            memattn::mla_decode(paged_pool, seqs, q_nope, q_rope, W_UK, W_UV, out, executor);
+        } else if (mode == 3) {
+            for (Index i = 0; i < batch; ++i)
+                memattn::mla_decode(caches[static_cast<std::size_t>(i)], q_nope.middleRows(i * heads, heads),
+                                    q_rope.middleRows(i * heads, heads), W_UK, W_UV,
+                                    out.middleRows(i * heads, heads), executor);
+        } else if (paged) {
+            paged_pool.attend(seqs, queries, latent, executor);
+        } else {
+            for (Index i = 0; i < batch; ++i)
+                caches[static_cast<std::size_t>(i)].attend(queries.middleRows(i * heads, heads),
+                                                           latent.middleRows(i * heads, heads), executor);
+        }
+    });
+    auto bytes = static_cast<std::size_t>(batch * length) * memattn::LatentKVCache<float, S>::token_bytes(r, dr);
+    if (step)
+        bytes += sizeof(float) * static_cast<std::size_t>(W_UK.size() + W_UV.size()) *
+                 static_cast<std::size_t>(mode == 3 ? batch : 1);
+    const double flops = 2.0 * static_cast<double>(batch * heads) * static_cast<double>(length) * (2 * r + dr);
+    report_roofline(state, step_seconds, bytes, flops, executor);
+    state.counters["GFLOPS"] = flops / step_seconds * 1e-9;
+}
+
+void paged_latent_cells(benchmark::internal::Benchmark* b) {
+    b->ArgNames({"heads", "batch", "length", "t", "pool"});
+    for (Index threads : {1, 2}) {
+        for (Index mode : {0, 1, 2, 3})
+            b->Args({128, 8, 1024, threads, mode});
+        for (Index mode : {0, 1})
+            b->Args({16, 8, 4096, threads, mode});
+    }
+    b->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
 void BM_LatentPrefill(benchmark::State& state) {
     constexpr Index r = 512, dr = 64, nope = 128, dv = 128;
     const Index heads = state.range(0), past = state.range(1), n = state.range(2);
@@ -920,6 +1006,8 @@ BENCHMARK(BM_DecodeStep<float>)->Name("BM_DecodeStep<float>")->Apply(cells);
 BENCHMARK(BM_LatentDecode<float>)->Name("BM_LatentDecode<float>")->Apply(latent_cells);
 BENCHMARK(BM_LatentDecode<Eigen::bfloat16>)->Name("BM_LatentDecode<bfloat16>")->Apply(latent_cells);
 BENCHMARK(BM_LatentPrefill)->Apply(latent_prefill_cells);
+BENCHMARK(BM_PagedLatentDecode<float>)->Name("BM_PagedLatentDecode<float>")->Apply(paged_latent_cells);
+BENCHMARK(BM_PagedLatentDecode<Eigen::bfloat16>)->Name("BM_PagedLatentDecode<bfloat16>")->Apply(paged_latent_cells);
 BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<Eigen::half>)->Name("BM_DecodeStep<half>")->Apply(cells);
 BENCHMARK(BM_DecodeStepBf16Rows)->Apply(cells);

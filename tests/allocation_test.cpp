@@ -37,6 +37,7 @@ inline void eigen_assertion_failed(const char* condition) {
 #include "support.hpp"
 
 #include <memattn/layer/latent_attention.hpp>
+#include <memattn/serving/paged_latent_kv_cache.hpp>
 #include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/hybrid_cache.hpp>
 #include <memattn/memory/sparse_kv_cache.hpp>
@@ -572,6 +573,45 @@ TEMPLATE_TEST_CASE("LatentKVCache and mla_decode: reserved decode steps allocate
         const auto counts = watch.stop();
         CHECK(counts.operator_news == 0);
         CHECK(counts.eigen_mallocs == 0);
+        CHECK(latent.allFinite());
+        CHECK(out.allFinite());
+    }
+}
+
+TEMPLATE_TEST_CASE("PagedLatentKVCache: reserved batched decode steps allocate nothing, at 1 and 2 threads",
+                   "[serving][allocation][latent]", float, Eigen::bfloat16) {
+    using S = TestType;
+    // Three sequences (two sharing a prefix by fork) of 32 heads over up to 2500 tokens,
+    // crossing piece and block edges during the steps; the decode of the pool and the
+    // batched absorbed step, each sized by a first call.
+    const Index heads = 32, r = 64, dr = 16, nope = 8, dv = 8, n = 2040, steps = 12, B = 3;
+    const Matrix<float> C = random_matrix<float>(n + steps + B, r, 11), KR = random_matrix<float>(n + steps + B, dr, 12);
+    const Matrix<float> Q = random_matrix<float>(B * heads, r + dr, 13), q_nope = random_matrix<float>(B * heads, nope, 14),
+                        q_rope = random_matrix<float>(B * heads, dr, 15), W_UK = random_matrix<float>(heads * nope, r, 16),
+                        W_UV = random_matrix<float>(heads * dv, r, 17);
+    for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        const OpenMPExecutor executor{.threads = threads};
+        PagedLatentKVCache<float, S> pool(r, dr, 0.125f, 64, 64);
+        pool.set_executor(executor);
+        const Index a = pool.add_sequence();
+        pool.extend(a, C.topRows(n), KR.topRows(n));
+        const Index b = pool.fork(a), c = pool.add_sequence();
+        pool.extend(c, C.topRows(100), KR.topRows(100));
+        const std::vector<Index> seqs{a, b, c};
+        pool.reserve(heads, B, 3 * (n + steps));
+        Matrix<float> latent(B * heads, r), out(B * heads, dv);
+        mla_decode(pool, seqs, q_nope, q_rope, W_UK, W_UV, out, executor);  // sizes the step's buffers
+        HeapWatch watch;
+        for (Index i = 0; i < steps; ++i) {
+            pool.decode(seqs, Q, C.middleRows(n + i, B), KR.middleRows(n + i, B), latent);
+            mla_decode(pool, seqs, q_nope, q_rope, W_UK, W_UV, out, executor);
+        }
+        pool.truncate(b, n);
+        const auto counts = watch.stop();
+        CHECK(counts.operator_news == 0);
+        CHECK(counts.eigen_mallocs == 0);
+        CHECK(pool.length(a) == n + steps);
         CHECK(latent.allFinite());
         CHECK(out.allFinite());
     }

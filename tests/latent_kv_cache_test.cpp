@@ -1,9 +1,11 @@
 #include "support.hpp"
 
 #include <memattn/layer/latent_attention.hpp>
+#include <memattn/serving/paged_latent_kv_cache.hpp>
 #include <memattn/persistence/snapshot.hpp>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <vector>
@@ -420,4 +422,274 @@ TEST_CASE("mla_expands: the prefill's automatic choice by the FLOPs of each form
     CHECK_FALSE(mla_expands(128, 4096, 512, 64, 128, 128)); // a long past to expand for few queries
     CHECK(mla_expands(256, 4096, 512, 64, 128, 128));
     CHECK_FALSE(mla_expands(200, 100000, 512, 64, 128, 128));
+}
+
+// ---- PagedLatentKVCache: the latent cache in a pool of blocks -----------------------------
+
+namespace {
+
+/// The H outputs of `pool`'s sequence `seq` for the queries Q.
+template <class T, class S>
+Matrix<T> paged_latent_attend(const PagedLatentKVCache<T, S>& pool, Index seq, const Matrix<T>& Q,
+                              ExecutorRef executor = {}) {
+    Matrix<T> out(Q.rows(), pool.latent_dim());
+    pool.attend(seq, Q, out, executor);
+    return out;
+}
+
+/// A LatentKVCache holding rows [first, first + n) of C and KR.
+template <class T, class S>
+LatentKVCache<T, S> paged_latent_alone(Index r, Index dr, T scale, const Matrix<T>& C, const Matrix<T>& KR, Index n,
+                                       const SoftmaxOptions& options = {}) {
+    LatentKVCache<T, S> cache(r, dr, scale, options);
+    cache.extend(C.topRows(n), KR.topRows(n));
+    return cache;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("PagedLatentKVCache: a sequence attends as a LatentKVCache of its rows, bitwise, in any storage",
+                   "[serving][latent]", float, Eigen::bfloat16, Q8) {
+    using S = TestType;
+    const Index r = 24, dr = 8, heads = 12;
+    const Matrix<float> C = random_matrix<float>(2300, r, 60), KR = random_matrix<float>(2300, dr, 61);
+    const Matrix<float> Q = random_matrix<float>(heads, r + dr, 62);
+    const std::vector<double> sinks(static_cast<std::size_t>(heads), 0.5);
+    const SoftmaxOptions options{.softcap = 3.0, .sink_logits = sinks};
+    for (const Index block : {Index{1}, Index{7}, Index{128}, Index{200}}) {
+        CAPTURE(block);
+        PagedLatentKVCache<float, S> pool(r, dr, 0.3f, 2300 / block + 8, block, options);
+        // Lengths 0, 1, off every tile, three pieces; grown by update and by extend.
+        for (const Index n : {Index{0}, Index{1}, Index{129}, Index{2300}}) {
+            CAPTURE(n);
+            const Index seq = pool.add_sequence();
+            if (n > 0)
+                pool.update(seq, C.row(0), KR.row(0));
+            if (n > 1)
+                pool.extend(seq, C.middleRows(1, n - 1), KR.middleRows(1, n - 1));
+            REQUIRE(pool.length(seq) == n);
+            CHECK(pool.blocks_of(seq) == (n + block - 1) / block);
+            const auto alone = paged_latent_alone<float, S>(r, dr, 0.3f, C, KR, n, options);
+            const Matrix<float> a = paged_latent_attend(pool, seq, Q), b = latent_attend(alone, Q);
+            CHECK((a.array() == b.array()).all());
+            if (n > 0 && std::is_same_v<S, float>)
+                check_close(a, latent_reference(reference::to_double(Q), latent_rows(Matrix<float>(C.topRows(n)), Matrix<float>(KR.topRows(n))), r,
+                                                0.3, 3.0, sinks),
+                            tolerance<float>());
+            pool.remove(seq);
+        }
+        CHECK(pool.free_blocks() == pool.blocks());
+    }
+}
+
+TEST_CASE("PagedLatentKVCache: a batch equals each sequence alone, bitwise, for any thread count", "[serving][latent]") {
+    const Index r = 32, dr = 8, heads = 16;
+    const std::vector<Index> lengths{3000, 0, 1, 700, 1025};
+    const Matrix<float> C = random_matrix<float>(3000, r, 63), KR = random_matrix<float>(3000, dr, 64);
+    PagedLatentKVCache<float> pool(r, dr, 0.2f, 64, 128);
+    std::vector<Index> seqs;
+    for (const Index n : lengths) {
+        seqs.push_back(pool.add_sequence());
+        if (n > 0)
+            pool.extend(seqs.back(), C.topRows(n), KR.topRows(n));
+    }
+    const auto B = static_cast<Index>(seqs.size());
+    const Matrix<float> Q = random_matrix<float>(B * heads, r + dr, 65);
+    Matrix<float> serial(B * heads, r);
+    pool.attend(seqs, Q, serial, SerialExecutor{});
+    for (Index i = 0; i < B; ++i) {
+        const Matrix<float> alone = paged_latent_attend(pool, seqs[static_cast<std::size_t>(i)],
+                                                        Matrix<float>(Q.middleRows(i * heads, heads)));
+        CHECK((serial.middleRows(i * heads, heads).array() == alone.array()).all());
+    }
+    for (const int threads : {1, 2, 3}) {
+        CAPTURE(threads);
+        Matrix<float> threaded(B * heads, r);
+        pool.attend(seqs, Q, threaded, OpenMPExecutor{.threads = threads});
+        CHECK((threaded.array() == serial.array()).all());
+    }
+    // Repeats are allowed in an attend.
+    const std::vector<Index> twice{seqs[0], seqs[0]};
+    Matrix<float> both(2 * heads, r);
+    pool.attend(twice, Q.topRows(2 * heads), both);
+    CHECK((both.topRows(heads).array() == serial.topRows(heads).array()).all());
+}
+
+TEST_CASE("PagedLatentKVCache: fork shares blocks, writes copy them, truncate and remove free them",
+          "[serving][latent]") {
+    const Index r = 16, dr = 4, heads = 5, block = 8;
+    const Matrix<float> C = random_matrix<float>(64, r, 66), KR = random_matrix<float>(64, dr, 67);
+    const Matrix<float> D = random_matrix<float>(64, r, 68), DR = random_matrix<float>(64, dr, 69);
+    const Matrix<float> Q = random_matrix<float>(heads, r + dr, 70);
+    PagedLatentKVCache<float, Eigen::bfloat16> pool(r, dr, 0.25f, 12, block);
+    const Index a = pool.add_sequence();
+    pool.extend(a, C.topRows(20), KR.topRows(20));  // 3 blocks, the last half full
+    const Index b = pool.fork(a);
+    CHECK(pool.blocks_in_use() == 3);
+    CHECK(pool.length(b) == 20);
+    // b writes into the shared last block: it copies it (one block more), a is unchanged.
+    Matrix<float> joined_a(21, r), joined_ra(21, dr);
+    pool.update(b, D.row(0), DR.row(0));
+    CHECK(pool.blocks_in_use() == 4);
+    const auto expect = [&](Index seq, const Matrix<float>& c, const Matrix<float>& kr) {
+        LatentKVCache<float, Eigen::bfloat16> alone(r, dr, 0.25f);
+        alone.extend(c, kr);
+        CHECK((paged_latent_attend(pool, seq, Q).array() == latent_attend(alone, Q).array()).all());
+    };
+    Matrix<float> cb(21, r), krb(21, dr);
+    cb << C.topRows(20), D.row(0);
+    krb << KR.topRows(20), DR.row(0);
+    expect(a, C.topRows(20), KR.topRows(20));
+    expect(b, cb, krb);
+    // a batch where both write: a owns its last block now, no copy.
+    const std::vector<Index> both{a, b};
+    const Index needed = pool.blocks_needed(both, std::vector<Index>{1, 1});
+    CHECK(needed == 0);
+    pool.update(both, C.middleRows(20, 2), KR.middleRows(20, 2));
+    CHECK(pool.blocks_in_use() == 4);
+    // truncate b into the shared part: its own block freed; remove a: the shared blocks stay b's.
+    pool.truncate(b, 10);
+    CHECK(pool.blocks_in_use() == 3);
+    pool.remove(a);
+    CHECK(pool.blocks_in_use() == 2);
+    expect(b, C.topRows(10), KR.topRows(10));
+    // A fork of a fork, then a batch of three writing into one shared block: two copy.
+    const Index c = pool.fork(b), d = pool.fork(b);
+    const std::vector<Index> three{b, c, d};
+    CHECK(pool.blocks_needed(three, std::vector<Index>{1, 1, 1}) == 2);
+    pool.update(three, D.middleRows(1, 3), DR.middleRows(1, 3));
+    CHECK(pool.blocks_in_use() == 4);
+    for (Index i = 0; i < 3; ++i) {
+        Matrix<float> cc(11, r), kk(11, dr);
+        cc << C.topRows(10), D.row(1 + i);
+        kk << KR.topRows(10), DR.row(1 + i);
+        expect(three[static_cast<std::size_t>(i)], cc, kk);
+    }
+}
+
+TEST_CASE("PagedLatentKVCache: a full pool, bad input and a failing attend change nothing", "[serving][latent]") {
+    const Index r = 8, dr = 2, heads = 3, block = 4;
+    const Matrix<float> C = random_matrix<float>(40, r, 71), KR = random_matrix<float>(40, dr, 72);
+    PagedLatentKVCache<float> pool(r, dr, 0.5f, 5, block, {}, {.reject_nonfinite = true});
+    const Index a = pool.add_sequence(), b = pool.add_sequence();
+    pool.extend(a, C.topRows(14), KR.topRows(14));  // 4 blocks
+    const auto same = [&] {
+        CHECK(pool.length(a) == 14);
+        CHECK(pool.length(b) == 0);
+        CHECK(pool.free_blocks() == 1);
+    };
+    CHECK_THROWS_AS(pool.extend(b, C.topRows(5), KR.topRows(5)), PoolExhausted);
+    same();
+    CHECK_THROWS_AS(pool.extend(b, C.topRows(3), KR.topRows(3).leftCols(1)), std::invalid_argument);
+    Matrix<float> bad = C.topRows(2);
+    bad(1, 3) = std::numeric_limits<float>::infinity();
+    CHECK_THROWS_WITH(pool.extend(b, bad, KR.topRows(2)), Catch::Contains("reject_nonfinite"));
+    CHECK_THROWS_AS(pool.update(7, C.row(0), KR.row(0)), std::invalid_argument);
+    const std::vector<Index> dup{a, a};
+    CHECK_THROWS_WITH(pool.update(dup, C.topRows(2), KR.topRows(2)), Catch::Contains("twice"));
+    const std::vector<Index> ab{a, b};
+    // a's 15th token fits its last block, b's first needs the free one: fits; then a full pool.
+    CHECK(pool.blocks_needed(ab, std::vector<Index>{1, 1}) == 1);
+    Matrix<float> Q = random_matrix<float>(2 * heads, r + dr, 73), out(2 * heads, r), narrow(2 * heads, r - 1);
+    CHECK_THROWS_AS(pool.decode(ab, Q, C.topRows(2), KR.topRows(2), narrow), std::invalid_argument);
+    CHECK_THROWS_AS(pool.decode(ab, Q.topRows(5), C.topRows(2), KR.topRows(2), out), std::invalid_argument);
+    same();
+    // The attends fail: the tokens are taken back, every block as it was.
+    const auto failing = [&](Index, auto&&) { throw std::runtime_error("the executor failed"); };
+    struct Failing {
+        [[nodiscard]] int concurrency() const { return 2; }
+        void parallel_for(Index, const std::function<void(Index)>&) const { throw std::runtime_error("failed"); }
+    };
+    static_cast<void>(failing);
+    PagedLatentKVCache<float> big(r, dr, 0.5f, 2000, 16);
+    const Index x = big.add_sequence(), y = big.add_sequence();
+    const Matrix<float> CC = random_matrix<float>(20000, r, 74), KK = random_matrix<float>(20000, dr, 75);
+    big.extend(x, CC, KK);
+    big.extend(y, CC.topRows(5), KK.topRows(5));
+    const Index free = big.free_blocks();
+    const std::vector<Index> xy{x, y};
+    Matrix<float> Qxy = random_matrix<float>(2 * 64, r + dr, 76), Oxy(2 * 64, r);
+    CHECK_THROWS_AS(big.decode(xy, Qxy, C.topRows(2), KR.topRows(2), Oxy, Failing{}), std::runtime_error);
+    CHECK(big.length(x) == 20000);
+    CHECK(big.length(y) == 5);
+    CHECK(big.free_blocks() == free);
+    // Constructor arguments by name.
+    CHECK_THROWS_WITH((PagedLatentKVCache<float>(r, dr, 0.0f, 4)), Catch::Contains("scale"));
+    CHECK_THROWS_WITH((PagedLatentKVCache<float>(r, dr, 0.5f, 0)), Catch::Contains("blocks"));
+    const std::vector<double> slopes{0.5};
+    CHECK_THROWS_WITH((PagedLatentKVCache<float>(r, dr, 0.5f, 4, 4, {.alibi_slopes = slopes})),
+                      Catch::Contains("alibi"));
+    CHECK_THROWS_WITH((PagedLatentKVCache<float>(r, dr, 0.5f, 4, 4, {.window = 8})), Catch::Contains("window"));
+}
+
+TEST_CASE("PagedLatentKVCache: snapshots of a sequence load into a pool of any block size", "[serving][latent][snapshot]") {
+    const Index r = 12, dr = 4, heads = 4;
+    const Matrix<float> C = random_matrix<float>(300, r, 77), KR = random_matrix<float>(300, dr, 78);
+    const Matrix<float> Q = random_matrix<float>(heads, r + dr, 79);
+    PagedLatentKVCache<float, Q8> from(r, dr, 0.4f, 50, 7), into(r, dr, 0.4f, 4, 128);
+    const Index a = from.add_sequence();
+    from.extend(a, C.topRows(250), KR.topRows(250));
+    std::stringstream bytes;
+    save(from.sequence(a), bytes);
+    const Index b = into.add_sequence();
+    auto seq = into.sequence(b);
+    load(seq, bytes);
+    CHECK(into.length(b) == 250);
+    CHECK(into.blocks_of(b) == 2);
+    CHECK((paged_latent_attend(into, b, Q).array() == paged_latent_attend(from, a, Q).array()).all());
+    // Another scale, or too few blocks: refused, the sequence as it was.
+    PagedLatentKVCache<float, Q8> other(r, dr, 0.5f, 4, 128), small(r, dr, 0.4f, 1, 128);
+    const Index o = other.add_sequence(), s = small.add_sequence();
+    small.extend(s, C.topRows(3), KR.topRows(3));
+    std::stringstream again(bytes.str());
+    auto os = other.sequence(o);
+    CHECK_THROWS_AS(load(os, again), SnapshotError);
+    std::stringstream third(bytes.str());
+    auto ss = small.sequence(s);
+    CHECK_THROWS_AS(load(ss, third), PoolExhausted);
+    CHECK(small.length(s) == 3);
+    CHECK(small.free_blocks() == 0);
+}
+
+TEST_CASE("mla_decode and mla_prefill over a pool: as over a LatentKVCache, and batched", "[layer][serving][latent]") {
+    const Index H = 6, r = 24, dr = 8, nope = 8, dv = 8, P = 300, n = 40;
+    const Matrix<float> C = random_matrix<float>(P + n, r, 80), KR = random_matrix<float>(P + n, dr, 81);
+    const Matrix<float> q_nope = random_matrix<float>(n * H, nope, 82), q_rope = random_matrix<float>(n * H, dr, 83);
+    const Matrix<float> W_UK = random_matrix<float>(H * nope, r, 84, 0.5), W_UV = random_matrix<float>(H * dv, r, 85, 0.5);
+    PagedLatentKVCache<float> pool(r, dr, 0.2f, 40, 16);
+    for (const auto mode : {MlaPrefill::absorbed, MlaPrefill::expanded}) {
+        CAPTURE(static_cast<int>(mode));
+        LatentKVCache<float> cache(r, dr, 0.2f);
+        cache.extend(C.topRows(P), KR.topRows(P));
+        const Index seq = pool.add_sequence();
+        pool.extend(seq, C.topRows(P), KR.topRows(P));
+        Matrix<float> a(n * H, dv), b(n * H, dv);
+        mla_prefill(cache, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, a, {}, mode);
+        mla_prefill(pool.sequence(seq), q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, b, {}, mode);
+        CHECK(pool.length(seq) == P + n);
+        CHECK((a.array() == b.array()).all());
+        pool.remove(seq);
+    }
+    // A decode step of three sequences at once against each through mla_decode alone.
+    std::vector<Index> seqs;
+    for (const Index len : {P, Index{1}, Index{77}}) {
+        seqs.push_back(pool.add_sequence());
+        pool.extend(seqs.back(), C.topRows(len), KR.topRows(len));
+    }
+    const Index B = 3;
+    Matrix<float> batched(B * H, dv);
+    mla_decode(pool, seqs, q_nope.topRows(B * H), q_rope.topRows(B * H), W_UK, W_UV, batched);
+    for (Index i = 0; i < B; ++i) {
+        Matrix<float> alone(H, dv);
+        mla_decode(pool.sequence(seqs[static_cast<std::size_t>(i)]), q_nope.middleRows(i * H, H),
+                   q_rope.middleRows(i * H, H), W_UK, W_UV, alone);
+        CHECK((batched.middleRows(i * H, H).array() == alone.array()).all());
+    }
+    Matrix<float> threaded(B * H, dv);
+    mla_decode(pool, seqs, q_nope.topRows(B * H), q_rope.topRows(B * H), W_UK, W_UV, threaded,
+               OpenMPExecutor{.threads = 2});
+    CHECK((threaded.array() == batched.array()).all());
+    Matrix<float> wrong(B * H, dv + 1);
+    CHECK_THROWS_AS(mla_decode(pool, seqs, q_nope.topRows(B * H), q_rope.topRows(B * H), W_UK, W_UV, wrong),
+                    std::invalid_argument);
 }

@@ -42,6 +42,7 @@
 #include "memattn/layer/multi_head_memory.hpp"
 #include "memattn/layer/latent_attention.hpp"
 #include "memattn/serving/paged_kv_cache.hpp"
+#include "memattn/serving/paged_latent_kv_cache.hpp"
 #include "memattn/serving/batched.hpp"
 #include "memattn/serving/model_cache.hpp"
 

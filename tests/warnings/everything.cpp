@@ -189,6 +189,21 @@ void everything(memattn::Index n, memattn::Index d) {
         memattn::LatentKVCache<T, memattn::Fp8E4M3> fp8_latent(d, 2, T(0.1));
         fp8_latent.extend(x, x.leftCols(2));
         fp8_latent.attend(packed, latent_out);
+        // The pool of them: a fork's copy-on-write, a batch's step, the prefill on a sequence.
+        memattn::PagedLatentKVCache<T, Eigen::bfloat16> pool(d, 2, T(0.1), 4, 2, {.sink_logits = sink});
+        const memattn::Index a = pool.add_sequence();
+        pool.extend(a, x, x.leftCols(2));
+        const memattn::Index b = pool.fork(a);
+        const memattn::Index pair[2] = {a, b};
+        memattn::Matrix<T> pool_out(8, 2), pool_latent(8, d);
+        pool.decode(pair, memattn::Matrix<T>::Zero(8, d + 2), x.topRows(2), x.topRows(2).leftCols(2), pool_latent);
+        memattn::mla_decode(pool, pair, memattn::Matrix<T>::Zero(8, 3), memattn::Matrix<T>::Zero(8, 2), W_UK, W_UV,
+                            pool_out);
+        memattn::mla_prefill(pool.sequence(b), q_nope, packed.leftCols(2), x.topRows(1), x.topRows(1).leftCols(2), W_UK,
+                             W_UV, mla_out);
+        memattn::save(pool.sequence(b), snapshot);
+        pool.truncate(b, 1);
+        pool.remove(a);
     }
 #endif
     // The rest is the same template code in double as in float (no double-only packet

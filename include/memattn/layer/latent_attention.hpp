@@ -63,6 +63,18 @@ inline double mla_softmax_scale(Index qk_head_dim, double rope_factor = 1, doubl
     return m * m / std::sqrt(static_cast<double>(qk_head_dim));
 }
 
+/// What mla_decode and mla_prefill take as a cache: a LatentKVCache, or a sequence of a
+/// PagedLatentKVCache (serving/paged_latent_kv_cache.hpp).
+template <class C>
+concept LatentCache = requires(const C& c, ConstMatrixRef<typename C::Scalar> q, MatrixRef<typename C::Scalar> o) {
+    { c.latent_dim() } -> std::convertible_to<Index>;
+    { c.rope_dim() } -> std::convertible_to<Index>;
+    { c.length() } -> std::convertible_to<Index>;
+    { c.options() } -> std::convertible_to<SoftmaxOptions>;
+    c.view();
+    c.attend(q, o, ExecutorRef{});
+};
+
 namespace detail {
 
 /// The buffers of an absorbed step on the calling thread: the packed queries and the
@@ -90,8 +102,8 @@ MlaBuffers<T>& mla_buffers() {
 /// (update), as with any memory's decode. Allocates nothing after the first step of its
 /// size on a thread (and the cache's own rule for its attend). Throws
 /// std::invalid_argument, changing nothing, on shapes that do not fit.
-template <class T, class S>
-void mla_decode(const LatentKVCache<T, S>& cache, std::type_identity_t<ConstMatrixRef<T>> q_nope,
+template <LatentCache Cache, class T = typename Cache::Scalar>
+void mla_decode(const Cache& cache, std::type_identity_t<ConstMatrixRef<T>> q_nope,
                 std::type_identity_t<ConstMatrixRef<T>> q_rope, std::type_identity_t<ConstMatrixRef<T>> W_UK,
                 std::type_identity_t<ConstMatrixRef<T>> W_UV, std::type_identity_t<MatrixRef<T>> out,
                 ExecutorRef executor = {}) {
@@ -128,7 +140,7 @@ void mla_decode(const LatentKVCache<T, S>& cache, std::type_identity_t<ConstMatr
     auto latent = buffers.latent.topRows(heads);
     // Head by head: each head's products are the same whoever runs them.
     const double work = static_cast<double>(heads) * static_cast<double>(r) * static_cast<double>(nope + dv);
-    const int threads = work < LatentKVCache<T, S>::parallel_work ? 1 : 0;
+    const int threads = work < detail::latent_parallel_work ? 1 : 0;
     detail::parallel_ranges(
         heads, [](Index) { return 1.0; },
         [&](Index first, Index last) {
@@ -238,7 +250,8 @@ struct MlaPrompt {
 
 /// The absorbed prefill of head h: [q_nope_h W_UK_h | q_rope_h] against every stored row.
 template <class T, class S>
-void mla_prefill_absorbed(const MlaPrompt<T>& p, Index h, const StoredRows<T, S>& rows, MlaPrefillScratch<T>& scratch) {
+void mla_prefill_absorbed(const MlaPrompt<T>& p, Index h, const LatentRowsView<T, S>& rows,
+                          MlaPrefillScratch<T>& scratch) {
     const Index width = p.r + p.dr, keys = p.past + p.tokens;
     size_rows(scratch.queries, p.tokens, width);
     tile_product<T>(p.tokens, p.r, p.nope, p.q_nope.data() + h * p.q_nope.outerStride(),
@@ -255,8 +268,8 @@ void mla_prefill_absorbed(const MlaPrompt<T>& p, Index h, const StoredRows<T, S>
     const ConstMatrixRef<T> queries = scratch.queries.topRows(p.tokens);
     MatrixRef<T> latent = scratch.latent.topRows(p.tokens);
     const auto no_lse = [](Index, T) {};
-    if constexpr (std::is_same_v<S, T>) {
-        const auto all = rows.block(0, keys);
+    if (std::is_same_v<S, T> && rows.run(0, keys) == keys) {  // one run of rows as T: in place
+        const auto all = Eigen::Map<const Matrix<T>>(rows.tile(0, keys, scratch.decoded).first, keys, width);
         TiledCausalSoftmax<T> kernel(PlainRows<T>(queries), PlainRows<T>(all), PlainRows<T>(all.leftCols(p.r)),
                                      p.scale, 0, 0, softmax, rule);
         kernel.run(latent, no_lse);
@@ -275,7 +288,8 @@ void mla_prefill_absorbed(const MlaPrompt<T>& p, Index h, const StoredRows<T, S>
 /// chunk of stored rows at a time, the plain causal kernel on each chunk, the chunks'
 /// outputs merged by their log-sum-exps in order, then the head's sink logit.
 template <class T, class S>
-void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const StoredRows<T, S>& rows, MlaPrefillScratch<T>& scratch) {
+void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const LatentRowsView<T, S>& rows,
+                          MlaPrefillScratch<T>& scratch) {
     const Index width = p.r + p.dr, qk = p.nope + p.dr, keys = p.past + p.tokens, n = p.tokens;
     size_rows(scratch.queries, n, qk);
     for (Index t = 0; t < n; ++t) {
@@ -296,14 +310,9 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const StoredRows<T, S>
     const LogitRule rule{.causal = true, .softcap = p.softcap};
     for (Index j0 = 0; j0 < keys; j0 += chunk) {
         const Index m = std::min(chunk, keys - j0);
-        const T* stored = nullptr;
-        if constexpr (std::is_same_v<S, T>) {
-            stored = rows.block(j0, m).data();
-        } else {
+        if (!std::is_same_v<S, T> || rows.run(j0, m) < m)
             size_rows(scratch.decoded, chunk, width);
-            rows.decode_rows(j0, m, scratch.decoded.data(), width);
-            stored = scratch.decoded.data();
-        }
+        const T* stored = rows.tile(j0, m, scratch.decoded).first;  // in place, or decoded at stride width
         // The chunk's keys and values, a block of rows at a time: the block's latents stay
         // in L2 while the panels of W_UK_hᵀ and W_UV_hᵀ pass over them.
         for (Index b0 = 0; b0 < m; b0 += mla_expand_rows) {
@@ -358,8 +367,9 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const StoredRows<T, S>
 /// to the unabsorbed formula within rounding. Throws std::invalid_argument, changing
 /// nothing, on shapes that do not fit or values the cache's storage cannot hold; if the
 /// attention itself throws (std::bad_alloc), the cache is taken back to its length.
-template <class T, class S>
-void mla_prefill(LatentKVCache<T, S>& cache, std::type_identity_t<ConstMatrixRef<T>> q_nope,
+template <class Cache, class T = typename std::remove_cvref_t<Cache>::Scalar>
+    requires LatentCache<std::remove_cvref_t<Cache>>
+void mla_prefill(Cache&& cache, std::type_identity_t<ConstMatrixRef<T>> q_nope,
                  std::type_identity_t<ConstMatrixRef<T>> q_rope, std::type_identity_t<ConstMatrixRef<T>> latents,
                  std::type_identity_t<ConstMatrixRef<T>> ropes, std::type_identity_t<ConstMatrixRef<T>> W_UK,
                  std::type_identity_t<ConstMatrixRef<T>> W_UV, std::type_identity_t<MatrixRef<T>> out,
@@ -404,20 +414,19 @@ void mla_prefill(LatentKVCache<T, S>& cache, std::type_identity_t<ConstMatrixRef
                             (mode == MlaPrefill::automatic && mla_expands(n, past, r, dr, nope, dv));
         std::vector<detail::MlaPrefillScratch<T>> scratch(
             static_cast<std::size_t>(std::min<int>(executor.concurrency(), detail::max_ranges)));
-        cache.for_each_stored_run([&](const auto& rows, Index, Index) {
-            detail::parallel_ranges(
-                heads, [](Index) { return 1.0; },
-                [&](Index first, Index last, int range) {
-                    auto& mine = scratch[static_cast<std::size_t>(range)];
-                    for (Index h = first; h < last; ++h) {
-                        if (expand)
-                            detail::mla_prefill_expanded(prompt, h, rows, mine);
-                        else
-                            detail::mla_prefill_absorbed(prompt, h, rows, mine);
-                    }
-                },
-                0, executor);
-        });
+        const auto rows = cache.view();
+        detail::parallel_ranges(
+            heads, [](Index) { return 1.0; },
+            [&](Index first, Index last, int range) {
+                auto& mine = scratch[static_cast<std::size_t>(range)];
+                for (Index h = first; h < last; ++h) {
+                    if (expand)
+                        detail::mla_prefill_expanded(prompt, h, rows, mine);
+                    else
+                        detail::mla_prefill_absorbed(prompt, h, rows, mine);
+                }
+            },
+            0, executor);
     } catch (...) {
         cache.truncate(past);
         throw;

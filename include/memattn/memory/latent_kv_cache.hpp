@@ -43,6 +43,7 @@
 #include "memattn/kernels/causal_softmax.hpp"
 #include "memattn/kernels/softmax_options.hpp"
 #include "memattn/memory/detail/held_logits.hpp"
+#include "memattn/memory/detail/latent_attend.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/storage/compact.hpp"
@@ -61,74 +62,6 @@
 
 namespace memattn {
 
-namespace detail {
-
-/// One tile of a latent cache's stored rows decoded to T, shared by the kernel's key
-/// source (the whole row) and value source (its first r columns): the tile the keys
-/// decoded is the tile the values read, so each is decoded once.
-template <class T, class S>
-class LatentTile {
-public:
-    LatentTile(const StoredRows<T, S>& stored, Index first, Matrix<T>& buffer)
-        : stored_(stored), first_(first), buffer_(buffer) {}
-    /// Rows [j0, j0 + n) of the piece as T, and the row stride.
-    std::pair<const T*, Index> rows(Index j0, Index n) {
-        if (j0 != j0_ || n != n_) {
-            stored_.decode_rows(first_ + j0, n, buffer_.data(), buffer_.cols());
-            j0_ = j0;
-            n_ = n;
-        }
-        return {buffer_.data(), buffer_.cols()};
-    }
-
-private:
-    const StoredRows<T, S>& stored_;
-    Index first_;
-    Matrix<T>& buffer_;
-    Index j0_ = -1, n_ = 0;
-};
-
-/// A row source of the tiled kernel (kernels/softmax_rows.hpp) over a LatentTile: `cols`
-/// columns of each row, the whole row for the keys, the latent for the values.
-template <class T, class S>
-class LatentColumns {
-public:
-    LatentColumns(LatentTile<T, S>& tile, Index rows, Index cols) : tile_(&tile), rows_(rows), cols_(cols) {}
-    static constexpr bool pairs = false;
-    [[nodiscard]] Index rows() const noexcept { return rows_; }
-    [[nodiscard]] Index cols() const noexcept { return cols_; }
-    [[nodiscard]] std::pair<const T*, Index> tile(Index j0, Index n) { return tile_->rows(j0, n); }
-    void prefetch(Index, Index) const {}
-
-private:
-    LatentTile<T, S>* tile_;
-    Index rows_, cols_;
-};
-
-/// The scratch of a latent cache's attend: the pieces' partial outputs and log-sum-exps,
-/// and one kernel scratch (and decoded tile) per thread. A copy or a move gets scratch of
-/// its own, empty, and a mutex of its own.
-template <class T>
-struct LatentScratch {
-    struct Worker {
-        std::optional<SoftmaxScratch<T>> softmax;
-        Matrix<T> decoded;
-    };
-    std::mutex mutex;
-    Matrix<T> partial;  ///< pieces · H rows of r: piece p's head h at row p · H + h
-    std::vector<T> lse;
-    std::vector<Worker> workers;
-
-    LatentScratch() = default;
-    LatentScratch(const LatentScratch&) {}
-    LatentScratch(LatentScratch&&) noexcept {}
-    LatentScratch& operator=(const LatentScratch&) { return *this; }
-    LatentScratch& operator=(LatentScratch&&) noexcept { return *this; }
-    ~LatentScratch() = default;
-};
-
-}  // namespace detail
-
 /// The cache of multi-head latent attention; see the top of the file.
 /// \tparam T float or double: the rows' scalar and the arithmetic's.
 /// \tparam S how the rows are stored: T, or a compact type of plain rows (Eigen::bfloat16,
@@ -143,16 +76,16 @@ public:
     /// The storage type code snapshots record for S (docs/snapshot-format.md).
     static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
     /// The fewest tokens in a piece of a split attend (see the top of the file).
-    static constexpr Index piece_tokens = 1024;
+    static constexpr Index piece_tokens = detail::latent_piece_tokens;
     /// The most pieces an attend is cut into: past max_pieces · piece_tokens tokens the
     /// pieces grow instead (rounded up to whole key tiles of the kernel).
-    static constexpr Index max_pieces = 64;
+    static constexpr Index max_pieces = detail::latent_max_pieces;
     /// Below this many multiply-adds (length · H · (2r + d_r)) an attend stays on the
     /// calling thread.
-    static constexpr double parallel_work = 1 << 22;
+    static constexpr double parallel_work = detail::latent_parallel_work;
     /// The most heads one tile of the kernel takes as its query lanes; more heads go in
     /// tiles of this many (each reading the keys again).
-    static constexpr Index head_tile = 128;
+    static constexpr Index head_tile = detail::latent_head_tile;
 
     /// `scale` multiplies q·k before the softmax: DeepSeek's 1/sqrt(qk_nope + qk_rope)
     /// times YaRN's mscale² (mla_softmax_scale in layer/latent_attention.hpp). It is
@@ -225,12 +158,18 @@ public:
             out.setZero();
             return;
         }
+        detail::LatentJob<T, S> job{queries.data(), queries.outerStride(), out.data(), out.outerStride(), heads,
+                                    view()};
+        const std::span<detail::LatentJob<T, S>> jobs(&job, 1);
+        const detail::LatentParams<T> params{latent_dim_, rope_dim_, scale_, logits_.into({}).softcap,
+                                             logits_.into({}).sink_logits};
         std::unique_lock<std::mutex> lock(scratch_.mutex, std::try_to_lock);
         if (lock.owns_lock()) {
-            attend_pieces(queries, out, executor, scratch_);
+            reserve_scratch(heads, executor);  // the pieces of the allocated rows: later steps fit
+            detail::latent_attend(jobs, params, scratch_, executor);
         } else {
-            detail::LatentScratch<T> own;
-            attend_pieces(queries, out, executor, own);
+            detail::LatentScratch<T, S> own;
+            detail::latent_attend(jobs, params, own, executor);
         }
     }
 
@@ -275,12 +214,10 @@ public:
         return logits_.into({.scale = static_cast<double>(scale_)});
     }
 
-    /// Calls f(rows, first, n) with the stored rows (detail::StoredRows, in storage S) and
-    /// the run [first, first + n) of them attend reads: how mla_prefill reads the cache.
-    template <class F>
-    void for_each_stored_run(F&& f) const {
-        if (length_ > 0)
-            f(rows_, Index{0}, length_);
+    /// Where its tokens are (the stored rows in storage S, one run): how mla_prefill reads
+    /// the cache.
+    [[nodiscard]] detail::LatentRowsView<T, S> view() const noexcept {
+        return {.rows = &rows_, .table = nullptr, .first = 0, .block = 1, .length = length_};
     }
 
     /// The stored rows [c | k_rope], oldest first, length() × (r + d_r) (stored as T).
@@ -357,117 +294,11 @@ private:
         rows_.swap(grown);
     }
 
-    /// Tokens per piece of an attend over `tokens` tokens (see the top of the file).
-    [[nodiscard]] static Index piece_length(Index tokens) noexcept {
-        return std::max(piece_tokens, detail::round_up((tokens + max_pieces - 1) / max_pieces, 128));
-    }
-    /// Pieces of an attend over `tokens` tokens: at most max_pieces, and never more for
-    /// fewer tokens.
-    [[nodiscard]] static Index piece_count(Index tokens) noexcept {
-        const Index per = piece_length(tokens);
-        return (tokens + per - 1) / per;
-    }
-
-    /// The attend after its checks, in `scratch`: each piece into its partial rows, then
-    /// the merge.
-    void attend_pieces(const ConstMatrixRef<T>& queries, MatrixRef<T>& out, ExecutorRef executor,
-                       detail::LatentScratch<T>& scratch) const {
-        const Index heads = queries.rows(), per = piece_length(length_), pieces = piece_count(length_);
-        const double work = static_cast<double>(length_) * static_cast<double>(heads) *
-                            static_cast<double>(2 * latent_dim_ + rope_dim_);
-        const int threads = work < parallel_work ? 1 : 0;
-        const int workers = threads == 1 ? 1 : std::min<int>(executor.concurrency(), detail::max_ranges);
-        size_scratch(scratch, heads, workers);  // may throw std::bad_alloc: nothing changed
-        detail::parallel_ranges(
-            pieces, [](Index) { return 1.0; },
-            [&](Index first, Index last, int worker) {
-                for (Index p = first; p < last; ++p) {
-                    const Index j0 = p * per, n = std::min(per, length_ - j0);
-                    attend_piece(queries, j0, n, scratch.partial.middleRows(p * heads, heads),
-                                 scratch.lse.data() + p * heads, scratch.workers[static_cast<std::size_t>(worker)]);
-                }
-            },
-            threads, executor);
-        merge(pieces, heads, scratch, out);
-    }
-
-    /// Room for the partial rows of `heads` heads over as many pieces as the allocated
-    /// rows can make (so the steps up to it do not allocate), and `workers` kernel
-    /// scratches; kept when they fit.
-    void size_scratch(detail::LatentScratch<T>& scratch, Index heads, int workers) const {
-        const Index rows = piece_count(std::max(length_, rows_.rows())) * heads;
-        if (scratch.partial.rows() < rows || scratch.partial.cols() != latent_dim_) {
-            scratch.partial.resize(rows, latent_dim_);
-            scratch.lse.resize(static_cast<std::size_t>(rows));
-        }
-        if (static_cast<int>(scratch.workers.size()) < workers)
-            scratch.workers.resize(static_cast<std::size_t>(workers));
-    }
-
-    /// Piece [j0, j0 + n) for every head: its softmax-weighted latents into `partial`
-    /// (H × r), its log-sum-exps into lse[0, H).
-    template <class Partial>
-    void attend_piece(const ConstMatrixRef<T>& queries, Index j0, Index n, Partial&& partial, T* lse,
-                      typename detail::LatentScratch<T>::Worker& worker) const {
-        const Index heads = queries.rows();
-        const detail::SoftmaxTiles tiles{std::min(heads, head_tile), 128};
-        if (!worker.softmax || worker.softmax->tiles != tiles)
-            worker.softmax.emplace(width(), latent_dim_, tiles);
-        const detail::LogitRule rule{.causal = false, .softcap = options().softcap};
-        const auto sink = [lse](Index i, T value) { lse[i] = value; };
-        MatrixRef<T> o(partial);
-        if constexpr (std::is_same_v<S, T>) {
-            const auto piece = rows_.block(j0, n);
-            detail::TiledCausalSoftmax<T> kernel(detail::PlainRows<T>(queries), detail::PlainRows<T>(piece),
-                                                 detail::PlainRows<T>(piece.leftCols(latent_dim_)), scale_, 0, 0,
-                                                 *worker.softmax, rule);
-            kernel.run(o, sink);
-        } else {
-            if (worker.decoded.rows() < tiles.keys || worker.decoded.cols() != width())
-                worker.decoded.resize(tiles.keys, width());
-            detail::LatentTile<T, S> tile(rows_, j0, worker.decoded);
-            using Source = detail::LatentColumns<T, S>;
-            detail::TiledCausalSoftmax<T, detail::DefaultBlocking, Source, Source> kernel(
-                detail::PlainRows<T>(queries), Source(tile, n, width()), Source(tile, n, latent_dim_), scale_, 0, 0,
-                *worker.softmax, rule);
-            kernel.run(o, sink);
-        }
-    }
-
-    /// out_h = Σ_p w_p · partial_p,h with w_p = e^{lse_p,h − m} / (Σ_p e^{lse_p,h − m} + e^{σ_h − m}),
-    /// m the largest of them, in piece order; σ_h the head's sink logit, if any.
-    void merge(Index pieces, Index heads, const detail::LatentScratch<T>& scratch, MatrixRef<T>& out) const {
-        const SoftmaxOptions options = this->options();
-        constexpr T minus_inf = -std::numeric_limits<T>::infinity();
-        for (Index h = 0; h < heads; ++h) {
-            T sink = minus_inf;
-            if (!options.sink_logits.empty())
-                sink = static_cast<T>(options.sink_logits[options.sink_logits.size() == 1 ? 0 : static_cast<std::size_t>(h)]);
-            T m = sink;
-            bool nan = false;
-            for (Index p = 0; p < pieces; ++p) {
-                const T l = scratch.lse[static_cast<std::size_t>(p * heads + h)];
-                nan |= std::isnan(l);
-                m = std::max(m, l);
-            }
-            auto row = out.row(h);
-            if (nan) {
-                row.setConstant(std::numeric_limits<T>::quiet_NaN());
-                continue;
-            }
-            if (m == minus_inf) {  // no key seen (every logit −∞): nothing to weigh
-                row.setZero();
-                continue;
-            }
-            T total = sink == minus_inf ? T(0) : std::exp(sink - m);
-            for (Index p = 0; p < pieces; ++p)
-                total += std::exp(scratch.lse[static_cast<std::size_t>(p * heads + h)] - m);
-            row.setZero();
-            for (Index p = 0; p < pieces; ++p) {
-                const T w = std::exp(scratch.lse[static_cast<std::size_t>(p * heads + h)] - m) / total;
-                row += w * scratch.partial.row(p * heads + h);
-            }
-        }
+    /// Scratch for the pieces of as many tokens as the allocated rows hold, `heads` heads,
+    /// and the executor's threads, so the steps up to them allocate nothing.
+    void reserve_scratch(Index heads, ExecutorRef executor) const {
+        const Index pieces = detail::latent_piece_count(std::max(length_, rows_.rows()));
+        scratch_.size(pieces * heads, latent_dim_, std::min<int>(executor.concurrency(), detail::max_ranges));
     }
 
     Index latent_dim_;
@@ -477,7 +308,7 @@ private:
     Rows rows_;
     Matrix<T> joined_;  ///< rows [c | k_rope] joined before they are stored
     Index length_ = 0;
-    mutable detail::LatentScratch<T> scratch_;
+    mutable detail::LatentScratch<T, S> scratch_;
 };
 
 }  // namespace memattn
