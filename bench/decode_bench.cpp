@@ -62,6 +62,12 @@
 //       steps over the B caches; the roofline's FLOPs 2 · B · H · L · (2r + d_r), its
 //       bytes the rows read (and, P ≥ 2, the weights once, or B times for P = 3)
 //
+//   BM_PoolTreeVerify/past:P/mode:M   speculative decoding in a PagedKVCache<float> (32/8
+//       heads of 128, blocks of 128), one sequence of P cached tokens and a binary tree of
+//       64 drafts: M = 0 the verify step (prefill with parents, then reject), M = 1 the 64
+//       batched_decode steps it replaces (then truncate), M = 2 accept of a path of 5
+//       drafts alone (the verify before each untimed), M = 3 one batched_decode step
+//
 // The figure and the table: scripts/plot.py (decode_roofline.png; `plot.py decode-table
 // decode_bench.json` prints the table of docs/performance.md). On a shared machine run
 //   decode_bench --benchmark_filter=BM_DecodeStep --benchmark_repetitions=5
@@ -598,6 +604,56 @@ void paged_latent_cells(benchmark::internal::Benchmark* b) {
     b->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 
+void BM_PoolTreeVerify(benchmark::State& state) {
+    const Index past = state.range(0), mode = state.range(1), drafts = 64;
+    const HeadLayout layout{32, 8, head_dim};
+    const Index kw = layout.kv_heads * head_dim, qw = layout.q_heads * head_dim;
+    memattn::PagedKVCache<float> paged(layout, past / 128 + 4, 128);
+    const Index seq = paged.add_sequence();
+    const Matrix<float>& keys = pool(kw, 2);
+    const Matrix<float>& values = pool(kw, 3);
+    for (Index filled = 0; filled < past; filled += pool_tokens) {
+        const Index n = std::min(pool_tokens, past - filled);
+        paged.extend(seq, keys.topRows(n), values.topRows(n));
+    }
+    std::vector<Index> parents{-1};
+    for (Index i = 1; i < drafts; ++i)
+        parents.push_back((i - 1) / 2);
+    const std::vector<Index> path{0, 1, 3, 7, 15};  // a chain of the binary tree
+    const Matrix<float> Q = pool(qw, 1).topRows(drafts), K = keys.topRows(drafts), V = values.topRows(drafts);
+    Matrix<float> O(drafts, qw);
+    const std::vector<Index> seqs{seq}, offsets{0, drafts};
+    const auto verify = [&] { paged.prefill(seqs, offsets, Q, K, V, O, memattn::SerialExecutor{}, parents); };
+    double seconds = 0;
+    if (mode == 2) {  // accept alone: each repetition's verify untimed
+        std::vector<double> times;
+        times.reserve(1 << 16);
+        for (auto _ : state) {
+            verify();
+            const auto before = Clock::now();
+            paged.accept(seq, path);
+            if (times.size() < times.capacity())
+                times.push_back(seconds_since(before));
+            paged.truncate(seq, past);
+        }
+        seconds = median(times);
+    } else {
+        seconds = median_step_seconds(state, [&] {
+            if (mode == 0) {
+                verify();
+                paged.reject(seq);
+            } else {
+                for (Index i = 0; i < (mode == 1 ? drafts : 1); ++i)
+                    memattn::batched_decode(paged, seqs, Q.middleRows(i, 1), K.middleRows(i, 1), V.middleRows(i, 1),
+                                            O.middleRows(i, 1), memattn::SerialExecutor{});
+                paged.truncate(seq, past);
+            }
+        });
+    }
+    state.counters["step_us"] = seconds * 1e6;
+    benchmark::DoNotOptimize(O.data());
+}
+
 void BM_LatentPrefill(benchmark::State& state) {
     constexpr Index r = 512, dr = 64, nope = 128, dv = 128;
     const Index heads = state.range(0), past = state.range(1), n = state.range(2);
@@ -1006,6 +1062,8 @@ BENCHMARK(BM_DecodeStep<float>)->Name("BM_DecodeStep<float>")->Apply(cells);
 BENCHMARK(BM_LatentDecode<float>)->Name("BM_LatentDecode<float>")->Apply(latent_cells);
 BENCHMARK(BM_LatentDecode<Eigen::bfloat16>)->Name("BM_LatentDecode<bfloat16>")->Apply(latent_cells);
 BENCHMARK(BM_LatentPrefill)->Apply(latent_prefill_cells);
+BENCHMARK(BM_PoolTreeVerify)->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {0, 1, 2, 3}})->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_PagedLatentDecode<float>)->Name("BM_PagedLatentDecode<float>")->Apply(paged_latent_cells);
 BENCHMARK(BM_PagedLatentDecode<Eigen::bfloat16>)->Name("BM_PagedLatentDecode<bfloat16>")->Apply(paged_latent_cells);
 BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Apply(cells);

@@ -6,6 +6,8 @@
 // an operation that throws (PoolExhausted) must change nothing, an attend must equal the
 // double reference of the sequence's tokens, a rollback the window has made impossible
 // must be refused with nothing changed (one within the pool's rollback room never is),
+// a verify step's drafts must each equal the reference of the sequence and its ancestors,
+// and an accept must leave the path's tokens (a fork's copy of the drafts untouched),
 // and a windowed sequence must never hold more blocks than its window (and room) needs,
 // in either pool; at the end every block must be free
 // again. A second mode runs batched prefill and decode on pools long enough that their
@@ -458,6 +460,68 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                         fail("a refused load changed the pool");
                     pool.remove(back);
                 }
+            }
+        } else if (op == 6 && window == 0 && in.flag()) {  // a verify step of a tree of drafts, then accept or reject
+            const Index seq = pick(), n = in.size(1, 5);
+            std::vector<Index> parents;
+            for (Index t = 0; t < n; ++t)
+                parents.push_back(in.size(0, t) - 1);
+            const Matrix<float> Q = in.matrix<float>(n, pool.query_dim(), 2.0), K = in.matrix<float>(n, kw, 2.0),
+                                V = in.matrix<float>(n, kw, 2.0);
+            Matrix<float> O(n, pool.output_dim());
+            const std::vector<Index> seqs{seq}, offsets{0, n};
+            try {
+                pool.prefill(seqs, offsets, Q, K, V, O, {}, parents);
+            } catch (const PoolExhausted&) {
+                if (pool.blocks_in_use() != before || pool.length(seq) != static_cast<Index>(model[seq].size()))
+                    fail("a refused verify step changed the pool");
+                continue;
+            }
+            const auto chain = [&](Index leaf) {  // the drafts from a root to `leaf`
+                std::vector<Index> path;
+                for (Index i = leaf; i >= 0; i = parents[static_cast<std::size_t>(i)])
+                    path.insert(path.begin(), i);
+                return path;
+            };
+            const auto with = [&](const std::vector<Index>& path) {  // the model's tokens and the path's
+                std::vector<Matrix<float>> tokens = model[seq];
+                for (const Index i : path) {
+                    Matrix<float> token(2, kw);
+                    token << K.row(i), V.row(i);
+                    tokens.push_back(token);
+                }
+                return tokens;
+            };
+            for (Index t = 0; t < n; ++t)
+                fuzz::expect_close("a draft's attend", O.row(t), expected_attend(layout, Q.row(t), with(chain(t)), options),
+                                   2e-4);
+            if (pool.pending_drafts(seq) != n)
+                fail("the drafts are not pending");
+            // A fork now shares the drafts' blocks: accept copies what it writes.
+            Index twin = -1;
+            if (model.size() < 6 && in.flag()) {
+                twin = pool.fork(seq);
+                model[twin] = model[seq];
+                peak[twin] = peak[seq];
+            }
+            const Index in_use = pool.blocks_in_use();
+            if (in.flag()) {
+                const std::vector<Index> path = chain(in.size(0, n - 1));
+                try {
+                    pool.accept(seq, path);
+                    model[seq] = with(path);
+                } catch (const PoolExhausted&) {
+                    if (pool.blocks_in_use() != in_use || pool.pending_drafts(seq) != n)
+                        fail("a refused accept changed the pool");
+                    pool.reject(seq);
+                }
+            } else {
+                pool.reject(seq);
+            }
+            if (twin >= 0) {
+                if (pool.pending_drafts(twin) != n)
+                    fail("a fork lost the pending drafts");
+                pool.reject(twin);
             }
         } else if (in.flag()) {  // a mixed batch: a chunk of 0 to 3 rows for every live sequence
             std::vector<Index> seqs, offsets{0};

@@ -1705,3 +1705,244 @@ TEST_CASE("PagedKVCache with reject_nonfinite: a key or value that is not finite
     lenient.extend(c, K, V);
     CHECK(lenient.length(c) == 6);
 }
+
+// ---- Speculative decoding in the pool: verify a tree of drafts, accept its path ----------
+
+namespace {
+
+/// A draft tree of n tokens: a root chain 0 → 1 → 2 ... with side branches (random
+/// parents among the earlier drafts), and the accepted path along the chain of depth
+/// `depth` from the root 0.
+std::vector<Index> tree_parents(Index n, unsigned seed) {
+    std::vector<Index> parents(static_cast<std::size_t>(n));
+    std::mt19937 rng(seed);
+    for (Index i = 0; i < n; ++i)
+        parents[static_cast<std::size_t>(i)] = i == 0 ? -1 : static_cast<Index>(rng() % static_cast<unsigned>(i + 1)) - 1;
+    return parents;
+}
+
+/// The path from the root to draft `leaf` of the tree.
+std::vector<Index> tree_path(const std::vector<Index>& parents, Index leaf) {
+    std::vector<Index> path;
+    for (Index i = leaf; i >= 0; i = parents[static_cast<std::size_t>(i)])
+        path.insert(path.begin(), i);
+    return path;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("PagedKVCache: a tree of drafts verified in a batch equals the kernel's tree mask, bit for bit, "
+                   "and accept keeps its path as if decoded token by token",
+                   "[serving][batched][tree]", float, Eigen::bfloat16, Q8) {
+    using S = TestType;
+    const HeadLayout layout{4, 2, 16, 0};
+    const Index kw = 32, qw = 64, P = 37, n = 21, block = 8;
+    const Matrix<float> K0 = random_matrix<float>(P, kw, 120), V0 = random_matrix<float>(P, kw, 121);
+    const Matrix<float> Q = random_matrix<float>(n + 1, qw, 122), K = random_matrix<float>(n + 1, kw, 123),
+                        V = random_matrix<float>(n + 1, kw, 124);
+    const std::vector<Index> parents = tree_parents(n, 7);
+    const std::vector<double> sinks{0.5, -1.0, 0.25, 2.0};
+    const SoftmaxOptions options{.softcap = 20.0, .sink_logits = sinks};
+    // Two sequences in one batch: a tree of n drafts after P tokens, and a one-token tree.
+    PagedKVCache<float, S> pool(layout, 64, block, options);
+    const Index a = pool.add_sequence(), b = pool.add_sequence();
+    pool.extend(a, K0, V0);
+    pool.extend(b, K0.topRows(5), V0.topRows(5));
+    const Index keep = pool.fork(a);  // shares a's blocks, the partly filled last one too
+    const std::vector<Index> seqs{a, b}, offsets{0, n, n + 1};
+    std::vector<Index> all(parents);
+    all.push_back(-1);
+    Matrix<float> O(n + 1, qw);
+    for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        if (threads == 2) {
+            pool.reject(a);
+            pool.reject(b);
+        }
+        batched_prefill(pool, seqs, offsets, Q, K, V, O, OpenMPExecutor{.threads = threads}, all);
+        CHECK(pool.pending_drafts(a) == n);
+        CHECK(pool.pending_drafts(b) == 1);
+        CHECK(pool.length(a) == P + n);
+        // The multi-head kernel with the tree on the sequence's pairs as stored.
+        Matrix<float> Ks(P + n, kw), Vs(P + n, kw), expected(n, qw);
+        Ks << K0, K.topRows(n);
+        Vs << V0, V.topRows(n);
+        SoftmaxOptions tree = options;
+        tree.parents = parents;
+        multi_head_causal_softmax_attention(Q.topRows(n), stored_heads<float, S>(Ks, 2), stored_heads<float, S>(Vs, 2),
+                                            expected, layout, tree, {}, SerialExecutor{});
+        CHECK((O.topRows(n).array() == expected.array()).all());
+    }
+    // A fork after the verify shares the drafts' blocks: accept copies what it writes.
+    const Index twin = pool.fork(a);
+    CHECK(pool.pending_drafts(twin) == n);
+    const Index leaf = n - 1;
+    const std::vector<Index> path = tree_path(parents, leaf);
+    INFO("path of " << path.size());
+    pool.accept(a, path);
+    CHECK(pool.length(a) == P + static_cast<Index>(path.size()));
+    CHECK(pool.pending_drafts(a) == 0);
+    pool.accept(b, std::vector<Index>{0});
+    CHECK(pool.length(b) == 6);
+    // The same tokens decoded one by one, in the fork kept from before the verify.
+    for (const Index p : path)
+        pool.update(keep, K.row(p), V.row(p));
+    const Matrix<float> q = random_matrix<float>(1, qw, 125);
+    Matrix<float> oa(1, qw), ok(1, qw), ot(1, qw), ot0(1, qw);
+    pool.attend(a, q.row(0), oa.row(0));
+    pool.attend(keep, q.row(0), ok.row(0));
+    CHECK((oa.array() == ok.array()).all());
+    // The twin's drafts are as verified: its own accept of another path, and reject.
+    pool.attend(twin, q.row(0), ot0.row(0));
+    const std::vector<Index> other = tree_path(parents, 3);
+    pool.accept(twin, other);
+    CHECK(pool.length(twin) == P + static_cast<Index>(other.size()));
+    Matrix<float> Kt(P + static_cast<Index>(other.size()), kw), Vt(Kt.rows(), kw);
+    Kt.topRows(P) = K0;
+    Vt.topRows(P) = V0;
+    for (std::size_t k = 0; k < other.size(); ++k) {
+        Kt.row(P + static_cast<Index>(k)) = K.row(other[k]);
+        Vt.row(P + static_cast<Index>(k)) = V.row(other[k]);
+    }
+    pool.attend(twin, q.row(0), ot.row(0));
+    check_close(ot,
+                paged_reference(layout, q.cast<double>(), stored_heads<float, S>(Kt, 2).template cast<double>(),
+                                stored_heads<float, S>(Vt, 2).template cast<double>()),
+                1.0);  // the options differ from the plain reference: only finiteness here
+    CHECK(ot.allFinite());
+    // accept then decoding on: the next step equals the fork's.
+    Matrix<float> na(1, qw), nk(1, qw);
+    Matrix<float> Kd(2, kw), Vd(2, kw), Qd(2, qw), Od(2, qw);
+    Kd << K.row(n), K.row(n);  // the same token for both
+    Vd << V.row(n), V.row(n);
+    Qd << Q.row(n), Q.row(n);
+    batched_decode(pool, std::vector<Index>{a, keep}, Qd, Kd, Vd, Od);
+    CHECK((Od.row(0).array() == Od.row(1).array()).all());
+    pool.attend(a, q.row(0), na.row(0));
+    pool.attend(keep, q.row(0), nk.row(0));
+    CHECK((na.array() == nk.array()).all());
+}
+
+TEST_CASE("PagedKVCache: a verify step's bad trees, paths and pools are refused and change nothing",
+          "[serving][tree][bad_input]") {
+    const HeadLayout layout{2, 1, 8, 0};
+    const Matrix<float> Q = random_matrix<float>(6, 16, 130), K = random_matrix<float>(6, 8, 131),
+                        V = random_matrix<float>(6, 8, 132);
+    PagedKVCache<float> pool(layout, 8, 4);
+    const Index a = pool.add_sequence();
+    pool.extend(a, K.topRows(3), V.topRows(3));
+    const std::vector<Index> seqs{a}, offsets{0, 5};
+    Matrix<float> O(5, 16);
+    const auto same = [&] {
+        CHECK(pool.length(a) == 3);
+        CHECK(pool.pending_drafts(a) == 0);
+        CHECK(pool.blocks_in_use() == 1);
+    };
+    CHECK_THROWS_WITH(pool.accept(a, std::vector<Index>{0}), Catch::Contains("no pending drafts"));
+    CHECK_THROWS_WITH(pool.reject(a), Catch::Contains("no pending drafts"));
+    const std::vector<Index> later{-1, 0, 2, 1, 1}, short_tree{-1, 0};
+    CHECK_THROWS_WITH(pool.prefill(seqs, offsets, Q.topRows(5), K.topRows(5), V.topRows(5), O, {}, later),
+                      Catch::Contains("parents") && Catch::Contains("row 2"));
+    CHECK_THROWS_WITH(pool.prefill(seqs, offsets, Q.topRows(5), K.topRows(5), V.topRows(5), O, {}, short_tree),
+                      Catch::Contains("expected 5"));
+    same();
+    const std::vector<Index> tree{-1, 0, 0, 1, -1};
+    pool.prefill(seqs, offsets, Q.topRows(5), K.topRows(5), V.topRows(5), O, {}, tree);
+    CHECK(pool.pending_drafts(a) == 5);
+    CHECK_THROWS_WITH(pool.accept(a, std::vector<Index>{1}), Catch::Contains("must be a root"));
+    CHECK_THROWS_WITH(pool.accept(a, std::vector<Index>{0, 3}), Catch::Contains("parent is 1"));
+    CHECK_THROWS_WITH(pool.accept(a, std::vector<Index>{0, 5}), Catch::Contains("expected a draft"));
+    CHECK(pool.length(a) == 8);
+    CHECK(pool.pending_drafts(a) == 5);
+    // An accept of the root chain's first drafts moves nothing; an update ends a tree.
+    pool.accept(a, std::vector<Index>{0, 1, 3});
+    CHECK(pool.length(a) == 6);
+    pool.prefill(seqs, std::vector<Index>{0, 2}, Q.topRows(2), K.topRows(2), V.topRows(2), O.topRows(2), {},
+                 std::vector<Index>{-1, -1});
+    pool.update(a, K.row(5), V.row(5));
+    CHECK(pool.pending_drafts(a) == 0);
+    // A windowed pool, or one with ALiBi, refuses trees.
+    PagedKVCache<float> windowed(layout, 8, 4, SoftmaxOptions{.window = 4});
+    const Index w = windowed.add_sequence();
+    CHECK_THROWS_WITH(windowed.prefill(std::vector<Index>{w}, std::vector<Index>{0, 2}, Q.topRows(2), K.topRows(2),
+                                       V.topRows(2), O.topRows(2), {}, std::vector<Index>{-1, 0}),
+                      Catch::Contains("window"));
+    CHECK(windowed.length(w) == 0);
+    // An accept whose copies on write do not fit the pool: PoolExhausted, nothing changed.
+    PagedKVCache<float> tight(layout, 3, 4);
+    const Index t = tight.add_sequence();
+    Matrix<float> O6(6, 16);
+    tight.prefill(std::vector<Index>{t}, std::vector<Index>{0, 6}, Q, K, V, O6, {},
+                  std::vector<Index>{-1, 0, 1, 0, 3, 4});
+    const Index t2 = tight.fork(t);
+    const Index spare = tight.add_sequence();
+    tight.extend(spare, K.topRows(1), V.topRows(1));  // the last free block
+    CHECK_THROWS_AS(tight.accept(t, std::vector<Index>{0, 3, 4}), PoolExhausted);
+    CHECK(tight.length(t) == 6);
+    CHECK(tight.pending_drafts(t) == 6);
+    tight.remove(spare);
+    tight.accept(t, std::vector<Index>{0, 3, 4});
+    CHECK(tight.length(t) == 3);
+    CHECK(tight.length(t2) == 6);
+}
+
+TEST_CASE("ModelCache: a verify step in every layer, then accept or reject in all at once", "[serving][model][tree]") {
+    const std::vector<ModelLayer> specs{{.layout = {4, 2, 8, 0}, .blocks = 20, .block_size = 16},
+                                        {.layout = {2, 1, 16, 8}, .blocks = 20, .block_size = 4}};
+    ModelCache<float> cache(specs);
+    std::vector<PagedKVCache<float>> pools;  // the same calls on independent pools
+    for (const ModelLayer& l : specs)
+        pools.emplace_back(l.layout, l.blocks, l.block_size, l.options);
+    const Index a = cache.add_sequence(), b = cache.add_sequence();
+    for (auto& p : pools) {
+        p.add_sequence();
+        p.add_sequence();
+    }
+    const std::vector<Index> parents{-1, 0, 0, 1, 2, -1, 4};
+    const auto step_all = [&](const std::vector<Index>& ids, const std::vector<Index>& offsets, bool tree,
+                              std::uint64_t seed) {
+        const auto& step = cache.plan(ids, offsets);
+        const Index rows = offsets.back();
+        for (Index l = 0; l < cache.layers(); ++l) {
+            PagedKVCache<float>& own = pools[static_cast<std::size_t>(l)];
+            const auto s = seed + 10 * static_cast<std::uint64_t>(l);
+            const Matrix<float> Q = random_matrix<float>(rows, own.query_dim(), s),
+                                K = random_matrix<float>(rows, own.key_dim(), s + 1),
+                                V = random_matrix<float>(rows, own.value_dim(), s + 2);
+            Matrix<float> O(rows, own.output_dim()), expected(rows, own.output_dim());
+            if (tree) {
+                cache.prefill(l, step, Q, K, V, O, parents);
+                batched_prefill(own, step.slots(), step.q_offsets(), Q, K, V, expected, {}, parents);
+            } else {
+                cache.prefill(l, step, Q, K, V, O);
+                batched_prefill(own, step.slots(), step.q_offsets(), Q, K, V, expected);
+            }
+            CHECK((O.array() == expected.array()).all());
+        }
+    };
+    step_all({a, b}, {0, 30, 33}, false, 400);
+    step_all({a}, {0, 7}, true, 410);
+    CHECK(cache.pending_drafts(a) == 7);
+    const std::vector<Index> path{0, 2, 4, 6};
+    cache.accept(a, path);
+    for (auto& p : pools)
+        p.accept(cache.slot_of(a), path);
+    CHECK(cache.length(a) == 34);
+    CHECK(cache.pending_drafts(a) == 0);
+    for (Index l = 0; l < cache.layers(); ++l) {
+        PagedKVCache<float>& own = pools[static_cast<std::size_t>(l)];
+        const Matrix<float> q = random_matrix<float>(1, own.query_dim(), 420);
+        Matrix<float> x(1, own.output_dim()), y(1, own.output_dim());
+        cache.layer(l).attend(cache.slot_of(a), q.row(0), x.row(0));
+        own.attend(cache.slot_of(a), q.row(0), y.row(0));
+        CHECK((x.array() == y.array()).all());
+    }
+    // A bad path is refused in every layer before any changes; reject drops the drafts.
+    step_all({a}, {0, 7}, true, 430);
+    CHECK_THROWS_WITH(cache.accept(a, std::vector<Index>{0, 3}), Catch::Contains("ModelCache::accept"));
+    CHECK(cache.length(a) == 41);
+    cache.reject(a);
+    CHECK(cache.length(a) == 34);
+    CHECK_THROWS_WITH(cache.reject(a), Catch::Contains("no pending drafts"));
+    CHECK_THROWS_WITH(cache.reject(b), Catch::Contains("no pending drafts"));
+}

@@ -82,6 +82,18 @@ void batched_prefill(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std:
                                      detail::sequence(K), detail::sequence(V), detail::output(std::forward<DO>(O)),
                                      executor);
 }
+/// Speculative decoding's verify step over the pool: the same, each chunk a tree of
+/// drafts, parents[r] row r's parent within its chunk (−1: a root), the drafts then
+/// waiting for PagedKVCache::accept or reject (PagedKVCache::prefill with parents).
+template <Scalar T, class S, class DQ, class DK, class DV, detail::EigenMatrix DO>
+void batched_prefill(PagedKVCache<T, S>& pool, std::span<const Index> seqs, std::span<const Index> q_offsets,
+                     const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K, const Eigen::MatrixBase<DV>& V,
+                     DO&& O, ExecutorRef executor, std::span<const Index> parents) {
+    if constexpr (detail::batch_scalars<T, DQ, DK, DV, DO>())
+        detail::PagedAccess::prefill(pool, "batched_prefill", seqs, q_offsets, detail::sequence(Q),
+                                     detail::sequence(K), detail::sequence(V), detail::output(std::forward<DO>(O)),
+                                     executor, parents, true);
+}
 
 namespace detail {
 

@@ -313,6 +313,54 @@ public:
                         pools_[at].executor());
         ran(at);
     }
+    /// Layer l's verify step of `step` (a plan of chunks, each a tree of drafts):
+    /// batched_prefill with `parents` on its pool (PagedKVCache::prefill), the drafts then
+    /// pending in that layer; once every layer has run it, accept(id, path) or reject(id).
+    template <class DQ, class DK, class DV, detail::EigenMatrix DO>
+    void prefill(Index l, const Step& step, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
+                 const Eigen::MatrixBase<DV>& V, DO&& O, std::span<const Index> parents) {
+        const std::size_t at = runnable("ModelCache::prefill", l, step);
+        batched_prefill(pools_[at], step.slots(), step.q_offsets(), Q, K, V, std::forward<DO>(O),
+                        pools_[at].executor(), parents);
+        ran(at);
+    }
+
+    /// Keeps the accepted path of `id`'s pending drafts in every layer at once
+    /// (PagedKVCache::accept), all or nothing: every layer's path and copies checked first
+    /// (std::invalid_argument, PoolExhausted naming the layer, also when the copies would
+    /// leave a layer short of the planned step's blocks). Ends the step `id` is in.
+    void accept(Index id, std::span<const Index> path) {
+        constexpr const char* function = "ModelCache::accept";
+        const Index s = slot_of(function, "id", id);
+        check_not_mid_step(function, "id", id, s);
+        for (Index l = 0; l < layers(); ++l) {
+            const Pool& pool = pools_[static_cast<std::size_t>(l)];
+            const Index needed = pool.accept_blocks(s, path, function);
+            const Index held = planned_ && !in_step(s) ? pool.blocks_needed(step_.slots_, tokens_) : 0;
+            if (needed > 0 && needed + held > pool.free_blocks())
+                throw PoolExhausted(std::string(function) + " (layer " + std::to_string(l) + ")", needed + held,
+                                    pool.free_blocks(), pool.blocks());
+        }
+        for (Pool& pool : pools_)
+            pool.accept(s, path);
+        end_step_of(s);
+    }
+    /// Drops `id`'s pending drafts in every layer (PagedKVCache::reject).
+    void reject(Index id) {
+        constexpr const char* function = "ModelCache::reject";
+        const Index s = slot_of(function, "id", id);
+        check_not_mid_step(function, "id", id, s);
+        detail::require(pools_.front().pending_drafts(s) > 0, function, "id", "is ", id,
+                        ", which has no pending drafts");
+        for (Pool& pool : pools_)
+            pool.reject(s);
+        end_step_of(s);
+    }
+    /// The drafts `id`'s last verify step left pending (the same in every layer).
+    [[nodiscard]] Index pending_drafts(Index id) const {
+        return pools_.front().pending_drafts(slot_of("ModelCache::pending_drafts", "id", id));
+    }
+
     /// Whether a step is planned that some layers have not run yet.
     [[nodiscard]] bool step_pending() const noexcept { return planned_; }
 

@@ -149,6 +149,7 @@ public:
         s.length = 0;
         s.dropped = 0;
         s.first = sinks_;
+        s.drafts = 0;
         s.live = true;
         return id;
     }
@@ -166,6 +167,8 @@ public:
         child.dropped = from.dropped;
         child.first = from.first;
         child.live = true;
+        child.tree.assign(from.tree.begin(), from.tree.begin() + from.drafts);
+        child.drafts = from.drafts;
         for (const Index b : child.table)
             ++refs_[static_cast<std::size_t>(b)];
         return id;
@@ -194,6 +197,7 @@ public:
             s.first = sinks_;
         }
         s.length = tokens;
+        s.drafts = 0;
     }
     /// Whether truncate(seq, tokens) would succeed: 0 ≤ tokens ≤ length(seq) and, in a
     /// windowed pool, no token a sequence of `tokens` tokens still sees has been freed.
@@ -230,6 +234,7 @@ public:
         s.table.clear();
         s.length = 0;
         s.dropped = 0;
+        s.drafts = 0;
         s.live = false;
     }
 
@@ -433,6 +438,111 @@ public:
     void prefill(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
                  ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out, ExecutorRef executor) {
         prefill_batch("PagedKVCache::prefill", seqs, q_offsets, queries, keys, values, out, executor);
+    }
+    /// Speculative decoding's verify step: the same, each chunk a tree of drafted tokens.
+    /// parents[r] (one per row of K) is row r's parent within its chunk (−1: a root, which
+    /// follows the sequence's cached tokens), before it: each row attends the sequence's
+    /// cached tokens and, of its chunk, its ancestors and itself (SoftmaxOptions::parents;
+    /// a chunk that is a chain, parents t − 1, is a prompt). The drafts' keys are turned
+    /// to their positions in the tree (cached length + depth), where an accepted path puts
+    /// them. The chunks then wait for accept(seq, path) or reject(seq) (pending_drafts).
+    /// Not in a windowed pool or with ALiBi (a window and ALiBi count rows, not a tree's
+    /// positions): std::invalid_argument, nothing changed.
+    void prefill(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
+                 ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out, ExecutorRef executor,
+                 std::span<const Index> parents) {
+        prefill_batch("PagedKVCache::prefill", seqs, q_offsets, queries, keys, values, out, executor, parents, true);
+    }
+
+    /// The drafts of `seq` the last verify step (prefill with parents) left waiting for
+    /// accept or reject; 0 when none (any other call that changes the sequence's tokens
+    /// makes them plain tokens).
+    [[nodiscard]] Index pending_drafts(Index seq) const {
+        check_sequence("PagedKVCache::pending_drafts", "seq", seq);
+        return sequences_[static_cast<std::size_t>(seq)].drafts;
+    }
+
+    /// Keeps the accepted drafts of `seq`'s pending tree: path[k] (indices among the
+    /// drafts, path[0] a root, each the child of the one before) becomes token L + k, L the
+    /// length before the drafts, and the other drafts are dropped; then the sequence holds
+    /// L + |path| tokens, the same pairs as if the path had been decoded token by token
+    /// (with keys turned as the verify step's). Moves only the rows from the first k with
+    /// path[k] ≠ k on, in every KV head; a block it writes that another sequence holds is
+    /// copied first (PoolExhausted, nothing changed, when too few are free). An empty path
+    /// is reject(seq). std::invalid_argument, nothing changed, without pending drafts or
+    /// for a path that is not a chain of the tree.
+    void accept(Index seq, std::span<const Index> path) {
+        constexpr const char* function = "PagedKVCache::accept";
+        const Index shared = accept_blocks(seq, path, function);
+        if (shared > free_blocks())
+            throw PoolExhausted(function, shared, free_blocks(), blocks_);
+        State& s = sequences_[static_cast<std::size_t>(seq)];
+        const auto n = static_cast<Index>(path.size());
+        const Index base = s.length - s.drafts;
+        Index k0 = 0;  // the first row that moves
+        while (k0 < n && path[static_cast<std::size_t>(k0)] == k0)
+            ++k0;
+        // The blocks rows base + k0 .. base + n − 1 lie in, copied first when shared.
+        const Index b0 = (base + k0) / block_size_, b1 = n > k0 ? (base + n - 1) / block_size_ + 1 : b0;
+        for (Index b = b0; b < b1; ++b) {
+            Index& block = s.table[static_cast<std::size_t>(b)];
+            if (refs_[static_cast<std::size_t>(block)] == 1)
+                continue;
+            const Index own = take_block(), used = std::min(block_size_, s.length - b * block_size_);
+            for (Index h = 0; h < layout_.kv_heads; ++h) {
+                keys_.copy_within(first_row(block, h), first_row(own, h), used);
+                values_.copy_within(first_row(block, h), first_row(own, h), used);
+            }
+            release(block);
+            block = own;
+        }
+        const auto row = [&](Index token, Index h) {
+            return first_row(s.table[static_cast<std::size_t>(token / block_size_)], h) + token % block_size_;
+        };
+        for (Index k = k0; k < n; ++k)  // source draft path[k] ≥ k: never a row already written
+            for (Index h = 0; h < layout_.kv_heads; ++h) {
+                keys_.copy_within(row(base + path[static_cast<std::size_t>(k)], h), row(base + k, h), 1);
+                values_.copy_within(row(base + path[static_cast<std::size_t>(k)], h), row(base + k, h), 1);
+            }
+        truncate(seq, base + n);
+    }
+    /// The free blocks accept(seq, path) takes (the copies of shared blocks it writes into),
+    /// after the checks accept makes (std::invalid_argument naming `function`).
+    [[nodiscard]] Index accept_blocks(Index seq, std::span<const Index> path,
+                                      const char* function = "PagedKVCache::accept_blocks") const {
+        check_sequence(function, "seq", seq);
+        const State& s = sequences_[static_cast<std::size_t>(seq)];
+        detail::require(s.drafts > 0, function, "seq", "is ", seq, ", which has no pending drafts (accept follows a "
+                        "prefill with parents, before any other call changes the sequence)");
+        const auto n = static_cast<Index>(path.size());
+        for (Index k = 0; k < n; ++k) {
+            const Index p = path[static_cast<std::size_t>(k)];
+            detail::require(p >= 0 && p < s.drafts, function, "path", "has ", p, " at ", k, ", expected a draft, 0 to ",
+                            s.drafts - 1);
+            const Index parent = s.tree[static_cast<std::size_t>(p)];
+            const Index before = k == 0 ? -1 : path[static_cast<std::size_t>(k - 1)];
+            detail::require(parent == before, function, "path", "has draft ", p, " at ", k, ", whose parent is ",
+                            parent, ", but the path's ",
+                            k == 0 ? "first draft must be a root (parent -1)" : "draft before it is ",
+                            k == 0 ? std::string() : std::to_string(before));
+        }
+        const Index base = s.length - s.drafts;
+        Index k0 = 0;
+        while (k0 < n && path[static_cast<std::size_t>(k0)] == k0)
+            ++k0;
+        Index shared = 0;
+        if (k0 < n)
+            for (Index b = (base + k0) / block_size_; b <= (base + n - 1) / block_size_; ++b)
+                shared += refs_[static_cast<std::size_t>(s.table[static_cast<std::size_t>(b)])] > 1 ? 1 : 0;
+        return shared;
+    }
+
+    /// Drops every pending draft of `seq` (its length back to before the verify step).
+    void reject(Index seq) {
+        check_sequence("PagedKVCache::reject", "seq", seq);
+        const State& s = sequences_[static_cast<std::size_t>(seq)];
+        detail::require(s.drafts > 0, "PagedKVCache::reject", "seq", "is ", seq, ", which has no pending drafts");
+        truncate(seq, s.length - s.drafts);
     }
 
     /// Snapshots of one sequence (Sequence::write_snapshot): the layout, scale, window,
@@ -672,7 +782,7 @@ private:
     /// prefill under the name of `function` (PagedKVCache::prefill, batched_prefill).
     void prefill_batch(const char* function, std::span<const Index> seqs, std::span<const Index> q_offsets,
                        ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out,
-                       ExecutorRef executor) {
+                       ExecutorRef executor, std::span<const Index> parents = {}, bool tree = false) {
         const detail::PairSite site{function, "K", "V"};
         const Index batch = static_cast<Index>(seqs.size()), rows = keys.rows();
         detail::check_offsets(function, q_offsets, batch, rows);
@@ -682,6 +792,8 @@ private:
         const auto chunk = [&](std::size_t i) { return q_offsets[i + 1] - q_offsets[i]; };
         for (std::size_t i = 0; i < seqs.size(); ++i)
             detail::check_room(site.function, sequences_[static_cast<std::size_t>(seqs[i])].length, chunk(i));
+        if (tree)
+            check_tree(function, parents, q_offsets, rows);
         const Index needed = chunk_blocks(seqs, chunk);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
@@ -695,13 +807,38 @@ private:
             s.undo.shared = append(s, keys.middleRows(q_offsets[i], chunk(i)), values.middleRows(q_offsets[i], chunk(i)));
         }
         try {
-            prefill_chunks(seqs, q_offsets, queries, out, executor);
+            prefill_chunks(seqs, q_offsets, queries, out, executor, parents);
+            if (tree)
+                for (std::size_t i = 0; i < seqs.size(); ++i) {
+                    State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+                    s.tree.assign(parents.begin() + q_offsets[i], parents.begin() + q_offsets[i + 1]);  // may throw
+                    s.drafts = chunk(i);
+                }
         } catch (...) {
             undo_batch(seqs);
             throw;
         }
         for (const Index seq : seqs)  // after the attends: a chunk's first rows see further back
             evict(sequences_[static_cast<std::size_t>(seq)]);
+    }
+
+    /// A verify step's trees: one parent per row, each chunk's within it and before the
+    /// row; no window or ALiBi.
+    void check_tree(const char* function, std::span<const Index> parents, std::span<const Index> q_offsets,
+                    Index rows) const {
+        detail::require(window_ == 0, function, "parents", "are given to a pool with a window of ", window_,
+                        ": a window counts rows, not a tree's positions (verify in a pool without one)");
+        detail::require(slopes_.empty(), function, "parents",
+                        "are given to a pool with ALiBi slopes: ALiBi counts rows, not a tree's positions");
+        detail::require(static_cast<Index>(parents.size()) == rows, function, "parents", "has ", parents.size(),
+                        " entries, expected ", rows, " (one per row of K)");
+        for (std::size_t i = 0; i + 1 < q_offsets.size(); ++i)
+            for (Index t = 0; t < q_offsets[i + 1] - q_offsets[i]; ++t) {
+                const Index p = parents[static_cast<std::size_t>(q_offsets[i] + t)];
+                detail::require(p >= -1 && p < t, function, "parents", "has ", p, " at row ", q_offsets[i] + t,
+                                " (draft ", t, " of sequence ", i, " in the batch), expected -1 (a root) or an "
+                                "earlier draft of its chunk, 0 to ", t - 1);
+            }
     }
 
     /// update(seqs, K, V) under the name of `function` (PagedKVCache::update, ::decode,

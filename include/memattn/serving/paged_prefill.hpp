@@ -9,7 +9,9 @@
 // rows of Q (q_heads·d) and O (q_heads·dv) are rows [q_begin, q_begin + rows) of the
 // batch's. Query row r of the chunk sits at position length − rows + r and sees what
 // causal_softmax_attention with the pool's options gives it: j ≤ its position, within
-// the window or among the sinks.
+// the window or among the sinks. A chunk that is a tree of drafts (its `parents`, as
+// SoftmaxOptions::parents: speculative decoding's verify step) sees the tokens before
+// it and, of its own rows, a row's ancestors and itself (the tree's mask on the tiles).
 //
 // Work items, as the multi-head kernel's (layer/multi_head_kernels.hpp: softmax_items):
 // (chunk, query tile of default_tiles(window) rows, query head), the heads of one KV head
@@ -107,6 +109,8 @@ private:
 struct PagedChunk {
     Index sequence = 0, q_begin = 0, rows = 0, length = 0;
     BlockTableView blocks;
+    /// A tree of drafts (SoftmaxOptions::parents of its rows, among them); empty: causal.
+    std::span<const Index> parents = {};
 };
 
 /// A work item: query rows [q_begin, q_begin + rows) of `chunk` for query head `head`
@@ -250,10 +254,12 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                     q + row0 * ldq + item.head * d, item.rows, d, Eigen::OuterStride<>(ldq));
                 Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> outputs(out + row0 * ldo + item.head * dv, item.rows, dv,
                                                                        Eigen::OuterStride<>(ldo));
+                SoftmaxOptions head = options.head(item.head);
+                if (!chunk.parents.empty())  // the drafts up to the item's last: their tree's rows
+                    head.parents = chunk.parents.first(static_cast<std::size_t>(item.q_begin + item.rows));
                 causal_softmax_rows<T>(PlainRows<T>(queries), PagedRows<T, S>(K, blocks, visible, scratch.keys),
                                        PagedRows<T, S>(V, blocks, visible, scratch.values), MatrixRef<T>(outputs),
-                                       [](Index, T) {}, options.head(item.head), *tiled, trailing_queries,
-                                       TileBias<T>{});
+                                       [](Index, T) {}, head, *tiled, trailing_queries, TileBias<T>{});
             }
         },
         serial ? 1 : 0, executor);

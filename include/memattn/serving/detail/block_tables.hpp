@@ -50,6 +50,11 @@ protected:
         Index dropped = 0;  // token blocks freed after the sink blocks
         Index first = 0;    // its first held token past the sinks (≥ sinks)
         bool live = false;
+        /// A tree of drafts verified by the last call (its last `drafts` tokens), waiting for
+        /// accept or reject: their parents among them (−1: a root). Any other append,
+        /// truncate or load ends it (drafts 0).
+        Index drafts = 0;
+        std::vector<Index> tree;
         /// What a batch call's append (and, in update, eviction) changed, to put it back if
         /// the call fails after it (undo_batch).
         struct Undo {
@@ -59,6 +64,7 @@ protected:
             Index first = 0;     ///< the first held token past the sinks before
             Index shared = -1;   ///< the shared block a copy-on-write replaced (−1: none)
             Index evicted = -1;  ///< the block the window freed (−1: none)
+            Index drafts = 0;    ///< the pending drafts before
         } undo;
         bool copies = false;  // fits_after_eviction's note: whether its member copies its last block
     };
@@ -72,6 +78,7 @@ protected:
         s.length = loaded.length;
         s.dropped = loaded.dropped;
         s.first = loaded.first;
+        s.drafts = 0;
         loaded.table.clear();
     }
     /// Gives back the blocks of a sequence read by read_state and not installed, in the
@@ -224,7 +231,7 @@ protected:
 
     /// Notes what s is before a batch call changes it (State::Undo).
     static void begin_undo(State& s) noexcept {
-        s.undo = {s.length, static_cast<Index>(s.table.size()), s.dropped, s.first, -1, -1};
+        s.undo = {s.length, static_cast<Index>(s.table.size()), s.dropped, s.first, -1, -1, s.drafts};
     }
     /// Puts back what the batch's appends and evictions changed, member by member in the
     /// reverse order of the changes, so the free list's pops and pushes unwind as a stack
@@ -255,6 +262,7 @@ protected:
                 release(own);
             }
             s.length = u.length;
+            s.drafts = u.drafts;
         }
     }
 

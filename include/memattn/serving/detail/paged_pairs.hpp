@@ -74,6 +74,8 @@ protected:
     Index append(State& s, const KRows& keys, const VRows& values) noexcept {
         const Index d = layout_.head_dim, dv = layout_.values();
         Index replaced = -1;
+        if (keys.rows() > 0)
+            s.drafts = 0;  // a pending tree's drafts are plain tokens from now on
         for (Index r = 0; r < keys.rows(); ++r) {
             const Index t = s.length % block_size_;
             if (t == 0) {
@@ -113,7 +115,7 @@ protected:
     /// the tiled kernel over its blocks (serving/paged_prefill.hpp), a chunk of one row as
     /// a decode step (attend_head), a chunk of none not at all.
     void prefill_chunks(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
-                        MatrixRef<T> out, ExecutorRef executor) {
+                        MatrixRef<T> out, ExecutorRef executor, std::span<const Index> parents = {}) {
         const Index g = layout_.group_size(), d = layout_.head_dim, dv = layout_.values();
         chunks_.clear();
         double work = 0;
@@ -123,7 +125,10 @@ protected:
                 continue;
             const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
             chunks_.push_back({static_cast<Index>(i), q_offsets[i], rows, s.length,
-                               BlockTableView{s.table.data(), sink_blocks(), s.dropped, block_size_, blocks_, 0}});
+                               BlockTableView{s.table.data(), sink_blocks(), s.dropped, block_size_, blocks_, 0},
+                               parents.empty() ? std::span<const Index>{}
+                                               : parents.subspan(static_cast<std::size_t>(q_offsets[i]),
+                                                                 static_cast<std::size_t>(rows))});
             work += static_cast<double>(rows) * static_cast<double>(visible_pairs(s.length));
         }
         work *= static_cast<double>(layout_.q_heads) * static_cast<double>(d + dv);
