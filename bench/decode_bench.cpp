@@ -66,7 +66,8 @@
 //       heads of 128, blocks of 128), one sequence of P cached tokens and a binary tree of
 //       64 drafts: M = 0 the verify step (prefill with parents, then reject), M = 1 the 64
 //       batched_decode steps it replaces (then truncate), M = 2 accept of a path of 5
-//       drafts alone (the verify before each untimed), M = 3 one batched_decode step
+//       drafts alone (the verify before each untimed), M = 3 one batched_decode step, M = 4
+//       the same 64 rows as a causal chunk (prefill without parents, then truncate)
 //
 // The figure and the table: scripts/plot.py (decode_roofline.png; `plot.py decode-table
 // decode_bench.json` prints the table of docs/performance.md). On a shared machine run
@@ -642,6 +643,9 @@ void BM_PoolTreeVerify(benchmark::State& state) {
             if (mode == 0) {
                 verify();
                 paged.reject(seq);
+            } else if (mode == 4) {
+                paged.prefill(seqs, offsets, Q, K, V, O, memattn::SerialExecutor{});
+                paged.truncate(seq, past);
             } else {
                 for (Index i = 0; i < (mode == 1 ? drafts : 1); ++i)
                     memattn::batched_decode(paged, seqs, Q.middleRows(i, 1), K.middleRows(i, 1), V.middleRows(i, 1),
@@ -1062,7 +1066,7 @@ BENCHMARK(BM_DecodeStep<float>)->Name("BM_DecodeStep<float>")->Apply(cells);
 BENCHMARK(BM_LatentDecode<float>)->Name("BM_LatentDecode<float>")->Apply(latent_cells);
 BENCHMARK(BM_LatentDecode<Eigen::bfloat16>)->Name("BM_LatentDecode<bfloat16>")->Apply(latent_cells);
 BENCHMARK(BM_LatentPrefill)->Apply(latent_prefill_cells);
-BENCHMARK(BM_PoolTreeVerify)->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {0, 1, 2, 3}})->UseRealTime()
+BENCHMARK(BM_PoolTreeVerify)->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {0, 1, 2, 3, 4}})->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_PagedLatentDecode<float>)->Name("BM_PagedLatentDecode<float>")->Apply(paged_latent_cells);
 BENCHMARK(BM_PagedLatentDecode<Eigen::bfloat16>)->Name("BM_PagedLatentDecode<bfloat16>")->Apply(paged_latent_cells);

@@ -38,6 +38,8 @@ inline void eigen_assertion_failed(const char* condition) {
 
 #include <memattn/layer/latent_attention.hpp>
 #include <memattn/serving/paged_latent_kv_cache.hpp>
+#include <memattn/serving/state_pool.hpp>
+#include <memattn/memory/gated_memories.hpp>
 #include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/hybrid_cache.hpp>
 #include <memattn/memory/sparse_kv_cache.hpp>
@@ -614,5 +616,40 @@ TEMPLATE_TEST_CASE("PagedLatentKVCache: reserved batched decode steps allocate n
         CHECK(pool.length(a) == n + steps);
         CHECK(latent.allFinite());
         CHECK(out.allFinite());
+    }
+}
+
+TEST_CASE("StatePool: add, fork, remove, decode steps and their checkpoints allocate nothing, at 1 and 2 threads",
+          "[serving][allocation][state_pool]") {
+    const Index d = 16, dv = 16, heads = 4;
+    const HeadLayout layout{heads, heads, d};
+    using Layer = MultiHead<DeltaRuleMemory<float>>;
+    const Layer prototype(layout, [](Index) { return DeltaRuleMemory<float>(16, 16); });
+    const Index kw = prototype.key_dim(), steps = 20;
+    Matrix<float> K = random_matrix<float>(3 * steps, kw, 20);
+    for (Index h = 0; h < heads; ++h)  // β in [0, 1]
+        K.col(h * (d + 1) + d) = K.col(h * (d + 1) + d).cwiseAbs().cwiseMin(1.0f);
+    const Matrix<float> Q = random_matrix<float>(3 * steps, prototype.query_dim(), 21),
+                        V = random_matrix<float>(3 * steps, prototype.value_dim(), 22);
+    for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        const OpenMPExecutor executor{.threads = threads};
+        StatePool<Layer> pool(4, prototype, {.checkpoint_tokens = 4, .checkpoints = 2});
+        pool.set_executor(executor);
+        Matrix<float> O(3, prototype.output_dim());
+        const Index a = pool.add(), b = pool.add();
+        const std::vector<Index> ids{a, b, pool.fork(a)};
+        pool.decode(ids, Q.topRows(3), K.topRows(3), V.topRows(3), O);  // a first step
+        HeapWatch watch;
+        for (Index i = 1; i < steps; ++i)
+            pool.decode(ids, Q.middleRows(3 * i, 3), K.middleRows(3 * i, 3), V.middleRows(3 * i, 3), O);
+        const Index f = pool.fork(b);
+        pool.truncate(f, 16);
+        pool.remove(f);
+        const auto counts = watch.stop();
+        CHECK(counts.operator_news == 0);
+        CHECK(counts.eigen_mallocs == 0);
+        CHECK(pool.length(a) == steps);
+        CHECK(O.allFinite());
     }
 }

@@ -5,7 +5,9 @@
 #include "support.hpp"
 
 #include <memattn/memattn.hpp>
+#include <memattn/serving/state_pool.hpp>
 
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -1945,4 +1947,164 @@ TEST_CASE("ModelCache: a verify step in every layer, then accept or reject in al
     CHECK(cache.length(a) == 34);
     CHECK_THROWS_WITH(cache.reject(a), Catch::Contains("no pending drafts"));
     CHECK_THROWS_WITH(cache.reject(b), Catch::Contains("no pending drafts"));
+}
+
+// ---- StatePool: the recurrent layers' states of many sequences, with checkpoints ----------
+
+namespace {
+
+/// A delta-rule key row [k | β] per token, β in [0, 1].
+Matrix<float> delta_keys(Index n, Index d, std::uint64_t seed) {
+    Matrix<float> keys(n, d + 1);
+    keys.leftCols(d) = random_matrix<float>(n, d, seed);
+    keys.rightCols(1) = (random_matrix<float>(n, 1, seed + 1).array() * 0.5f + 0.5f).cwiseMax(0.0f).cwiseMin(1.0f);
+    return keys;
+}
+
+}  // namespace
+
+TEST_CASE("StatePool: each sequence is its own memory, bit for bit; a batch equals each alone on any thread count",
+          "[serving][state_pool]") {
+    const Index d = 8, dv = 6;
+    const DeltaRuleMemory<float> prototype(d, dv);
+    StatePool<DeltaRuleMemory<float>> pool(4, prototype);
+    std::vector<DeltaRuleMemory<float>> alone(3, prototype);
+    const Index a = pool.add(), b = pool.add(), c = pool.add();
+    const std::vector<Index> ids{a, b, c};
+    // A prompt for each (chunks of 5, 0 and 17 rows), then decode steps.
+    const std::vector<Index> offsets{0, 5, 5, 22};
+    const Matrix<float> Q = random_matrix<float>(22, d, 140), K = delta_keys(22, d, 141), V = random_matrix<float>(22, dv, 143);
+    Matrix<float> O(22, dv), expected(22, dv);
+    pool.prefill(ids, offsets, Q, K, V, O, OpenMPExecutor{.threads = 2});
+    for (std::size_t i = 0; i < 3; ++i) {
+        const Index r0 = offsets[i], n = offsets[i + 1] - r0;
+        auto o = expected.middleRows(r0, n);
+        memattn::prefill(alone[i], Q.middleRows(r0, n), K.middleRows(r0, n), V.middleRows(r0, n), o);
+    }
+    CHECK((O.array() == expected.array()).all());
+    for (Index step = 0; step < 3; ++step) {
+        const Matrix<float> q = random_matrix<float>(3, d, 150 + 3 * static_cast<std::uint64_t>(step)),
+                            k = delta_keys(3, d, 151 + 3 * static_cast<std::uint64_t>(step)),
+                            v = random_matrix<float>(3, dv, 152 + 3 * static_cast<std::uint64_t>(step));
+        Matrix<float> o(3, dv), e(3, dv);
+        pool.decode(ids, q, k, v, o, OpenMPExecutor{.threads = static_cast<int>(step) + 1});
+        for (std::size_t i = 0; i < 3; ++i) {
+            auto row = e.middleRows(static_cast<Index>(i), 1);
+            memattn::decode(alone[i], q.middleRows(static_cast<Index>(i), 1), k.middleRows(static_cast<Index>(i), 1),
+                            v.middleRows(static_cast<Index>(i), 1), row);
+        }
+        CHECK((o.array() == e.array()).all());
+    }
+    CHECK(pool.length(c) == 20);
+    // A fork is a copy; the pool is full at 4, and a removed state is given again.
+    const Index f = pool.fork(c);
+    CHECK(pool.length(f) == 20);
+    CHECK_THROWS_AS(pool.add(), PoolExhausted);
+    const Matrix<float> q = random_matrix<float>(1, d, 160);
+    Matrix<float> x(1, dv), y(1, dv);
+    pool.attend(f, q.row(0), x.row(0));
+    alone[2].attend(q.row(0), y.row(0));
+    CHECK((x.array() == y.array()).all());
+    pool.remove(b);
+    CHECK(pool.add() == b);
+    CHECK(pool.length(b) == 0);
+    // Bad input changes nothing: a β outside [0, 1], a repeated id, a dead id.
+    Matrix<float> bad = delta_keys(3, d, 170);
+    bad(1, d) = 2.0f;
+    Matrix<float> o3(3, dv);
+    CHECK_THROWS_AS(pool.decode(ids, Q.topRows(3), bad, V.topRows(3), o3), std::invalid_argument);
+    CHECK(pool.length(a) == 8);
+    CHECK_THROWS_WITH(pool.decode(std::vector<Index>{a, a}, Q.topRows(2), K.topRows(2), V.topRows(2), o3.topRows(2)),
+                      Catch::Contains("twice"));
+    CHECK_THROWS_AS(pool.update(9, K.row(0), V.row(0)), std::invalid_argument);
+}
+
+TEST_CASE("StatePool: checkpoints every n tokens restore a state bit for bit; other lengths are refused by name",
+          "[serving][state_pool]") {
+    const Index d = 4, dv = 4, n = 16;
+    const GatedLinearAttentionMemory<float> prototype(d, dv);
+    StatePool<GatedLinearAttentionMemory<float>> pool(3, prototype, {.checkpoint_tokens = n, .checkpoints = 2});
+    GatedLinearAttentionMemory<float> ref(prototype);
+    const Index a = pool.add();
+    const auto gated = [&](Index rows, std::uint64_t seed) {
+        Matrix<float> keys(rows, d + 1);
+        keys.leftCols(d) = random_matrix<float>(rows, d, seed);
+        keys.rightCols(1) = -(random_matrix<float>(rows, 1, seed + 1).array().abs() * 0.1f);
+        return keys;
+    };
+    const Matrix<float> K = gated(100, 180), V = random_matrix<float>(100, dv, 182);
+    // 40 tokens by extend (cut at 16 and 32), 60 one by one: checkpoints at 80 and 96 remain.
+    pool.extend(a, K.topRows(40), V.topRows(40));
+    for (Index t = 40; t < 100; ++t)
+        pool.update(a, K.row(t), V.row(t));
+    CHECK(pool.checkpoint_before(a, 90) == 80);
+    CHECK(pool.checkpoint_before(a, 79) == 0);  // 16..64 have left the ring
+    CHECK(pool.checkpoint_before(a, 100) == 100);
+    CHECK_FALSE(pool.can_truncate(a, 90));
+    CHECK_THROWS_WITH(pool.truncate(a, 90), Catch::Contains("nearest below is 80"));
+    CHECK(pool.length(a) == 100);
+    const Index b = pool.fork(a);
+    pool.truncate(b, 80);
+    CHECK(pool.length(b) == 80);
+    CHECK(pool.length(a) == 100);
+    // The reference fed the same pieces: 16, 16, 8, then one by one to 80.
+    memattn::extend(ref, K.topRows(16), V.topRows(16));
+    memattn::extend(ref, K.middleRows(16, 16), V.middleRows(16, 16));
+    memattn::extend(ref, K.middleRows(32, 8), V.middleRows(32, 8));
+    for (Index t = 40; t < 80; ++t)
+        ref.update(K.row(t), V.row(t));
+    const Matrix<float> q = random_matrix<float>(1, d, 183);
+    Matrix<float> x(1, dv), y(1, dv);
+    pool.attend(b, q.row(0), x.row(0));
+    ref.attend(q.row(0), y.row(0));
+    CHECK((x.array() == y.array()).all());
+    // b replays 80..99 and equals a again; checkpoint 96 is taken anew on the way.
+    pool.extend(b, K.middleRows(80, 20), V.middleRows(80, 20));
+    Matrix<float> xa(1, dv), xb(1, dv);
+    pool.attend(a, q.row(0), xa.row(0));
+    pool.attend(b, q.row(0), xb.row(0));
+    check_close(xb, xa.cast<double>(), 1e-5);
+    CHECK(pool.checkpoint_before(b, 99) == 96);
+    // Back to 0 always; snapshots hold the state alone.
+    std::stringstream bytes;
+    save(pool.sequence(a), bytes);
+    auto sb = pool.sequence(b);
+    load(sb, bytes);
+    CHECK(pool.length(b) == 100);
+    CHECK(pool.checkpoint_before(b, 99) == 0);
+    pool.truncate(b, 0);
+    CHECK(pool.length(b) == 0);
+}
+
+TEST_CASE("StatePool: a batch whose executor fails leaves every state and checkpoint as it was",
+          "[serving][state_pool]") {
+    struct Failing {
+        [[nodiscard]] int concurrency() const { return 3; }
+        void parallel_for(Index n, const std::function<void(Index)>& f) const {
+            if (n > 0)
+                f(0);
+            throw std::runtime_error("the executor failed");
+        }
+    };
+    const Index d = 4, dv = 3;
+    StatePool<DeltaRuleMemory<float>> pool(3, DeltaRuleMemory<float>(d, dv), {.checkpoint_tokens = 2});
+    const Index a = pool.add(), b = pool.add(), c = pool.add();
+    const std::vector<Index> ids{a, b, c};
+    const Matrix<float> K = delta_keys(9, d, 190), V = random_matrix<float>(9, dv, 192), Q = random_matrix<float>(9, d, 193);
+    Matrix<float> O(9, dv);
+    pool.prefill(ids, std::vector<Index>{0, 3, 4, 9}, Q, K, V, O);
+    const auto snapshot_of = [&](Index id) {
+        std::stringstream s;
+        save(pool.sequence(id), s);
+        return s.str();
+    };
+    const std::vector<std::string> before{snapshot_of(a), snapshot_of(b), snapshot_of(c)};
+    Matrix<float> o(3, dv);
+    CHECK_THROWS_AS(pool.decode(ids, Q.topRows(3), K.topRows(3), V.topRows(3), o, Failing{}), std::runtime_error);
+    CHECK(snapshot_of(a) == before[0]);
+    CHECK(snapshot_of(b) == before[1]);
+    CHECK(snapshot_of(c) == before[2]);
+    CHECK(pool.checkpoint_before(a, 2) == 2);  // a holds 3 tokens, c 5: checkpoints at 2, and at 2 and 4
+    CHECK(pool.checkpoint_before(c, 3) == 2);
+    CHECK(pool.checkpoint_before(c, 4) == 4);
 }

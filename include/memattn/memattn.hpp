@@ -43,6 +43,7 @@
 #include "memattn/layer/latent_attention.hpp"
 #include "memattn/serving/paged_kv_cache.hpp"
 #include "memattn/serving/paged_latent_kv_cache.hpp"
+#include "memattn/serving/state_pool.hpp"
 #include "memattn/serving/batched.hpp"
 #include "memattn/serving/model_cache.hpp"
 

@@ -204,6 +204,15 @@ void everything(memattn::Index n, memattn::Index d) {
         memattn::save(pool.sequence(b), snapshot);
         pool.truncate(b, 1);
         pool.remove(a);
+        // The recurrent layers' states of many sequences, with checkpoints.
+        memattn::StatePool<memattn::GatedLinearAttentionMemory<T>> states(2, memattn::GatedLinearAttentionMemory<T>(d, d),
+                                                                          {.checkpoint_tokens = 2});
+        const memattn::Index s0 = states.add(), s1 = states.fork(s0);
+        const memattn::Index both[2] = {s0, s1};
+        memattn::Matrix<T> gated_keys = memattn::Matrix<T>::Zero(2, d + 1), gated_out(2, d);
+        states.decode(both, x.topRows(2), gated_keys, x.topRows(2), gated_out);
+        states.truncate(s1, states.checkpoint_before(s1, 1));
+        memattn::save(states.sequence(s0), snapshot);
     }
 #endif
     // The rest is the same template code in double as in float (no double-only packet

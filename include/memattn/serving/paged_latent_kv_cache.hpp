@@ -424,18 +424,24 @@ public:
         [[nodiscard]] std::size_t footprint() const { return pool_->footprint(id_); }
         /// Where its tokens are.
         [[nodiscard]] detail::LatentRowsView<T, S> view() const { return pool_->view(id_); }
-        /// The pool's widths, scale and options.
+        /// r, the pool's latent width.
         [[nodiscard]] Index latent_dim() const noexcept { return pool_->latent_dim(); }
+        /// d_r, the pool's RoPE key width.
         [[nodiscard]] Index rope_dim() const noexcept { return pool_->rope_dim(); }
+        /// r + d_r, a query row's width.
         [[nodiscard]] Index query_dim() const noexcept { return pool_->query_dim(); }
+        /// The pool's factor of q·k.
         [[nodiscard]] T scale() const noexcept { return pool_->scale(); }
+        /// The pool's options (PagedLatentKVCache::options).
         [[nodiscard]] SoftmaxOptions options() const noexcept { return pool_->options(); }
 
         /// Snapshots of this sequence alone (PagedLatentKVCache::write_sequence).
         static constexpr snapshot::TypeCode snapshot_storage = detail::storage_code<T, S>();
         /// The kind a snapshot records.
         [[nodiscard]] static std::string snapshot_kind() { return "PagedLatentKVCache::Sequence"; }
+        /// Writes its tokens (PagedLatentKVCache::write_sequence).
         void write_snapshot(snapshot::Writer& w) const { pool_->write_sequence(id_, w); }
+        /// Reads tokens written by write_snapshot (PagedLatentKVCache::read_sequence).
         void read_snapshot(snapshot::Reader& r) { pool_->read_sequence(id_, r); }
 
         /// Its id in the pool.
