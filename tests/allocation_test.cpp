@@ -601,11 +601,17 @@ TEMPLATE_TEST_CASE("PagedLatentKVCache: reserved batched decode steps allocate n
         const Index b = pool.fork(a), c = pool.add_sequence();
         pool.extend(c, C.topRows(100), KR.topRows(100));
         const std::vector<Index> seqs{a, b, c};
-        pool.reserve(heads, B, 3 * (n + steps));
+        pool.reserve(heads, B, 3 * (n + steps + 2));
         Matrix<float> latent(B * heads, r), out(B * heads, dv);
-        mla_decode(pool, seqs, q_nope, q_rope, W_UK, W_UV, out, executor);  // sizes the step's buffers
+        HeapWatch first;  // after reserve, the pool's own steps allocate nothing from the start
+        pool.decode(seqs, Q, C.middleRows(n, B), KR.middleRows(n, B), latent);
+        pool.decode(seqs, Q, C.middleRows(n + 1, B), KR.middleRows(n + 1, B), latent);
+        const auto reserved = first.stop();
+        CHECK(reserved.operator_news == 0);
+        CHECK(reserved.eigen_mallocs == 0);
+        mla_decode(pool, seqs, q_nope, q_rope, W_UK, W_UV, out, executor);  // sizes the thread's step buffers
         HeapWatch watch;
-        for (Index i = 0; i < steps; ++i) {
+        for (Index i = 2; i < steps; ++i) {
             pool.decode(seqs, Q, C.middleRows(n + i, B), KR.middleRows(n + i, B), latent);
             mla_decode(pool, seqs, q_nope, q_rope, W_UK, W_UV, out, executor);
         }
@@ -624,7 +630,7 @@ TEST_CASE("StatePool: add, fork, remove, decode steps and their checkpoints allo
     const Index d = 16, dv = 16, heads = 4;
     const HeadLayout layout{heads, heads, d};
     using Layer = MultiHead<DeltaRuleMemory<float>>;
-    const Layer prototype(layout, [](Index) { return DeltaRuleMemory<float>(16, 16); });
+    const Layer prototype(layout, [d, dv](Index) { return DeltaRuleMemory<float>(d, dv); });
     const Index kw = prototype.key_dim(), steps = 20;
     Matrix<float> K = random_matrix<float>(3 * steps, kw, 20);
     for (Index h = 0; h < heads; ++h)  // β in [0, 1]

@@ -1863,6 +1863,16 @@ TEST_CASE("PagedKVCache: a verify step's bad trees, paths and pools are refused 
                  std::vector<Index>{-1, -1});
     pool.update(a, K.row(5), V.row(5));
     CHECK(pool.pending_drafts(a) == 0);
+    // A verify batch where a sequence brings no rows leaves its own pending drafts alone.
+    const Index other = pool.add_sequence();
+    pool.prefill(std::vector<Index>{other}, std::vector<Index>{0, 2}, Q.topRows(2), K.topRows(2), V.topRows(2),
+                 O.topRows(2), {}, std::vector<Index>{-1, 0});
+    pool.prefill(std::vector<Index>{a, other}, std::vector<Index>{0, 2, 2}, Q.topRows(2), K.topRows(2), V.topRows(2),
+                 O.topRows(2), {}, std::vector<Index>{-1, -1});
+    CHECK(pool.pending_drafts(other) == 2);
+    CHECK(pool.pending_drafts(a) == 2);
+    pool.accept(other, std::vector<Index>{0, 1});
+    CHECK(pool.length(other) == 2);
     // A windowed pool, or one with ALiBi, refuses trees.
     PagedKVCache<float> windowed(layout, 8, 4, SoftmaxOptions{.window = 4});
     const Index w = windowed.add_sequence();
@@ -1947,6 +1957,15 @@ TEST_CASE("ModelCache: a verify step in every layer, then accept or reject in al
     CHECK(cache.length(a) == 34);
     CHECK_THROWS_WITH(cache.reject(a), Catch::Contains("no pending drafts"));
     CHECK_THROWS_WITH(cache.reject(b), Catch::Contains("no pending drafts"));
+    // Drafts in one layer alone (its pool called directly): reject refuses, every layer as it was.
+    PagedKVCache<float>& first = cache.layer(0);
+    Matrix<float> q2 = random_matrix<float>(2, first.query_dim(), 440), k2 = random_matrix<float>(2, first.key_dim(), 441),
+                  v2 = random_matrix<float>(2, first.value_dim(), 442), o2(2, first.output_dim());
+    first.prefill(std::vector<Index>{cache.slot_of(b)}, std::vector<Index>{0, 2}, q2, k2, v2, o2, {},
+                  std::vector<Index>{-1, 0});
+    CHECK_THROWS_WITH(cache.reject(b), Catch::Contains("layer 1"));
+    CHECK(first.pending_drafts(cache.slot_of(b)) == 2);
+    CHECK(first.length(cache.slot_of(b)) == 5);
 }
 
 // ---- StatePool: the recurrent layers' states of many sequences, with checkpoints ----------
@@ -2017,6 +2036,11 @@ TEST_CASE("StatePool: each sequence is its own memory, bit for bit; a batch equa
     CHECK_THROWS_WITH(pool.decode(std::vector<Index>{a, a}, Q.topRows(2), K.topRows(2), V.topRows(2), o3.topRows(2)),
                       Catch::Contains("twice"));
     CHECK_THROWS_AS(pool.update(9, K.row(0), V.row(0)), std::invalid_argument);
+    Matrix<float> O2(2, dv);
+    CHECK_THROWS_WITH(pool.prefill(std::vector<Index>{a}, std::vector<Index>{0, 3}, Q.topRows(2), K.topRows(3),
+                                   V.topRows(3), O2),
+                      Catch::Contains("expected 3 each"));
+    CHECK(pool.length(a) == 8);
 }
 
 TEST_CASE("StatePool: checkpoints every n tokens restore a state bit for bit; other lengths are refused by name",
@@ -2065,6 +2089,7 @@ TEST_CASE("StatePool: checkpoints every n tokens restore a state bit for bit; ot
     pool.attend(b, q.row(0), xb.row(0));
     check_close(xb, xa.cast<double>(), 1e-5);
     CHECK(pool.checkpoint_before(b, 99) == 96);
+    CHECK(pool.checkpoint_before(b, 95) == 80);  // the restored checkpoint kept, the new one beside it
     // Back to 0 always; snapshots hold the state alone.
     std::stringstream bytes;
     save(pool.sequence(a), bytes);

@@ -350,8 +350,9 @@ public:
         constexpr const char* function = "ModelCache::reject";
         const Index s = slot_of(function, "id", id);
         check_not_mid_step(function, "id", id, s);
-        detail::require(pools_.front().pending_drafts(s) > 0, function, "id", "is ", id,
-                        ", which has no pending drafts");
+        for (Index l = 0; l < layers(); ++l)  // every layer first: all or nothing
+            detail::require(pools_[static_cast<std::size_t>(l)].pending_drafts(s) > 0, function, "id", "is ", id,
+                            ", which has no pending drafts in layer ", l);
         for (Pool& pool : pools_)
             pool.reject(s);
         end_step_of(s);

@@ -161,14 +161,14 @@ public:
         const Index id = fresh_id();
         State& child = sequences_[static_cast<std::size_t>(id)];
         const State& from = sequences_[static_cast<std::size_t>(parent)];
+        child.tree.assign(from.tree.begin(), from.tree.begin() + from.drafts);  // may throw: the child not live yet
         child.table.reserve(static_cast<std::size_t>(blocks_));
         child.table.assign(from.table.begin(), from.table.end());
         child.length = from.length;
         child.dropped = from.dropped;
         child.first = from.first;
-        child.live = true;
-        child.tree.assign(from.tree.begin(), from.tree.begin() + from.drafts);
         child.drafts = from.drafts;
+        child.live = true;
         for (const Index b : child.table)
             ++refs_[static_cast<std::size_t>(b)];
         return id;
@@ -801,6 +801,9 @@ private:
         check_finite(site, values, true);
         if (needed > free_blocks())
             throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
+        if (tree)  // room for the trees now, while nothing has changed: their assigns below cannot throw
+            for (std::size_t i = 0; i < seqs.size(); ++i)
+                sequences_[static_cast<std::size_t>(seqs[i])].tree.reserve(static_cast<std::size_t>(chunk(i)));
         for (std::size_t i = 0; i < seqs.size(); ++i) {
             State& s = sequences_[static_cast<std::size_t>(seqs[i])];
             begin_undo(s);
@@ -810,8 +813,10 @@ private:
             prefill_chunks(seqs, q_offsets, queries, out, executor, parents);
             if (tree)
                 for (std::size_t i = 0; i < seqs.size(); ++i) {
+                    if (chunk(i) == 0)  // no rows: its own pending tree, if any, stays
+                        continue;
                     State& s = sequences_[static_cast<std::size_t>(seqs[i])];
-                    s.tree.assign(parents.begin() + q_offsets[i], parents.begin() + q_offsets[i + 1]);  // may throw
+                    s.tree.assign(parents.begin() + q_offsets[i], parents.begin() + q_offsets[i + 1]);  // reserved
                     s.drafts = chunk(i);
                 }
         } catch (...) {

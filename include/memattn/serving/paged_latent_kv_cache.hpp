@@ -332,10 +332,12 @@ public:
         detail::at_least(tokens, 0, function, "tokens");
         const std::lock_guard<std::mutex> lock(scratch_.mutex);
         const Index pieces = (tokens + detail::latent_piece_tokens - 1) / detail::latent_piece_tokens + batch;
-        scratch_.size(detail::checked_product(function, "heads", heads, pieces, "heads x pieces"), latent_dim_,
-                      std::min<int>(std::max(executor.concurrency(), executor_.concurrency()), detail::max_ranges));
+        const int workers = std::min<int>(std::max(executor.concurrency(), executor_.concurrency()), detail::max_ranges);
+        scratch_.size(detail::checked_product(function, "heads", heads, pieces, "heads x pieces"), latent_dim_, workers);
         if (scratch_.jobs.capacity() < static_cast<std::size_t>(batch))
             scratch_.jobs.reserve(static_cast<std::size_t>(batch));
+        for (auto& worker : scratch_.workers)  // each thread's kernel scratch and tile, as latent_piece makes them
+            detail::latent_worker(worker, heads, latent_dim_, width());
     }
 
     /// The storage type code snapshots record for S.

@@ -218,6 +218,9 @@ public:
         check_batch(function, ids);
         const auto batch = static_cast<Index>(ids.size());
         detail::check_offsets(function, q_offsets, batch, keys.rows());
+        detail::require(queries.rows() == keys.rows() && values.rows() == keys.rows() && out.rows() == keys.rows(),
+                        function, "Q, V, O", "have ", queries.rows(), ", ", values.rows(), " and ", out.rows(),
+                        " rows, expected ", keys.rows(), " each (K's)");
         for (Index i = 0; i < batch; ++i) {
             const Index r0 = q_offsets[static_cast<std::size_t>(i)], n = q_offsets[static_cast<std::size_t>(i) + 1] - r0;
             detail::check_sequences<M, Scalar>(function, states_[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])],
@@ -275,13 +278,15 @@ public:
         M& s = states_[static_cast<std::size_t>(id)];
         if (tokens == 0) {
             s.reset();
-        } else {
-            for (Index r = 0; r < ring_; ++r)
-                if (saved_length_[at(id, r)] == tokens) {
-                    s = saved_[at(id, r)];  // same shapes: no allocation
-                    break;
-                }
+            forget_checkpoints(id);
+            return;
         }
+        for (Index r = 0; r < ring_; ++r)
+            if (saved_length_[at(id, r)] == tokens) {
+                s = saved_[at(id, r)];  // same shapes: no allocation
+                next_[static_cast<std::size_t>(id)] = (r + 1) % ring_;  // the next checkpoint after the kept one
+                break;
+            }
         for (Index r = 0; r < ring_; ++r)
             if (saved_length_[at(id, r)] > tokens)
                 saved_length_[at(id, r)] = -1;

@@ -198,16 +198,26 @@ struct LatentScratch {
     }
 };
 
+/// A thread's kernel scratch and decoded tile for attends of `heads` heads (made when
+/// missing or of another shape, else kept); returns the kernel's tiles.
+template <class Worker>
+SoftmaxTiles latent_worker(Worker& worker, Index heads, Index r, Index width) {
+    const SoftmaxTiles tiles{std::min(heads, latent_head_tile), 128};
+    if (!worker.softmax || worker.softmax->tiles != tiles || worker.softmax->qt.rows() != width ||
+        worker.softmax->acc.cols() != r)
+        worker.softmax.emplace(width, r, tiles);
+    if (worker.decoded.rows() < tiles.keys || worker.decoded.cols() != width)
+        worker.decoded.resize(tiles.keys, width);
+    return tiles;
+}
+
 /// Piece [j0, j0 + n) of `job` for every head: its softmax-weighted latents into
 /// `partial` (H × r), its log-sum-exps into lse[0, H).
 template <class T, class S>
 void latent_piece(const LatentJob<T, S>& job, const LatentParams<T>& params, Index j0, Index n, MatrixRef<T> partial,
                   T* lse, typename LatentScratch<T, S>::Worker& worker) {
     const Index width = params.latent_dim + params.rope_dim;
-    const SoftmaxTiles tiles{std::min(job.heads, latent_head_tile), 128};
-    if (!worker.softmax || worker.softmax->tiles != tiles || worker.softmax->qt.rows() != width ||
-        worker.softmax->acc.cols() != params.latent_dim)
-        worker.softmax.emplace(width, params.latent_dim, tiles);
+    latent_worker(worker, job.heads, params.latent_dim, width);
     const LogitRule rule{.causal = false, .softcap = params.softcap};
     const auto sink = [lse](Index i, T value) { lse[i] = value; };
     using Map = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
@@ -222,8 +232,6 @@ void latent_piece(const LatentJob<T, S>& job, const LatentParams<T>& params, Ind
             return;
         }
     }
-    if (worker.decoded.rows() < tiles.keys || worker.decoded.cols() != width)
-        worker.decoded.resize(tiles.keys, width);
     LatentTile<T, S> tile(job.view, j0, worker.decoded);
     using Source = LatentColumns<T, S>;
     TiledCausalSoftmax<T, DefaultBlocking, Source, Source> kernel(PlainRows<T>(queries), Source(tile, n, width),
