@@ -48,6 +48,7 @@ inline void eigen_assertion_failed(const char* condition) {
 #include <memattn/memory/moving_average_cache.hpp>
 #include <memattn/memory/sliding_window_cache.hpp>
 #include <memattn/serving/batched.hpp>
+#include <memattn/serving/model_cache.hpp>
 #include <memattn/serving/paged_kv_cache.hpp>
 
 #include <vector>
@@ -657,5 +658,58 @@ TEST_CASE("StatePool: add, fork, remove, decode steps and their checkpoints allo
         CHECK(counts.eigen_mallocs == 0);
         CHECK(pool.length(a) == steps);
         CHECK(O.allFinite());
+    }
+}
+
+TEST_CASE("ModelCache of a hybrid model: a decode step of its recurrent and softmax layers allocates nothing once one "
+          "of its size has run, at 1 and 2 threads",
+          "[serving][allocation][state_pool][model]") {
+    const Index d = 16, heads = 4;
+    using Layer = MultiHead<DeltaRuleMemory<float>>;
+    using Cache = ModelCache<float, Eigen::bfloat16, Layer>;
+    const Layer prototype(HeadLayout{heads, heads, d}, [d](Index) { return DeltaRuleMemory<float>(d, d); });
+    const HeadLayout softmax{.q_heads = 8, .kv_heads = 2, .head_dim = d};
+    const std::vector<Cache::Layer> layers{StateLayer<Layer>{prototype, {.checkpoint_tokens = 4}},
+                                           ModelLayer{.layout = softmax, .blocks = 64, .block_size = 8},
+                                           StateLayer<Layer>{prototype, {}}};
+    const Index steps = 20, batch = 3;
+    Matrix<float> K = random_matrix<float>(batch * steps, prototype.key_dim(), 30);
+    for (Index h = 0; h < heads; ++h)  // β in [0, 1]
+        K.col(h * (d + 1) + d) = K.col(h * (d + 1) + d).cwiseAbs().cwiseMin(1.0f);
+    const Matrix<float> Q = random_matrix<float>(batch * steps, prototype.query_dim(), 31),
+                        V = random_matrix<float>(batch * steps, prototype.value_dim(), 32),
+                        q = random_matrix<float>(batch * steps, 8 * d, 33),
+                        kv = random_matrix<float>(batch * steps, 2 * d, 34);
+    for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        const OpenMPExecutor executor{.threads = threads};
+        Cache cache(layers, 4);
+        cache.states(0).set_executor(executor);
+        cache.layer(1).set_executor(executor);
+        cache.states(2).set_executor(executor);
+        const Index a = cache.add_sequence(), b = cache.add_sequence();
+        const std::vector<Index> ids{a, b, cache.fork(a)};
+        Matrix<float> O(batch, prototype.output_dim()), o(batch, 8 * d);
+        const auto step = [&](Index i) {
+            const auto& plan = cache.plan_decode(ids);
+            for (Index l = 0; l < cache.layers(); ++l) {
+                if (cache.recurrent(l))
+                    cache.decode(l, plan, Q.middleRows(batch * i, batch), K.middleRows(batch * i, batch),
+                                 V.middleRows(batch * i, batch), O);
+                else
+                    cache.decode(l, plan, q.middleRows(batch * i, batch), kv.middleRows(batch * i, batch),
+                                 kv.middleRows(batch * i, batch), o);
+            }
+        };
+        step(0);  // the first step of its size
+        HeapWatch watch;
+        for (Index i = 1; i < steps; ++i)
+            step(i);
+        const auto counts = watch.stop();
+        CHECK(counts.operator_news == 0);
+        CHECK(counts.eigen_mallocs == 0);
+        CHECK(cache.length(a) == steps);
+        CHECK(O.allFinite());
+        CHECK(o.allFinite());
     }
 }

@@ -2135,3 +2135,193 @@ TEST_CASE("StatePool: a batch whose executor fails leaves every state and checkp
     CHECK(pool.checkpoint_before(c, 3) == 2);
     CHECK(pool.checkpoint_before(c, 4) == 4);
 }
+
+namespace {
+
+/// One step of a hybrid cache's layers and of the same layers' own pools (mirror_kv
+/// beside the state pools mirror_states, in layer order), each layer's outputs checked
+/// bit for bit; `layers` runs only that many layers (the rest left for rollback).
+template <class Cache>
+void hybrid_step(Cache& cache, std::vector<StatePool<DeltaRuleMemory<float>>*> mirror_states,
+                 PagedKVCache<float>& mirror_kv, const typename Cache::Step& step, std::uint64_t seed,
+                 Index layers = -1) {
+    const Index rows = step.rows();
+    std::size_t next_state = 0;
+    for (Index l = 0; l < (layers < 0 ? cache.layers() : layers); ++l) {
+        const std::uint64_t at = seed + 10 * static_cast<std::uint64_t>(l);
+        if (cache.recurrent(l)) {
+            auto& own = *mirror_states[next_state++];
+            const Index d = 8, dv = 6;  // the test's memories
+            const Matrix<float> Q = random_matrix<float>(rows, d, at), K = delta_keys(rows, d, at + 1),
+                                V = random_matrix<float>(rows, dv, at + 2);
+            Matrix<float> O(rows, dv), expected(rows, dv);
+            if (step.decode()) {
+                cache.decode(l, step, Q, K, V, O);
+                own.decode(step.slots(), Q, K, V, expected);
+            } else {
+                cache.prefill(l, step, Q, K, V, O);
+                own.prefill(step.slots(), step.q_offsets(), Q, K, V, expected);
+            }
+            CHECK((O.array() == expected.array()).all());
+        } else {
+            const Matrix<float> Q = random_matrix<float>(rows, mirror_kv.query_dim(), at),
+                                K = random_matrix<float>(rows, mirror_kv.key_dim(), at + 1),
+                                V = random_matrix<float>(rows, mirror_kv.value_dim(), at + 2);
+            Matrix<float> O(rows, mirror_kv.output_dim()), expected(rows, mirror_kv.output_dim());
+            cache.prefill(l, step, Q, K, V, O);
+            batched_prefill(mirror_kv, step.slots(), step.q_offsets(), Q, K, V, expected);
+            CHECK((O.array() == expected.array()).all());
+        }
+    }
+}
+
+}  // namespace
+
+TEST_CASE("ModelCache with recurrent layers: one id space over state pools and KV pools, each layer bit for bit its "
+          "own pool's; truncate to a length every layer holds, rollback to one, snapshots of every layer",
+          "[serving][model][state_pool]") {
+    const Index d = 8, dv = 6;
+    using Delta = DeltaRuleMemory<float>;
+    using Cache = ModelCache<float, float, Delta>;
+    const Delta prototype(d, dv);
+    const auto specs = [&](Index block, Index dv2) {
+        return std::vector<Cache::Layer>{StateLayer<Delta>{prototype, {.checkpoint_tokens = 8, .checkpoints = 2}},
+                                         ModelLayer{.layout = {4, 2, 8, 0}, .blocks = 40, .block_size = block},
+                                         StateLayer<Delta>{Delta(d, dv2), {.checkpoint_tokens = 4, .checkpoints = 3}}};
+    };
+    Cache cache(specs(16, dv), 3);
+    StatePool<Delta> s0(3, prototype, {.checkpoint_tokens = 8, .checkpoints = 2}),
+        s2(3, prototype, {.checkpoint_tokens = 4, .checkpoints = 3});
+    PagedKVCache<float> kv({4, 2, 8, 0}, 40, 16);
+    const std::vector<StatePool<Delta>*> mirror{&s0, &s2};
+    CHECK(cache.layers() == 3);
+    CHECK(cache.recurrent(0));
+    CHECK_FALSE(cache.recurrent(1));
+    CHECK_THROWS_WITH(cache.layer(0), Catch::Contains("a recurrent layer"));
+    CHECK_THROWS_WITH(cache.states(1), Catch::Contains("a softmax layer"));
+    const Index a = cache.add_sequence(), b = cache.add_sequence();
+    for (const Index id : {a, b}) {
+        CHECK(s0.add() == cache.slot_of(id));
+        CHECK(s2.add() == cache.slot_of(id));
+        CHECK(kv.add_sequence() == cache.slot_of(id));
+    }
+    const auto sa = cache.slot_of(a), sb = cache.slot_of(b);
+    hybrid_step(cache, mirror, kv, cache.plan(std::vector<Index>{a}, std::vector<Index>{0, 13}), 400);
+    const Index c = cache.fork(a);
+    const Index sc = cache.slot_of(c);
+    CHECK(s0.fork(sa) == sc);
+    CHECK(s2.fork(sa) == sc);
+    CHECK(kv.fork(sa) == sc);
+    hybrid_step(cache, mirror, kv, cache.plan(std::vector<Index>{a, b, c}, std::vector<Index>{0, 5, 12, 13}), 410);
+    hybrid_step(cache, mirror, kv, cache.plan_decode(std::vector<Index>{c, a}), 420);
+    CHECK(cache.length(a) == 19);
+    CHECK(cache.length(b) == 7);
+    CHECK(cache.length(c) == 15);
+    // Capacity 3: a fourth sequence is refused in every layer.
+    CHECK_THROWS_AS(cache.add_sequence(), PoolExhausted);
+    CHECK_THROWS_AS(cache.fork(b), PoolExhausted);
+    CHECK(cache.sequences() == 3);
+    CHECK(cache.layer(1).sequences() == 3);
+    CHECK(cache.states(2).sequences() == 3);
+
+    // Truncate: a's checkpoints are 8 and 16 in layer 0, 8, 12 and 16 in layer 2.
+    CHECK(cache.checkpoint_before(a, 19) == 19);
+    CHECK(cache.checkpoint_before(a, 18) == 16);
+    CHECK(cache.checkpoint_before(a, 15) == 8);
+    CHECK(cache.checkpoint_before(c, 13) == 8);  // c's ring from the fork: 8 in layer 0; 8, 12 in layer 2
+    CHECK_FALSE(cache.can_truncate(a, 18));
+    CHECK_THROWS_WITH(cache.truncate(a, 18), Catch::Contains("recurrent layer 0") && Catch::Contains("is 16"));
+    CHECK(cache.length(a) == 19);
+    cache.truncate(a, 16);
+    s0.truncate(sa, 16);
+    s2.truncate(sa, 16);
+    kv.truncate(sa, 16);
+    CHECK(cache.layer(1).length(sa) == 16);
+    hybrid_step(cache, mirror, kv, cache.plan(std::vector<Index>{a}, std::vector<Index>{0, 3}), 430);  // the replay
+
+    // Rollback: exact where every recurrent layer holds the state before the step.
+    hybrid_step(cache, mirror, kv, cache.plan_decode(std::vector<Index>{b}), 440);  // b: 8, a checkpoint everywhere
+    {
+        const auto& step = cache.plan_decode(std::vector<Index>{b});
+        hybrid_step(cache, mirror, kv, step, 450, 1);  // layer 0 only: its state past 8
+        cache.rollback(step);
+        s0.truncate(sb, 8);
+        CHECK(cache.length(b) == 8);
+        CHECK(cache.states(0).length(sb) == 8);
+    }
+    hybrid_step(cache, mirror, kv, cache.plan_decode(std::vector<Index>{b}), 460);  // b: 9
+    {
+        const auto& step = cache.plan_decode(std::vector<Index>{b});
+        hybrid_step(cache, mirror, kv, step, 470, 2);  // layers 0 and 1: layer 0 holds no state of 9
+        cache.rollback(step);
+        for (auto* own : mirror)
+            own->truncate(sb, 8);
+        kv.truncate(sb, 8);
+        CHECK(cache.length(b) == 8);  // back to the checkpoint: replay from there
+        for (Index l = 0; l < 3; ++l)
+            CHECK((cache.recurrent(l) ? cache.states(l).length(sb) : cache.layer(l).length(sb)) == 8);
+    }
+    hybrid_step(cache, mirror, kv, cache.plan(std::vector<Index>{b, a}, std::vector<Index>{0, 2, 3}), 480);
+
+    // A verify step of a tree is refused in every layer, nothing run.
+    {
+        const auto& step = cache.plan(std::vector<Index>{a}, std::vector<Index>{0, 2});
+        const std::vector<Index> parents{-1, 0};
+        const Matrix<float> Q = random_matrix<float>(2, 32, 1), K = random_matrix<float>(2, 16, 2),
+                            V = random_matrix<float>(2, 16, 3);
+        Matrix<float> O(2, 32);
+        CHECK_THROWS_WITH(cache.prefill(1, step, Q, K, V, O, parents), Catch::Contains("recurrent layers"));
+        CHECK(cache.step_pending());
+        cache.rollback(step);
+        CHECK(cache.length(a) == 20);
+    }
+
+    // Snapshots: every layer's part; loaded into another cache, the next step is the same
+    // bits; a cache whose layer 2 has another shape refuses it, changing nothing.
+    std::stringstream stream;
+    const auto saved = cache.sequence(a);
+    memattn::save(saved, stream);
+    Cache other(specs(16, dv), 2);
+    const Index x = other.add_sequence();
+    auto seq = other.sequence(x);
+    memattn::load(seq, stream);
+    CHECK(other.length(x) == 20);
+    const auto& mine = cache.plan_decode(std::vector<Index>{a});
+    const auto& theirs = other.plan_decode(std::vector<Index>{x});
+    for (Index l = 0; l < 3; ++l) {
+        const bool rec = cache.recurrent(l);
+        const Index qd = rec ? d : 32, kd = rec ? d + 1 : 16, vd = rec ? dv : 16, od = rec ? dv : 32;
+        const Matrix<float> Q = random_matrix<float>(1, qd, 490 + 3 * static_cast<std::uint64_t>(l)),
+                            K = rec ? delta_keys(1, d, 491 + 3 * static_cast<std::uint64_t>(l))
+                                    : random_matrix<float>(1, kd, 491 + 3 * static_cast<std::uint64_t>(l)),
+                            V = random_matrix<float>(1, vd, 492 + 3 * static_cast<std::uint64_t>(l));
+        Matrix<float> O1(1, od), O2(1, od);
+        cache.decode(l, mine, Q, K, V, O1);
+        other.decode(l, theirs, Q, K, V, O2);
+        CHECK((O1.array() == O2.array()).all());
+    }
+    Cache narrow(specs(16, dv + 1), 2);
+    const Index y = narrow.add_sequence();
+    std::stringstream again;
+    const auto saved_b = cache.sequence(b);
+    memattn::save(saved_b, again);
+    auto narrow_seq = narrow.sequence(y);
+    CHECK_THROWS_AS(memattn::load(narrow_seq, again), SnapshotError);
+    CHECK(narrow.length(y) == 0);
+    CHECK(narrow.layer(1).free_blocks() == 40);
+
+    // A model of recurrent layers alone.
+    Cache states_only(std::vector<Cache::Layer>{StateLayer<Delta>{prototype, {}}}, 2);
+    const Index z = states_only.add_sequence();
+    const auto& step = states_only.plan_decode(std::vector<Index>{z});
+    const Matrix<float> q = random_matrix<float>(1, d, 500), k = delta_keys(1, d, 501), v = random_matrix<float>(1, dv, 502);
+    Matrix<float> o(1, dv);
+    states_only.decode(0, step, q, k, v, o);
+    CHECK(states_only.length(z) == 1);
+    CHECK(states_only.sequences() == 1);
+    CHECK(states_only.pending_drafts(z) == 0);
+    CHECK(states_only.checkpoint_before(z, 1) == 1);
+    CHECK(states_only.checkpoint_before(z, 0) == 0);
+    states_only.truncate(z, 0);
+    CHECK(states_only.length(z) == 0);
+}

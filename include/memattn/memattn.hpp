@@ -41,6 +41,7 @@
 #include "memattn/layer/multi_head_kernels.hpp"
 #include "memattn/layer/multi_head_memory.hpp"
 #include "memattn/layer/latent_attention.hpp"
+#include "memattn/serving/pool_options.hpp"
 #include "memattn/serving/paged_kv_cache.hpp"
 #include "memattn/serving/paged_latent_kv_cache.hpp"
 #include "memattn/serving/state_pool.hpp"

@@ -273,6 +273,22 @@ void everything(memattn::Index n, memattn::Index d) {
             memattn::save(model.sequence(id), model_snapshot);
             auto resumed = model.sequence(model.add_sequence());
             memattn::load(resumed, model_snapshot);
+            // A hybrid model: a recurrent layer's states beside a softmax layer's pool.
+            using Gated = memattn::GatedLinearAttentionMemory<T>;
+            using Hybrid = memattn::ModelCache<T, T, Gated>;
+            const std::vector<typename Hybrid::Layer> hybrid_layers{
+                memattn::StateLayer<Gated>{Gated(d, d), {.checkpoint_tokens = 2}}, model_layers[0]};
+            Hybrid hybrid(hybrid_layers, 2);
+            const memattn::Index h = hybrid.add_sequence();
+            const auto& hybrid_step = hybrid.plan_decode(std::vector<memattn::Index>{hybrid.fork(h)});
+            const memattn::Matrix<T> gated_q = memattn::Matrix<T>::Zero(1, d), gated_k = memattn::Matrix<T>::Zero(1, d + 1);
+            memattn::Matrix<T> gated_o(1, d);
+            hybrid.decode(0, hybrid_step, gated_q, gated_k, x.topRows(1), gated_o);
+            hybrid.decode(1, hybrid_step, q, x.topRows(1), x.topRows(1), o);
+            hybrid.truncate(h, hybrid.checkpoint_before(h, 0));
+            memattn::save(hybrid.sequence(h), model_snapshot);
+            auto hybrid_resumed = hybrid.sequence(h);
+            memattn::load(hybrid_resumed, model_snapshot);
             const memattn::Matrix<T> wide = memattn::Matrix<T>::Zero(n, 2 * d);
             memattn::Matrix<T> wide_out(n, 2 * d);
             memattn::multi_head_causal_softmax_attention(wide, x, x, wide_out, heads, {}, x * x.transpose());

@@ -40,6 +40,29 @@
 //
 // Snapshots: sequence(id) is the sequence across every layer, for memattn::save and
 // memattn::load (memattn/persistence/snapshot.hpp): one snapshot, every layer's tokens.
+//
+// Hybrid models (Qwen3-Next, Kimi Linear, Jamba: softmax layers between recurrent ones):
+// ModelCache<T, S, M> holds, beside a PagedKVCache per softmax layer (ModelLayer), a
+// StatePool<M> per recurrent layer (StateLayer<M>: the memory every sequence starts as,
+// and its checkpoints), all under the one id space, `capacity` sequences at most:
+//
+//   using Gdn = memattn::MultiHead<memattn::DeltaRuleMemory<float>>;  // gated: DeltaRuleMemory(d, dv, {}, true)
+//   using Cache = memattn::ModelCache<float, float, Gdn>;
+//   const std::vector<Cache::Layer> layers{memattn::StateLayer<Gdn>{gdn, {.checkpoint_tokens = 64}},
+//                                          memattn::ModelLayer{.layout = {16, 2, 256}, .blocks = 4096}};
+//   Cache cache(layers, /*capacity=*/64);
+//   cache.prefill(0, step, Q0, K0, V0, O0);   // layer 0: StatePool::prefill; layer 1: the pool's
+//
+// add_sequence, fork (the state and its checkpoints copied), remove, snapshots and the
+// steps act on every layer, all or nothing, as above. A recurrent state cannot be cut,
+// only restored: truncate(id, t) succeeds when every recurrent layer holds the state of
+// length t (t the length, 0, or a checkpoint: StatePool::truncate), else it is refused
+// naming the layer and checkpoint_before(id, t), the longest length ≤ t every layer can
+// go back to; truncate there and replay the tokens after it. rollback(step) takes the
+// step back exactly where every recurrent layer that ran it can, else its sequences go
+// back to checkpoint_before(id, the length before the step) (length(id) says where to
+// replay from). A verify step of draft trees is refused in a cache with recurrent layers
+// (a state follows one chain of tokens).
 
 #include "memattn/execution/executor.hpp"
 #include "memattn/kernels/softmax_options.hpp"
@@ -47,13 +70,16 @@
 #include "memattn/persistence/snapshot.hpp"
 #include "memattn/serving/batched.hpp"
 #include "memattn/serving/paged_kv_cache.hpp"
+#include "memattn/serving/state_pool.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 namespace memattn {
@@ -68,11 +94,44 @@ struct ModelLayer {
     PoolOptions pool = {};         ///< its rollback room and refusal of non-finite pairs
 };
 
-/// One PagedKVCache per layer of a model under one id space; see the top of the file.
-template <Scalar T, class S = T>
+/// One recurrent layer of a hybrid ModelCache: the memory every sequence's state starts
+/// as (copied, reset) and the checkpoints its StatePool keeps.
+template <Memory M>
+struct StateLayer {
+    M prototype;                    ///< a sequence's memory before its first token
+    StatePoolOptions options = {};  ///< checkpoints every n tokens, and how many are kept
+};
+
+namespace detail {
+/// The recurrent layers' pool of a ModelCache<T, S, M>: none when M is void.
+template <class M>
+struct StateLayers {
+    struct None {};
+    using Pool = None;
+    using Layer = ModelLayer;
+};
+template <Memory M>
+struct StateLayers<M> {
+    using Pool = StatePool<M>;
+    using Layer = std::variant<ModelLayer, StateLayer<M>>;
+};
+}  // namespace detail
+
+/// One PagedKVCache per softmax layer of a model, and with M one StatePool<M> per
+/// recurrent layer, under one id space; see the top of the file.
+/// \tparam M the recurrent layers' memory (a hybrid model), or void: softmax layers only.
+template <Scalar T, class S = T, class M = void>
+    requires std::is_void_v<M> || (Memory<M> && std::same_as<typename M::Scalar, T>)
 class ModelCache {
 public:
-    using Pool = PagedKVCache<T, S>;  ///< one layer's pool
+    using Pool = PagedKVCache<T, S>;  ///< one softmax layer's pool
+    /// One recurrent layer's pool (StatePool<M>; an empty type when M is void).
+    using States = typename detail::StateLayers<M>::Pool;
+    /// A layer as the constructor takes it: ModelLayer, or, with M, a
+    /// std::variant<ModelLayer, StateLayer<M>>.
+    using Layer = typename detail::StateLayers<M>::Layer;
+    /// Whether the cache can hold recurrent layers.
+    static constexpr bool hybrid = !std::is_void_v<M>;
 
     /// A step of a batch planned once and run by every layer (plan, plan_decode): the
     /// sequences' slots (their ids in every layer's pool), the chunks' offsets and the
@@ -121,24 +180,65 @@ public:
     };
 
     /// The layers' pools, built now (each allocates its blocks).
-    explicit ModelCache(std::span<const ModelLayer> layers) {
+    explicit ModelCache(std::span<const ModelLayer> layers)
+        requires(!hybrid)
+    {
         detail::require(!layers.empty(), "ModelCache", "layers", "is empty, expected one layer or more");
         pools_.reserve(layers.size());
-        for (const ModelLayer& l : layers)
+        for (const ModelLayer& l : layers) {
+            at_.push_back(static_cast<Index>(pools_.size()));
             pools_.emplace_back(l.layout, l.blocks, l.block_size, l.options, l.pool);
-        ran_.assign(pools_.size(), 0);
+        }
+        ran_.assign(at_.size(), 0);
+    }
+    /// A hybrid model's layers, in order: a PagedKVCache for each ModelLayer, a
+    /// StatePool<M> of `capacity` sequences for each StateLayer<M> (each allocating its
+    /// blocks or states now). `capacity` bounds the live sequences of every layer: an add
+    /// or fork past it throws PoolExhausted, nothing changed.
+    ModelCache(std::span<const Layer> layers, Index capacity)
+        requires hybrid
+    {
+        detail::require(!layers.empty(), "ModelCache", "layers", "is empty, expected one layer or more");
+        detail::at_least(capacity, 1, "ModelCache", "capacity");
+        for (const Layer& layer : layers) {
+            if (const auto* l = std::get_if<ModelLayer>(&layer)) {
+                at_.push_back(static_cast<Index>(pools_.size()));
+                pools_.emplace_back(l->layout, l->blocks, l->block_size, l->options, l->pool);
+            } else {
+                const auto& r = std::get<StateLayer<M>>(layer);
+                at_.push_back(-1 - static_cast<Index>(states_.size()));
+                states_.emplace_back(capacity, r.prototype, r.options);
+            }
+        }
+        ran_.assign(at_.size(), 0);
     }
 
     /// Layers of the model.
-    [[nodiscard]] Index layers() const noexcept { return static_cast<Index>(pools_.size()); }
-    /// Layer l's pool, for its batched calls (with step.slots()) and its counts.
-    [[nodiscard]] Pool& layer(Index l) { return pools_[checked_layer("ModelCache::layer", l)]; }
+    [[nodiscard]] Index layers() const noexcept { return static_cast<Index>(at_.size()); }
+    /// Whether layer l is a recurrent layer (a StatePool), not a softmax layer's pool.
+    [[nodiscard]] bool recurrent(Index l) const { return at_[checked_layer("ModelCache::recurrent", l)] < 0; }
+    /// Softmax layer l's pool, for its batched calls (with step.slots()) and its counts.
+    [[nodiscard]] Pool& layer(Index l) { return pools_[kv_index("ModelCache::layer", l)]; }
     /// The same, read only.
-    [[nodiscard]] const Pool& layer(Index l) const { return pools_[checked_layer("ModelCache::layer", l)]; }
+    [[nodiscard]] const Pool& layer(Index l) const { return pools_[kv_index("ModelCache::layer", l)]; }
+    /// Recurrent layer l's pool of states, for its executor and its counts (its
+    /// memories, checkpoint_before); change its sequences through the cache.
+    [[nodiscard]] States& states(Index l)
+        requires hybrid
+    {
+        return states_[state_index("ModelCache::states", l)];
+    }
+    /// The same, read only.
+    [[nodiscard]] const States& states(Index l) const
+        requires hybrid
+    {
+        return states_[state_index("ModelCache::states", l)];
+    }
 
     /// A new, empty sequence in every layer; returns its id.
     Index add_sequence() {
-        return in_every_layer([](Pool& pool) { return pool.add_sequence(); });
+        return in_every_layer([](Pool& pool) { return pool.add_sequence(); },
+                              [](auto& states) { return states.add(); });
     }
     /// A new sequence holding `parent`'s tokens in every layer, sharing its blocks.
     /// Refused (PoolExhausted, nothing changed) if the copies on write the planned step
@@ -147,12 +247,12 @@ public:
         constexpr const char* function = "ModelCache::fork";
         const Index from = slot_of(function, "parent", parent);
         check_not_mid_step(function, "parent", parent, from);
-        const Index child = in_every_layer([from](Pool& pool) { return pool.fork(from); });
+        const Index child = in_every_layer([from](Pool& pool) { return pool.fork(from); },
+                                           [from](auto& states) { return states.fork(from); });
         try {
             admit(function, true);
         } catch (...) {
-            for (Pool& pool : pools_)
-                pool.remove(slot(child));
+            remove_slot(slot(child));
             throw;
         }
         return child;
@@ -164,29 +264,50 @@ public:
         constexpr const char* function = "ModelCache::truncate";
         const Index slot = slot_of(function, "id", id);
         check_not_mid_step(function, "id", id, slot);
-        for (Index l = 0; l < layers(); ++l)
-            detail::require(pools_[static_cast<std::size_t>(l)].can_truncate(slot, tokens), function, "tokens", "is ",
-                            tokens, ", which layer ", l, " cannot take sequence ", id, " back to (length ",
-                            pools_[static_cast<std::size_t>(l)].length(slot),
-                            ", its window has freed what that length needs, or more than its length)");
-        for (Pool& pool : pools_)
-            pool.truncate(slot, tokens);
+        for (Index l = 0; l < layers(); ++l) {
+            const Index at = at_[static_cast<std::size_t>(l)];
+            if (at >= 0)
+                detail::require(pools_[static_cast<std::size_t>(at)].can_truncate(slot, tokens), function, "tokens",
+                                "is ", tokens, ", which layer ", l, " cannot take sequence ", id, " back to (length ",
+                                pools_[static_cast<std::size_t>(at)].length(slot),
+                                ", its window has freed what that length needs, or more than its length)");
+            else if constexpr (hybrid)
+                detail::require(states_[static_cast<std::size_t>(-1 - at)].can_truncate(slot, tokens), function,
+                                "tokens", "is ", tokens, ", which recurrent layer ", l, " cannot take sequence ", id,
+                                " back to (length ", length(id), "; it holds no state of that length, and a state "
+                                "cannot be cut): the longest length every layer can go back to is ",
+                                checkpoint_before(id, tokens), "; truncate to it and replay the tokens after it");
+        }
+        truncate_slot(slot, tokens);
         end_step_of(slot);
     }
     /// Whether truncate(id, tokens) would succeed.
     [[nodiscard]] bool can_truncate(Index id, Index tokens) const noexcept {
-        if (!contains(id) || (mid_step() && in_step(slot(id))))
-            return false;
-        for (const Pool& pool : pools_)
-            if (!pool.can_truncate(slot(id), tokens))
-                return false;
-        return true;
+        return contains(id) && !(mid_step() && in_step(slot(id))) && restorable(slot(id), tokens);
+    }
+    /// The longest length ≤ `tokens` that every layer can take `id` back to (truncate):
+    /// `tokens` itself when it can, else the latest below that every recurrent layer holds
+    /// a state of (a checkpoint, or 0) and every windowed layer still holds the tokens
+    /// of. Truncate to it, then replay the tokens after it.
+    [[nodiscard]] Index checkpoint_before(Index id, Index tokens) const {
+        const Index s = slot_of("ModelCache::checkpoint_before", "id", id);
+        Index c = std::clamp<Index>(tokens, 0, front_length(s));
+        while (!restorable(s, c)) {
+            Index next = c - 1;  // c > 0: every layer can go back to 0
+            if constexpr (hybrid)
+                for (const States& states : states_)
+                    next = std::min(next, states.checkpoint_before(s, next));
+            for (const Pool& pool : pools_)  // below a windowed layer's held tokens: only its sinks
+                if (!pool.can_truncate(s, next))
+                    next = std::min(next, pool.sink_tokens());
+            c = next;
+        }
+        return c;
     }
     /// Ends `id` in every layer; the id is refused from now on.
     void remove(Index id) {
         const Index slot = slot_of("ModelCache::remove", "id", id);
-        for (Pool& pool : pools_)
-            pool.remove(slot);
+        remove_slot(slot);
         ++generations_[static_cast<std::size_t>(slot)];
         end_step_of(slot);
     }
@@ -195,12 +316,17 @@ public:
     [[nodiscard]] bool contains(Index id) const noexcept {
         const Index s = slot(id), g = generation(id);
         return g > 0 && s < static_cast<Index>(generations_.size()) && generations_[static_cast<std::size_t>(s)] == g &&
-               pools_.front().contains(s);
+               live(s);
     }
     /// Tokens of `id` (the same in every layer).
-    [[nodiscard]] Index length(Index id) const { return pools_.front().length(slot_of("ModelCache::length", "id", id)); }
+    [[nodiscard]] Index length(Index id) const { return front_length(slot_of("ModelCache::length", "id", id)); }
     /// Live sequences.
-    [[nodiscard]] Index sequences() const noexcept { return pools_.front().sequences(); }
+    [[nodiscard]] Index sequences() const noexcept {
+        if constexpr (hybrid)
+            if (pools_.empty())
+                return states_.front().sequences();
+        return pools_.front().sequences();
+    }
     /// The id of `id`'s sequence in every layer's pool.
     [[nodiscard]] Index slot_of(Index id) const { return slot_of("ModelCache::slot_of", "id", id); }
 
@@ -210,12 +336,18 @@ public:
         return Sequence(*this, id);
     }
     /// Writes `id`'s tokens in every layer: the layer count, then each layer's
-    /// PagedKVCache::write_sequence as a part of its own.
+    /// PagedKVCache::write_sequence (a recurrent layer's StatePool::write_sequence: its
+    /// memory's snapshot) as a part of its own.
     void write_sequence(Index id, snapshot::Writer& w) const {
         const Index s = slot_of("ModelCache::write_sequence", "id", id);
         w.index(layers());
-        for (const Pool& pool : pools_)
-            w.part([&](snapshot::Writer& part) { pool.write_sequence(s, part); });
+        for (const Index at : at_)
+            w.part([&](snapshot::Writer& part) {
+                if (at >= 0)
+                    pools_[static_cast<std::size_t>(at)].write_sequence(s, part);
+                else if constexpr (hybrid)
+                    states_[static_cast<std::size_t>(-1 - at)].write_sequence(s, part);
+            });
     }
     /// Reads a payload of write_sequence into `id`, replacing its tokens in every layer
     /// (each keeping what its window keeps, as PagedKVCache::read_sequence does), all or
@@ -228,29 +360,42 @@ public:
         const Index s = slot_of(function, "id", id);
         check_not_mid_step(function, "id", id, s);
         r.expect("layers", layers());
-        using Loaded = decltype(detail::PagedAccess::read_state(pools_.front(), function, r));
-        std::vector<Loaded> loaded;
+        using Loaded = decltype(detail::PagedAccess::read_state(std::declval<Pool&>(), function, r));
+        std::vector<Loaded> loaded;  // the softmax layers', in order
         loaded.reserve(pools_.size());
-        std::size_t l = 0;
+        std::vector<LoadedState> states;  // the recurrent layers', in order
+        states.reserve(states_.size());
+        Index tokens = -1;  // layer 0's
         try {
-            for (; l < pools_.size(); ++l) {
+            for (std::size_t l = 0; l < at_.size(); ++l) {
                 snapshot::Reader part = r.part("a layer's part");
-                loaded.push_back(detail::PagedAccess::read_state(pools_[l], function, part));
-                if (loaded.back().length != loaded.front().length)
-                    part.fail("layer " + std::to_string(l) + " holds " + std::to_string(loaded.back().length) +
-                              " tokens, layer 0 " + std::to_string(loaded.front().length));
-                // The blocks the planned step holds in a layer that has not run it (unless `id`
-                // is in the step, which its load ends), against the free ones and those `id`
-                // alone holds (an upper bound: the blocks `id` frees may also spare the step a
-                // copy on write).
-                if (planned_ && !ran_[l] && !in_step(s)) {
-                    const Index needed = pools_[l].blocks_needed(step_.slots_, tokens_),
-                                free = pools_[l].free_blocks() + freed_by(l, s);
-                    if (needed > free)
-                        throw PoolExhausted(std::string(function) + " (layer " + std::to_string(l) +
-                                                ": the planned step holds blocks)",
-                                            needed, free, pools_[l].blocks());
+                const Index at = at_[l];
+                Index length = 0;
+                if (at >= 0) {
+                    Pool& pool = pools_[static_cast<std::size_t>(at)];
+                    loaded.push_back(detail::PagedAccess::read_state(pool, function, part));
+                    length = loaded.back().length;
+                    // The blocks the planned step holds in a layer that has not run it (unless
+                    // `id` is in the step, which its load ends), against the free ones and those
+                    // `id` alone holds (an upper bound: the blocks `id` frees may also spare the
+                    // step a copy on write).
+                    if (planned_ && !ran_[l] && !in_step(s)) {
+                        const Index needed = pool.blocks_needed(step_.slots_, tokens_),
+                                    free = pool.free_blocks() + detail::PagedAccess::sole_blocks(pool, s);
+                        if (needed > free)
+                            throw PoolExhausted(std::string(function) + " (layer " + std::to_string(l) +
+                                                    ": the planned step holds blocks)",
+                                                needed, free, pool.blocks());
+                    }
+                } else if constexpr (hybrid) {
+                    states.push_back(detail::StateAccess::read_state(states_[static_cast<std::size_t>(-1 - at)], part));
+                    length = states.back().length();
                 }
+                if (l == 0)
+                    tokens = length;
+                if (length != tokens)
+                    part.fail("layer " + std::to_string(l) + " holds " + std::to_string(length) + " tokens, layer 0 " +
+                              std::to_string(tokens));
             }
             r.expect_remaining(0, "the end of the layers");
         } catch (...) {
@@ -260,6 +405,9 @@ public:
         }
         for (std::size_t k = 0; k < pools_.size(); ++k)
             detail::PagedAccess::install(pools_[k], s, loaded[k]);
+        if constexpr (hybrid)
+            for (std::size_t k = 0; k < states_.size(); ++k)
+                detail::StateAccess::install(states_[k], s, states[k]);
         end_step_of(s);
     }
 
@@ -293,36 +441,58 @@ public:
     }
 
     /// Layer l's decode step of `step` (the latest plan_decode, once per layer):
-    /// batched_decode on its pool.
+    /// batched_decode on its pool (a recurrent layer's: StatePool::decode).
     template <class DQ, class DK, class DV, detail::EigenMatrix DO>
     void decode(Index l, const Step& step, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                 const Eigen::MatrixBase<DV>& V, DO&& O) {
         constexpr const char* function = "ModelCache::decode";
-        const std::size_t at = runnable(function, l, step);
+        const std::size_t layer = runnable(function, l, step);
         detail::require(step.decode(), function, "step", "is a plan of chunks (plan), expected one of plan_decode");
-        batched_decode(pools_[at], step.slots(), Q, K, V, std::forward<DO>(O), pools_[at].executor());
-        ran(at);
+        const Index at = at_[layer];
+        if (at >= 0) {
+            Pool& pool = pools_[static_cast<std::size_t>(at)];
+            batched_decode(pool, step.slots(), Q, K, V, std::forward<DO>(O), pool.executor());
+        } else if constexpr (hybrid) {
+            States& states = states_[static_cast<std::size_t>(-1 - at)];
+            if constexpr (detail::batch_scalars<T, DQ, DK, DV, DO>())
+                states.decode(step.slots(), detail::sequence(Q), detail::sequence(K), detail::sequence(V),
+                              detail::output(std::forward<DO>(O)), states.executor());
+        }
+        ran(layer);
     }
     /// Layer l's step of `step` (the latest plan or plan_decode, once per layer):
-    /// batched_prefill on its pool.
+    /// batched_prefill on its pool (a recurrent layer's: StatePool::prefill).
     template <class DQ, class DK, class DV, detail::EigenMatrix DO>
     void prefill(Index l, const Step& step, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                  const Eigen::MatrixBase<DV>& V, DO&& O) {
-        const std::size_t at = runnable("ModelCache::prefill", l, step);
-        batched_prefill(pools_[at], step.slots(), step.q_offsets(), Q, K, V, std::forward<DO>(O),
-                        pools_[at].executor());
-        ran(at);
+        const std::size_t layer = runnable("ModelCache::prefill", l, step);
+        const Index at = at_[layer];
+        if (at >= 0) {
+            Pool& pool = pools_[static_cast<std::size_t>(at)];
+            batched_prefill(pool, step.slots(), step.q_offsets(), Q, K, V, std::forward<DO>(O), pool.executor());
+        } else if constexpr (hybrid) {
+            States& states = states_[static_cast<std::size_t>(-1 - at)];
+            if constexpr (detail::batch_scalars<T, DQ, DK, DV, DO>())
+                states.prefill(step.slots(), step.q_offsets(), detail::sequence(Q), detail::sequence(K),
+                               detail::sequence(V), detail::output(std::forward<DO>(O)), states.executor());
+        }
+        ran(layer);
     }
     /// Layer l's verify step of `step` (a plan of chunks, each a tree of drafts):
     /// batched_prefill with `parents` on its pool (PagedKVCache::prefill), the drafts then
     /// pending in that layer; once every layer has run it, accept(id, path) or reject(id).
+    /// Refused (std::invalid_argument) in a cache with recurrent layers.
     template <class DQ, class DK, class DV, detail::EigenMatrix DO>
     void prefill(Index l, const Step& step, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                  const Eigen::MatrixBase<DV>& V, DO&& O, std::span<const Index> parents) {
-        const std::size_t at = runnable("ModelCache::prefill", l, step);
-        batched_prefill(pools_[at], step.slots(), step.q_offsets(), Q, K, V, std::forward<DO>(O),
-                        pools_[at].executor(), parents);
-        ran(at);
+        constexpr const char* function = "ModelCache::prefill";
+        const std::size_t layer = runnable(function, l, step);
+        detail::require(states_.empty(), function, "parents", "are given to a cache with ", states_.size(),
+                        " recurrent layers, whose states follow one chain of tokens: verify draft trees in a model "
+                        "without them (or decode the drafts)");
+        Pool& pool = pools_[static_cast<std::size_t>(at_[layer])];
+        batched_prefill(pool, step.slots(), step.q_offsets(), Q, K, V, std::forward<DO>(O), pool.executor(), parents);
+        ran(layer);
     }
 
     /// Keeps the accepted path of `id`'s pending drafts in every layer at once
@@ -333,8 +503,12 @@ public:
         constexpr const char* function = "ModelCache::accept";
         const Index s = slot_of(function, "id", id);
         check_not_mid_step(function, "id", id, s);
+        detail::require(!pools_.empty(), function, "id", "is ", id, ", which has no pending drafts (the cache has no "
+                        "softmax layer)");
         for (Index l = 0; l < layers(); ++l) {
-            const Pool& pool = pools_[static_cast<std::size_t>(l)];
+            if (recurrent(l))
+                continue;
+            const Pool& pool = pools_[static_cast<std::size_t>(at_[static_cast<std::size_t>(l)])];
             const Index needed = pool.accept_blocks(s, path, function);
             const Index held = planned_ && !in_step(s) ? pool.blocks_needed(step_.slots_, tokens_) : 0;
             if (needed > 0 && needed + held > pool.free_blocks())
@@ -350,16 +524,20 @@ public:
         constexpr const char* function = "ModelCache::reject";
         const Index s = slot_of(function, "id", id);
         check_not_mid_step(function, "id", id, s);
+        detail::require(!pools_.empty(), function, "id", "is ", id, ", which has no pending drafts (the cache has no "
+                        "softmax layer)");
         for (Index l = 0; l < layers(); ++l)  // every layer first: all or nothing
-            detail::require(pools_[static_cast<std::size_t>(l)].pending_drafts(s) > 0, function, "id", "is ", id,
-                            ", which has no pending drafts in layer ", l);
+            if (!recurrent(l))
+                detail::require(pools_[static_cast<std::size_t>(at_[static_cast<std::size_t>(l)])].pending_drafts(s) > 0,
+                                function, "id", "is ", id, ", which has no pending drafts in layer ", l);
         for (Pool& pool : pools_)
             pool.reject(s);
         end_step_of(s);
     }
     /// The drafts `id`'s last verify step left pending (the same in every layer).
     [[nodiscard]] Index pending_drafts(Index id) const {
-        return pools_.front().pending_drafts(slot_of("ModelCache::pending_drafts", "id", id));
+        const Index s = slot_of("ModelCache::pending_drafts", "id", id);
+        return pools_.empty() ? 0 : pools_.front().pending_drafts(s);
     }
 
     /// Whether a step is planned that some layers have not run yet.
@@ -368,7 +546,10 @@ public:
     /// Takes the tokens of `step` back from every layer that took them (a layer that
     /// threw, or was not reached, has none to give back), all or nothing: where a windowed
     /// layer has already freed what the shorter sequence needs, throws std::invalid_argument
-    /// naming the layer and changes nothing.
+    /// naming the layer and changes nothing. A recurrent layer that has run the step goes
+    /// back exactly only where it holds the state before it (a checkpoint there): else the
+    /// sequence goes back in every layer to the latest length that layer holds a state of
+    /// (checkpoint_before), and length(id) says where to replay from.
     /// Ends the step: plan anew to run it again.
     void rollback(const Step& step) {
         constexpr const char* function = "ModelCache::rollback";
@@ -376,20 +557,33 @@ public:
                         "is not the latest plan of this cache, or has ended (run in every layer, taken back, or "
                         "ended by a change to one of its sequences)");
         const auto slots = step.slots();
-        for (Index l = 0; l < layers(); ++l)
-            for (std::size_t i = 0; i < slots.size(); ++i) {
-                const Pool& pool = pools_[static_cast<std::size_t>(l)];
-                detail::require(pool.contains(slots[i]), function, "step", "names slot ", slots[i],
-                                ", which is no longer a live sequence");
-                const Index before = step.before_[i];
-                detail::require(pool.length(slots[i]) == before || pool.can_truncate(slots[i], before), function,
+        targets_.resize(slots.size());
+        for (std::size_t i = 0; i < slots.size(); ++i) {
+            detail::require(live(slots[i]), function, "step", "names slot ", slots[i],
+                            ", which is no longer a live sequence");
+            Index& target = targets_[i];
+            target = step.before_[i];
+            if constexpr (hybrid)  // back to a length every recurrent layer holds a state of
+                for (bool moved = true; moved;) {
+                    moved = false;
+                    for (const States& states : states_) {
+                        const Index c = states.checkpoint_before(slots[i], target);
+                        moved = moved || c != target;
+                        target = c;
+                    }
+                }
+            for (Index l = 0; l < layers(); ++l) {
+                const Index at = at_[static_cast<std::size_t>(l)];
+                if (at < 0)
+                    continue;
+                const Pool& pool = pools_[static_cast<std::size_t>(at)];
+                detail::require(pool.length(slots[i]) == target || pool.can_truncate(slots[i], target), function,
                                 "step", "cannot be taken back in layer ", l, ": its window has freed tokens slot ",
-                                slots[i], " of length ", before, " needs");
+                                slots[i], " of length ", target, " needs");
             }
-        for (Pool& pool : pools_)
-            for (std::size_t i = 0; i < slots.size(); ++i)
-                if (pool.length(slots[i]) > step.before_[i])
-                    pool.truncate(slots[i], step.before_[i]);
+        }
+        for (std::size_t i = 0; i < slots.size(); ++i)
+            truncate_slot(slots[i], targets_[i]);
         planned_ = false;
     }
 
@@ -398,6 +592,9 @@ public:
         std::size_t bytes = 0;
         for (const Pool& pool : pools_)
             bytes += pool.footprint();
+        if constexpr (hybrid)
+            for (const States& states : states_)
+                bytes += states.footprint();
         return bytes;
     }
 
@@ -408,9 +605,67 @@ private:
     [[nodiscard]] static Index slot(Index id) noexcept { return id & slot_mask; }
     [[nodiscard]] static Index generation(Index id) noexcept { return id < 0 ? 0 : id >> slot_bits; }
 
+    /// A recurrent layer's sequence as read from a snapshot, not yet installed.
+    using LoadedState = std::conditional_t<hybrid, M, char>;
+
     std::size_t checked_layer(const char* function, Index l) const {
         detail::require(l >= 0 && l < layers(), function, "layer", "is ", l, ", expected 0 to ", layers() - 1);
         return static_cast<std::size_t>(l);
+    }
+    /// Softmax layer l's index in pools_.
+    std::size_t kv_index(const char* function, Index l) const {
+        const Index at = at_[checked_layer(function, l)];
+        detail::require(at >= 0, function, "layer", "is ", l, ", a recurrent layer (its pool: states(", l, "))");
+        return static_cast<std::size_t>(at);
+    }
+    /// Recurrent layer l's index in states_.
+    std::size_t state_index(const char* function, Index l) const {
+        const Index at = at_[checked_layer(function, l)];
+        detail::require(at < 0, function, "layer", "is ", l, ", a softmax layer (its pool: layer(", l, "))");
+        return static_cast<std::size_t>(-1 - at);
+    }
+    /// Whether slot s is live (in every layer: they take the same calls).
+    [[nodiscard]] bool live(Index s) const noexcept {
+        if constexpr (hybrid)
+            if (pools_.empty())
+                return states_.front().contains(s);
+        return pools_.front().contains(s);
+    }
+    /// The tokens of live slot s (the same in every layer between steps).
+    [[nodiscard]] Index front_length(Index s) const {
+        if constexpr (hybrid)
+            if (pools_.empty())
+                return states_.front().length(s);
+        return pools_.front().length(s);
+    }
+    /// Whether every layer can take slot s back to `tokens`.
+    [[nodiscard]] bool restorable(Index s, Index tokens) const noexcept {
+        for (const Pool& pool : pools_)
+            if (!pool.can_truncate(s, tokens))
+                return false;
+        if constexpr (hybrid)
+            for (const States& states : states_)
+                if (!states.can_truncate(s, tokens))
+                    return false;
+        return true;
+    }
+    /// Every layer of slot s back to `tokens`, which each can take (checked).
+    void truncate_slot(Index s, Index tokens) {
+        for (Pool& pool : pools_)
+            if (pool.length(s) != tokens)
+                pool.truncate(s, tokens);
+        if constexpr (hybrid)
+            for (States& states : states_)
+                if (states.length(s) != tokens)
+                    states.truncate(s, tokens);
+    }
+    /// Slot s removed from every layer.
+    void remove_slot(Index s) {
+        for (Pool& pool : pools_)
+            pool.remove(s);
+        if constexpr (hybrid)
+            for (States& states : states_)
+                states.remove(s);
     }
 
     /// The slot of a live id, or std::invalid_argument saying why not (removed, never
@@ -429,15 +684,22 @@ private:
         return -1;
     }
 
-    /// Runs `make` (add_sequence or fork) on every layer, all or nothing; the new id.
-    template <class Make>
-    Index in_every_layer(Make&& make) {
-        std::size_t done = 0;
+    /// Runs `make` (add_sequence or fork) on every softmax layer and `make_state` (add or
+    /// fork) on every recurrent one, all or nothing; the new id.
+    template <class Make, class MakeState>
+    Index in_every_layer(Make&& make, MakeState&& make_state) {
+        std::size_t done = 0, states_done = 0;
         Index s = -1;
         try {
+            if constexpr (hybrid)  // first: a full StatePool refuses before any block is taken
+                for (; states_done < states_.size(); ++states_done) {
+                    const Index got = make_state(states_[states_done]);
+                    MEMATTN_DASSERT(states_done == 0 || got == s);  // every layer took the same calls
+                    s = got;
+                }
             for (; done < pools_.size(); ++done) {
                 const Index got = make(pools_[done]);
-                MEMATTN_DASSERT(done == 0 || got == s);  // every layer took the same calls
+                MEMATTN_DASSERT((done == 0 && states_done == 0) || got == s);
                 s = got;
             }
             detail::require(s <= slot_mask, "ModelCache", "sequences", "would need slot ", s, ", past ", slot_mask);
@@ -446,6 +708,9 @@ private:
         } catch (...) {
             for (std::size_t l = 0; l < done; ++l)
                 pools_[l].remove(s);
+            if constexpr (hybrid)
+                for (std::size_t l = 0; l < states_done; ++l)
+                    states_[l].remove(s);
             throw;
         }
         return (generations_[static_cast<std::size_t>(s)] << slot_bits) | s;
@@ -461,7 +726,7 @@ private:
                 detail::require(step_.slots_[j] != s, function, "ids", "names sequence ", ids[i], " twice (at ", j,
                                 " and ", i, ")");
             step_.slots_[i] = s;
-            step_.before_[i] = pools_.front().length(s);
+            step_.before_[i] = front_length(s);
         }
         step_.decode_ = decode;
     }
@@ -472,10 +737,10 @@ private:
     void admit(const char* function, bool held) const {
         if (!planned_)
             return;
-        for (std::size_t l = 0; l < pools_.size(); ++l) {
-            if (ran_[l])
+        for (std::size_t l = 0; l < at_.size(); ++l) {
+            if (ran_[l] || at_[l] < 0)  // a recurrent layer's states take no blocks
                 continue;
-            const Pool& pool = pools_[l];
+            const Pool& pool = pools_[static_cast<std::size_t>(at_[l])];
             const Index needed = pool.blocks_needed(step_.slots_, tokens_);
             if (needed > pool.free_blocks())
                 throw PoolExhausted(std::string(function) + " (layer " + std::to_string(l) +
@@ -495,10 +760,6 @@ private:
         }
         step_.serial_ = ++serial_;
         return step_;
-    }
-    /// The blocks of layer l that slot s alone holds (freed when its tokens are replaced).
-    [[nodiscard]] Index freed_by(std::size_t l, Index s) const {
-        return detail::PagedAccess::sole_blocks(pools_[l], s);
     }
     /// Whether slot s is in the planned step.
     [[nodiscard]] bool in_step(Index s) const noexcept {
@@ -545,7 +806,10 @@ private:
             planned_ = false;
     }
 
-    std::vector<Pool> pools_;
+    std::vector<Pool> pools_;         // the softmax layers', in order
+    std::vector<States> states_;      // the recurrent layers', in order
+    std::vector<Index> at_;           // per layer: its index in pools_, or −1 − its index in states_
+    std::vector<Index> targets_;      // rollback's lengths per member
     std::vector<Index> generations_;  // per slot: the generation of its live (or next) sequence
     Step step_;
     std::vector<Index> tokens_;             // the planned step's tokens per sequence

@@ -49,6 +49,7 @@
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/serving/detail/paged_pairs.hpp"
+#include "memattn/serving/pool_options.hpp"
 #include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
 
@@ -67,42 +68,6 @@ namespace memattn {
 namespace detail {
 struct PagedAccess;
 }  // namespace detail
-
-/// A pool had fewer free blocks than a call needed; the pool is unchanged.
-class PoolExhausted : public std::runtime_error {
-public:
-    /// What `function` needed, and what the pool of `blocks` had free.
-    PoolExhausted(const std::string& function, Index needed, Index free, Index blocks)
-        : std::runtime_error("memattn::" + function + ": needs " + std::to_string(needed) + " free block" +
-                             (needed == 1 ? "" : "s") + ", but " + std::to_string(free) + " of the pool's " +
-                             std::to_string(blocks) + " are free"),
-          needed_(needed),
-          free_(free) {}
-    /// Blocks the call needed.
-    [[nodiscard]] Index needed() const noexcept { return needed_; }
-    /// Blocks that were free.
-    [[nodiscard]] Index free() const noexcept { return free_; }
-
-private:
-    Index needed_, free_;
-};
-
-/// What a pool keeps and refuses beyond its attention options (PagedKVCache's last
-/// constructor argument).
-struct PoolOptions {
-    /// A windowed pool keeps the n tokens before every sequence's window too (their blocks
-    /// are freed n tokens later), so a truncate of up to n tokens always succeeds
-    /// (speculative decoding's rejected drafts): any truncate to at least the longest
-    /// length the sequence has had less n (rollbacks add up until it grows past that
-    /// length again; a fork, or a sequence loaded from another's snapshot, inherits the
-    /// other's room). 0: the window's alone. A sequence then holds at most
-    /// ceil(sinks / block) + ceil((window + n) / block) + 1 blocks.
-    Index rollback_tokens = 0;
-    /// Refuse keys and values that are not finite (±∞, NaN) with std::invalid_argument
-    /// naming the call, the argument and the place, the pool unchanged; off: they are
-    /// stored as they are and poison the attends that see them.
-    bool reject_nonfinite = false;
-};
 
 /// One layer's K/V for many sequences in a pool of blocks; see the top of the file.
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp).
@@ -142,36 +107,13 @@ public:
           reject_nonfinite_(pool.reject_nonfinite) {}
 
     /// A new, empty sequence; returns its id (the smallest id not in use).
-    Index add_sequence() {
-        const Index id = fresh_id();
-        State& s = sequences_[static_cast<std::size_t>(id)];
-        s.table.reserve(static_cast<std::size_t>(blocks_));  // its steps never allocate
-        s.length = 0;
-        s.dropped = 0;
-        s.first = sinks_;
-        s.drafts = 0;
-        s.live = true;
-        return id;
-    }
+    Index add_sequence() { return Pairs::new_sequence(); }
 
     /// A new sequence holding the same tokens as `parent`, sharing every block of it
     /// (copied when either writes into a shared block). Returns its id.
     Index fork(Index parent) {
         check_sequence("PagedKVCache::fork", "parent", parent);
-        const Index id = fresh_id();
-        State& child = sequences_[static_cast<std::size_t>(id)];
-        const State& from = sequences_[static_cast<std::size_t>(parent)];
-        child.tree.assign(from.tree.begin(), from.tree.begin() + from.drafts);  // may throw: the child not live yet
-        child.table.reserve(static_cast<std::size_t>(blocks_));
-        child.table.assign(from.table.begin(), from.table.end());
-        child.length = from.length;
-        child.dropped = from.dropped;
-        child.first = from.first;
-        child.drafts = from.drafts;
-        child.live = true;
-        for (const Index b : child.table)
-            ++refs_[static_cast<std::size_t>(b)];
-        return id;
+        return Pairs::fork_sequence(parent);
     }
 
     /// Keeps the first `tokens` tokens of `seq` (a rollback) and frees the blocks past
@@ -215,48 +157,25 @@ public:
     /// before a step: a step whose blocks_needed is at most free_blocks() cannot throw
     /// PoolExhausted.
     [[nodiscard]] Index blocks_needed(std::span<const Index> seqs, std::span<const Index> tokens) const {
-        constexpr const char* function = "PagedKVCache::blocks_needed";
-        check_batch(function, seqs, static_cast<Index>(seqs.size()), "seqs");
-        detail::require(tokens.size() == seqs.size(), function, "tokens", "has ", tokens.size(),
-                        " counts, expected ", seqs.size(), " (one per sequence)");
-        for (std::size_t i = 0; i < tokens.size(); ++i)
-            detail::require(tokens[i] >= 0 && tokens[i] <= max_length, function, "tokens", "has ", tokens[i],
-                            " for sequence ", seqs[i], ", expected 0 to ", max_length);
-        return chunk_blocks(seqs, [&](std::size_t i) { return tokens[i]; });
+        return Pairs::checked_blocks_needed("PagedKVCache::blocks_needed", seqs, tokens);
     }
 
     /// Ends `seq`: frees the blocks no other sequence holds; its id may be reused.
     void remove(Index seq) {
         check_sequence("PagedKVCache::remove", "seq", seq);
-        State& s = sequences_[static_cast<std::size_t>(seq)];
-        for (const Index b : s.table)
-            release(b);
-        s.table.clear();
-        s.length = 0;
-        s.dropped = 0;
-        s.drafts = 0;
-        s.live = false;
+        Pairs::remove_sequence(seq);
     }
 
     /// True when `seq` is a live sequence of the pool.
-    [[nodiscard]] bool contains(Index seq) const noexcept {
-        return seq >= 0 && seq < static_cast<Index>(sequences_.size()) && sequences_[static_cast<std::size_t>(seq)].live;
-    }
+    [[nodiscard]] bool contains(Index seq) const noexcept { return Pairs::live(seq); }
     /// Tokens of `seq`.
-    [[nodiscard]] Index length(Index seq) const {
-        check_sequence("PagedKVCache::length", "seq", seq);
-        return sequences_[static_cast<std::size_t>(seq)].length;
-    }
+    [[nodiscard]] Index length(Index seq) const { return checked_state("PagedKVCache::length", seq).length; }
     /// Blocks held by `seq` (shared ones included).
     [[nodiscard]] Index blocks_of(Index seq) const {
-        check_sequence("PagedKVCache::blocks_of", "seq", seq);
-        return static_cast<Index>(sequences_[static_cast<std::size_t>(seq)].table.size());
+        return static_cast<Index>(checked_state("PagedKVCache::blocks_of", seq).table.size());
     }
     /// Live sequences.
-    [[nodiscard]] Index sequences() const noexcept {
-        return static_cast<Index>(std::count_if(sequences_.begin(), sequences_.end(),
-                                                [](const State& s) { return s.live; }));
-    }
+    [[nodiscard]] Index sequences() const noexcept { return Pairs::live_sequences(); }
     /// Blocks some sequence holds (a shared block once).
     [[nodiscard]] Index blocks_in_use() const noexcept { return blocks_ - free_blocks(); }
     /// Blocks no sequence holds.
@@ -268,11 +187,7 @@ public:
     /// Bytes the pool holds: its blocks (allocated when it was built), their counts and
     /// the sequences' tables.
     [[nodiscard]] std::size_t footprint() const noexcept {
-        std::size_t bytes = keys_.bytes(pool_rows()) + values_.bytes(pool_rows()) +
-                            sizeof(Index) * (refs_.capacity() + free_.capacity());
-        for (const State& s : sequences_)
-            bytes += sizeof(State) + sizeof(Index) * s.table.capacity();
-        return bytes;
+        return keys_.bytes(pool_rows()) + values_.bytes(pool_rows()) + Pairs::table_bytes();
     }
     /// Bytes of the blocks `seq` holds, shared ones included.
     [[nodiscard]] std::size_t footprint(Index seq) const { return block_bytes() * static_cast<std::size_t>(blocks_of(seq)); }
@@ -349,8 +264,7 @@ public:
         check_finite(site, keys, false);
         check_finite(site, values, true);
         const Index needed = extend_peak(s, keys.rows());
-        if (needed > free_blocks())
-            throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
+        Pairs::require_free(site.function, needed);
     }
 
     /// out (q_heads·value_dim) = every query head of `query` (q_heads·head_dim) attending
@@ -473,68 +387,17 @@ public:
     /// for a path that is not a chain of the tree.
     void accept(Index seq, std::span<const Index> path) {
         constexpr const char* function = "PagedKVCache::accept";
-        const Index shared = accept_blocks(seq, path, function);
-        if (shared > free_blocks())
-            throw PoolExhausted(function, shared, free_blocks(), blocks_);
+        Pairs::require_free(function, accept_blocks(seq, path, function));
         State& s = sequences_[static_cast<std::size_t>(seq)];
-        const auto n = static_cast<Index>(path.size());
         const Index base = s.length - s.drafts;
-        Index k0 = 0;  // the first row that moves
-        while (k0 < n && path[static_cast<std::size_t>(k0)] == k0)
-            ++k0;
-        // The blocks rows base + k0 .. base + n − 1 lie in, copied first when shared.
-        const Index b0 = (base + k0) / block_size_, b1 = n > k0 ? (base + n - 1) / block_size_ + 1 : b0;
-        for (Index b = b0; b < b1; ++b) {
-            Index& block = s.table[static_cast<std::size_t>(b)];
-            if (refs_[static_cast<std::size_t>(block)] == 1)
-                continue;
-            const Index own = take_block(), used = std::min(block_size_, s.length - b * block_size_);
-            for (Index h = 0; h < layout_.kv_heads; ++h) {
-                keys_.copy_within(first_row(block, h), first_row(own, h), used);
-                values_.copy_within(first_row(block, h), first_row(own, h), used);
-            }
-            release(block);
-            block = own;
-        }
-        const auto row = [&](Index token, Index h) {
-            return first_row(s.table[static_cast<std::size_t>(token / block_size_)], h) + token % block_size_;
-        };
-        for (Index k = k0; k < n; ++k)  // source draft path[k] ≥ k: never a row already written
-            for (Index h = 0; h < layout_.kv_heads; ++h) {
-                keys_.copy_within(row(base + path[static_cast<std::size_t>(k)], h), row(base + k, h), 1);
-                values_.copy_within(row(base + path[static_cast<std::size_t>(k)], h), row(base + k, h), 1);
-            }
-        truncate(seq, base + n);
+        Pairs::keep_path(s, path);
+        truncate(seq, base + static_cast<Index>(path.size()));
     }
     /// The free blocks accept(seq, path) takes (the copies of shared blocks it writes into),
     /// after the checks accept makes (std::invalid_argument naming `function`).
     [[nodiscard]] Index accept_blocks(Index seq, std::span<const Index> path,
                                       const char* function = "PagedKVCache::accept_blocks") const {
-        check_sequence(function, "seq", seq);
-        const State& s = sequences_[static_cast<std::size_t>(seq)];
-        detail::require(s.drafts > 0, function, "seq", "is ", seq, ", which has no pending drafts (accept follows a "
-                        "prefill with parents, before any other call changes the sequence)");
-        const auto n = static_cast<Index>(path.size());
-        for (Index k = 0; k < n; ++k) {
-            const Index p = path[static_cast<std::size_t>(k)];
-            detail::require(p >= 0 && p < s.drafts, function, "path", "has ", p, " at ", k, ", expected a draft, 0 to ",
-                            s.drafts - 1);
-            const Index parent = s.tree[static_cast<std::size_t>(p)];
-            const Index before = k == 0 ? -1 : path[static_cast<std::size_t>(k - 1)];
-            detail::require(parent == before, function, "path", "has draft ", p, " at ", k, ", whose parent is ",
-                            parent, ", but the path's ",
-                            k == 0 ? "first draft must be a root (parent -1)" : "draft before it is ",
-                            k == 0 ? std::string() : std::to_string(before));
-        }
-        const Index base = s.length - s.drafts;
-        Index k0 = 0;
-        while (k0 < n && path[static_cast<std::size_t>(k0)] == k0)
-            ++k0;
-        Index shared = 0;
-        if (k0 < n)
-            for (Index b = (base + k0) / block_size_; b <= (base + n - 1) / block_size_; ++b)
-                shared += refs_[static_cast<std::size_t>(s.table[static_cast<std::size_t>(b)])] > 1 ? 1 : 0;
-        return shared;
+        return Pairs::path_copies(function, seq, path);
     }
 
     /// Drops every pending draft of `seq` (its length back to before the verify step).
@@ -691,56 +554,11 @@ private:
     using Pairs::attend_rows;
     using Pairs::attend_decode;
     using Pairs::prefill_chunks;
+    using Pairs::check_sequence;
+    using Pairs::check_batch;
+    using Pairs::checked_state;
+    using Pairs::read_state;
 
-
-    /// read_sequence's checks and reads: a sequence of the payload's tokens in blocks it
-    /// takes (PoolExhausted, naming `function`, when they are too few), not yet anyone's.
-    /// Throws before it takes a block; cannot throw after.
-    State read_state(const char* function, snapshot::Reader& r) {
-        r.expect("q_heads", layout_.q_heads);
-        r.expect("kv_heads", layout_.kv_heads);
-        r.expect("head_dim", layout_.head_dim);
-        r.expect("value_dim", layout_.values());
-        r.expect("scale", scale_);
-        r.expect("window", window_);
-        r.expect("sinks", sinks_);
-        const std::size_t token = static_cast<std::size_t>(layout_.kv_heads) *
-                                  (detail::StoredRows<T, S>::row_bytes(layout_.head_dim) +
-                                   detail::StoredRows<T, S>::row_bytes(layout_.values()));
-        State loaded;
-        loaded.length = r.count("length", 0, max_length);
-        // first: the sinks when nothing was freed, else a token no later than the last query's window.
-        const Index stored_first = window_ == 0 ? r.count("first", 0, 0)
-                                                : r.count("first", sinks_, std::max(sinks_, loaded.length - window_));
-        loaded.first = stored_first;
-        const std::size_t pairs = static_cast<std::size_t>(held_tokens(loaded));  // capped: no overflow below
-        r.expect_remaining(std::min(pairs, r.remaining() / token + 1) * token, "the pairs");
-        // What this pool's window keeps of them: the tokens [stored_first, first) are skipped.
-        loaded.first = kept_first(loaded.length, stored_first);
-        const Index skipped = std::max<Index>(0, std::min(loaded.first, loaded.length) - stored_first);
-        const Index sink = sink_blocks(), total = blocks_for(loaded.length);
-        loaded.dropped = loaded.first < loaded.length ? std::max<Index>(0, loaded.first / block_size_ - sink) : 0;
-        const Index held = total - loaded.dropped;
-        if (held > free_blocks())
-            throw PoolExhausted(function, held, free_blocks(), blocks_);
-        loaded.table.reserve(static_cast<std::size_t>(blocks_));  // may throw: nothing changed yet
-        for (Index i = 0; i < held; ++i)
-            loaded.table.push_back(take_block());
-        for (const bool values : {false, true}) {
-            detail::StoredRows<T, S>& rows = values ? values_ : keys_;
-            const std::size_t row = detail::StoredRows<T, S>::row_bytes(values ? layout_.values() : layout_.head_dim);
-            for (Index h = 0; h < layout_.kv_heads; ++h) {
-                for_each_run(loaded, 0, std::min(sinks_, loaded.length), [&](Index block, Index offset, Index count, Index) {
-                    rows.read_rows(r, first_row(block, h) + offset, count);
-                });
-                r.skip(row * static_cast<std::size_t>(skipped), "the pairs the window frees");
-                for_each_run(loaded, loaded.first, loaded.length, [&](Index block, Index offset, Index count, Index) {
-                    rows.read_rows(r, first_row(block, h) + offset, count);
-                });
-            }
-        }
-        return loaded;
-    }
 
     /// Every argument of the constructor checked, in their order (std::invalid_argument
     /// naming the first that is wrong), as the shape of its blocks.
@@ -799,8 +617,7 @@ private:
         detail::check_storable<T, S>(site, values, true);
         check_finite(site, keys, false);
         check_finite(site, values, true);
-        if (needed > free_blocks())
-            throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
+        Pairs::require_free(site.function, needed);
         if (tree)  // room for the trees now, while nothing has changed: their assigns below cannot throw
             for (std::size_t i = 0; i < seqs.size(); ++i)
                 sequences_[static_cast<std::size_t>(seqs[i])].tree.reserve(static_cast<std::size_t>(chunk(i)));
@@ -864,8 +681,7 @@ private:
         check_finite(site, keys, false);
         check_finite(site, values, true);
         const Index needed = peak_blocks(seqs);
-        if (needed > free_blocks())
-            throw PoolExhausted(std::string(site.function), needed, free_blocks(), blocks_);
+        Pairs::require_free(site.function, needed);
         for (std::size_t i = 0; i < seqs.size(); ++i) {
             const Index r = static_cast<Index>(i);
             State& s = sequences_[static_cast<std::size_t>(seqs[i])];
@@ -897,28 +713,6 @@ private:
             throw;
         }
     }
-
-
-    /// The ids of a batch: live and distinct, one per row.
-    void check_batch(std::string_view function, std::span<const Index> seqs, Index rows, const char* rows_name) const {
-        for (std::size_t i = 0; i < seqs.size(); ++i) {
-            check_sequence(function, "seqs", seqs[i]);
-            for (std::size_t j = 0; j < i; ++j)
-                detail::require(seqs[j] != seqs[i], function, "seqs", "names sequence ", seqs[i], " twice (at ", j,
-                                " and ", i, "): a batch appends one token to each of distinct sequences");
-        }
-        detail::require(rows == static_cast<Index>(seqs.size()), function, rows_name, "has ", rows,
-                        " rows, expected ", seqs.size(), " (one per sequence)");
-    }
-
-
-    void check_sequence(std::string_view function, const char* argument, Index seq) const {
-        if (!contains(seq)) [[unlikely]]
-            detail::require(false, function, argument, "is ", seq, ", which is not a live sequence of the pool (",
-                            sequences(), " live, ids below ", sequences_.size(), ")");
-    }
-
-
 
     bool reject_nonfinite_;
 };

@@ -50,7 +50,7 @@
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/serving/detail/block_tables.hpp"
-#include "memattn/serving/paged_kv_cache.hpp"
+#include "memattn/serving/pool_options.hpp"
 #include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
 
@@ -105,33 +105,13 @@ public:
           joined_(join_rows, latent_dim + rope_dim) {}
 
     /// A new, empty sequence; returns its id (the smallest id not in use).
-    Index add_sequence() {
-        const Index id = fresh_id();
-        State& s = sequences_[static_cast<std::size_t>(id)];
-        s.table.reserve(static_cast<std::size_t>(blocks_));  // its steps never allocate
-        s.length = 0;
-        s.dropped = 0;
-        s.first = 0;
-        s.live = true;
-        return id;
-    }
+    Index add_sequence() { return new_sequence(); }
 
     /// A new sequence holding the same tokens as `parent`, sharing every block of it
     /// (copied when either writes into a shared block). Returns its id.
     Index fork(Index parent) {
         check_sequence("PagedLatentKVCache::fork", "parent", parent);
-        const Index id = fresh_id();  // may grow sequences_: `from` is read after
-        State& child = sequences_[static_cast<std::size_t>(id)];
-        const State& from = sequences_[static_cast<std::size_t>(parent)];
-        child.table.reserve(static_cast<std::size_t>(blocks_));
-        child.table.assign(from.table.begin(), from.table.end());
-        child.length = from.length;
-        child.dropped = 0;
-        child.first = 0;
-        child.live = true;
-        for (const Index b : child.table)
-            ++refs_[static_cast<std::size_t>(b)];
-        return id;
+        return fork_sequence(parent);
     }
 
     /// Keeps the first `tokens` tokens of `seq` (0 ≤ tokens ≤ length: a rollback) and
@@ -152,32 +132,18 @@ public:
     /// Ends `seq`: frees the blocks no other sequence holds; its id may be reused.
     void remove(Index seq) {
         check_sequence("PagedLatentKVCache::remove", "seq", seq);
-        State& s = sequences_[static_cast<std::size_t>(seq)];
-        for (const Index b : s.table)
-            release(b);
-        s.table.clear();
-        s.length = 0;
-        s.live = false;
+        remove_sequence(seq);
     }
 
     /// The free blocks a batch bringing tokens[i] tokens to seqs[i] (distinct live ids)
     /// takes, copies of shared last blocks included: a step whose blocks_needed is at
     /// most free_blocks() cannot throw PoolExhausted.
     [[nodiscard]] Index blocks_needed(std::span<const Index> seqs, std::span<const Index> tokens) const {
-        constexpr const char* function = "PagedLatentKVCache::blocks_needed";
-        check_batch(function, seqs, static_cast<Index>(seqs.size()), "seqs");
-        detail::require(tokens.size() == seqs.size(), function, "tokens", "has ", tokens.size(),
-                        " counts, expected ", seqs.size(), " (one per sequence)");
-        for (std::size_t i = 0; i < tokens.size(); ++i)
-            detail::require(tokens[i] >= 0 && tokens[i] <= max_length, function, "tokens", "has ", tokens[i],
-                            " for sequence ", seqs[i], ", expected 0 to ", max_length);
-        return chunk_blocks(seqs, [&](std::size_t i) { return tokens[i]; });
+        return checked_blocks_needed("PagedLatentKVCache::blocks_needed", seqs, tokens);
     }
 
     /// True when `seq` is a live sequence of the pool.
-    [[nodiscard]] bool contains(Index seq) const noexcept {
-        return seq >= 0 && seq < static_cast<Index>(sequences_.size()) && sequences_[static_cast<std::size_t>(seq)].live;
-    }
+    [[nodiscard]] bool contains(Index seq) const noexcept { return live(seq); }
     /// Tokens of `seq`.
     [[nodiscard]] Index length(Index seq) const { return state("PagedLatentKVCache::length", seq).length; }
     /// Blocks held by `seq` (shared ones included).
@@ -185,10 +151,7 @@ public:
         return static_cast<Index>(state("PagedLatentKVCache::blocks_of", seq).table.size());
     }
     /// Live sequences.
-    [[nodiscard]] Index sequences() const noexcept {
-        return static_cast<Index>(std::count_if(sequences_.begin(), sequences_.end(),
-                                                [](const State& s) { return s.live; }));
-    }
+    [[nodiscard]] Index sequences() const noexcept { return live_sequences(); }
     /// Blocks some sequence holds (a shared block once).
     [[nodiscard]] Index blocks_in_use() const noexcept { return blocks_ - free_blocks(); }
     /// Blocks no sequence holds.
@@ -200,10 +163,7 @@ public:
     /// Bytes the pool holds: its rows (allocated when it was built), the counts, the
     /// sequences' tables and the attends' scratch.
     [[nodiscard]] std::size_t footprint() const noexcept {
-        std::size_t bytes = rows_.bytes(rows_.rows()) + sizeof(Index) * (refs_.capacity() + free_.capacity());
-        for (const State& s : sequences_)
-            bytes += sizeof(State) + sizeof(Index) * s.table.capacity();
-        return bytes;
+        return rows_.bytes(rows_.rows()) + table_bytes();
     }
     /// Bytes of the blocks `seq` holds, shared ones included.
     [[nodiscard]] std::size_t footprint(Index seq) const {
@@ -260,8 +220,7 @@ public:
         detail::check_site_pairs(site, detail::shape(latents), detail::shape(ropes), latent_dim_, rope_dim_, s.length);
         check_rows(site, latents, ropes);
         const Index needed = extend_peak(s, latents.rows());
-        if (needed > free_blocks())
-            throw PoolExhausted(function, needed, free_blocks(), blocks_);
+        require_free(function, needed);
     }
 
     /// One token for each sequence of `seqs` (distinct live ids): row i of latents (B ×
@@ -371,8 +330,7 @@ public:
                                                                                        static_cast<std::size_t>(max_length))));
         r.expect_remaining(static_cast<std::size_t>(loaded.length) * token, "the rows");
         const Index held = blocks_for(loaded.length);
-        if (held > free_blocks())
-            throw PoolExhausted(function, held, free_blocks(), blocks_);
+        require_free(function, held);
         loaded.table.reserve(static_cast<std::size_t>(blocks_));  // may throw: nothing changed yet
         for (Index i = 0; i < held; ++i)
             loaded.table.push_back(take_block());
@@ -480,26 +438,7 @@ private:
         return {.blocks = blocks, .block_size = block_size, .window = 0, .sinks = 0, .rollback = 0};
     }
 
-    const State& state(const char* function, Index seq) const {
-        check_sequence(function, "seq", seq);
-        return sequences_[static_cast<std::size_t>(seq)];
-    }
-    void check_sequence(std::string_view function, const char* argument, Index seq) const {
-        if (!contains(seq)) [[unlikely]]
-            detail::require(false, function, argument, "is ", seq, ", which is not a live sequence of the pool (",
-                            sequences(), " live, ids below ", sequences_.size(), ")");
-    }
-    /// The ids of a batch: live and distinct, one per row.
-    void check_batch(std::string_view function, std::span<const Index> seqs, Index rows, const char* rows_name) const {
-        for (std::size_t i = 0; i < seqs.size(); ++i) {
-            check_sequence(function, "seqs", seqs[i]);
-            for (std::size_t j = 0; j < i; ++j)
-                detail::require(seqs[j] != seqs[i], function, "seqs", "names sequence ", seqs[i], " twice (at ", j,
-                                " and ", i, "): a batch appends one token to each of distinct sequences");
-        }
-        detail::require(rows == static_cast<Index>(seqs.size()), function, rows_name, "has ", rows,
-                        " rows, expected ", seqs.size(), " (one per sequence)");
-    }
+    const State& state(const char* function, Index seq) const { return checked_state(function, seq); }
     /// Values the storage cannot hold, and (reject_nonfinite) values that are not finite.
     void check_rows(const detail::PairSite& site, const ConstMatrixRef<T>& latents, const ConstMatrixRef<T>& ropes) const {
         detail::check_storable<T, S>(site, latents, false);
@@ -572,8 +511,7 @@ private:
         }
         check_rows(site, latents, ropes);
         const Index needed = peak_blocks(seqs);
-        if (needed > free_blocks())
-            throw PoolExhausted(function, needed, free_blocks(), blocks_);
+        require_free(function, needed);
         for (std::size_t i = 0; i < seqs.size(); ++i) {
             const Index r = static_cast<Index>(i);
             State& s = sequences_[static_cast<std::size_t>(seqs[i])];

@@ -36,7 +36,7 @@
 #include "memattn/memory/concept.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
-#include "memattn/serving/paged_kv_cache.hpp"
+#include "memattn/serving/pool_options.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
@@ -48,6 +48,10 @@
 #include <vector>
 
 namespace memattn {
+
+namespace detail {
+struct StateAccess;
+}  // namespace detail
 
 /// What a StatePool keeps besides each sequence's state.
 struct StatePoolOptions {
@@ -343,6 +347,8 @@ public:
     };
 
 private:
+    friend struct detail::StateAccess;
+
     [[nodiscard]] std::size_t at(Index id, Index r) const noexcept { return static_cast<std::size_t>(id * ring_ + r); }
 
     void check(const char* function, const char* argument, Index id) const {
@@ -447,5 +453,26 @@ private:
     std::vector<M> undo_;              // a batch's states before it, for an executor that may throw
     std::vector<Index> undo_length_, undo_next_;
 };
+
+namespace detail {
+/// A sequence's snapshot read apart from a StatePool, then put in place (ModelCache's
+/// load: every layer read before any is changed).
+struct StateAccess {
+    /// A memory of the pool's shape with the state the payload holds (allocates: a load).
+    template <class Pool>
+    static auto read_state(const Pool& pool, snapshot::Reader& r) {
+        auto loaded = pool.prototype_;
+        loaded.read_snapshot(r);
+        return loaded;
+    }
+    /// Puts it in place of `id`'s state (read_state's, of the same shapes), its
+    /// checkpoints dropped.
+    template <class Pool, class M>
+    static void install(Pool& pool, Index id, M& loaded) noexcept {
+        pool.states_[static_cast<std::size_t>(id)] = std::move(loaded);
+        pool.forget_checkpoints(id);
+    }
+};
+}  // namespace detail
 
 }  // namespace memattn

@@ -5,11 +5,14 @@
 // taken; and the undo of a batch that fails. No keys or values: PagedPairs holds those.
 
 #include "memattn/detail/assert.hpp"
+#include "memattn/serving/pool_options.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
 #include <cstddef>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 // A namespace of its own, without functions: PagedKVCache derives from these classes, and
@@ -279,6 +282,138 @@ protected:
             earlier += writes(j) && o.length % block_size_ != 0 && o.table.back() == block ? 1 : 0;
         }
         return refs_[static_cast<std::size_t>(block)] - earlier > 1;
+    }
+
+    /// A new, empty sequence (PagedKVCache::add_sequence); returns its id.
+    Index new_sequence() {
+        const Index id = fresh_id();
+        State& s = sequences_[static_cast<std::size_t>(id)];
+        s.table.reserve(static_cast<std::size_t>(blocks_));  // its steps never allocate
+        s.length = 0;
+        s.dropped = 0;
+        s.first = sinks_;
+        s.drafts = 0;
+        s.live = true;
+        return id;
+    }
+    /// A new sequence sharing every block of `parent` (checked live by the caller), its
+    /// pending drafts included; returns its id.
+    Index fork_sequence(Index parent) {
+        const Index id = fresh_id();  // may grow sequences_: `from` is read after
+        State& child = sequences_[static_cast<std::size_t>(id)];
+        const State& from = sequences_[static_cast<std::size_t>(parent)];
+        child.tree.assign(from.tree.begin(), from.tree.begin() + from.drafts);  // may throw: the child not live yet
+        child.table.reserve(static_cast<std::size_t>(blocks_));
+        child.table.assign(from.table.begin(), from.table.end());
+        child.length = from.length;
+        child.dropped = from.dropped;
+        child.first = from.first;
+        child.drafts = from.drafts;
+        child.live = true;
+        for (const Index b : child.table)
+            ++refs_[static_cast<std::size_t>(b)];
+        return id;
+    }
+    /// Ends `seq` (checked live by the caller): frees the blocks no other sequence holds.
+    void remove_sequence(Index seq) noexcept {
+        State& s = sequences_[static_cast<std::size_t>(seq)];
+        for (const Index b : s.table)
+            release(b);
+        s.table.clear();
+        s.length = 0;
+        s.dropped = 0;
+        s.drafts = 0;
+        s.live = false;
+    }
+
+    /// True when `seq` is a live sequence of the pool.
+    [[nodiscard]] bool live(Index seq) const noexcept {
+        return seq >= 0 && seq < static_cast<Index>(sequences_.size()) && sequences_[static_cast<std::size_t>(seq)].live;
+    }
+    /// Live sequences.
+    [[nodiscard]] Index live_sequences() const noexcept {
+        return static_cast<Index>(std::count_if(sequences_.begin(), sequences_.end(),
+                                                [](const State& s) { return s.live; }));
+    }
+    /// `seq` as a live sequence of the pool, else std::invalid_argument naming `function`
+    /// and `argument`.
+    void check_sequence(std::string_view function, const char* argument, Index seq) const {
+        if (!live(seq)) [[unlikely]]
+            require(false, function, argument, "is ", seq, ", which is not a live sequence of the pool (",
+                    live_sequences(), " live, ids below ", sequences_.size(), ")");
+    }
+    /// The live sequence `seq` (check_sequence).
+    [[nodiscard]] const State& checked_state(std::string_view function, Index seq) const {
+        check_sequence(function, "seq", seq);
+        return sequences_[static_cast<std::size_t>(seq)];
+    }
+    /// The ids of a batch: live and distinct, one per row.
+    void check_batch(std::string_view function, std::span<const Index> seqs, Index rows, const char* rows_name) const {
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+            check_sequence(function, "seqs", seqs[i]);
+            for (std::size_t j = 0; j < i; ++j)
+                require(seqs[j] != seqs[i], function, "seqs", "names sequence ", seqs[i], " twice (at ", j, " and ", i,
+                        "): a batch appends one token to each of distinct sequences");
+        }
+        require(rows == static_cast<Index>(seqs.size()), function, rows_name, "has ", rows, " rows, expected ",
+                seqs.size(), " (one per sequence)");
+    }
+    /// The blocks_needed of a pool (PagedKVCache::blocks_needed): its arguments checked.
+    [[nodiscard]] Index checked_blocks_needed(std::string_view function, std::span<const Index> seqs,
+                                              std::span<const Index> tokens) const {
+        check_batch(function, seqs, static_cast<Index>(seqs.size()), "seqs");
+        require(tokens.size() == seqs.size(), function, "tokens", "has ", tokens.size(), " counts, expected ",
+                seqs.size(), " (one per sequence)");
+        for (std::size_t i = 0; i < tokens.size(); ++i)
+            require(tokens[i] >= 0 && tokens[i] <= max_length, function, "tokens", "has ", tokens[i], " for sequence ",
+                    seqs[i], ", expected 0 to ", max_length);
+        return chunk_blocks(seqs, [&](std::size_t i) { return tokens[i]; });
+    }
+    /// PoolExhausted naming `function` unless `needed` blocks are free.
+    void require_free(std::string_view function, Index needed) const {
+        if (needed > static_cast<Index>(free_.size())) [[unlikely]]
+            throw PoolExhausted(std::string(function), needed, static_cast<Index>(free_.size()), blocks_);
+    }
+
+    /// The first step of a path of drafts that is not the draft of its own place (the
+    /// first row an accept moves).
+    [[nodiscard]] static Index first_moved(std::span<const Index> path) noexcept {
+        Index k0 = 0;
+        while (k0 < static_cast<Index>(path.size()) && path[static_cast<std::size_t>(k0)] == k0)
+            ++k0;
+        return k0;
+    }
+    /// PagedKVCache::accept_blocks: the blocks an accept of `path` copies (the shared ones
+    /// it writes into), after its checks (std::invalid_argument naming `function`).
+    [[nodiscard]] Index path_copies(std::string_view function, Index seq, std::span<const Index> path) const {
+        const State& s = checked_state(function, seq);
+        require(s.drafts > 0, function, "seq", "is ", seq, ", which has no pending drafts (accept follows a prefill "
+                "with parents, before any other call changes the sequence)");
+        const auto n = static_cast<Index>(path.size());
+        for (Index k = 0; k < n; ++k) {
+            const Index p = path[static_cast<std::size_t>(k)];
+            require(p >= 0 && p < s.drafts, function, "path", "has ", p, " at ", k, ", expected a draft, 0 to ",
+                    s.drafts - 1);
+            const Index parent = s.tree[static_cast<std::size_t>(p)];
+            const Index before = k == 0 ? -1 : path[static_cast<std::size_t>(k - 1)];
+            require(parent == before, function, "path", "has draft ", p, " at ", k, ", whose parent is ", parent,
+                    ", but the path's ", k == 0 ? "first draft must be a root (parent -1)" : "draft before it is ",
+                    k == 0 ? std::string() : std::to_string(before));
+        }
+        const Index base = s.length - s.drafts, k0 = first_moved(path);
+        Index shared = 0;
+        if (k0 < n)
+            for (Index b = (base + k0) / block_size_; b <= (base + n - 1) / block_size_; ++b)
+                shared += refs_[static_cast<std::size_t>(s.table[static_cast<std::size_t>(b)])] > 1 ? 1 : 0;
+        return shared;
+    }
+
+    /// Bytes of the counts, the free list and the tables.
+    [[nodiscard]] std::size_t table_bytes() const noexcept {
+        std::size_t bytes = sizeof(Index) * (refs_.capacity() + free_.capacity());
+        for (const State& s : sequences_)
+            bytes += sizeof(State) + sizeof(Index) * s.table.capacity();
+        return bytes;
     }
 
     /// The smallest id not in use, its state made ready (may allocate: not a step).

@@ -15,6 +15,7 @@
 #include "memattn/kernels/softmax_options.hpp"
 #include "memattn/layer/head_layout.hpp"
 #include "memattn/execution/parallel.hpp"
+#include "memattn/persistence/stream.hpp"
 #include "memattn/serving/cascade.hpp"
 #include "memattn/serving/detail/block_tables.hpp"
 #include "memattn/serving/paged_prefill.hpp"
@@ -98,6 +99,85 @@ protected:
             ++s.length;
         }
         return replaced;
+    }
+
+    /// The rows of the accepted chain `path` of s's pending drafts put in order (accept,
+    /// its checks and blocks counted by path_copies): rows from the first that moves on
+    /// are copied from their drafts, in every KV head, a block they lie in copied first
+    /// when another sequence holds it. The caller truncates the rejected drafts.
+    void keep_path(State& s, std::span<const Index> path) noexcept {
+        const auto n = static_cast<Index>(path.size());
+        const Index base = s.length - s.drafts, k0 = first_moved(path);
+        // The blocks rows base + k0 .. base + n − 1 lie in, copied first when shared.
+        const Index b0 = (base + k0) / block_size_, b1 = n > k0 ? (base + n - 1) / block_size_ + 1 : b0;
+        for (Index b = b0; b < b1; ++b) {
+            Index& block = s.table[static_cast<std::size_t>(b)];
+            if (refs_[static_cast<std::size_t>(block)] == 1)
+                continue;
+            const Index own = take_block(), used = std::min(block_size_, s.length - b * block_size_);
+            for (Index h = 0; h < layout_.kv_heads; ++h) {
+                keys_.copy_within(first_row(block, h), first_row(own, h), used);
+                values_.copy_within(first_row(block, h), first_row(own, h), used);
+            }
+            release(block);
+            block = own;
+        }
+        const auto row = [&](Index token, Index h) {
+            return first_row(s.table[static_cast<std::size_t>(token / block_size_)], h) + token % block_size_;
+        };
+        for (Index k = k0; k < n; ++k)  // source draft path[k] ≥ k: never a row already written
+            for (Index h = 0; h < layout_.kv_heads; ++h) {
+                keys_.copy_within(row(base + path[static_cast<std::size_t>(k)], h), row(base + k, h), 1);
+                values_.copy_within(row(base + path[static_cast<std::size_t>(k)], h), row(base + k, h), 1);
+            }
+    }
+
+    /// PagedKVCache::read_sequence's checks and reads: a sequence of the payload's tokens
+    /// in blocks it takes (PoolExhausted, naming `function`, when they are too few), not
+    /// yet anyone's. Throws before it takes a block; cannot throw after.
+    State read_state(const char* function, snapshot::Reader& r) {
+        r.expect("q_heads", layout_.q_heads);
+        r.expect("kv_heads", layout_.kv_heads);
+        r.expect("head_dim", layout_.head_dim);
+        r.expect("value_dim", layout_.values());
+        r.expect("scale", scale_);
+        r.expect("window", window_);
+        r.expect("sinks", sinks_);
+        const std::size_t token = static_cast<std::size_t>(layout_.kv_heads) *
+                                  (StoredRows<T, S>::row_bytes(layout_.head_dim) +
+                                   StoredRows<T, S>::row_bytes(layout_.values()));
+        State loaded;
+        loaded.length = r.count("length", 0, max_length);
+        // first: the sinks when nothing was freed, else a token no later than the last query's window.
+        const Index stored_first = window_ == 0 ? r.count("first", 0, 0)
+                                                : r.count("first", sinks_, std::max(sinks_, loaded.length - window_));
+        loaded.first = stored_first;
+        const std::size_t pairs = static_cast<std::size_t>(held_tokens(loaded));  // capped: no overflow below
+        r.expect_remaining(std::min(pairs, r.remaining() / token + 1) * token, "the pairs");
+        // What this pool's window keeps of them: the tokens [stored_first, first) are skipped.
+        loaded.first = kept_first(loaded.length, stored_first);
+        const Index skipped = std::max<Index>(0, std::min(loaded.first, loaded.length) - stored_first);
+        const Index sink = sink_blocks(), total = blocks_for(loaded.length);
+        loaded.dropped = loaded.first < loaded.length ? std::max<Index>(0, loaded.first / block_size_ - sink) : 0;
+        const Index held = total - loaded.dropped;
+        require_free(function, held);
+        loaded.table.reserve(static_cast<std::size_t>(blocks_));  // may throw: nothing changed yet
+        for (Index i = 0; i < held; ++i)
+            loaded.table.push_back(take_block());
+        for (const bool values : {false, true}) {
+            StoredRows<T, S>& rows = values ? values_ : keys_;
+            const std::size_t row = StoredRows<T, S>::row_bytes(values ? layout_.values() : layout_.head_dim);
+            for (Index h = 0; h < layout_.kv_heads; ++h) {
+                for_each_run(loaded, 0, std::min(sinks_, loaded.length), [&](Index block, Index offset, Index count, Index) {
+                    rows.read_rows(r, first_row(block, h) + offset, count);
+                });
+                r.skip(row * static_cast<std::size_t>(skipped), "the pairs the window frees");
+                for_each_run(loaded, loaded.first, loaded.length, [&](Index block, Index offset, Index count, Index) {
+                    rows.read_rows(r, first_row(block, h) + offset, count);
+                });
+            }
+        }
+        return loaded;
     }
 
     /// The attends of attend(seqs, Q, O, executor), after its checks.
