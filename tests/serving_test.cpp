@@ -2308,7 +2308,77 @@ TEST_CASE("ModelCache with recurrent layers: one id space over state pools and K
     auto narrow_seq = narrow.sequence(y);
     CHECK_THROWS_AS(memattn::load(narrow_seq, again), SnapshotError);
     CHECK(narrow.length(y) == 0);
+    CHECK(narrow.states(0).length(narrow.slot_of(y)) == 0);  // read before the refusal, not installed
     CHECK(narrow.layer(1).free_blocks() == 40);
+
+    // A fork that the planned step's blocks refuse (admit): no layer keeps it.
+    {
+        Cache tight(std::vector<Cache::Layer>{StateLayer<Delta>{prototype, {}},
+                                              ModelLayer{.layout = {4, 2, 8, 0}, .blocks = 4, .block_size = 4}},
+                    3);
+        const Index t = tight.add_sequence();
+        const Index st = tight.slot_of(t);
+        StatePool<Delta> own_state(3, prototype);
+        PagedKVCache<float> own_kv({4, 2, 8, 0}, 4, 4);
+        CHECK(own_state.add() == st);
+        CHECK(own_kv.add_sequence() == st);
+        std::vector<StatePool<Delta>*> own{&own_state};
+        hybrid_step(tight, own, own_kv, tight.plan(std::vector<Index>{t}, std::vector<Index>{0, 5}), 510);
+        const auto& step = tight.plan(std::vector<Index>{t}, std::vector<Index>{0, 11});  // the 2 free blocks
+        CHECK_THROWS_AS(tight.fork(t), PoolExhausted);  // the fork's copy on write would need a third
+        CHECK(tight.sequences() == 1);
+        CHECK(tight.states(0).sequences() == 1);
+        CHECK(tight.layer(1).sequences() == 1);
+        hybrid_step(tight, own, own_kv, step, 520);  // the step still runs
+        CHECK(tight.length(t) == 16);
+    }
+    // Rollback past a windowed layer's held tokens: down to its sinks, in every layer.
+    {
+        Cache windowed(std::vector<Cache::Layer>{StateLayer<Delta>{prototype, {.checkpoint_tokens = 8, .checkpoints = 1}},
+                                                 ModelLayer{.layout = {4, 2, 8, 0},
+                                                            .blocks = 16,
+                                                            .block_size = 4,
+                                                            .options = {.window = 6, .sink_tokens = 1}}},
+                       2);
+        const Index w = windowed.add_sequence();
+        const Matrix<float> Q = random_matrix<float>(21, d, 530), K = delta_keys(21, d, 531),
+                            V = random_matrix<float>(21, dv, 532), q = random_matrix<float>(21, 32, 533),
+                            kv = random_matrix<float>(21, 16, 534);
+        Matrix<float> O(21, dv), o(21, 32);
+        const auto& prompt = windowed.plan(std::vector<Index>{w}, std::vector<Index>{0, 21});
+        windowed.prefill(0, prompt, Q, K, V, O);
+        windowed.prefill(1, prompt, q, kv, kv, o);
+        CHECK(windowed.states(0).checkpoint_before(windowed.slot_of(w), 20) == 16);
+        CHECK_FALSE(windowed.layer(1).can_truncate(windowed.slot_of(w), 16));  // the window freed tokens 16 needs
+        CHECK(windowed.checkpoint_before(w, 20) == 0);  // 16, then the window's sink, 1, then the state's 0
+        const auto& step = windowed.plan_decode(std::vector<Index>{w});
+        windowed.decode(0, step, Q.topRows(1), K.topRows(1), V.topRows(1), O.topRows(1));
+        windowed.rollback(step);  // layer 0 holds no state of 21: 16; layer 1 not the tokens of 16: its sink, 1; then 0
+        CHECK(windowed.length(w) == 0);
+        CHECK(windowed.states(0).length(windowed.slot_of(w)) == 0);
+        CHECK(windowed.layer(1).length(windowed.slot_of(w)) == 0);
+    }
+    // Capacity binds a hybrid cache of softmax layers alone too, named by the cache's call.
+    {
+        Cache softmax_only(std::vector<Cache::Layer>{ModelLayer{.layout = {4, 2, 8, 0}, .blocks = 4}}, 1);
+        softmax_only.add_sequence();
+        CHECK_THROWS_WITH(softmax_only.add_sequence(), Catch::Contains("ModelCache::add_sequence") &&
+                                                           Catch::Contains("capacity"));
+        CHECK(softmax_only.layer(0).sequences() == 1);
+    }
+    // A truncate to a sequence's own length still ends its pending drafts.
+    {
+        ModelCache<float> plain(std::vector<ModelLayer>{{.layout = {4, 2, 8, 0}, .blocks = 8, .block_size = 4}});
+        const Index p = plain.add_sequence();
+        const auto& verify = plain.plan(std::vector<Index>{p}, std::vector<Index>{0, 3});
+        const std::vector<Index> tree{-1, 0, 0};
+        const Matrix<float> q = random_matrix<float>(3, 32, 540), kv = random_matrix<float>(3, 16, 541);
+        Matrix<float> o(3, 32);
+        plain.prefill(0, verify, q, kv, kv, o, tree);
+        CHECK(plain.pending_drafts(p) == 3);
+        plain.truncate(p, 3);
+        CHECK(plain.pending_drafts(p) == 0);
+    }
 
     // A model of recurrent layers alone.
     Cache states_only(std::vector<Cache::Layer>{StateLayer<Delta>{prototype, {}}}, 2);

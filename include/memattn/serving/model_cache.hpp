@@ -197,6 +197,7 @@ public:
     /// or fork past it throws PoolExhausted, nothing changed.
     ModelCache(std::span<const Layer> layers, Index capacity)
         requires hybrid
+        : capacity_(capacity)
     {
         detail::require(!layers.empty(), "ModelCache", "layers", "is empty, expected one layer or more");
         detail::at_least(capacity, 1, "ModelCache", "capacity");
@@ -237,7 +238,7 @@ public:
 
     /// A new, empty sequence in every layer; returns its id.
     Index add_sequence() {
-        return in_every_layer([](Pool& pool) { return pool.add_sequence(); },
+        return in_every_layer("ModelCache::add_sequence", [](Pool& pool) { return pool.add_sequence(); },
                               [](auto& states) { return states.add(); });
     }
     /// A new sequence holding `parent`'s tokens in every layer, sharing its blocks.
@@ -247,7 +248,7 @@ public:
         constexpr const char* function = "ModelCache::fork";
         const Index from = slot_of(function, "parent", parent);
         check_not_mid_step(function, "parent", parent, from);
-        const Index child = in_every_layer([from](Pool& pool) { return pool.fork(from); },
+        const Index child = in_every_layer(function, [from](Pool& pool) { return pool.fork(from); },
                                            [from](auto& states) { return states.fork(from); });
         try {
             admit(function, true);
@@ -266,19 +267,29 @@ public:
         check_not_mid_step(function, "id", id, slot);
         for (Index l = 0; l < layers(); ++l) {
             const Index at = at_[static_cast<std::size_t>(l)];
-            if (at >= 0)
+            if (at >= 0) {
                 detail::require(pools_[static_cast<std::size_t>(at)].can_truncate(slot, tokens), function, "tokens",
                                 "is ", tokens, ", which layer ", l, " cannot take sequence ", id, " back to (length ",
                                 pools_[static_cast<std::size_t>(at)].length(slot),
                                 ", its window has freed what that length needs, or more than its length)");
-            else if constexpr (hybrid)
-                detail::require(states_[static_cast<std::size_t>(-1 - at)].can_truncate(slot, tokens), function,
-                                "tokens", "is ", tokens, ", which recurrent layer ", l, " cannot take sequence ", id,
-                                " back to (length ", length(id), "; it holds no state of that length, and a state "
-                                "cannot be cut): the longest length every layer can go back to is ",
+            } else if constexpr (hybrid) {
+                if (states_[static_cast<std::size_t>(-1 - at)].can_truncate(slot, tokens)) [[likely]]
+                    continue;
+                const Index length = front_length(slot);
+                detail::require(tokens >= 0 && tokens <= length, function, "tokens", "is ", tokens, ", expected 0 to ",
+                                length, " (the length of sequence ", id, ")");
+                detail::require(false, function, "tokens", "is ", tokens, ", which recurrent layer ", l,
+                                " cannot take sequence ", id, " back to (length ", length,
+                                "; it holds no state of that length, and a state cannot be cut): the longest length "
+                                "every layer can go back to is ",
                                 checkpoint_before(id, tokens), "; truncate to it and replay the tokens after it");
+            }
         }
-        truncate_slot(slot, tokens);
+        for (Pool& pool : pools_)  // each, even at its length: a truncate ends pending drafts
+            pool.truncate(slot, tokens);
+        if constexpr (hybrid)
+            for (States& states : states_)
+                states.truncate(slot, tokens);
         end_step_of(slot);
     }
     /// Whether truncate(id, tokens) would succeed.
@@ -563,14 +574,21 @@ public:
                             ", which is no longer a live sequence");
             Index& target = targets_[i];
             target = step.before_[i];
-            if constexpr (hybrid)  // back to a length every recurrent layer holds a state of
-                for (bool moved = true; moved;) {
+            if constexpr (hybrid)  // back to a length every recurrent layer holds a state of, and
+                for (bool moved = true; moved;) {  // every windowed layer the tokens of (else its sinks)
                     moved = false;
                     for (const States& states : states_) {
                         const Index c = states.checkpoint_before(slots[i], target);
                         moved = moved || c != target;
                         target = c;
                     }
+                    if (states_.empty())
+                        break;  // the softmax layers' own checks below, as without recurrent layers
+                    for (const Pool& pool : pools_)
+                        if (pool.length(slots[i]) != target && !pool.can_truncate(slots[i], target)) {
+                            target = std::min(target, pool.sink_tokens());
+                            moved = true;
+                        }
                 }
             for (Index l = 0; l < layers(); ++l) {
                 const Index at = at_[static_cast<std::size_t>(l)];
@@ -649,7 +667,7 @@ private:
                     return false;
         return true;
     }
-    /// Every layer of slot s back to `tokens`, which each can take (checked).
+    /// Every layer of slot s back to `tokens` (rollback's), which each can take (checked).
     void truncate_slot(Index s, Index tokens) {
         for (Pool& pool : pools_)
             if (pool.length(s) != tokens)
@@ -687,7 +705,11 @@ private:
     /// Runs `make` (add_sequence or fork) on every softmax layer and `make_state` (add or
     /// fork) on every recurrent one, all or nothing; the new id.
     template <class Make, class MakeState>
-    Index in_every_layer(Make&& make, MakeState&& make_state) {
+    Index in_every_layer(const char* function, Make&& make, MakeState&& make_state) {
+        if (sequences() >= capacity_) [[unlikely]]
+            throw PoolExhausted(std::string(function) + " (the cache's capacity: every sequence is live; a "
+                                                        "sequence counts as one block)",
+                                1, 0, capacity_);
         std::size_t done = 0, states_done = 0;
         Index s = -1;
         try {
@@ -810,6 +832,7 @@ private:
     std::vector<States> states_;      // the recurrent layers', in order
     std::vector<Index> at_;           // per layer: its index in pools_, or −1 − its index in states_
     std::vector<Index> targets_;      // rollback's lengths per member
+    Index capacity_ = max_length;     // live sequences at most (hybrid: the constructor's)
     std::vector<Index> generations_;  // per slot: the generation of its live (or next) sequence
     Step step_;
     std::vector<Index> tokens_;             // the planned step's tokens per sequence
