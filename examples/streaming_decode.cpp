@@ -153,9 +153,10 @@ int main(int argc, char** argv) {
     std::sort(checkpoints.begin(), checkpoints.end());
 
     std::printf("memattn streaming decode: float, d=%ld, dv=%ld, %ld tokens; one step = update + attend,\n"
-                "timed over %ld steps at each position (the stream up to it is fed with extend)\n\n",
+                "timed over %ld steps at each position (the stream up to it is fed with extend)\n"
+                "CPU: %s\n\n",
                 static_cast<long>(opt.d), static_cast<long>(opt.dv), static_cast<long>(opt.tokens),
-                static_cast<long>(opt.steps));
+                static_cast<long>(opt.steps), memattn::describe(memattn::cpu_features()).c_str());
     std::printf("%10s", "position");
     for (const auto& e : memories)
         std::printf(" | %-22s", e.name.c_str());

@@ -13,6 +13,7 @@
 
 #include "memattn/version.hpp"
 #include "memattn/types.hpp"
+#include "memattn/cpu_features.hpp"
 #include "memattn/softmax_state.hpp"
 #include "memattn/execution/executor.hpp"
 #include "memattn/feature_maps.hpp"
