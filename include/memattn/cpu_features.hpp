@@ -10,13 +10,16 @@
 // (XTILEDATA, 8 KiB a thread) is asked for once per process with
 // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): a tile instruction before that
 // request is granted faults. A refused request leaves amx_usable() false, and the
-// kernels take the next path, silently correct. Elsewhere every feature is false.
+// kernels take the next path, silently correct; so does MEMATTN_AMX=0 in the environment
+// (read once, with the rest). Elsewhere every feature is false.
 //
 // The first call finds them (thread-safe, once); later calls return the same object.
 // compiled_paths() says what this translation unit was compiled to use: a path runs
 // where it was compiled and the CPU has it.
 
+#include <cstdlib>
 #include <string>
+#include <string_view>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
@@ -50,6 +53,7 @@ struct CpuFeatures {
     bool os_avx512 = false;    ///< the OS saves the zmm and mask registers (XCR0 bits 5, 6, 7)
     bool os_amx = false;       ///< the OS saves the tile state (XCR0 bits 17, 18)
     bool amx_granted = false;  ///< Linux granted this process the tile data state (arch_prctl)
+    bool amx_allowed = true;   ///< not turned off by the environment: MEMATTN_AMX=0
 
     /// AVX2 and FMA will run: the x86-64-v3 paths.
     [[nodiscard]] bool avx2_usable() const noexcept { return avx2 && fma && os_avx; }
@@ -61,7 +65,7 @@ struct CpuFeatures {
     [[nodiscard]] bool avx512_bf16_usable() const noexcept { return avx512_usable() && avx512_bf16; }
     /// tdpbf16ps will run: the CPU has AMX-BF16, the OS saves the tiles and granted them.
     [[nodiscard]] bool amx_usable() const noexcept {
-        return amx_tile && amx_bf16 && os_amx && amx_granted && avx512_usable();
+        return amx_tile && amx_bf16 && os_amx && amx_granted && amx_allowed && avx512_usable();
     }
 };
 
@@ -124,7 +128,9 @@ inline CpuFeatures find_cpu_features() noexcept {
             f.avx512_bf16 = (a >> 5) & 1;
         }
     }
-    if (f.amx_tile && f.os_amx)
+    const char* amx = std::getenv("MEMATTN_AMX");
+    f.amx_allowed = amx == nullptr || std::string_view(amx) != "0";
+    if (f.amx_tile && f.os_amx && f.amx_allowed)
         f.amx_granted = request_amx_state();
 #endif
     return f;

@@ -11,6 +11,7 @@
 // It is compiled, not run: it needs only to instantiate, so it works on any CPU.
 #include <memattn/memattn.hpp>
 
+#include <cstdint>
 #include <span>
 #include <sstream>
 #include <type_traits>
@@ -371,4 +372,11 @@ void memattn_instantiate_everything(memattn::Index n, memattn::Index d) {
 #if defined(MEMATTN_WARNINGS_DOUBLE)  // the default target's unit only (tests/CMakeLists.txt)
     everything<double>(n, d);
 #endif
+    // AMX tiles on any x86-64 target (inline assembly; the softmax kernel takes them where
+    // its inputs are bfloat16 pairs, AVX512-BF16 builds), and the CPU's features.
+    std::vector<std::uint16_t> a(static_cast<std::size_t>(2 * n * d));
+    std::vector<std::uint32_t> b(static_cast<std::size_t>(n * d));
+    std::vector<float> c(static_cast<std::size_t>(n * n));
+    memattn::detail::amx_product<memattn::detail::AmxHardware>(n, n, d, a.data(), 2 * d, b.data(), n, c.data(), n,
+                                                                memattn::cpu_features().amx_usable());
 }

@@ -42,6 +42,8 @@
 // new class here, or in a file of its own that this one includes, plus its line in
 // TileProductsFor: the tile loop does not change.
 
+#include "memattn/cpu_features.hpp"
+#include "memattn/detail/amx_product.hpp"
 #include "memattn/detail/bf16_product.hpp"
 #include "memattn/detail/packet.hpp"
 #include "memattn/detail/tile_product.hpp"
@@ -51,6 +53,7 @@
 #include <cstdint>
 #include <functional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace memattn::detail {
@@ -176,7 +179,7 @@ public:
                               band, ahead);
     }
 
-private:
+protected:
     /// A scratch vector of at least n words: its data.
     static std::uint32_t* sized(std::vector<std::uint32_t>& v, Index n) {
         if (static_cast<Index>(v.size()) < n)
@@ -191,10 +194,106 @@ private:
     std::uint32_t* value_pairs_ = nullptr;
 };
 
+/// The products in AMX tiles (tdpbf16ps, detail/amx_product.hpp) where they run, else
+/// Bf16TileProducts' vdpbf16ps: the same packing of Q_tileᵀ and each value tile as pairs
+/// along their depth, K read in place as A rows (an even d: an odd one takes vdpbf16ps),
+/// the weights rounded to bfloat16 as Bf16TileProducts rounds them and packed as A rows of
+/// pairs per query lane (pack_weight_rows). Per product: Sᵀ = K·(Q_tileᵀ pairs) into the
+/// logits, then times f; acc = α ⊙ acc (rows scaled first) + weights·value pairs. The
+/// tiles run where cpu_features().amx_usable() (Tiles = AmxHardware), or always (Tiles =
+/// AmxEmulated: the tests' stand-in on any CPU).
+template <class B, class Tiles = AmxHardware>
+class AmxTileProducts : public Bf16TileProducts<B> {
+    using Base = Bf16TileProducts<B>;
+
+public:
+    using Rounding = RoundToBf16;
+
+    template <class Scratch>
+    AmxTileProducts(Scratch& scratch, Index d, Index dv) : Base(scratch, d, dv), tiles_(d % 2 == 0 && runs()) {
+        half_keys_ = (scratch.tiles.keys + 1) / 2;
+    }
+
+    /// Whether the tiles run here: always emulated; on hardware where the CPU and OS allow.
+    static bool runs() noexcept {
+        if constexpr (std::is_same_v<Tiles, AmxEmulated>)
+            return true;
+        else
+            return Tiles::available && cpu_features().amx_usable();
+    }
+    /// Whether this product's calls run in tiles (else vdpbf16ps).
+    [[nodiscard]] bool tiles() const noexcept { return tiles_; }
+
+    template <class KRows, class Band>
+    void scores(KRows& k, Index j0, Index n, Index cols, float* s, const Band& band, PrefetchQueue* ahead) {
+        if (!tiles_) {
+            fallback_scores(k, j0, n, cols, s, band, ahead);
+            return;
+        }
+        const auto [keys, ldk] = k.bits(j0);
+        amx_product<Tiles>(n, cols, k.cols() / 2, keys, ldk, this->query_pairs_, this->lanes_, s, this->lanes_, false);
+        for (Index j = 0; j < n; ++j)
+            for (Index i = 0; i < cols; ++i)
+                s[j * this->lanes_ + i] *= this->factor_;
+        issue(ahead);
+    }
+
+    template <class VRows, class Band, class Careful>
+    void accumulate(VRows& v, Index j0, Index n, Index cols, const float* p, float* acc, const float* alpha,
+                    bool zeros_matter, const Band& band, PrefetchQueue* ahead, Careful&& careful) {
+        if (!tiles_) {
+            fallback_accumulate(v, j0, n, cols, p, acc, alpha, zeros_matter, band, ahead, careful);
+            return;
+        }
+        const Index dv = v.cols();
+        const auto [values, ldv] = v.bits(j0);
+        if (!pack_row_pairs(values, n, dv, ldv, this->value_pairs_, this->value_stride_)) {
+            const auto [converted, ldc] = v.tile(j0, n);
+            careful(converted, ldc);
+            return;
+        }
+        pack_weight_rows(p, n, cols, this->lanes_, this->weight_pairs_, half_keys_);
+        if (alpha != nullptr)
+            for (Index i = 0; i < cols; ++i)
+                for (Index c = 0; c < dv; ++c)
+                    acc[i * dv + c] *= alpha[i];
+        amx_product<Tiles>(cols, dv, (n + 1) / 2, reinterpret_cast<const std::uint16_t*>(this->weight_pairs_),
+                           2 * half_keys_, this->value_pairs_, this->value_stride_, acc, dv, alpha != nullptr);
+        issue(ahead);
+    }
+
+private:
+    /// The next tile's rows asked for after the product (the strips of the FMA products
+    /// spread them; a tile product has no strips).
+    static void issue(PrefetchQueue* ahead) {
+        if (ahead != nullptr)
+            while (ahead->pending() > 0)
+                ahead->step();
+    }
+    template <class... Args>
+    void fallback_scores(Args&&... args) {
+        if constexpr (bf16_dot)
+            Base::scores(std::forward<Args>(args)...);
+        else
+            MEMATTN_DASSERT(false);  // tiles_ is true wherever vdpbf16ps is missing and this runs
+    }
+    template <class... Args>
+    void fallback_accumulate(Args&&... args) {
+        if constexpr (bf16_dot)
+            Base::accumulate(std::forward<Args>(args)...);
+        else
+            MEMATTN_DASSERT(false);
+    }
+
+    bool tiles_;
+    Index half_keys_ = 0;  // a packed weight row, in words
+};
+
 /// The products for sources Q, K, V of T: bfloat16 arithmetic where all three give
-/// bfloat16 pairs (ConvertedRows<Eigen::bfloat16> on AVX512-BF16), T's otherwise.
+/// bfloat16 pairs (ConvertedRows<Eigen::bfloat16> on AVX512-BF16), in AMX tiles where the
+/// CPU runs them, else by vdpbf16ps; T's otherwise.
 template <class T, class B, class QRows, class KRows, class VRows>
-using TileProductsFor = std::conditional_t<QRows::pairs && KRows::pairs && VRows::pairs, Bf16TileProducts<B>,
+using TileProductsFor = std::conditional_t<QRows::pairs && KRows::pairs && VRows::pairs, AmxTileProducts<B>,
                                            FloatTileProducts<T, B>>;
 
 }  // namespace memattn::detail

@@ -1,0 +1,142 @@
+#include "support.hpp"
+
+#include <memattn/kernels/softmax_products.hpp>
+#include <memattn/kernels/softmax_tiles.hpp>
+
+#include <bit>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+using namespace memattn;
+using memattn::test::random_matrix;
+
+namespace {
+
+/// The bits of x rounded to bfloat16 (nearest even).
+std::uint16_t amx_bf16_bits(float x) { return std::bit_cast<std::uint16_t>(Eigen::bfloat16(x)); }
+float amx_widen(std::uint16_t h) { return std::bit_cast<float>(std::uint32_t{h} << 16); }
+
+/// A row source of bfloat16 rows (the kernel's ConvertedRows<Eigen::bfloat16> where it
+/// holds pairs), on any CPU: bits in place, and the rows as floats.
+struct AmxTestRows {
+    static constexpr bool pairs = true;
+    explicit AmxTestRows(const Matrix<float>& x) : values(x.rows(), x.cols()), raw(static_cast<std::size_t>(x.size())) {
+        for (Index j = 0; j < x.rows(); ++j)
+            for (Index c = 0; c < x.cols(); ++c) {
+                raw[static_cast<std::size_t>(j * x.cols() + c)] = amx_bf16_bits(x(j, c));
+                values(j, c) = amx_widen(raw[static_cast<std::size_t>(j * x.cols() + c)]);
+            }
+    }
+    [[nodiscard]] Index cols() const noexcept { return values.cols(); }
+    [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j) const noexcept {
+        return {raw.data() + j * cols(), cols()};
+    }
+    [[nodiscard]] std::pair<const float*, Index> tile(Index j0, Index) const noexcept {
+        return {values.data() + j0 * cols(), cols()};
+    }
+    Matrix<float> values;  // the bfloat16 values, exactly
+    std::vector<std::uint16_t> raw;
+};
+
+/// C of amx_product written the way the SDM defines tdpbf16ps, one element at a time:
+/// pairs ascending, the low term then the high, each added in float (no denormals here).
+Matrix<float> amx_reference(const std::vector<std::uint16_t>& a, Index lda, const std::vector<std::uint32_t>& b,
+                            Index ldb, Index rows, Index cols, Index pairs, const Matrix<float>* start) {
+    Matrix<float> c = start ? *start : Matrix<float>::Zero(rows, cols);
+    for (Index r = 0; r < rows; ++r)
+        for (Index n = 0; n < cols; ++n) {
+            float acc = c(r, n);
+            for (Index k = 0; k < pairs; ++k) {
+                const std::uint32_t w = b[static_cast<std::size_t>(k * ldb + n)];
+                acc += amx_widen(a[static_cast<std::size_t>(r * lda + 2 * k)]) * amx_widen(static_cast<std::uint16_t>(w));
+                acc += amx_widen(a[static_cast<std::size_t>(r * lda + 2 * k + 1)]) *
+                       amx_widen(static_cast<std::uint16_t>(w >> 16));
+            }
+            c(r, n) = acc;
+        }
+    return c;
+}
+
+}  // namespace
+
+TEST_CASE("AMX tile product: every element is tdpbf16ps's sum in its order, for shapes off every tile, emulated",
+          "[amx]") {
+    std::uint64_t seed = 700;
+    for (const Index rows : {1, 15, 16, 17, 32, 33, 50})
+        for (const Index cols : {1, 16, 17, 31, 32, 47})
+            for (const Index pairs : {1, 15, 16, 17, 40, 64}) {
+                INFO(rows << " x " << cols << ", " << pairs << " pairs");
+                const Index lda = 2 * pairs + 6, ldb = cols + 3, ldc = cols + 5;  // strides past the rows
+                const Matrix<float> av = random_matrix<float>(rows, lda, ++seed), bv = random_matrix<float>(pairs, 2 * ldb, ++seed);
+                std::vector<std::uint16_t> a(static_cast<std::size_t>(rows * lda));
+                for (Index i = 0; i < av.size(); ++i)
+                    a[static_cast<std::size_t>(i)] = amx_bf16_bits(av.data()[i]);
+                std::vector<std::uint32_t> b(static_cast<std::size_t>(pairs * ldb));
+                for (Index i = 0; i < pairs * ldb; ++i)
+                    b[static_cast<std::size_t>(i)] =
+                        amx_bf16_bits(bv.data()[2 * i]) | std::uint32_t{amx_bf16_bits(bv.data()[2 * i + 1])} << 16;
+                for (const bool accumulate : {false, true}) {
+                    const Matrix<float> start = random_matrix<float>(rows, cols, ++seed);
+                    Matrix<float> c = Matrix<float>::Constant(rows, ldc, 7.0f);  // columns past cols stay
+                    c.leftCols(cols) = start;
+                    detail::amx_product<detail::AmxEmulated>(rows, cols, pairs, a.data(), lda, b.data(), ldb, c.data(),
+                                                             ldc, accumulate);
+                    const Matrix<float> expected = amx_reference(a, lda, b, ldb, rows, cols, pairs, accumulate ? &start : nullptr);
+                    CHECK((c.leftCols(cols).array() == expected.array()).all());
+                    CHECK((c.rightCols(ldc - cols).array() == 7.0f).all());
+                }
+            }
+}
+
+TEST_CASE("AMX tile products of the softmax kernel, emulated: the logits and the weighted values of the float "
+          "products on the same bfloat16 values",
+          "[amx]") {
+    using B = detail::DefaultBlocking;
+    for (const Index d : {2, 64, 130})
+        for (const Index dv : {1, 16, 40}) {
+            INFO("d = " << d << ", dv = " << dv);
+            const Index queries = 40, n = 37, j0 = 3;
+            const detail::SoftmaxTiles tiles{.queries = 48, .keys = 64};
+            detail::SoftmaxScratch<float> amx_scratch(d, dv, tiles), float_scratch(d, dv, tiles);
+            const Index lanes = amx_scratch.lanes, cols = lanes;
+            AmxTestRows q(random_matrix<float>(queries, d, 801)), k(random_matrix<float>(j0 + n, d, 802)),
+                v(random_matrix<float>(j0 + n, dv, 803));
+            detail::AmxTileProducts<B, detail::AmxEmulated> amx(amx_scratch, d, dv);
+            detail::FloatTileProducts<float, B> plain(float_scratch, d, dv);
+            REQUIRE(amx.tiles());
+            const float f = 0.125f;
+            amx.load_queries(q, 0, queries, cols, f);
+            plain.load_queries(q, 0, queries, cols, f);
+            Matrix<float> s_amx = Matrix<float>::Zero(n, lanes), s_plain = Matrix<float>::Zero(n, lanes);
+            amx.scores(k, j0, n, cols, s_amx.data(), detail::WholeStrip{}, nullptr);
+            plain.scores(k, j0, n, cols, s_plain.data(), detail::WholeStrip{}, nullptr);
+            const double scale = std::sqrt(static_cast<double>(d)) * 0.125;
+            CHECK((s_amx - s_plain).cwiseAbs().maxCoeff() <= 1e-5 * scale);
+            CHECK(s_amx.rightCols(lanes - queries).cwiseAbs().maxCoeff() == 0.0f);  // lanes past the queries
+            // Weights already bfloat16 (the products' Rounding), so both sum the same terms.
+            Matrix<float> p = random_matrix<float>(n, lanes, 804).cwiseAbs();
+            for (Index i = 0; i < p.size(); ++i)
+                p.data()[i] = amx_widen(amx_bf16_bits(p.data()[i]));
+            const Matrix<float> acc0 = random_matrix<float>(lanes, dv, 805);
+            const Matrix<float> alpha = random_matrix<float>(1, lanes, 806).cwiseAbs();
+            for (const bool scaled : {false, true}) {
+                Matrix<float> acc_amx = acc0, acc_plain = acc0;
+                const auto never = [](const float*, Index) { FAIL("careful"); };
+                amx.accumulate(v, j0, n, cols, p.data(), acc_amx.data(), scaled ? alpha.data() : nullptr, false,
+                               detail::WholeStrip{}, nullptr, never);
+                plain.accumulate(v, j0, n, cols, p.data(), acc_plain.data(), scaled ? alpha.data() : nullptr, false,
+                                 detail::WholeStrip{}, nullptr, never);
+                CHECK((acc_amx - acc_plain).cwiseAbs().maxCoeff() <= 2e-5 * static_cast<double>(n));
+            }
+            // A value that is not finite goes to `careful`, the accumulators untouched.
+            AmxTestRows bad(random_matrix<float>(j0 + n, dv, 807));
+            bad.raw[static_cast<std::size_t>((j0 + 5) * dv)] = 0x7F80;  // +∞
+            Matrix<float> acc = acc0;
+            int careful = 0;
+            amx.accumulate(bad, j0, n, cols, p.data(), acc.data(), nullptr, true, detail::WholeStrip{}, nullptr,
+                           [&](const float*, Index) { ++careful; });
+            CHECK(careful == 1);
+            CHECK(acc == acc0);
+        }
+}
