@@ -4,7 +4,9 @@
 #include <memattn/kernels/softmax_tiles.hpp>
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -49,9 +51,10 @@ Matrix<float> amx_reference(const std::vector<std::uint16_t>& a, Index lda, cons
             float acc = c(r, n);
             for (Index k = 0; k < pairs; ++k) {
                 const std::uint32_t w = b[static_cast<std::size_t>(k * ldb + n)];
-                acc += amx_widen(a[static_cast<std::size_t>(r * lda + 2 * k)]) * amx_widen(static_cast<std::uint16_t>(w));
-                acc += amx_widen(a[static_cast<std::size_t>(r * lda + 2 * k + 1)]) *
-                       amx_widen(static_cast<std::uint16_t>(w >> 16));
+                acc = std::fma(amx_widen(a[static_cast<std::size_t>(r * lda + 2 * k)]),
+                               amx_widen(static_cast<std::uint16_t>(w)), acc);
+                acc = std::fma(amx_widen(a[static_cast<std::size_t>(r * lda + 2 * k + 1)]),
+                               amx_widen(static_cast<std::uint16_t>(w >> 16)), acc);
             }
             c(r, n) = acc;
         }
@@ -139,4 +142,48 @@ TEST_CASE("AMX tile products of the softmax kernel, emulated: the logits and the
             CHECK(careful == 1);
             CHECK(acc == acc0);
         }
+}
+
+TEST_CASE("AMX tile product on the CPU's tiles, where they run: the emulation's sums, from two threads at once",
+          "[amx]") {
+    if (!cpu_features().amx_usable() || !request_amx()) {
+        SUCCEED("no AMX tiles here (" << describe(cpu_features()) << "): the emulated tests stand for them");
+        return;
+    }
+    const auto run = [](std::uint64_t seed, int* bitwise_differences, int* failures) {
+        for (const Index rows : {1, 16, 17, 33, 50})
+            for (const Index cols : {1, 16, 17, 47})
+                for (const Index pairs : {1, 16, 17, 64}) {
+                    const Index lda = 2 * pairs + 6, ldb = cols + 3;
+                    const Matrix<float> av = random_matrix<float>(rows, lda, ++seed),
+                                        bv = random_matrix<float>(pairs, 2 * ldb, ++seed),
+                                        start = random_matrix<float>(rows, cols, ++seed);
+                    std::vector<std::uint16_t> a(static_cast<std::size_t>(rows * lda));
+                    for (Index i = 0; i < av.size(); ++i)
+                        a[static_cast<std::size_t>(i)] = amx_bf16_bits(av.data()[i]);
+                    std::vector<std::uint32_t> b(static_cast<std::size_t>(pairs * ldb));
+                    for (Index i = 0; i < pairs * ldb; ++i)
+                        b[static_cast<std::size_t>(i)] =
+                            amx_bf16_bits(bv.data()[2 * i]) | std::uint32_t{amx_bf16_bits(bv.data()[2 * i + 1])} << 16;
+                    Matrix<float> hw = start, em = start;
+                    detail::amx_product<detail::AmxHardware>(rows, cols, pairs, a.data(), lda, b.data(), ldb, hw.data(),
+                                                             cols, true);
+                    detail::amx_product<detail::AmxEmulated>(rows, cols, pairs, a.data(), lda, b.data(), ldb, em.data(),
+                                                             cols, true);
+                    const double scale = std::sqrt(2.0 * static_cast<double>(pairs)) + 1;
+                    if ((hw - em).cwiseAbs().maxCoeff() > 4e-6 * scale)
+                        ++*failures;
+                    *bitwise_differences += static_cast<int>((hw.array() != em.array()).count());
+                }
+    };
+    int differences[2] = {0, 0}, failures[2] = {0, 0};
+    std::thread other(run, 900, &differences[1], &failures[1]);
+    run(900, &differences[0], &failures[0]);
+    other.join();
+    CHECK(failures[0] == 0);
+    CHECK(failures[1] == 0);
+    CHECK(differences[0] == differences[1]);  // the same inputs on two threads: the same sums
+    if (differences[0] > 0)
+        WARN(differences[0] << " elements differ from the emulation in their last bits: the hardware adds in another "
+                               "order than the SDM's pseudo-code");
 }

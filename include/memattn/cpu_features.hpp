@@ -5,13 +5,18 @@
 //   std::printf("%s\n", memattn::describe(cpu).c_str());   // "avx2 fma f16c ... amx-bf16 (granted)"
 //   if (cpu.amx_usable()) ...                               // the tile instructions will run here
 //
-// On x86-64 the CPU's features come from CPUID (leaves 1 and 7), whether the operating
-// system saves the wider registers from XGETBV (XCR0), and on Linux the AMX tile state
-// (XTILEDATA, 8 KiB a thread) is asked for once per process with
-// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): a tile instruction before that
-// request is granted faults. A refused request leaves amx_usable() false, and the
-// kernels take the next path, silently correct; so does MEMATTN_AMX=0 in the environment
-// (read once, with the rest). Elsewhere every feature is false.
+// On x86-64 the CPU's features come from CPUID (leaves 1 and 7) and whether the operating
+// system saves the wider registers from XGETBV (XCR0); MEMATTN_AMX=0 in the environment
+// (read once, with the rest) turns the tiles off. Elsewhere every feature is false.
+//
+// On Linux a process must ask for the AMX tile state (XTILEDATA, 8 KiB a thread) before
+// its first tile instruction: request_amx() asks, once per process, with
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), and only where amx_usable(). The
+// kernels call it the first time they would run tiles, not before: once granted, Linux
+// refuses a sigaltstack() smaller than the larger signal frame the tiles need (a host
+// program with small alternate signal stacks keeps them by setting MEMATTN_AMX=0). A
+// refused request leaves the tiles off, and the kernels take the next path, silently
+// correct.
 //
 // The first call finds them (thread-safe, once); later calls return the same object.
 // compiled_paths() says what this translation unit was compiled to use: a path runs
@@ -46,13 +51,12 @@ struct CpuFeatures {
     bool avx512_fp16 = false;  ///< AVX512-FP16 (Sapphire Rapids on)
     bool avx512_vnni = false;  ///< vpdpbusd on 512-bit registers
     bool avx_vnni = false;     ///< vpdpbusd on 256-bit registers, VEX-encoded
-    bool amx_tile = false;     ///< AMX tiles (the CPU's; amx_granted: the OS's)
+    bool amx_tile = false;     ///< AMX tiles (the CPU's; os_amx: the OS's)
     bool amx_bf16 = false;     ///< tdpbf16ps
     bool amx_int8 = false;     ///< tdpbssd and its signed/unsigned variants
     bool os_avx = false;       ///< the OS saves the ymm registers (XCR0 bits 1, 2)
     bool os_avx512 = false;    ///< the OS saves the zmm and mask registers (XCR0 bits 5, 6, 7)
     bool os_amx = false;       ///< the OS saves the tile state (XCR0 bits 17, 18)
-    bool amx_granted = false;  ///< Linux granted this process the tile data state (arch_prctl)
     bool amx_allowed = true;   ///< not turned off by the environment: MEMATTN_AMX=0
 
     /// AVX2 and FMA will run: the x86-64-v3 paths.
@@ -63,9 +67,10 @@ struct CpuFeatures {
     }
     /// vdpbf16ps will run.
     [[nodiscard]] bool avx512_bf16_usable() const noexcept { return avx512_usable() && avx512_bf16; }
-    /// tdpbf16ps will run: the CPU has AMX-BF16, the OS saves the tiles and granted them.
+    /// tdpbf16ps can run: the CPU has AMX-BF16 and AVX-512, the OS saves the tiles, and
+    /// MEMATTN_AMX is not 0 (on Linux, once request_amx() is granted).
     [[nodiscard]] bool amx_usable() const noexcept {
-        return amx_tile && amx_bf16 && os_amx && amx_granted && amx_allowed && avx512_usable();
+        return amx_tile && amx_bf16 && os_amx && amx_allowed && avx512_usable();
     }
 };
 
@@ -130,8 +135,6 @@ inline CpuFeatures find_cpu_features() noexcept {
     }
     const char* amx = std::getenv("MEMATTN_AMX");
     f.amx_allowed = amx == nullptr || std::string_view(amx) != "0";
-    if (f.amx_tile && f.os_amx && f.amx_allowed)
-        f.amx_granted = request_amx_state();
 #endif
     return f;
 }
@@ -139,10 +142,23 @@ inline CpuFeatures find_cpu_features() noexcept {
 }  // namespace detail
 
 /// This CPU's features and what the OS lets run, found once (thread-safe) on the first
-/// call; on Linux that call also asks for the AMX tile state where the CPU has it.
+/// call. No system call but CPUID and XGETBV.
 [[nodiscard]] inline const CpuFeatures& cpu_features() noexcept {
     static const CpuFeatures features = detail::find_cpu_features();
     return features;
+}
+
+/// Whether this process may run tile instructions: where cpu_features().amx_usable(), asks
+/// Linux for the tile state the first time (thread-safe; once per process, for every
+/// thread), and says whether it was granted; false elsewhere, without asking. See the top
+/// of the file for what the grant changes.
+[[nodiscard]] inline bool request_amx() noexcept {
+#if defined(MEMATTN_X86_CPUID)
+    static const bool granted = cpu_features().amx_usable() && detail::request_amx_state();
+    return granted;
+#else
+    return false;
+#endif
 }
 
 /// What memattn was compiled to use in this translation unit (the -march or target
@@ -168,9 +184,9 @@ struct CompiledPaths {
     return p;
 }
 
-/// The features present, by their Linux /proc/cpuinfo names, then what the OS grants:
-/// e.g. "avx2 fma f16c avx512f avx512bw avx512dq avx512vl avx512_bf16 amx_tile amx_bf16
-/// (os: avx avx512 amx, amx granted)".
+/// The features present, by their Linux /proc/cpuinfo names, then the registers the OS
+/// saves: e.g. "avx2 fma f16c avx512f avx512bw avx512dq avx512vl avx512_bf16 amx_tile
+/// amx_bf16 (os: avx avx512 amx)".
 [[nodiscard]] inline std::string describe(const CpuFeatures& f) {
     std::string s;
     const auto add = [&s](bool on, const char* name) {
@@ -206,7 +222,7 @@ struct CompiledPaths {
     add_os(f.os_avx512, "avx512");
     add_os(f.os_amx, "amx");
     return s + (s.empty() ? "" : " ") + "(os: " + (os.empty() ? "none" : os) +
-           (f.amx_tile ? (f.amx_granted ? ", amx granted)" : ", amx not granted)") : ")");
+           (f.amx_tile && !f.amx_allowed ? "; MEMATTN_AMX=0)" : ")");
 }
 
 }  // namespace memattn

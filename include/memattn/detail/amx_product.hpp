@@ -25,7 +25,9 @@
 // rounded to nearest even; bfloat16 denormal inputs are read as 0 and denormal results
 // written as 0, whatever MXCSR says. So every element of C is the same sum in the same
 // order (pairs ascending, low term first) whatever the blocking: AmxEmulated, which runs
-// on any CPU, computes exactly what the hardware does and tests the blocking's indices.
+// on any CPU, computes the SDM's pseudo-code (each add an FMA with denormals read and
+// written as 0) and checks the SDM's rules on tile shapes, so the tests of the blocking's
+// indices run everywhere; where the tiles run, a test compares it with the hardware.
 //
 // The hardware backend (AmxHardware) is inline assembly, not the compilers' intrinsics:
 // it compiles for any x86-64 target with GCC or Clang (their assemblers know AMX), needs
@@ -41,6 +43,8 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -56,6 +60,8 @@ struct alignas(64) TileConfig {
 
     friend bool operator==(const TileConfig&, const TileConfig&) = default;
 };
+static_assert(sizeof(TileConfig) == 64 && offsetof(TileConfig, bytes) == 16 && offsetof(TileConfig, rows) == 48,
+              "LDTILECFG's 64-byte layout");
 
 /// Tiles of one block: C(i, j) is tile 2i + j (i, j < 2), A(i) tile 4 + i, B(j) tile 6 + j.
 /// `m` rows of the block's row tiles, `n` columns (floats, words) of its column tiles.
@@ -167,13 +173,17 @@ struct AmxEmulated {
     }
     template <int C, int A, int B>
     static void dot() noexcept {
+        static_assert(C != A && C != B && A != B, "tdpbf16ps: three distinct tiles");
         Tile &c = tile<C>(), &a = tile<A>(), &b = tile<B>();
+        // The SDM's #UD conditions on the shapes.
+        MEMATTN_DASSERT(c.rows == a.rows && a.bytes / 4 == b.rows && c.bytes == b.bytes);
+        MEMATTN_DASSERT(c.rows >= 1 && c.rows <= 16 && a.bytes <= 64 && b.bytes <= 64 && b.rows <= 16);
         for (int m = 0; m < c.rows; ++m)
             for (int k = 0; k < a.bytes / 4; ++k)
                 for (int n = 0; n < c.bytes / 4; ++n) {
-                    float acc = word<float>(c, m, n);
-                    acc = flush(acc + widen(half(a, m, 2 * k)) * widen(half(b, k, 2 * n)));
-                    acc = flush(acc + widen(half(a, m, 2 * k + 1)) * widen(half(b, k, 2 * n + 1)));
+                    float acc = flush(word<float>(c, m, n));
+                    acc = flush(std::fma(widen(half(a, m, 2 * k)), widen(half(b, k, 2 * n)), acc));
+                    acc = flush(std::fma(widen(half(a, m, 2 * k + 1)), widen(half(b, k, 2 * n + 1)), acc));
                     std::memcpy(c.data.data() + 64 * m + 4 * n, &acc, 4);
                 }
     }
@@ -182,8 +192,10 @@ private:
     template <int T>
     static Tile& tile() noexcept {
         static_assert(T >= 0 && T < 8);
-        MEMATTN_DASSERT(state().configured);
-        return state().tiles[T];
+        Tile& t = state().tiles[T];
+        MEMATTN_DASSERT(state().configured && t.rows >= 1 && t.rows <= 16 && t.bytes >= 4 && t.bytes <= 64 &&
+                        t.bytes % 4 == 0);  // a tile configured (else #UD)
+        return t;
     }
     template <class W>
     static W word(const Tile& t, int row, int col) noexcept {
@@ -321,13 +333,15 @@ void amx_product(Index rows, Index cols, Index pairs, const std::uint16_t* a, In
     Tiles::release();
 }
 
-/// The weights of a tile as A rows for amx_product: out[i·ldo + j/2] holds
-/// bfloat16(p(j, i)) low and bfloat16(p(j + 1, i)) high (nearest even; 0 past the n keys),
-/// for lanes i < cols and keys j < n; p row-major (keys × lanes), row stride `lanes`.
+/// The weights of a tile as A rows for amx_product: out[i·ldo + j/2] holds p(j, i) low
+/// and p(j + 1, i) high as bfloat16 (0 past the n keys), for lanes i < cols and keys j <
+/// n; p row-major (keys × lanes), row stride `lanes`, already bfloat16 values (the
+/// products' Rounding: absorb rounded them), so their high halves are exact, NaN included.
 inline void pack_weight_rows(const float* p, Index n, Index cols, Index lanes, std::uint32_t* out, Index ldo) {
-    const auto bits = [](float x) {  // nearest even, as vcvtneps2bf16 (no weight is NaN)
+    const auto bits = [](float x) {
         const auto u = std::bit_cast<std::uint32_t>(x);
-        return static_cast<std::uint32_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        MEMATTN_DASSERT((u & 0xFFFFu) == 0);  // a bfloat16 value
+        return u >> 16;
     };
     for (Index i = 0; i < cols; ++i) {
         std::uint32_t* row = out + i * ldo;

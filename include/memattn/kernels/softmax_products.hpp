@@ -219,7 +219,7 @@ public:
         if constexpr (std::is_same_v<Tiles, AmxEmulated>)
             return true;
         else
-            return Tiles::available && cpu_features().amx_usable();
+            return Tiles::available && cpu_features().amx_usable() && request_amx();
     }
     /// Whether this product's calls run in tiles (else vdpbf16ps).
     [[nodiscard]] bool tiles() const noexcept { return tiles_; }
