@@ -1,7 +1,10 @@
 // causal_softmax_attention against, in the same binary and run: the naive version
 // (materialise the scores, mask, softmax, multiply), Eigen's products on the same tiles
 // without the softmax (the practical ceiling), the core's FMA peak, and itself with the
-// logit options (softcap, ALiBi, sink logits, non-causal: BM_Options).
+// logit options (softcap, ALiBi, sink logits, non-causal: BM_Options). bfloat16 inputs
+// (BM_CausalSoftmaxBf16) and float inputs rounded for the products
+// (BM_CausalSoftmaxFpMathBf16) run by AMX tiles where the CPU has them, against their
+// peak in the same run (BM_AmxPeak; skipped elsewhere), or by vdpbf16ps (BM_Bf16DotPeak).
 //
 // GFLOPS counts 2·(d + dv) FLOPs per visible (query, key) pair for the kernel and the
 // naive version (so their ratio is a ratio of times), and the FLOPs actually executed
@@ -166,6 +169,61 @@ void BM_EigenTileGemm(benchmark::State& state) {
 void BM_FmaPeak(benchmark::State& state) { memattn::bench::fma_peak<float>(state); }
 void BM_Bf16DotPeak(benchmark::State& state) { memattn::bench::bf16_dot_peak(state); }
 
+/// tdpbf16ps's rate: four independent 16 × 16 tiles of C, each += a 16 × 32 tile of A
+/// times a 32 × 16 of B (16,384 FLOPs an instruction), on tiles loaded once. Skipped
+/// where the tiles do not run (memattn::cpu_features()).
+void BM_AmxPeak(benchmark::State& state) {
+    namespace d = memattn::detail;
+    if (!d::AmxTileProducts<d::DefaultBlocking>::runs()) {
+        state.SkipWithError(("no AMX tiles here: " + memattn::describe(memattn::cpu_features())).c_str());
+        return;
+    }
+    alignas(64) static std::uint16_t a[2][16 * 32] = {};
+    alignas(64) static std::uint32_t b[2][16 * 16] = {};
+    alignas(64) static float c[4][16 * 16] = {};
+    const int m[2] = {16, 16}, n[2] = {16, 16};
+    const Index reps = 1024;
+    for (auto _ : state) {
+        d::AmxHardware::configure(d::block_config(2, 2, m, n));
+        d::AmxHardware::load<4>(a[0], 64);
+        d::AmxHardware::load<5>(a[1], 64);
+        d::AmxHardware::load<6>(b[0], 64);
+        d::AmxHardware::load<7>(b[1], 64);
+        for (Index r = 0; r < reps; ++r) {
+            d::AmxHardware::dot<0, 4, 6>();
+            d::AmxHardware::dot<1, 4, 7>();
+            d::AmxHardware::dot<2, 5, 6>();
+            d::AmxHardware::dot<3, 5, 7>();
+        }
+        d::AmxHardware::store<0>(c[0], 64);
+        d::AmxHardware::release();
+        benchmark::ClobberMemory();
+    }
+    state.counters["GFLOPS"] = benchmark::Counter(4.0 * 16384.0 * static_cast<double>(reps),
+                                                  benchmark::Counter::kIsIterationInvariantRate,
+                                                  benchmark::Counter::kIs1000);
+}
+
+/// Float inputs with SoftmaxOptions::fpmath = FpMath::bf16: rounded to bfloat16 for the
+/// products (AMX tiles or vdpbf16ps where the CPU has them), beside BM_CausalSoftmax
+/// and BM_CausalSoftmaxBf16 in the same run. `amx`: whether the tiles ran.
+void BM_CausalSoftmaxFpMathBf16(benchmark::State& state) {
+    const Case c(state);
+    const Matrix<float> Q = random_matrix<float>(c.n, c.d, 1), K = random_matrix<float>(c.n, c.d, 2),
+                        V = random_matrix<float>(c.n, c.d, 3);
+    Matrix<float> O(c.n, c.d);
+    for (auto _ : state) {
+        memattn::causal_softmax_attention(Q, K, V, O, {.window = c.window, .fpmath = memattn::FpMath::bf16});
+        benchmark::DoNotOptimize(O.data());
+        benchmark::ClobberMemory();
+    }
+    set_gflops(state, c.useful_flops());
+    state.counters["amx"] = memattn::detail::AmxTileProducts<memattn::detail::DefaultBlocking>::runs() &&
+                                    memattn::detail::bf16_dot
+                                ? 1
+                                : 0;
+}
+
 /// Tile sizes: query tile × key tile at N = 4096 and 16384, full causal and a window of 512
 /// (384 cases: run a subset with --benchmark_filter, e.g. BM_TileSweep/N:16384/d:64/qtile:64/).
 void BM_TileSweep(benchmark::State& state) {
@@ -288,6 +346,8 @@ BENCHMARK(BM_FmaPeak);
 BENCHMARK(BM_Bf16DotPeak);
 BENCHMARK(BM_CausalSoftmax<float>)->Name("BM_CausalSoftmax")->Apply([](auto* b) { cases(b, 16384); });
 BENCHMARK(BM_CausalSoftmax<Eigen::bfloat16>)->Name("BM_CausalSoftmaxBf16")->Apply([](auto* b) { cases(b, 16384); });
+BENCHMARK(BM_CausalSoftmaxFpMathBf16)->Apply([](auto* b) { cases(b, 16384); });
+BENCHMARK(BM_AmxPeak);
 // Double: half the lanes per packet, so half the float rate is the FMA count's limit.
 BENCHMARK(BM_CausalSoftmax<double>)->Name("BM_CausalSoftmaxDouble")->Apply([](auto* b) { cases(b, 4096); });
 BENCHMARK(BM_EigenTileGemm)->Apply([](auto* b) { cases(b, 16384); });

@@ -8,6 +8,7 @@
 
 #include <memattn/kernels/causal_softmax.hpp>
 #include <memattn/layer/multi_head_kernels.hpp>
+#include <memattn/serving/paged_kv_cache.hpp>
 
 #include <cmath>
 #include <limits>
@@ -443,4 +444,57 @@ TEST_CASE("Dense biases: a row of a column-major matrix (strided in place) gives
     const Eigen::Matrix<bool, 1, Eigen::Dynamic, Eigen::RowMajor> mask_row = column_mask.row(7);
     causal_softmax_attention(q, K, V, copied, options, mask_row);
     CHECK((strided.array() == copied.array()).all());
+}
+
+TEST_CASE("FpMath::bf16: float inputs rounded to bfloat16 for the products, bit for bit the kernel on the rounded "
+          "inputs, with every option; near float's; refused for double and by the pool",
+          "[softmax][options][fpmath]") {
+    using E = Eigen::bfloat16;
+    const double one_sink[1] = {0.4}, one_slope[1] = {0.03};
+    for (const Index n : {1, 37, 300})
+        for (const Index d : {1, 64, 67}) {
+            INFO("n = " << n << ", d = " << d);
+            const Index dv = 24;
+            const Matrix<float> Q = random_matrix<float>(n, d, 61), K = random_matrix<float>(n, d, 62),
+                                V = random_matrix<float>(n, dv, 63);
+            const Matrix<E> Qb = Q.cast<E>(), Kb = K.cast<E>(), Vb = V.cast<E>();
+            std::vector<Index> tree(static_cast<std::size_t>(n));
+            for (Index i = 0; i < n; ++i)
+                tree[static_cast<std::size_t>(i)] = i == 0 ? -1 : (i - 1) / 2;
+            const std::vector<SoftmaxOptions> variants{
+                {},
+                {.window = 50, .sink_tokens = 2},
+                {.softcap = 5, .sink_logits = one_sink, .alibi_slopes = one_slope},
+                {.causal = false},
+                {.parents = tree}};
+            for (std::size_t o = 0; o < variants.size(); ++o) {
+                INFO("options " << o);
+                SoftmaxOptions rounded = variants[o];
+                rounded.fpmath = FpMath::bf16;
+                Matrix<float> out(n, dv), expected(n, dv), strict(n, dv);
+                causal_softmax_attention(Q, K, V, out, rounded);
+                causal_softmax_attention(Qb, Kb, Vb, expected, variants[o]);
+                CHECK((out.array() == expected.array()).all());
+                causal_softmax_attention(Q, K, V, strict, variants[o]);
+                // Unit-normal inputs, scale 1/sqrt(d): the inputs' rounding moves a logit by
+                // at most 2^-7·|q|·|k|/sqrt(d) (a few hundredths), so the outputs stay close.
+                CHECK((out - strict).cwiseAbs().maxCoeff() < 0.05f);
+            }
+        }
+    // The multi-head kernel: each head as the single-head call on the rounded inputs.
+    const HeadLayout layout{.q_heads = 4, .kv_heads = 2, .head_dim = 32};
+    const Matrix<float> Q = random_matrix<float>(130, 128, 64), K = random_matrix<float>(130, 64, 65),
+                        V = random_matrix<float>(130, 64, 66);
+    Matrix<float> out(130, 128), expected(130, 128);
+    multi_head_causal_softmax_attention(Q, K, V, out, layout, SoftmaxOptions{.fpmath = FpMath::bf16});
+    multi_head_causal_softmax_attention(Matrix<E>(Q.cast<E>()), Matrix<E>(K.cast<E>()), Matrix<E>(V.cast<E>()),
+                                        expected, layout);
+    CHECK((out.array() == expected.array()).all());
+    // double computes in double; a pool keeps its own products.
+    const Matrix<double> Qd = random_matrix<double>(4, 8, 67);
+    Matrix<double> Od(4, 8);
+    CHECK_THROWS_WITH(causal_softmax_attention(Qd, Qd, Qd, Od, SoftmaxOptions{.fpmath = FpMath::bf16}),
+                      Catch::Contains("options.fpmath") && Catch::Contains("double"));
+    CHECK_THROWS_WITH(PagedKVCache<float>(layout, 4, 16, SoftmaxOptions{.fpmath = FpMath::bf16}),
+                      Catch::Contains("options.fpmath"));
 }

@@ -140,6 +140,7 @@
 #include <limits>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -221,10 +222,46 @@ void causal_softmax_rows(QRows Q, KRows K, VRows V, MatrixRef<E> O, LseSink&& ls
     kernel.run(O, lse);
 }
 
+/// A log-sum-exp sink of any type behind one (FpMath::bf16's kernel is instantiated once).
+struct LseRef {
+    void* sink;
+    void (*call)(void*, Index, float);
+    void operator()(Index i, float value) const { call(sink, i, value); }
+};
+
+/// The kernel on views and a scratch; with FpMath::bf16 (float), Q, K and V rounded to
+/// bfloat16 into the scratch first (O(N·d) against the kernel's O(N²·d), vectorised by
+/// Eigen's cast), then the kernel of bfloat16 inputs with O of float: bit for bit
+/// causal_softmax_attention on the rounded inputs.
 template <class T, class B = DefaultBlocking, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                           MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxScratch<T>& scratch,
                           Index query_offset = trailing_queries, TileBias<T> bias = {}) {
+    if constexpr (std::is_same_v<T, float>) {
+        if (options.fpmath == FpMath::bf16) {
+            using E = Eigen::bfloat16;
+            using Rounded = Eigen::Map<Matrix<E>>;
+            const auto round = [](std::vector<E>& to, const ConstMatrixRef<float>& from) {
+                const auto n = static_cast<std::size_t>(from.size());
+                if (to.size() < n)
+                    to.resize(n);  // grows only: the scratch is reused
+                Rounded rounded(to.data(), from.rows(), from.cols());
+                rounded = from.template cast<E>();
+                return rounded;
+            };
+            const Rounded q = round(scratch.rounded_q, Q), k = round(scratch.rounded_k, K),
+                          v = round(scratch.rounded_v, V);
+            // The sink behind one type: one instantiation of the bfloat16 kernel for every caller.
+            using Sink = std::remove_reference_t<LseSink>;
+            const LseRef sink{const_cast<void*>(static_cast<const void*>(&lse)),
+                              [](void* s, Index i, float value) { (*static_cast<Sink*>(s))(i, value); }};
+            causal_softmax_rows<float>(ConvertedRows<E>(q, scratch.tiles.queries, scratch.converted_q),
+                                       ConvertedRows<E>(k, scratch.tiles.keys, scratch.converted_k),
+                                       ConvertedRows<E>(v, scratch.tiles.keys, scratch.converted_v), O, sink, options,
+                                       scratch, query_offset, bias);
+            return;
+        }
+    }
     causal_softmax_rows<T, B>(PlainRows<T>(Q), PlainRows<T>(K), PlainRows<T>(V), O, lse, options, scratch,
                               query_offset, bias);
 }

@@ -25,8 +25,19 @@
 #include <cstddef>
 #include <span>
 #include <string_view>
+#include <type_traits>
 
 namespace memattn {
+
+/// The arithmetic of the prefill kernels' two products (Q·Kᵀ and P·V) on float inputs,
+/// as oneDNN's fpmath_mode (docs/design.md §4.7c).
+enum class FpMath {
+    strict,  ///< float products (the default)
+    /// Q, K and V rounded to bfloat16 (nearest even) for the products, which then run as
+    /// on bfloat16 inputs (AMX tiles or vdpbf16ps where the CPU has them, float products
+    /// on the rounded values elsewhere); the softmax, its sums and O stay float.
+    bf16,
+};
 
 /// Options of the softmax attention calls (docs/design.md, §4.1); see the top of the file.
 struct SoftmaxOptions {
@@ -41,6 +52,10 @@ struct SoftmaxOptions {
     /// index of its parent among the queries (the last Nq keys), or −1; each sees the
     /// keys before them and its ancestors among them, itself included. Empty: none.
     std::span<const Index> parents = {};
+    /// The products' arithmetic on float inputs (the kernels' prefill: causal_softmax_attention,
+    /// the multi-head kernel and a memory's prefill through them); decode steps, and
+    /// 16-bit inputs, keep their own. double inputs refuse FpMath::bf16.
+    FpMath fpmath = FpMath::strict;
 };
 
 namespace detail {
@@ -65,6 +80,10 @@ void check_logit_options(std::string_view function, const SoftmaxOptions& option
                     function, name, "has ", values[h], " for head ", h, ", expected a number finite as ",
                     scalar_name<T>, allow_minus_inf ? " or −∞ (no sink)" : "");
     };
+    require(options.fpmath == FpMath::strict || options.fpmath == FpMath::bf16, function, "options.fpmath", "is ",
+            static_cast<int>(options.fpmath), ", expected FpMath::strict or FpMath::bf16");
+    require(options.fpmath == FpMath::strict || !std::is_same_v<T, double>, function, "options.fpmath",
+            "is FpMath::bf16, which rounds float inputs; these compute in double");
     per_head(options.sink_logits, "options.sink_logits", true);
     per_head(options.alibi_slopes, "options.alibi_slopes", false);
     if (options.parents.empty())
