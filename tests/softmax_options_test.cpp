@@ -8,6 +8,8 @@
 
 #include <memattn/kernels/causal_softmax.hpp>
 #include <memattn/layer/multi_head_kernels.hpp>
+#include <memattn/memory/kv_cache.hpp>
+#include <memattn/memory/sliding_window_cache.hpp>
 #include <memattn/serving/paged_kv_cache.hpp>
 
 #include <cmath>
@@ -480,16 +482,40 @@ TEST_CASE("FpMath::bf16: float inputs rounded to bfloat16 for the products, bit 
                 // at most 2^-7·|q|·|k|/sqrt(d) (a few hundredths), so the outputs stay close.
                 CHECK((out - strict).cwiseAbs().maxCoeff() < 0.05f);
             }
+            // The log-sum-exps, and a dense bias.
+            Matrix<float> out(n, dv), expected(n, dv), lse(n, 1), expected_lse(n, 1);
+            causal_softmax_attention(Q, K, V, out, lse, SoftmaxOptions{.fpmath = FpMath::bf16});
+            causal_softmax_attention(Qb, Kb, Vb, expected, expected_lse);
+            CHECK((out.array() == expected.array()).all());
+            CHECK((lse.array() == expected_lse.array()).all());
+            const Matrix<float> bias = random_matrix<float>(n, n, 68);
+            causal_softmax_attention(Q, K, V, out, SoftmaxOptions{.fpmath = FpMath::bf16}, bias);
+            causal_softmax_attention(Qb, Kb, Vb, expected, SoftmaxOptions{}, bias);
+            CHECK((out.array() == expected.array()).all());
         }
     // The multi-head kernel: each head as the single-head call on the rounded inputs.
     const HeadLayout layout{.q_heads = 4, .kv_heads = 2, .head_dim = 32};
     const Matrix<float> Q = random_matrix<float>(130, 128, 64), K = random_matrix<float>(130, 64, 65),
                         V = random_matrix<float>(130, 64, 66);
-    Matrix<float> out(130, 128), expected(130, 128);
-    multi_head_causal_softmax_attention(Q, K, V, out, layout, SoftmaxOptions{.fpmath = FpMath::bf16});
-    multi_head_causal_softmax_attention(Matrix<E>(Q.cast<E>()), Matrix<E>(K.cast<E>()), Matrix<E>(V.cast<E>()),
-                                        expected, layout);
-    CHECK((out.array() == expected.array()).all());
+    const Matrix<E> Qb = Q.cast<E>(), Kb = K.cast<E>(), Vb = V.cast<E>();
+    std::vector<Index> tree(130);
+    for (Index i = 0; i < 130; ++i)
+        tree[static_cast<std::size_t>(i)] = i == 0 ? -1 : (i - 1) / 3;
+    for (const SoftmaxOptions& base : {SoftmaxOptions{}, SoftmaxOptions{.window = 40}, SoftmaxOptions{.parents = tree},
+                                       SoftmaxOptions{.causal = false}})
+        for (const int threads : {1, 2}) {
+            SoftmaxOptions rounded = base;
+            rounded.fpmath = FpMath::bf16;
+            Matrix<float> out(130, 128), expected(130, 128);
+            multi_head_causal_softmax_attention(Q, K, V, out, layout, rounded, VarLen{},
+                                                OpenMPExecutor{.threads = threads});
+            multi_head_causal_softmax_attention(Qb, Kb, Vb, expected, layout, base);
+            CHECK((out.array() == expected.array()).all());
+        }
+    // The memories refuse it (they read their pairs as stored), as a pool does.
+    CHECK_THROWS_WITH(KVCache<float>(8, 8, SoftmaxOptions{.fpmath = FpMath::bf16}), Catch::Contains("options.fpmath"));
+    CHECK_THROWS_WITH(SlidingWindowCache<float>(8, 8, SoftmaxOptions{.window = 4, .fpmath = FpMath::bf16}),
+                      Catch::Contains("options.fpmath"));
     // double computes in double; a pool keeps its own products.
     const Matrix<double> Qd = random_matrix<double>(4, 8, 67);
     Matrix<double> Od(4, 8);

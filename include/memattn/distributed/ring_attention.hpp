@@ -199,6 +199,8 @@ void ring_attention_call(MPI_Comm comm, const Eigen::MatrixBase<DQ>& Q, const Ei
         // A tree's rows are not the ring's positions.
         require(options.parents.empty(), function, "options.parents",
                 "is given: a tree of draft tokens belongs to one rank's call, not to ring attention");
+        require(options.fpmath == FpMath::strict, function, "options.fpmath",
+                "is not FpMath::strict: ring attention's blocks keep their own products");
         require(q.rows() == k.rows(), function, "Q", "has shape ", shape(q), ", expected ", k.rows(), " rows as K (",
                 shape(k), "): each rank holds the queries of its own tokens");
         check_message_size(function, k.rows(), k.cols() + v.cols());

@@ -222,46 +222,10 @@ void causal_softmax_rows(QRows Q, KRows K, VRows V, MatrixRef<E> O, LseSink&& ls
     kernel.run(O, lse);
 }
 
-/// A log-sum-exp sink of any type behind one (FpMath::bf16's kernel is instantiated once).
-struct LseRef {
-    void* sink;
-    void (*call)(void*, Index, float);
-    void operator()(Index i, float value) const { call(sink, i, value); }
-};
-
-/// The kernel on views and a scratch; with FpMath::bf16 (float), Q, K and V rounded to
-/// bfloat16 into the scratch first (O(N·d) against the kernel's O(N²·d), vectorised by
-/// Eigen's cast), then the kernel of bfloat16 inputs with O of float: bit for bit
-/// causal_softmax_attention on the rounded inputs.
 template <class T, class B = DefaultBlocking, class LseSink>
 void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                           MatrixRef<T> O, LseSink&& lse, const SoftmaxOptions& options, SoftmaxScratch<T>& scratch,
                           Index query_offset = trailing_queries, TileBias<T> bias = {}) {
-    if constexpr (std::is_same_v<T, float>) {
-        if (options.fpmath == FpMath::bf16) {
-            using E = Eigen::bfloat16;
-            using Rounded = Eigen::Map<Matrix<E>>;
-            const auto round = [](std::vector<E>& to, const ConstMatrixRef<float>& from) {
-                const auto n = static_cast<std::size_t>(from.size());
-                if (to.size() < n)
-                    to.resize(n);  // grows only: the scratch is reused
-                Rounded rounded(to.data(), from.rows(), from.cols());
-                rounded = from.template cast<E>();
-                return rounded;
-            };
-            const Rounded q = round(scratch.rounded_q, Q), k = round(scratch.rounded_k, K),
-                          v = round(scratch.rounded_v, V);
-            // The sink behind one type: one instantiation of the bfloat16 kernel for every caller.
-            using Sink = std::remove_reference_t<LseSink>;
-            const LseRef sink{const_cast<void*>(static_cast<const void*>(&lse)),
-                              [](void* s, Index i, float value) { (*static_cast<Sink*>(s))(i, value); }};
-            causal_softmax_rows<float>(ConvertedRows<E>(q, scratch.tiles.queries, scratch.converted_q),
-                                       ConvertedRows<E>(k, scratch.tiles.keys, scratch.converted_k),
-                                       ConvertedRows<E>(v, scratch.tiles.keys, scratch.converted_v), O, sink, options,
-                                       scratch, query_offset, bias);
-            return;
-        }
-    }
     causal_softmax_rows<T, B>(PlainRows<T>(Q), PlainRows<T>(K), PlainRows<T>(V), O, lse, options, scratch,
                               query_offset, bias);
 }
@@ -375,17 +339,40 @@ void causal_softmax_stored(const ConstMatrixRef<T>& Q, const StoredRows<T, SK>& 
         [&](Index tile) { return DecodedRows<T, SV>(V, keys, tile); });
 }
 
+/// FpMath::bf16 on float views (causal_softmax_attention): Q, K and V rounded to bfloat16
+/// (nearest even, Eigen's vectorised cast; O(N·d) against the kernel's O(N·W·d)), then
+/// the kernel of bfloat16 inputs with O of float: bit for bit the call on the rounded
+/// inputs. Only the public calls and the multi-head kernel reach it: the memories, whose
+/// own calls reach causal_softmax_views, refuse the option.
+template <class LseSink>
+void causal_softmax_rounded(const ConstMatrixRef<float>& Q, const ConstMatrixRef<float>& K,
+                            const ConstMatrixRef<float>& V, MatrixRef<float> O, LseSink&& lse,
+                            const SoftmaxOptions& options, TileBias<float> bias) {
+    if (Q.rows() == 0)
+        return;
+    using E = Eigen::bfloat16;
+    const Matrix<E> q = Q.template cast<E>(), k = K.template cast<E>(), v = V.template cast<E>();
+    causal_softmax_converted<E, float>(q, k, v, O, lse, options, bias);
+}
+
 /// A public call after its checks, with the measured tiles: the float or double kernel
 /// on views of T, or the converted kernel on 16-bit inputs.
 template <class T, class Out, class LseSink>
 void causal_softmax_call(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, const ConstMatrixRef<T>& V,
                          MatrixRef<Out> O, LseSink&& lse, const SoftmaxOptions& options,
                          TileBias<arithmetic_t<T>> bias = {}) {
-    if constexpr (LowPrecision<T>)
+    if constexpr (LowPrecision<T>) {
         causal_softmax_converted<T>(Q, K, V, O, lse, options, bias);
-    else
+    } else {
+        if constexpr (std::is_same_v<T, float>) {
+            if (options.fpmath == FpMath::bf16) {
+                causal_softmax_rounded(Q, K, V, O, lse, options, bias);
+                return;
+            }
+        }
         causal_softmax_views<T>(Q, K, V, O, lse, options, default_tiles(effective_window(options.window, K.rows())),
                                 bias);
+    }
 }
 
 }  // namespace detail

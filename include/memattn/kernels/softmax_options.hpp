@@ -52,9 +52,11 @@ struct SoftmaxOptions {
     /// index of its parent among the queries (the last Nq keys), or −1; each sees the
     /// keys before them and its ancestors among them, itself included. Empty: none.
     std::span<const Index> parents = {};
-    /// The products' arithmetic on float inputs (the kernels' prefill: causal_softmax_attention,
-    /// the multi-head kernel and a memory's prefill through them); decode steps, and
-    /// 16-bit inputs, keep their own. double inputs refuse FpMath::bf16.
+    /// The products' arithmetic on float inputs of causal_softmax_attention and
+    /// multi_head_causal_softmax_attention (a single-head call rounds copies of Q, K and V; the
+    /// multi-head kernel each KV head once per thread and each item's queries); 16-bit
+    /// inputs keep their own. The memories, the pools and ring attention refuse anything
+    /// but FpMath::strict (they read their pairs as stored), and so do double inputs.
     FpMath fpmath = FpMath::strict;
 };
 

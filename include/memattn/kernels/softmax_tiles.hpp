@@ -75,8 +75,6 @@ struct SoftmaxScratch {
     std::vector<std::uint32_t> query_pairs, weight_pairs, value_pairs;
     // 16-bit inputs converted to float, a tile of Q, K and V (ConvertedRows), on first use
     Matrix<float> converted_q, converted_k, converted_v;
-    // FpMath::bf16: float Q, K and V rounded to bfloat16, whole (grown on first use, kept)
-    std::vector<Eigen::bfloat16> rounded_q, rounded_k, rounded_v;
 };
 
 /// What the tiled kernel does to a logit beyond scale·q·k, for one head (SoftmaxOptions,

@@ -36,6 +36,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -123,6 +124,12 @@ private:
     Index kv_ = -1;
 };
 
+/// Whether a call of T rounds its inputs to bfloat16 for the products (FpMath::bf16, float).
+template <class T>
+[[nodiscard]] constexpr bool rounds_to_bf16(const SoftmaxOptions& options) noexcept {
+    return std::is_same_v<T, float> && options.fpmath == FpMath::bf16;
+}
+
 /// The softmax layer after the checks, over any source of keys: `head_keys(span, kv)`
 /// gives KV head kv's HeadKeys for a sequence; lse(row, head, value) receives each
 /// log-sum-exp. `k_rows` is the keys' row count that the batch's offsets index.
@@ -147,6 +154,10 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<Out>& O, LseSi
         [&](Index first, Index last) {
             std::optional<SoftmaxScratch<A>> full, windowed;  // one per tile shape, made on first use
             HeadCopy<T> copy;
+            // FpMath::bf16 (float inputs): the KV head rounded to bfloat16 once per sequence and
+            // KV head on this thread (as it is copied), an item's queries per item.
+            [[maybe_unused]] Matrix<Eigen::bfloat16> rounded_q, rounded_k, rounded_v;
+            [[maybe_unused]] Index rounded_seq = -1, rounded_kv = -1;
             for (Index i = first; i < last; ++i) {
                 const SoftmaxItem& item = items[static_cast<std::size_t>(i)];
                 const SequenceSpan span = span_of(item);
@@ -179,11 +190,28 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<Out>& O, LseSi
                         Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible), values.topRows(visible),
                         O.block(row0, item.head * dv, item.rows, dv), sink, one, *scratch,
                         trailing ? trailing_queries : first, bias.template tile<A>());
-                else
+                else if (rounds_to_bf16<T>(options)) {
+                    if constexpr (std::is_same_v<T, float>) {
+                        using E = Eigen::bfloat16;
+                        if (rounded_seq != static_cast<Index>(item.seq) || rounded_kv != kv) {
+                            rounded_k = keys.template cast<E>();
+                            rounded_v = values.template cast<E>();
+                            rounded_seq = static_cast<Index>(item.seq);
+                            rounded_kv = kv;
+                        }
+                        rounded_q = Q.block(row0, item.head * d, item.rows, d).template cast<E>();
+                        causal_softmax_converted<E, Out>(rounded_q, rounded_k.topRows(visible),
+                                                         rounded_v.topRows(visible),
+                                                         O.block(row0, item.head * dv, item.rows, dv), sink, one,
+                                                         *scratch, trailing ? trailing_queries : first,
+                                                         bias.template tile<A>());
+                    }
+                } else {
                     causal_softmax_views<T>(Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible),
                                             values.topRows(visible), O.block(row0, item.head * dv, item.rows, dv),
                                             sink, one, *scratch, trailing ? trailing_queries : first,
                                             bias.template tile<T>());
+                }
             }
         },
         0, executor);

@@ -569,7 +569,7 @@ private:
         detail::at_least(blocks, 1, function, "blocks");
         detail::at_least(block_size, 1, function, "block_size");
         detail::require(options.fpmath == FpMath::strict, function, "options.fpmath",
-                        "is FpMath::bf16, but a pool reads its blocks as stored and keeps its own products");
+                        "is not FpMath::strict, but a pool reads its blocks as stored and keeps its own products");
         detail::checked_scale(static_cast<T>(options.scale), layout.head_dim, function);
         detail::check_logit_options<T>(function, options, layout.q_heads);
         detail::require(options.causal, function, "options.causal", "is false, but a pool's queries come after "

@@ -434,7 +434,7 @@ private:
         detail::at_least(blocks, 1, function, "blocks");
         detail::at_least(block_size, 1, function, "block_size");
         detail::require(options.fpmath == FpMath::strict, function, "options.fpmath",
-                        "is FpMath::bf16, but a pool reads its blocks as stored and keeps its own products");
+                        "is not FpMath::strict, but a pool reads its blocks as stored and keeps its own products");
         detail::require(options.alibi_slopes.empty(), function, "options.alibi_slopes",
                         "are given, but latent attention places its tokens by RoPE (the rope_dim columns)");
         return {.blocks = blocks, .block_size = block_size, .window = 0, .sinks = 0, .rollback = 0};

@@ -41,6 +41,9 @@ public:
         require(options.parents.empty(), memory, "options.parents",
                 "is given, but a memory attends one token at a time (verify a tree with causal_softmax_attention "
                 "or the paged pool)");
+        require(options.fpmath == FpMath::strict, memory, "options.fpmath",
+                "is not FpMath::strict, but a memory reads its pairs as stored and keeps its own products (round "
+                "with causal_softmax_attention or the multi-head kernel)");
         if (!window_allowed) {
             require(options.window == 0, memory, "options.window", "is ", options.window,
                     ", expected 0: a window is SlidingWindowCache's (or this memory's own argument)");
