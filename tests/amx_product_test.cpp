@@ -41,6 +41,21 @@ struct AmxTestRows {
     std::vector<std::uint16_t> raw;
 };
 
+/// Random operands of amx_product: A (rows × lda bfloat16) and B (pairs × ldb words of
+/// two bfloat16).
+std::pair<std::vector<std::uint16_t>, std::vector<std::uint32_t>> amx_operands(Index rows, Index lda, Index pairs,
+                                                                               Index ldb, std::uint64_t& seed) {
+    const Matrix<float> av = random_matrix<float>(rows, lda, ++seed), bv = random_matrix<float>(pairs, 2 * ldb, ++seed);
+    std::vector<std::uint16_t> a(static_cast<std::size_t>(rows * lda));
+    for (Index i = 0; i < av.size(); ++i)
+        a[static_cast<std::size_t>(i)] = amx_bf16_bits(av.data()[i]);
+    std::vector<std::uint32_t> b(static_cast<std::size_t>(pairs * ldb));
+    for (Index i = 0; i < pairs * ldb; ++i)
+        b[static_cast<std::size_t>(i)] =
+            amx_bf16_bits(bv.data()[2 * i]) | std::uint32_t{amx_bf16_bits(bv.data()[2 * i + 1])} << 16;
+    return {std::move(a), std::move(b)};
+}
+
 /// C of amx_product written the way the SDM defines tdpbf16ps, one element at a time:
 /// pairs ascending, the low term then the high, each added in float (no denormals here).
 Matrix<float> amx_reference(const std::vector<std::uint16_t>& a, Index lda, const std::vector<std::uint32_t>& b,
@@ -71,14 +86,7 @@ TEST_CASE("AMX tile product: every element is tdpbf16ps's sum in its order, for 
             for (const Index pairs : {1, 15, 16, 17, 40, 64}) {
                 INFO(rows << " x " << cols << ", " << pairs << " pairs");
                 const Index lda = 2 * pairs + 6, ldb = cols + 3, ldc = cols + 5;  // strides past the rows
-                const Matrix<float> av = random_matrix<float>(rows, lda, ++seed), bv = random_matrix<float>(pairs, 2 * ldb, ++seed);
-                std::vector<std::uint16_t> a(static_cast<std::size_t>(rows * lda));
-                for (Index i = 0; i < av.size(); ++i)
-                    a[static_cast<std::size_t>(i)] = amx_bf16_bits(av.data()[i]);
-                std::vector<std::uint32_t> b(static_cast<std::size_t>(pairs * ldb));
-                for (Index i = 0; i < pairs * ldb; ++i)
-                    b[static_cast<std::size_t>(i)] =
-                        amx_bf16_bits(bv.data()[2 * i]) | std::uint32_t{amx_bf16_bits(bv.data()[2 * i + 1])} << 16;
+                const auto [a, b] = amx_operands(rows, lda, pairs, ldb, seed);
                 for (const bool accumulate : {false, true}) {
                     const Matrix<float> start = random_matrix<float>(rows, cols, ++seed);
                     Matrix<float> c = Matrix<float>::Constant(rows, ldc, 7.0f);  // columns past cols stay
@@ -155,16 +163,8 @@ TEST_CASE("AMX tile product on the CPU's tiles, where they run: the emulation's 
             for (const Index cols : {1, 16, 17, 47})
                 for (const Index pairs : {1, 16, 17, 64}) {
                     const Index lda = 2 * pairs + 6, ldb = cols + 3;
-                    const Matrix<float> av = random_matrix<float>(rows, lda, ++seed),
-                                        bv = random_matrix<float>(pairs, 2 * ldb, ++seed),
-                                        start = random_matrix<float>(rows, cols, ++seed);
-                    std::vector<std::uint16_t> a(static_cast<std::size_t>(rows * lda));
-                    for (Index i = 0; i < av.size(); ++i)
-                        a[static_cast<std::size_t>(i)] = amx_bf16_bits(av.data()[i]);
-                    std::vector<std::uint32_t> b(static_cast<std::size_t>(pairs * ldb));
-                    for (Index i = 0; i < pairs * ldb; ++i)
-                        b[static_cast<std::size_t>(i)] =
-                            amx_bf16_bits(bv.data()[2 * i]) | std::uint32_t{amx_bf16_bits(bv.data()[2 * i + 1])} << 16;
+                    const auto [a, b] = amx_operands(rows, lda, pairs, ldb, seed);
+                    const Matrix<float> start = random_matrix<float>(rows, cols, ++seed);
                     Matrix<float> hw = start, em = start;
                     detail::amx_product<detail::AmxHardware>(rows, cols, pairs, a.data(), lda, b.data(), ldb, hw.data(),
                                                              cols, true);

@@ -188,39 +188,28 @@ struct CompiledPaths {
 /// saves: e.g. "avx2 fma f16c avx512f avx512bw avx512dq avx512vl avx512_bf16 amx_tile
 /// amx_bf16 (os: avx avx512 amx)".
 [[nodiscard]] inline std::string describe(const CpuFeatures& f) {
-    std::string s;
-    const auto add = [&s](bool on, const char* name) {
-        if (!on)
-            return;
-        if (!s.empty())
-            s += ' ';
-        s += name;
+    const auto add = [](std::string& to, bool on, const char* name) {
+        if (on)
+            to += (to.empty() ? "" : " ") + std::string(name);
     };
-    add(f.avx2, "avx2");
-    add(f.fma, "fma");
-    add(f.f16c, "f16c");
-    add(f.avx512f, "avx512f");
-    add(f.avx512bw, "avx512bw");
-    add(f.avx512dq, "avx512dq");
-    add(f.avx512vl, "avx512vl");
-    add(f.avx512_bf16, "avx512_bf16");
-    add(f.avx512_fp16, "avx512_fp16");
-    add(f.avx512_vnni, "avx512_vnni");
-    add(f.avx_vnni, "avx_vnni");
-    add(f.amx_tile, "amx_tile");
-    add(f.amx_bf16, "amx_bf16");
-    add(f.amx_int8, "amx_int8");
-    std::string os;
-    const auto add_os = [&os](bool on, const char* name) {
-        if (!on)
-            return;
-        if (!os.empty())
-            os += ' ';
-        os += name;
-    };
-    add_os(f.os_avx, "avx");
-    add_os(f.os_avx512, "avx512");
-    add_os(f.os_amx, "amx");
+    std::string s, os;
+    add(s, f.avx2, "avx2");
+    add(s, f.fma, "fma");
+    add(s, f.f16c, "f16c");
+    add(s, f.avx512f, "avx512f");
+    add(s, f.avx512bw, "avx512bw");
+    add(s, f.avx512dq, "avx512dq");
+    add(s, f.avx512vl, "avx512vl");
+    add(s, f.avx512_bf16, "avx512_bf16");
+    add(s, f.avx512_fp16, "avx512_fp16");
+    add(s, f.avx512_vnni, "avx512_vnni");
+    add(s, f.avx_vnni, "avx_vnni");
+    add(s, f.amx_tile, "amx_tile");
+    add(s, f.amx_bf16, "amx_bf16");
+    add(s, f.amx_int8, "amx_int8");
+    add(os, f.os_avx, "avx");
+    add(os, f.os_avx512, "avx512");
+    add(os, f.os_amx, "amx");
     return s + (s.empty() ? "" : " ") + "(os: " + (os.empty() ? "none" : os) +
            (f.amx_tile && !f.amx_allowed ? "; MEMATTN_AMX=0)" : ")");
 }
