@@ -45,6 +45,9 @@
 //       (nope 128, v 128: the two absorptions read 2 · H · 128 · 512 floats of weights);
 //       the FLOPs of the roofline are the attend's, 2 · H · L · (2r + d_r), and its bytes
 //       the cache's footprint (plus the weights for A = 1)
+//   BM_LatentDecodeFpMathBf16/...                         the same over a bfloat16 cache
+//       with FpMath::bf16: the queries rounded, the rows multiplied as bfloat16 pairs (AMX
+//       tiles where the CPU has them; `amx` says whether they ran)
 //
 //   BM_LatentPrefill/heads:H/past:P/tokens:N/t:T/mode:M   mla_prefill of N prompt tokens
 //       after P cached ones, DeepSeek-V3's shape, mode M = 1 absorbed, 2 expanded
@@ -496,14 +499,15 @@ void BM_SparseDecode(benchmark::State& state) {
 }
 
 template <class S>
-void BM_LatentDecode(benchmark::State& state) {
+void latent_decode_cell(benchmark::State& state, memattn::FpMath fpmath) {
     constexpr Index r = 512, dr = 64, nope = 128, dv = 128;
     const Index heads = state.range(0), length = state.range(1);
     const bool absorbed = state.range(3) != 0;
     const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(2))};
     if (!threads_available(state, state.range(2)))
         return;
-    memattn::LatentKVCache<float, S> cache(r, dr, static_cast<float>(memattn::mla_softmax_scale(nope + dr, 40)));
+    memattn::LatentKVCache<float, S> cache(r, dr, static_cast<float>(memattn::mla_softmax_scale(nope + dr, 40)),
+                                           {.fpmath = fpmath});
     cache.reserve(length);
     const Matrix<float>& rows = pool(r + dr, 2);
     for (Index filled = 0; filled < length; filled += pool_tokens) {
@@ -528,6 +532,19 @@ void BM_LatentDecode(benchmark::State& state) {
     report_roofline(state, step_seconds, bytes, flops, executor);
     state.counters["GFLOPS"] = flops / step_seconds * 1e-9;
     state.counters["token_bytes"] = static_cast<double>(memattn::LatentKVCache<float, S>::token_bytes(r, dr));
+    if (fpmath == memattn::FpMath::bf16)
+        state.counters["amx"] = memattn::detail::bf16_dot && memattn::cpu_features().amx_usable() ? 1 : 0;
+}
+
+template <class S>
+void BM_LatentDecode(benchmark::State& state) {
+    latent_decode_cell<S>(state, memattn::FpMath::strict);
+}
+
+/// The bfloat16 cache with FpMath::bf16: the rows multiplied as bfloat16 pairs (AMX tiles
+/// where the CPU has them, else vdpbf16ps, else float products), the queries rounded.
+void BM_LatentDecodeFpMathBf16(benchmark::State& state) {
+    latent_decode_cell<Eigen::bfloat16>(state, memattn::FpMath::bf16);
 }
 
 template <class S>
@@ -1065,6 +1082,7 @@ void serving_cells(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_DecodeStep<float>)->Name("BM_DecodeStep<float>")->Apply(cells);
 BENCHMARK(BM_LatentDecode<float>)->Name("BM_LatentDecode<float>")->Apply(latent_cells);
 BENCHMARK(BM_LatentDecode<Eigen::bfloat16>)->Name("BM_LatentDecode<bfloat16>")->Apply(latent_cells);
+BENCHMARK(BM_LatentDecodeFpMathBf16)->Apply(latent_cells);
 BENCHMARK(BM_LatentPrefill)->Apply(latent_prefill_cells);
 BENCHMARK(BM_PoolTreeVerify)->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {0, 1, 2, 3, 4}})->UseRealTime()
     ->Unit(benchmark::kMicrosecond);

@@ -100,6 +100,28 @@ TEST_CASE("AMX tile product: every element is tdpbf16ps's sum in its order, for 
             }
 }
 
+TEST_CASE("AMX weight rows: every pair of keys per lane, for keys and lanes off every block", "[amx]") {
+    for (const Index n : {1, 2, 31, 32, 33, 64, 97, 128})
+        for (const Index cols : {1, 16, 17, 40, 64}) {
+            INFO("n = " << n << ", cols = " << cols);
+            const Index lanes = cols + 5, ldo = (n + 1) / 2 + 3;
+            Matrix<float> p = random_matrix<float>(n, lanes, 811);
+            for (Index i = 0; i < p.size(); ++i)
+                p.data()[i] = amx_widen(amx_bf16_bits(p.data()[i]));
+            std::vector<std::uint32_t> out(static_cast<std::size_t>(cols * ldo), 0xDEADBEEFu);
+            detail::pack_weight_rows(p.data(), n, cols, lanes, out.data(), ldo);
+            int wrong = 0;
+            for (Index i = 0; i < cols; ++i)
+                for (Index w = 0; w < ldo; ++w) {
+                    const std::uint32_t low = 2 * w < n ? amx_bf16_bits(p(2 * w, i)) : 0u;
+                    const std::uint32_t high = 2 * w + 1 < n ? amx_bf16_bits(p(2 * w + 1, i)) : 0u;
+                    const std::uint32_t expected = 2 * w < n ? low | high << 16 : 0xDEADBEEFu;  // past: untouched
+                    wrong += out[static_cast<std::size_t>(i * ldo + w)] != expected;
+                }
+            CHECK(wrong == 0);
+        }
+}
+
 TEST_CASE("AMX tile products of the softmax kernel, emulated: the logits and the weighted values of the float "
           "products on the same bfloat16 values",
           "[amx]") {

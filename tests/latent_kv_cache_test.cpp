@@ -8,6 +8,9 @@
 #include <functional>
 #include <limits>
 #include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
 #include <vector>
 
 using namespace memattn;
@@ -165,6 +168,80 @@ TEST_CASE("LatentKVCache: compact storage reads back the float cache of the stor
     stored_as(std::type_identity<Eigen::bfloat16>{});
     stored_as(std::type_identity<Q8>{});
     stored_as(std::type_identity<Fp8E4M3>{});
+}
+
+TEST_CASE("LatentKVCache: FpMath::bf16 on bfloat16 rows is the float cache of the stored rows with the queries "
+          "rounded, within the bound of the weights' rounding; bitwise for any thread count and in a pool",
+          "[memory][latent]") {
+    // (r, d_r): an odd width (vdpbf16ps with a zero pair; float elsewhere), tiles' edges,
+    // DeepSeek's 512 + 64.
+    const auto [r, dr] = GENERATE(std::pair<Index, Index>{17, 0}, std::pair<Index, Index>{40, 8},
+                                  std::pair<Index, Index>{512, 64});
+#if defined(MEMATTN_TEST_MEMORY_ONLY)
+    const Index heads = GENERATE(1, 16);
+    const Index n = GENERATE(0, 1, 129);
+#else
+    const Index heads = GENERATE(1, 16, 133);
+    const Index n = GENERATE(0, 1, 129, 2100);
+#endif
+    CAPTURE(r, dr, heads, n);
+    const Matrix<float> C = random_matrix<float>(n, r, 31), KR = random_matrix<float>(n, dr, 32);
+    const Matrix<float> Q = random_matrix<float>(heads, r + dr, 33);
+    const std::vector<double> sinks{0.25};
+    const SoftmaxOptions options{.softcap = 4.0, .sink_logits = sinks, .fpmath = FpMath::bf16};
+    LatentKVCache<float, Eigen::bfloat16> cache(r, dr, 0.2f, options);
+    CHECK(cache.options().fpmath == FpMath::bf16);
+    cache.extend(C, KR);
+    const Matrix<float> out = latent_attend(cache, Q);
+    // The float cache of the stored values, the queries rounded: the same logits up to
+    // float's order of sums; the weights rounded to bfloat16 move each column by at most
+    // 2⁻⁸/(1 − 2⁻⁸) of the values' range (docs/design.md §4.7c).
+    Matrix<float> joined(n, r + dr), held(n, r + dr);
+    joined << C, KR;
+    detail::round_trip<float, Eigen::bfloat16>(joined, held.data(), r + dr);
+    LatentKVCache<float> plain(r, dr, 0.2f, {.softcap = 4.0, .sink_logits = sinks});
+    plain.extend(held.leftCols(r), held.rightCols(dr));
+    const Matrix<float> rounded = Q.cast<Eigen::bfloat16>().cast<float>();
+    const Matrix<float> expected = latent_attend(plain, rounded);
+    if (n == 0) {
+        CHECK(out.isZero(0));
+        return;
+    }
+    // The sink's share rests on the rounded weights' sum too (lse within 2⁻⁸/(1 − 2⁻⁸)):
+    // the values' range (2) plus their largest magnitude (1).
+    const double bound = std::ldexp(1.0, -8) / (1 - std::ldexp(1.0, -8)) * 3.0 + 2e-5;
+    CHECK((out - expected).cwiseAbs().maxCoeff() <= bound);
+    // Any thread count, bit for bit; a pool's sequence (blocks of 7 and of 128), bit for bit.
+    for (const int threads : {1, 2, 3}) {
+        CAPTURE(threads);
+        CHECK((latent_attend(cache, Q, OpenMPExecutor{.threads = threads}).array() == out.array()).all());
+    }
+    for (const Index block : {Index{7}, Index{128}}) {
+        CAPTURE(block);
+        PagedLatentKVCache<float, Eigen::bfloat16> pool(r, dr, 0.2f, n / block + 2, block, options);
+        const Index seq = pool.add_sequence();
+        pool.extend(seq, C, KR);
+        Matrix<float> paged(heads, r);
+        pool.attend(seq, Q, paged);
+        CHECK((paged.array() == out.array()).all());
+    }
+}
+
+TEST_CASE("LatentKVCache: FpMath::bf16 needs float queries and bfloat16 rows", "[memory][latent]") {
+    const SoftmaxOptions bf16{.fpmath = FpMath::bf16};
+    const auto refused = [&](auto make) {
+        try {
+            make();
+        } catch (const std::invalid_argument& e) {
+            return std::string(e.what()).find("options.fpmath") != std::string::npos;
+        }
+        return false;
+    };
+    CHECK(refused([&] { LatentKVCache<float> c(8, 2, 0.5f, bf16); }));
+    CHECK(refused([&] { LatentKVCache<float, Q8> c(8, 2, 0.5f, bf16); }));
+    CHECK(refused([&] { LatentKVCache<double, Eigen::bfloat16> c(8, 2, 0.5, bf16); }));
+    CHECK(refused([&] { PagedLatentKVCache<float> p(8, 2, 0.5f, 4, 16, bf16); }));
+    CHECK_NOTHROW(PagedLatentKVCache<float, Eigen::bfloat16>(8, 2, 0.5f, 4, 16, bf16));
 }
 
 TEST_CASE("LatentKVCache: bitwise the same for any executor and thread count", "[memory][latent]") {

@@ -232,9 +232,8 @@ public:
         }
         const auto [keys, ldk] = k.bits(j0);
         amx_product<Tiles>(n, cols, k.cols() / 2, keys, ldk, this->query_pairs_, this->lanes_, s, this->lanes_, false);
-        for (Index j = 0; j < n; ++j)
-            for (Index i = 0; i < cols; ++i)
-                s[j * this->lanes_ + i] *= this->factor_;
+        Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>>(s, n, cols, Eigen::OuterStride<>(this->lanes_)) *=
+            this->factor_;
         issue(ahead);
     }
 
@@ -253,10 +252,10 @@ public:
             return;
         }
         pack_weight_rows(p, n, cols, this->lanes_, this->weight_pairs_, half_keys_);
-        if (alpha != nullptr)
+        if (alpha != nullptr)  // a lane whose maximum stayed (α = 1, most of them past the first tiles) as it is
             for (Index i = 0; i < cols; ++i)
-                for (Index c = 0; c < dv; ++c)
-                    acc[i * dv + c] *= alpha[i];
+                if (alpha[i] != 1.0f)
+                    Eigen::Map<Eigen::ArrayXf>(acc + i * dv, dv) *= alpha[i];
         amx_product<Tiles>(cols, dv, (n + 1) / 2, reinterpret_cast<const std::uint16_t*>(this->weight_pairs_),
                            2 * half_keys_, this->value_pairs_, this->value_stride_, acc, dv, alpha != nullptr);
         issue(ahead);

@@ -36,7 +36,10 @@
 //
 // The logit options that apply to MLA: the softcap, and a sink logit per head (or one
 // for all). ALiBi, windows, sink tokens and trees are refused, as is causal = false
-// (std::invalid_argument). A call that throws changes nothing.
+// (std::invalid_argument). A call that throws changes nothing. With bfloat16 rows and
+// float queries, options.fpmath = FpMath::bf16 rounds the queries to bfloat16 and
+// multiplies the rows as bfloat16 pairs (AMX tiles where the CPU has them; docs/design.md
+// §4.4c); other T or S refuse it.
 
 #include "memattn/execution/executor.hpp"
 #include "memattn/execution/parallel.hpp"
@@ -100,12 +103,15 @@ public:
     /// With the logit options (kernels/softmax_options.hpp) that apply: the softcap, and
     /// sink logits, one for every head or one per head (then attend takes that many).
     /// `options.scale` is not read (the scale is the argument). ALiBi slopes, a window,
-    /// sink tokens, a tree or causal = false throw std::invalid_argument.
+    /// sink tokens, a tree or causal = false throw std::invalid_argument; so does
+    /// `options.fpmath = FpMath::bf16` unless T is float and S bfloat16 (then the attends
+    /// round the queries to bfloat16 and multiply in bfloat16 pairs).
     LatentKVCache(Index latent_dim, Index rope_dim, T scale, const SoftmaxOptions& options)
         : LatentKVCache(latent_dim, rope_dim, scale) {
         detail::require(options.alibi_slopes.empty(), "LatentKVCache", "options.alibi_slopes",
                         "are given, but latent attention places its tokens by RoPE (the rope_dim columns)");
-        logits_ = detail::HeldLogits("LatentKVCache", options, std::type_identity<T>{});
+        fpmath_ = detail::checked_latent_fpmath<T, S>("LatentKVCache", options);
+        logits_ = detail::HeldLogits("LatentKVCache", detail::without_fpmath(options), std::type_identity<T>{});
     }
 
     /// Appends one token: its latent (1 × latent_dim) and its RoPE key (1 × rope_dim),
@@ -162,7 +168,7 @@ public:
                                     view()};
         const std::span<detail::LatentJob<T, S>> jobs(&job, 1);
         const detail::LatentParams<T> params{latent_dim_, rope_dim_, scale_, logits_.into({}).softcap,
-                                             logits_.into({}).sink_logits};
+                                             logits_.into({}).sink_logits, fpmath_};
         std::unique_lock<std::mutex> lock(scratch_.mutex, std::try_to_lock);
         if (lock.owns_lock()) {
             reserve_scratch(heads, executor);  // the pieces of the allocated rows: later steps fit
@@ -208,10 +214,10 @@ public:
     [[nodiscard]] Index query_dim() const noexcept { return width(); }
     /// The factor of q·k before the softmax.
     [[nodiscard]] T scale() const noexcept { return scale_; }
-    /// The options its attends follow: the scale, the softcap and the sink logits (the
+    /// The options its attends follow: the scale, the softcap, the fpmath and the sink logits (the
     /// span views the cache's own copy, valid while it lives and is not assigned to).
     [[nodiscard]] SoftmaxOptions options() const noexcept {
-        return logits_.into({.scale = static_cast<double>(scale_)});
+        return logits_.into({.scale = static_cast<double>(scale_), .fpmath = fpmath_});
     }
 
     /// Where its tokens are (the stored rows in storage S, one run): how mla_prefill reads
@@ -305,6 +311,7 @@ private:
     Index rope_dim_;
     T scale_;
     detail::HeldLogits logits_;
+    FpMath fpmath_ = FpMath::strict;
     Rows rows_;
     Matrix<T> joined_;  ///< rows [c | k_rope] joined before they are stored
     Index length_ = 0;

@@ -90,7 +90,7 @@ public:
         : PagedLatentKVCache(latent_dim, rope_dim, scale, blocks, block_size, SoftmaxOptions{}) {}
 
     /// With the logit options that apply (LatentKVCache's: the softcap, sink logits one
-    /// for every head or one per head; the rest refused) and PoolOptions (reject_nonfinite;
+    /// for every head or one per head, FpMath::bf16 over bfloat16 rows; the rest refused) and PoolOptions (reject_nonfinite;
     /// rollback_tokens is a window's and changes nothing here).
     PagedLatentKVCache(Index latent_dim, Index rope_dim, T scale, Index blocks, Index block_size,
                        const SoftmaxOptions& options, const PoolOptions& pool = {})
@@ -98,7 +98,8 @@ public:
           latent_dim_(latent_dim),
           rope_dim_(rope_dim),
           scale_(scale),
-          logits_("PagedLatentKVCache", options, std::type_identity<T>{}),
+          logits_("PagedLatentKVCache", detail::without_fpmath(options), std::type_identity<T>{}),
+          fpmath_(options.fpmath),
           reject_nonfinite_(pool.reject_nonfinite),
           rows_(detail::checked_product("PagedLatentKVCache", "blocks", blocks, block_size, "blocks x block_size"),
                 latent_dim + rope_dim),
@@ -185,7 +186,7 @@ public:
     /// The options its attends follow: the scale, the softcap and the sink logits (the
     /// spans view the pool's own copy).
     [[nodiscard]] SoftmaxOptions options() const noexcept {
-        return logits_.into({.scale = static_cast<double>(scale_)});
+        return logits_.into({.scale = static_cast<double>(scale_), .fpmath = fpmath_});
     }
     /// What the pool refuses beyond its attention options.
     [[nodiscard]] PoolOptions pool_options() const noexcept { return {.reject_nonfinite = reject_nonfinite_}; }
@@ -433,8 +434,7 @@ private:
                         ", expected a finite nonzero factor of q·k (see mla_softmax_scale)");
         detail::at_least(blocks, 1, function, "blocks");
         detail::at_least(block_size, 1, function, "block_size");
-        detail::require(options.fpmath == FpMath::strict, function, "options.fpmath",
-                        "is not FpMath::strict, but a pool reads its blocks as stored and keeps its own products");
+        (void)detail::checked_latent_fpmath<T, S>(function, options);
         detail::require(options.alibi_slopes.empty(), function, "options.alibi_slopes",
                         "are given, but latent attention places its tokens by RoPE (the rope_dim columns)");
         return {.blocks = blocks, .block_size = block_size, .window = 0, .sinks = 0, .rollback = 0};
@@ -558,7 +558,8 @@ private:
                                      .length = s.length}});
         }
         const SoftmaxOptions options = this->options();
-        const detail::LatentParams<T> params{latent_dim_, rope_dim_, scale_, options.softcap, options.sink_logits};
+        const detail::LatentParams<T> params{latent_dim_, rope_dim_, scale_, options.softcap, options.sink_logits,
+                                             fpmath_};
         detail::latent_attend(std::span<detail::LatentJob<T, S>>(scratch.jobs), params, scratch, executor);
     }
 
@@ -566,6 +567,7 @@ private:
     Index rope_dim_;
     T scale_;
     detail::HeldLogits logits_;
+    FpMath fpmath_;
     bool reject_nonfinite_;
     Rows rows_;
     Matrix<T> joined_;  ///< rows [c | k_rope] joined before they are stored

@@ -40,6 +40,9 @@ public:
         }
     }
 
+    /// Row r as stored: cols() elements, the next row's right after them.
+    [[nodiscard]] const S* stored_row(Index r) const noexcept { return &m_(r, 0); }
+
     /// Asks for a row towards the cache ahead of its use.
     void prefetch_row(Index row) const { prefetch_rows(&m_(row, 0), 1, 0, cols()); }
 

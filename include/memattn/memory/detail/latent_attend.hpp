@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -142,6 +143,85 @@ private:
     Index rows_, cols_;
 };
 
+/// The bfloat16 rows of one tile of a view's tokens for the FpMath::bf16 attend, shared
+/// by the key source (the whole row) and the value source (its first r columns): a tile
+/// within one run of stored rows is read in place, one across a pool's blocks is gathered
+/// into `gathered` (a tile's rows, sized on first use). Tokens are counted from `first`;
+/// a tile is [j, j + tile_rows) cut at `length`, for any j the kernel starts one at.
+template <class S>
+class LatentPairTile {
+public:
+    LatentPairTile(const LatentRowsView<float, S>& view, Index first, Index length, Index tile_rows,
+                   Matrix<S>& gathered)
+        : view_(view), first_(first), length_(length), tile_rows_(tile_rows), gathered_(gathered) {}
+    /// The rows of the tile from token j: j's stored row and the row stride, with the
+    /// next min(tile_rows, length − j) rows at that stride (loaded unless j starts the
+    /// current tile: the kernel's tiles need not start at multiples of tile_rows).
+    std::pair<const S*, Index> rows(Index j) {
+        if (j != j0_ || data_ == nullptr)
+            load(j);
+        return {data_, stride_};
+    }
+
+private:
+    void load(Index j) {
+        const Index cols = view_.rows->cols(), token = first_ + j;
+        j0_ = j;
+        n_ = std::min(tile_rows_, length_ - j);
+        stride_ = cols;
+        if (view_.run(token, n_) == n_) {
+            data_ = view_.rows->stored_row(view_.row(token));
+            return;
+        }
+        if (gathered_.rows() < tile_rows_ || gathered_.cols() != cols)
+            gathered_.resize(tile_rows_, cols);
+        view_.for_each_run(token, n_, [&](Index row, Index m, Index t) {
+            std::memcpy(gathered_.data() + (t - token) * cols, view_.rows->stored_row(row),
+                        sizeof(S) * static_cast<std::size_t>(m * cols));
+        });
+        data_ = gathered_.data();
+    }
+
+    const LatentRowsView<float, S>& view_;
+    Index first_, length_, tile_rows_;
+    Matrix<S>& gathered_;
+    Index j0_ = 0, n_ = 0, stride_ = 0;
+    const S* data_ = nullptr;
+};
+
+/// A row source of the tiled kernel over a LatentPairTile: `cols` columns of each row as
+/// bfloat16 pairs in place where the target multiplies them (bits()), and as float
+/// (tile(): the float products elsewhere, and a value tile that is not all finite).
+template <class S>
+class LatentPairColumns {
+public:
+    static constexpr bool pairs = bf16_dot;
+    LatentPairColumns(LatentPairTile<S>& tile, Index rows, Index cols, Index tile_rows, Matrix<float>& converted)
+        : tile_(&tile), rows_(rows), cols_(cols), tile_rows_(tile_rows), converted_(&converted) {}
+    [[nodiscard]] Index rows() const noexcept { return rows_; }
+    [[nodiscard]] Index cols() const noexcept { return cols_; }
+    [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j) {
+        const auto [row, ld] = tile_->rows(j);
+        return {reinterpret_cast<const std::uint16_t*>(row), ld};
+    }
+    /// Rows [j0, j0 + n) as float (n at most a tile's rows).
+    [[nodiscard]] std::pair<const float*, Index> tile(Index j0, Index n) {
+        MEMATTN_DASSERT(n <= tile_rows_);
+        const auto [row, ld] = tile_->rows(j0);
+        if (converted_->rows() < tile_rows_ || converted_->cols() != cols_)
+            converted_->resize(tile_rows_, cols_);
+        for (Index r = 0; r < n; ++r)
+            decode_span(row + r * ld, cols_, 1.0f, converted_->data() + r * cols_);
+        return {converted_->data(), cols_};
+    }
+    void prefetch(Index, Index) const {}
+
+private:
+    LatentPairTile<S>* tile_;
+    Index rows_, cols_, tile_rows_;
+    Matrix<float>* converted_;
+};
+
 /// One sequence's attend: rows [0, heads) of q (stride ldq) over the tokens of `view`
 /// into rows of out (stride ldo).
 template <class T, class S>
@@ -155,14 +235,38 @@ struct LatentJob {
     Index row0 = 0;  ///< its first partial row: piece p's head h at row0 + p · heads + h
 };
 
-/// What every job of a call shares: the widths, the scale and the logit options.
+/// What every job of a call shares: the widths, the scale, the logit options and the
+/// arithmetic of the products.
 template <class T>
 struct LatentParams {
     Index latent_dim, rope_dim;
     T scale;
     double softcap;
     std::span<const double> sinks;  ///< none, one for every head, or one per head
+    FpMath fpmath = FpMath::strict;  ///< bf16: latent_bf16_products (checked_latent_fpmath)
 };
+
+/// Whether a latent cache of T stored as S can take FpMath::bf16: float queries against
+/// bfloat16 rows, multiplied as bfloat16 pairs (AMX tiles or vdpbf16ps where the CPU has
+/// them) with the queries rounded to bfloat16 once per attend.
+template <class T, class S>
+inline constexpr bool latent_bf16_products = std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16>;
+
+/// options.fpmath for a latent cache of T stored as S, checked for `function`.
+template <class T, class S>
+[[nodiscard]] FpMath checked_latent_fpmath(const char* function, const SoftmaxOptions& options) {
+    require(options.fpmath == FpMath::strict || latent_bf16_products<T, S>, function, "options.fpmath",
+            "is FpMath::bf16, which multiplies the stored rows as bfloat16 pairs with the queries rounded to "
+            "bfloat16: it needs float queries and bfloat16 storage (T = float, S = Eigen::bfloat16)");
+    return options.fpmath;
+}
+
+/// `options` with fpmath strict: what the memories' logit checks (HeldLogits) take once a
+/// latent cache has taken the fpmath itself.
+[[nodiscard]] inline SoftmaxOptions without_fpmath(SoftmaxOptions options) noexcept {
+    options.fpmath = FpMath::strict;
+    return options;
+}
 
 /// The scratch of latent attends: every piece's partial outputs and log-sum-exps, one
 /// kernel scratch (and decoded tile) per thread, a call's jobs. A copy or a move gets
@@ -172,6 +276,8 @@ struct LatentScratch {
     struct Worker {
         std::optional<SoftmaxScratch<T>> softmax;
         Matrix<T> decoded;
+        Matrix<Eigen::bfloat16> rounded;   ///< FpMath::bf16: the queries rounded
+        Matrix<Eigen::bfloat16> gathered;  ///< FpMath::bf16: a tile's rows across a pool's blocks
     };
     std::mutex mutex;
     Matrix<T> partial;  ///< the pieces' partial outputs (LatentJob::row0)
@@ -222,6 +328,25 @@ void latent_piece(const LatentJob<T, S>& job, const LatentParams<T>& params, Ind
     const auto sink = [lse](Index i, T value) { lse[i] = value; };
     using Map = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
     const Map queries(job.q, job.heads, width, Eigen::OuterStride<>(job.ldq));
+    if constexpr (latent_bf16_products<T, S>) {
+        if (params.fpmath == FpMath::bf16) {  // the queries rounded once, the rows as bfloat16 pairs
+            using E = Eigen::bfloat16;
+            const SoftmaxTiles tiles = worker.softmax->tiles;
+            SoftmaxScratch<float>& scratch = *worker.softmax;
+            if (worker.rounded.rows() < job.heads || worker.rounded.cols() != width)
+                worker.rounded.resize(job.heads, width);
+            worker.rounded.topRows(job.heads) = queries.template cast<E>();
+            LatentPairTile<S> tile(job.view, j0, n, tiles.keys, worker.gathered);
+            using Source = LatentPairColumns<S>;
+            TiledCausalSoftmax<float, DefaultBlocking, Source, Source, ConvertedRows<E>> kernel(
+                ConvertedRows<E>(worker.rounded.topRows(job.heads), tiles.queries, scratch.converted_q),
+                Source(tile, n, width, tiles.keys, scratch.converted_k),
+                Source(tile, n, params.latent_dim, tiles.keys, scratch.converted_v), params.scale, 0, 0, scratch,
+                rule);
+            kernel.run(partial, sink);
+            return;
+        }
+    }
     if constexpr (std::is_same_v<S, T>) {
         if (job.view.run(j0, n) == n) {  // one run: the rows in place
             const auto piece = job.view.rows->block(job.view.row(j0), n);
