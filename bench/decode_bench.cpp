@@ -54,6 +54,9 @@
 //       (MlaPrefill); its FLOPs the mode's own (absorbed 2·(2r + d_r) a head and pair
 //       plus the absorptions, expanded 2·(d_nope + d_r + d_v) a head and pair plus
 //       2·r·(d_nope + d_v) a head and key), a pair being a query and a key it sees
+//   BM_LatentPrefillFpMathBf16/...                        the same over a bfloat16 cache
+//       with FpMath::bf16 (the queries, and expanded the keys and values, rounded; the
+//       kernel's products in bfloat16, AMX tiles where the CPU has them)
 //
 //   BM_PagedLatentDecode<S>/heads:H/batch:B/length:L/t:T/pool:P   one decode step's
 //       attend of B sequences of L tokens each (DeepSeek-V3's r = 512, d_r = 64, H
@@ -675,7 +678,8 @@ void BM_PoolTreeVerify(benchmark::State& state) {
     benchmark::DoNotOptimize(O.data());
 }
 
-void BM_LatentPrefill(benchmark::State& state) {
+template <class S>
+void latent_prefill_cell(benchmark::State& state, memattn::FpMath fpmath) {
     constexpr Index r = 512, dr = 64, nope = 128, dv = 128;
     const Index heads = state.range(0), past = state.range(1), n = state.range(2);
     const auto mode = static_cast<memattn::MlaPrefill>(state.range(4));
@@ -688,7 +692,8 @@ void BM_LatentPrefill(benchmark::State& state) {
     const Matrix<float> W_UK = memattn::bench::random_matrix<float>(heads * nope, r, 5) * 0.05f,
                         W_UV = memattn::bench::random_matrix<float>(heads * dv, r, 6) * 0.05f;
     Matrix<float> out(n * heads, dv);
-    memattn::LatentKVCache<float> cache(r, dr, static_cast<float>(memattn::mla_softmax_scale(nope + dr, 40)));
+    memattn::LatentKVCache<float, S> cache(r, dr, static_cast<float>(memattn::mla_softmax_scale(nope + dr, 40)),
+                                           {.fpmath = fpmath});
     cache.reserve(past + n);
     cache.extend(rows.topRows(past).leftCols(r), rows.topRows(past).rightCols(dr));
     const double step_seconds = median_step_seconds(state, [&] {
@@ -704,6 +709,14 @@ void BM_LatentPrefill(benchmark::State& state) {
                              : pairs * 2 * (2 * r + dr) + static_cast<double>(heads) * static_cast<double>(n) * 2 * r * (nope + dv);
     report_roofline(state, step_seconds, cache.footprint(), flops, executor);
     state.counters["GFLOPS"] = flops / step_seconds * 1e-9;
+}
+
+void BM_LatentPrefill(benchmark::State& state) { latent_prefill_cell<float>(state, memattn::FpMath::strict); }
+
+/// The same over a bfloat16 cache with FpMath::bf16 (the kernel's products in bfloat16:
+/// AMX tiles where the CPU has them).
+void BM_LatentPrefillFpMathBf16(benchmark::State& state) {
+    latent_prefill_cell<Eigen::bfloat16>(state, memattn::FpMath::bf16);
 }
 
 void latent_prefill_cells(benchmark::internal::Benchmark* b) {
@@ -1084,6 +1097,7 @@ BENCHMARK(BM_LatentDecode<float>)->Name("BM_LatentDecode<float>")->Apply(latent_
 BENCHMARK(BM_LatentDecode<Eigen::bfloat16>)->Name("BM_LatentDecode<bfloat16>")->Apply(latent_cells);
 BENCHMARK(BM_LatentDecodeFpMathBf16)->Apply(latent_cells);
 BENCHMARK(BM_LatentPrefill)->Apply(latent_prefill_cells);
+BENCHMARK(BM_LatentPrefillFpMathBf16)->Apply(latent_prefill_cells);
 BENCHMARK(BM_PoolTreeVerify)->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {0, 1, 2, 3, 4}})->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_PagedLatentDecode<float>)->Name("BM_PagedLatentDecode<float>")->Apply(paged_latent_cells);

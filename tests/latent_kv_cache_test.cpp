@@ -491,6 +491,68 @@ TEST_CASE("mla_prefill: bitwise for any thread count, a compact cache's stored r
     CHECK(cache.length() == P);
 }
 
+TEST_CASE("mla_prefill and mla_decode with FpMath::bf16 over bfloat16 rows: the unabsorbed MLA on the stored rows "
+          "within the roundings; bitwise for any thread count; a pool's sequence as the cache",
+          "[layer][latent]") {
+    struct Shape {
+        Index heads, r, dr, nope, dv, past, n;
+    };
+    // Past a key chunk (detail::mla_key_chunk 4096), no past, one token.
+#if defined(MEMATTN_TEST_MEMORY_ONLY)
+    const Shape shape = GENERATE(Shape{3, 20, 6, 8, 6, 37, 70}, Shape{1, 6, 2, 2, 2, 12, 1});
+#else
+    const Shape shape = GENERATE(Shape{3, 20, 6, 8, 6, 37, 70}, Shape{2, 10, 4, 4, 4, 4100, 5},
+                                 Shape{4, 16, 0, 6, 8, 0, 200}, Shape{1, 6, 2, 2, 2, 12, 1});
+#endif
+    const Index H = shape.heads, r = shape.r, dr = shape.dr, nope = shape.nope, dv = shape.dv, P = shape.past,
+                n = shape.n;
+    CAPTURE(H, r, dr, nope, dv, P, n);
+    const double scale = mla_softmax_scale(nope + dr);
+    const Matrix<float> C = random_matrix<float>(P + n, r, 90), KR = random_matrix<float>(P + n, dr, 91);
+    const Matrix<float> q_nope = random_matrix<float>(n * H, nope, 92), q_rope = random_matrix<float>(n * H, dr, 93);
+    const Matrix<float> W_UK = random_matrix<float>(H * nope, r, 94, 0.5), W_UV = random_matrix<float>(H * dv, r, 95, 0.5);
+    const std::vector<double> sinks{0.5};
+    const SoftmaxOptions options{.softcap = 3.0, .sink_logits = sinks, .fpmath = FpMath::bf16};
+    // The rows as stored, in double: what the reference attends.
+    Matrix<float> joined(P + n, r + dr), held(P + n, r + dr);
+    joined << C, KR;
+    detail::round_trip<float, Eigen::bfloat16>(joined, held.data(), r + dr);
+    const reference::MatrixD stored = reference::to_double(held);
+    reference::Logits logits{.scale = scale, .softcap = 3.0};
+    logits.sink = 0.5;
+    const reference::MatrixD expected =
+        reference::mla_unabsorbed(H, reference::to_double(q_nope), reference::to_double(q_rope),
+                                  stored.leftCols(r), stored.rightCols(dr), reference::to_double(W_UK),
+                                  reference::to_double(W_UV), logits);
+    for (const auto mode : {MlaPrefill::absorbed, MlaPrefill::expanded}) {
+        CAPTURE(static_cast<int>(mode));
+        Matrix<float> serial(n * H, dv), threaded(n * H, dv), paged(n * H, dv);
+        LatentKVCache<float, Eigen::bfloat16> a(r, dr, static_cast<float>(scale), options),
+            b(r, dr, static_cast<float>(scale), options);
+        a.extend(C.topRows(P), KR.topRows(P));
+        b.extend(C.topRows(P), KR.topRows(P));
+        mla_prefill(a, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, serial, SerialExecutor{}, mode);
+        mla_prefill(b, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, threaded,
+                    OpenMPExecutor{.threads = 2}, mode);
+        CHECK((serial.array() == threaded.array()).all());
+        // Within the roundings of the queries (and, expanded, of the keys and values) and of
+        // the weights: two units of bfloat16's 2⁻⁸ on these unit-range values.
+        check_close(serial, expected.bottomRows(n * H), 8e-3);
+        PagedLatentKVCache<float, Eigen::bfloat16> pool(r, dr, static_cast<float>(scale), (P + n) / 7 + 2, 7, options);
+        const Index seq = pool.add_sequence();
+        pool.extend(seq, C.topRows(P), KR.topRows(P));
+        mla_prefill(pool.sequence(seq), q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, paged, {},
+                    mode);
+        CHECK((paged.array() == serial.array()).all());
+    }
+    // A decode step after the prompt: the last token's heads.
+    LatentKVCache<float, Eigen::bfloat16> cache(r, dr, static_cast<float>(scale), options);
+    cache.extend(C, KR);
+    Matrix<float> out(H, dv);
+    mla_decode(cache, q_nope.bottomRows(H), q_rope.bottomRows(H), W_UK, W_UV, out);
+    check_close(out, expected.bottomRows(H), 8e-3);
+}
+
 TEST_CASE("mla_expands: the prefill's automatic choice by the FLOPs of each form", "[layer][latent]") {
     // DeepSeek-V3's shapes: r = 512, d_r = 64, nope 128, v 128 (docs/performance.md).
     CHECK_FALSE(mla_expands(64, 0, 512, 64, 128, 128));     // below mla_expand_tokens

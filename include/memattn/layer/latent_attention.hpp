@@ -207,6 +207,9 @@ struct MlaPrefillScratch {
     Matrix<T> part, acc;          ///< a chunk's outputs, the merged outputs (n × d_v)
     std::vector<T> part_lse, lse; ///< theirs log-sum-exps
     std::optional<SoftmaxScratch<T>> softmax;
+    /// FpMath::bf16: the queries, a chunk's expanded keys and values rounded to bfloat16,
+    /// and a tile of stored rows gathered across a pool's blocks.
+    Matrix<Eigen::bfloat16> rounded_queries, rounded_keys, rounded_values, gathered;
 
     SoftmaxScratch<T>& kernel_scratch(Index d, Index dv, SoftmaxTiles tiles) {
         if (!softmax || softmax->tiles != tiles || softmax->qt.rows() != d || softmax->acc.cols() != dv)
@@ -233,6 +236,7 @@ struct MlaPrompt {
     T scale;
     double softcap;
     std::span<const double> sinks;
+    FpMath fpmath = FpMath::strict;  ///< bf16: the kernel's products in bfloat16 (latent_bf16_products)
 
     /// Head h's sink logit (−∞: none).
     [[nodiscard]] T sink(Index h) const {
@@ -268,6 +272,22 @@ void mla_prefill_absorbed(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
     const ConstMatrixRef<T> queries = scratch.queries.topRows(p.tokens);
     MatrixRef<T> latent = scratch.latent.topRows(p.tokens);
     const auto no_lse = [](Index, T) {};
+    if constexpr (latent_bf16_products<T, S>) {
+        if (p.fpmath == FpMath::bf16) {  // the queries rounded, the stored rows as bfloat16 pairs
+            using E = Eigen::bfloat16;
+            size_rows(scratch.rounded_queries, p.tokens, width);
+            scratch.rounded_queries.topRows(p.tokens) = queries.template cast<E>();
+            LatentPairTile<S> tile(rows, 0, keys, softmax.tiles.keys, scratch.gathered);
+            using Source = LatentPairColumns<S>;
+            TiledCausalSoftmax<float, DefaultBlocking, Source, Source, ConvertedRows<E>> kernel(
+                ConvertedRows<E>(scratch.rounded_queries.topRows(p.tokens), softmax.tiles.queries, softmax.converted_q),
+                Source(tile, keys, width, softmax.tiles.keys, softmax.converted_k),
+                Source(tile, keys, p.r, softmax.tiles.keys, softmax.converted_v), p.scale, 0, 0, softmax, rule);
+            kernel.run(latent, no_lse);
+            p.project_out(h, scratch.latent, scratch);
+            return;
+        }
+    }
     if (std::is_same_v<S, T> && rows.run(0, keys) == keys) {  // one run of rows as T: in place
         const auto all = Eigen::Map<const Matrix<T>>(rows.tile(0, keys, scratch.decoded).first, keys, width);
         TiledCausalSoftmax<T> kernel(PlainRows<T>(queries), PlainRows<T>(all), PlainRows<T>(all.leftCols(p.r)),
@@ -330,14 +350,38 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
         const Index t0 = std::max<Index>(0, j0 - p.past);
         if (t0 >= n)
             break;
-        TiledCausalSoftmax<T> kernel(PlainRows<T>(scratch.queries.middleRows(t0, n - t0)),
-                                     PlainRows<T>(scratch.keys.topRows(m)), PlainRows<T>(scratch.values.topRows(m)),
-                                     p.scale, 0, 0, softmax, rule);
-        kernel.set_query_offset(p.past + t0 - j0);
         T* part_lse = scratch.part_lse.data();
-        kernel.run(MatrixRef<T>(scratch.part.middleRows(t0, n - t0)), [part_lse, t0](Index i, T value) {
-            part_lse[t0 + i] = value;
-        });
+        const auto lse = [part_lse, t0](Index i, T value) { part_lse[t0 + i] = value; };
+        const auto attend = [&](auto&& kernel) {
+            kernel.set_query_offset(p.past + t0 - j0);
+            kernel.run(MatrixRef<T>(scratch.part.middleRows(t0, n - t0)), lse);
+        };
+        bool rounded = false;
+        if constexpr (latent_bf16_products<T, S>) {
+            if (p.fpmath == FpMath::bf16) {  // the queries and the chunk's keys and values rounded
+                using E = Eigen::bfloat16;
+                using C = ConvertedRows<E>;
+                if (j0 == 0) {
+                    size_rows(scratch.rounded_queries, n, qk);
+                    scratch.rounded_queries.topRows(n) = scratch.queries.topRows(n).template cast<E>();
+                }
+                size_rows(scratch.rounded_keys, chunk, qk);
+                size_rows(scratch.rounded_values, chunk, p.dv);
+                scratch.rounded_keys.topRows(m) = scratch.keys.topRows(m).template cast<E>();
+                scratch.rounded_values.topRows(m) = scratch.values.topRows(m).template cast<E>();
+                const SoftmaxTiles tiles = softmax.tiles;
+                attend(TiledCausalSoftmax<float, DefaultBlocking, C, C, C>(
+                    C(scratch.rounded_queries.middleRows(t0, n - t0), tiles.queries, softmax.converted_q),
+                    C(scratch.rounded_keys.topRows(m), tiles.keys, softmax.converted_k),
+                    C(scratch.rounded_values.topRows(m), tiles.keys, softmax.converted_v), p.scale, 0, 0, softmax,
+                    rule));
+                rounded = true;
+            }
+        }
+        if (!rounded)
+            attend(TiledCausalSoftmax<T>(PlainRows<T>(scratch.queries.middleRows(t0, n - t0)),
+                                         PlainRows<T>(scratch.keys.topRows(m)),
+                                         PlainRows<T>(scratch.values.topRows(m)), p.scale, 0, 0, softmax, rule));
         auto merged = scratch.acc.middleRows(t0, n - t0);
         merge_rows(merged, scratch.lse.data() + t0, scratch.part.middleRows(t0, n - t0),
                    scratch.part_lse.data() + t0);  // the chunk's part, in order
@@ -364,7 +408,10 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
 /// tokens' cache rows (RoPE keys turned), W_UK (H·d_nope) × r and W_UV (H·d_v) × r. The
 /// heads run on the executor's threads, each the same way whoever runs it. `mode`
 /// chooses the absorbed or the expanded form (automatic: mla_expands). Equal
-/// to the unabsorbed formula within rounding. Throws std::invalid_argument, changing
+/// to the unabsorbed formula within rounding. A cache of bfloat16 rows with
+/// options().fpmath = FpMath::bf16 rounds the queries (absorbed: [q_nope W_UK | q_rope];
+/// expanded: those and each chunk's keys and values) to bfloat16 and runs the kernel's
+/// products in bfloat16 (AMX tiles where the CPU has them). Throws std::invalid_argument, changing
 /// nothing, on shapes that do not fit or values the cache's storage cannot hold; if the
 /// attention itself throws (std::bad_alloc), the cache is taken back to its length.
 template <class Cache, class T = typename std::remove_cvref_t<Cache>::Scalar>
@@ -409,7 +456,7 @@ void mla_prefill(Cache&& cache, std::type_identity_t<ConstMatrixRef<T>> q_nope,
     try {
         const detail::MlaPrompt<T> prompt{q_nope, q_rope, W_UK, W_UV, out.data(), out.outerStride(), heads, n, past,
                                           r, dr, nope, dv,
-                                          cache.scale(), options.softcap, options.sink_logits};
+                                          cache.scale(), options.softcap, options.sink_logits, options.fpmath};
         const bool expand = mode == MlaPrefill::expanded ||
                             (mode == MlaPrefill::automatic && mla_expands(n, past, r, dr, nope, dv));
         std::vector<detail::MlaPrefillScratch<T>> scratch(
