@@ -497,12 +497,14 @@ TEST_CASE("mla_prefill and mla_decode with FpMath::bf16 over bfloat16 rows: the 
     struct Shape {
         Index heads, r, dr, nope, dv, past, n;
     };
-    // Past a key chunk (detail::mla_key_chunk 4096), no past, one token.
+    // Past a key chunk (detail::mla_key_chunk 4096), no past, one token; an odd r (the
+    // expansion's products then float products of the rounded values, not tiles).
 #if defined(MEMATTN_TEST_MEMORY_ONLY)
-    const Shape shape = GENERATE(Shape{3, 20, 6, 8, 6, 37, 70}, Shape{1, 6, 2, 2, 2, 12, 1});
+    const Shape shape = GENERATE(Shape{3, 20, 6, 8, 6, 37, 70}, Shape{1, 7, 2, 2, 2, 12, 1});
 #else
     const Shape shape = GENERATE(Shape{3, 20, 6, 8, 6, 37, 70}, Shape{2, 10, 4, 4, 4, 4100, 5},
-                                 Shape{4, 16, 0, 6, 8, 0, 200}, Shape{1, 6, 2, 2, 2, 12, 1});
+                                 Shape{4, 16, 0, 6, 8, 0, 200}, Shape{1, 6, 2, 2, 2, 12, 1},
+                                 Shape{2, 9, 3, 4, 5, 150, 140});
 #endif
     const Index H = shape.heads, r = shape.r, dr = shape.dr, nope = shape.nope, dv = shape.dv, P = shape.past,
                 n = shape.n;

@@ -35,7 +35,9 @@
 #include "memattn/types.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <span>
@@ -210,6 +212,8 @@ struct MlaPrefillScratch {
     /// FpMath::bf16: the queries, a chunk's expanded keys and values rounded to bfloat16,
     /// and a tile of stored rows gathered across a pool's blocks.
     Matrix<Eigen::bfloat16> rounded_queries, rounded_keys, rounded_values, gathered;
+    /// FpMath::bf16 in AMX tiles: W_UK_hᵀ and W_UV_hᵀ as B pairs (r/2 × d_nope, r/2 × d_v words).
+    std::vector<std::uint32_t> uk_pairs, uv_pairs;
 
     SoftmaxScratch<T>& kernel_scratch(Index d, Index dv, SoftmaxTiles tiles) {
         if (!softmax || softmax->tiles != tiles || softmax->qt.rows() != d || softmax->acc.cols() != dv)
@@ -251,6 +255,18 @@ struct MlaPrompt {
                         out + h * ldo, heads * ldo, nullptr);
     }
 };
+
+/// W (depth × cols, bfloat16 values held as T, depth even) as B pairs for amx_product:
+/// word k·cols + c holds W(2k, c) low and W(2k + 1, c) high.
+template <class T>
+void mla_weight_pairs(const Matrix<T>& w, std::vector<std::uint32_t>& pairs) {
+    const Index half = w.rows() / 2, cols = w.cols();
+    pairs.resize(static_cast<std::size_t>(half * cols));
+    const auto bits = [](T x) { return std::uint32_t{std::bit_cast<std::uint16_t>(Eigen::bfloat16(static_cast<float>(x)))}; };
+    for (Index k = 0; k < half; ++k)
+        for (Index c = 0; c < cols; ++c)
+            pairs[static_cast<std::size_t>(k * cols + c)] = bits(w(2 * k, c)) | bits(w(2 * k + 1, c)) << 16;
+}
 
 /// The absorbed prefill of head h: [q_nope_h W_UK_h | q_rope_h] against every stored row.
 template <class T, class S>
@@ -318,6 +334,22 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
     }
     scratch.uk_t = p.W_UK.middleRows(h * p.nope, p.nope).transpose();
     scratch.uv_t = p.W_UV.middleRows(h * p.dv, p.dv).transpose();
+    [[maybe_unused]] bool tiles = false;
+    if constexpr (latent_bf16_products<T, S>) {
+        if (p.fpmath == FpMath::bf16) {
+            // The expansion multiplies bfloat16 too: W_UK_hᵀ and W_UV_hᵀ rounded (the stored
+            // latents are bfloat16 already), in AMX tiles where they run and r is even (a
+            // row's pairs then end before its RoPE key), else as float products of the
+            // rounded values: the same exact terms, summed in another order.
+            scratch.uk_t = scratch.uk_t.template cast<Eigen::bfloat16>().template cast<T>();
+            scratch.uv_t = scratch.uv_t.template cast<Eigen::bfloat16>().template cast<T>();
+            tiles = p.r % 2 == 0 && AmxTileProducts<DefaultBlocking>::runs();
+            if (tiles) {
+                mla_weight_pairs(scratch.uk_t, scratch.uk_pairs);
+                mla_weight_pairs(scratch.uv_t, scratch.uv_pairs);
+            }
+        }
+    }
     const Index chunk = std::min(mla_key_chunk, keys);
     size_rows(scratch.keys, chunk, qk);
     size_rows(scratch.values, chunk, p.dv);
@@ -330,12 +362,34 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
     const LogitRule rule{.causal = true, .softcap = p.softcap};
     for (Index j0 = 0; j0 < keys; j0 += chunk) {
         const Index m = std::min(chunk, keys - j0);
-        if (!std::is_same_v<S, T> || rows.run(j0, m) < m)
-            size_rows(scratch.decoded, chunk, width);
-        const T* stored = rows.tile(j0, m, scratch.decoded).first;  // in place, or decoded at stride width
+        const T* stored = nullptr;  // in place, or decoded at stride width (the tiles read the rows as stored)
+        if (!tiles) {
+            if (!std::is_same_v<S, T> || rows.run(j0, m) < m)
+                size_rows(scratch.decoded, chunk, width);
+            stored = rows.tile(j0, m, scratch.decoded).first;
+        }
         // The chunk's keys and values, a block of rows at a time: the block's latents stay
         // in L2 while the panels of W_UK_hᵀ and W_UV_hᵀ pass over them.
-        for (Index b0 = 0; b0 < m; b0 += mla_expand_rows) {
+        bool expanded = false;
+        if constexpr (latent_bf16_products<T, S>) {
+            if (tiles) {  // the stored rows' latents as A pairs, in place or gathered per block
+                LatentPairTile<S> pairs(rows, j0, m, mla_expand_rows, scratch.gathered);
+                for (Index b0 = 0; b0 < m; b0 += mla_expand_rows) {
+                    const Index b = std::min(mla_expand_rows, m - b0);
+                    const auto [block, ld] = pairs.rows(b0);
+                    const auto* a = reinterpret_cast<const std::uint16_t*>(block);
+                    amx_product<AmxHardware>(b, p.nope, p.r / 2, a, ld, scratch.uk_pairs.data(), p.nope,
+                                             scratch.keys.data() + b0 * qk, qk, false);
+                    amx_product<AmxHardware>(b, p.dv, p.r / 2, a, ld, scratch.uv_pairs.data(), p.dv,
+                                             scratch.values.data() + b0 * p.dv, p.dv, false);
+                    for (Index j = 0; j < b; ++j)  // the RoPE keys, exactly
+                        for (Index c = 0; c < p.dr; ++c)
+                            scratch.keys(b0 + j, p.nope + c) = static_cast<T>(block[j * ld + p.r + c]);
+                }
+                expanded = true;
+            }
+        }
+        for (Index b0 = 0; b0 < m && !expanded; b0 += mla_expand_rows) {
             const Index b = std::min(mla_expand_rows, m - b0);
             const T* block = stored + b0 * width;
             tile_product<T>(b, p.nope, p.r, block, width, 1, scratch.uk_t.data(), p.nope,
@@ -343,7 +397,7 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
             tile_product<T>(b, p.dv, p.r, block, width, 1, scratch.uv_t.data(), p.dv,
                             scratch.values.data() + b0 * p.dv, p.dv, nullptr);
         }
-        for (Index j = 0; j < m; ++j)
+        for (Index j = 0; j < m && !expanded; ++j)
             for (Index c = 0; c < p.dr; ++c)
                 scratch.keys(j, p.nope + c) = stored[j * width + p.r + c];
         // The prompt's queries at positions past + t that reach the chunk: t ≥ j0 − past.
@@ -410,8 +464,9 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
 /// chooses the absorbed or the expanded form (automatic: mla_expands). Equal
 /// to the unabsorbed formula within rounding. A cache of bfloat16 rows with
 /// options().fpmath = FpMath::bf16 rounds the queries (absorbed: [q_nope W_UK | q_rope];
-/// expanded: those and each chunk's keys and values) to bfloat16 and runs the kernel's
-/// products in bfloat16 (AMX tiles where the CPU has them). Throws std::invalid_argument, changing
+/// expanded: those, W_UK and W_UV for the expansion's products, and each chunk's keys and
+/// values) to bfloat16 and runs the products in bfloat16 (AMX tiles where the CPU has
+/// them). Throws std::invalid_argument, changing
 /// nothing, on shapes that do not fit or values the cache's storage cannot hold; if the
 /// attention itself throws (std::bad_alloc), the cache is taken back to its length.
 template <class Cache, class T = typename std::remove_cvref_t<Cache>::Scalar>
