@@ -447,6 +447,30 @@ TEMPLATE_TEST_CASE("mla_prefill: absorbed and expanded equal the unabsorbed MLA 
     }
 }
 
+namespace {
+
+/// The prompt (the last n rows of C and KR, H heads a token) through mla_prefill into a
+/// copy of `empty` holding the first P rows, serially; CHECKs that two threads give the
+/// same bits, and returns the serial outputs.
+template <class Cache>
+Matrix<float> latent_prefill_any_threads(const Cache& empty, Index P, Index n, const Matrix<float>& C,
+                                         const Matrix<float>& KR, const Matrix<float>& q_nope,
+                                         const Matrix<float>& q_rope, const Matrix<float>& W_UK,
+                                         const Matrix<float>& W_UV, MlaPrefill mode) {
+    const Index dv = W_UV.rows() / (q_nope.rows() / n);
+    Matrix<float> serial(q_nope.rows(), dv), threaded(q_nope.rows(), dv);
+    Cache a = empty, b = empty;
+    a.extend(C.topRows(P), KR.topRows(P));
+    b.extend(C.topRows(P), KR.topRows(P));
+    mla_prefill(a, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, serial, SerialExecutor{}, mode);
+    mla_prefill(b, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, threaded,
+                OpenMPExecutor{.threads = 2}, mode);
+    CHECK((serial.array() == threaded.array()).all());
+    return serial;
+}
+
+}  // namespace
+
 TEST_CASE("mla_prefill: bitwise for any thread count, a compact cache's stored rows, bad input changes nothing",
           "[layer][latent]") {
     const Index H = 6, r = 24, dr = 8, nope = 8, dv = 8, P = 300, n = 40;
@@ -454,14 +478,7 @@ TEST_CASE("mla_prefill: bitwise for any thread count, a compact cache's stored r
     const Matrix<float> q_nope = random_matrix<float>(n * H, nope, 52), q_rope = random_matrix<float>(n * H, dr, 53);
     const Matrix<float> W_UK = random_matrix<float>(H * nope, r, 54, 0.5), W_UV = random_matrix<float>(H * dv, r, 55, 0.5);
     for (const auto mode : {MlaPrefill::absorbed, MlaPrefill::expanded}) {
-        Matrix<float> serial(n * H, dv), threaded(n * H, dv);
-        LatentKVCache<float> a(r, dr, 0.2f), b(r, dr, 0.2f);
-        a.extend(C.topRows(P), KR.topRows(P));
-        b.extend(C.topRows(P), KR.topRows(P));
-        mla_prefill(a, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, serial, SerialExecutor{}, mode);
-        mla_prefill(b, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, threaded,
-                    OpenMPExecutor{.threads = 2}, mode);
-        CHECK((serial.array() == threaded.array()).all());
+        latent_prefill_any_threads(LatentKVCache<float>(r, dr, 0.2f), P, n, C, KR, q_nope, q_rope, W_UK, W_UV, mode);
 
         // A bfloat16 cache: the float cache of the rows it holds, bitwise.
         LatentKVCache<float, Eigen::bfloat16> compact(r, dr, 0.2f);
@@ -528,15 +545,10 @@ TEST_CASE("mla_prefill and mla_decode with FpMath::bf16 over bfloat16 rows: the 
                                   reference::to_double(W_UV), logits);
     for (const auto mode : {MlaPrefill::absorbed, MlaPrefill::expanded}) {
         CAPTURE(static_cast<int>(mode));
-        Matrix<float> serial(n * H, dv), threaded(n * H, dv), paged(n * H, dv);
-        LatentKVCache<float, Eigen::bfloat16> a(r, dr, static_cast<float>(scale), options),
-            b(r, dr, static_cast<float>(scale), options);
-        a.extend(C.topRows(P), KR.topRows(P));
-        b.extend(C.topRows(P), KR.topRows(P));
-        mla_prefill(a, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, serial, SerialExecutor{}, mode);
-        mla_prefill(b, q_nope, q_rope, C.bottomRows(n), KR.bottomRows(n), W_UK, W_UV, threaded,
-                    OpenMPExecutor{.threads = 2}, mode);
-        CHECK((serial.array() == threaded.array()).all());
+        const Matrix<float> serial = latent_prefill_any_threads(
+            LatentKVCache<float, Eigen::bfloat16>(r, dr, static_cast<float>(scale), options), P, n, C, KR, q_nope,
+            q_rope, W_UK, W_UV, mode);
+        Matrix<float> paged(n * H, dv);
         // Within the roundings of the queries (and, expanded, of the keys and values) and of
         // the weights: two units of bfloat16's 2⁻⁸ on these unit-range values.
         check_close(serial, expected.bottomRows(n * H), 8e-3);
