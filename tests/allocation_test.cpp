@@ -556,9 +556,13 @@ TEMPLATE_TEST_CASE("LatentKVCache and mla_decode: reserved decode steps allocate
                         q_rope = random_matrix<float>(heads, dr, 8), W_UK = random_matrix<float>(heads * nope, r, 9),
                         W_UV = random_matrix<float>(heads * dv, r, 10);
     const double sinks[1] = {0.5};
+    // bfloat16 rows also with FpMath::bf16 (the rounded queries, the pairs' buffers).
+    const FpMath fpmath = std::is_same_v<S, float> ? FpMath::strict : GENERATE(FpMath::strict, FpMath::bf16);
+    CAPTURE(static_cast<int>(fpmath));
     for (const int threads : {1, 2}) {
         INFO(threads << " threads");
-        LatentKVCache<float, S> cache(r, dr, 0.125f, SoftmaxOptions{.softcap = 8, .sink_logits = sinks});
+        LatentKVCache<float, S> cache(r, dr, 0.125f,
+                                      SoftmaxOptions{.softcap = 8, .sink_logits = sinks, .fpmath = fpmath});
         cache.reserve(n + steps);
         cache.extend(C.topRows(n), KR.topRows(n));
         const OpenMPExecutor executor{.threads = threads};
@@ -592,10 +596,14 @@ TEMPLATE_TEST_CASE("PagedLatentKVCache: reserved batched decode steps allocate n
     const Matrix<float> Q = random_matrix<float>(B * heads, r + dr, 13), q_nope = random_matrix<float>(B * heads, nope, 14),
                         q_rope = random_matrix<float>(B * heads, dr, 15), W_UK = random_matrix<float>(heads * nope, r, 16),
                         W_UV = random_matrix<float>(heads * dv, r, 17);
+    // bfloat16 rows also with FpMath::bf16: blocks of 64, so every tile is gathered, by a
+    // buffer reserve() sizes.
+    const FpMath fpmath = std::is_same_v<S, float> ? FpMath::strict : GENERATE(FpMath::strict, FpMath::bf16);
+    CAPTURE(static_cast<int>(fpmath));
     for (const int threads : {1, 2}) {
         INFO(threads << " threads");
         const OpenMPExecutor executor{.threads = threads};
-        PagedLatentKVCache<float, S> pool(r, dr, 0.125f, 64, 64);
+        PagedLatentKVCache<float, S> pool(r, dr, 0.125f, 64, 64, SoftmaxOptions{.fpmath = fpmath});
         pool.set_executor(executor);
         const Index a = pool.add_sequence();
         pool.extend(a, C.topRows(n), KR.topRows(n));

@@ -173,9 +173,9 @@ TEST_CASE("LatentKVCache: compact storage reads back the float cache of the stor
 TEST_CASE("LatentKVCache: FpMath::bf16 on bfloat16 rows is the float cache of the stored rows with the queries "
           "rounded, within the bound of the weights' rounding; bitwise for any thread count and in a pool",
           "[memory][latent]") {
-    // (r, d_r): an odd width (vdpbf16ps with a zero pair; float elsewhere), tiles' edges,
-    // DeepSeek's 512 + 64.
-    const auto [r, dr] = GENERATE(std::pair<Index, Index>{17, 0}, std::pair<Index, Index>{40, 8},
+    // (r, d_r): an odd width past 16 pairs (vdpbf16ps with a zero pair, the query tile's
+    // pairs by a block of 16 and a tail; float elsewhere), tiles' edges, DeepSeek's 512 + 64.
+    const auto [r, dr] = GENERATE(std::pair<Index, Index>{33, 0}, std::pair<Index, Index>{40, 8},
                                   std::pair<Index, Index>{512, 64});
 #if defined(MEMATTN_TEST_MEMORY_ONLY)
     const Index heads = GENERATE(1, 16);
@@ -216,9 +216,12 @@ TEST_CASE("LatentKVCache: FpMath::bf16 on bfloat16 rows is the float cache of th
         CAPTURE(threads);
         CHECK((latent_attend(cache, Q, OpenMPExecutor{.threads = threads}).array() == out.array()).all());
     }
-    for (const Index block : {Index{7}, Index{128}}) {
+    // Blocks of 7 (every tile gathered), 128 (none) and 200 (some tiles in place, some
+    // across two blocks).
+    for (const Index block : {Index{7}, Index{128}, Index{200}}) {
         CAPTURE(block);
         PagedLatentKVCache<float, Eigen::bfloat16> pool(r, dr, 0.2f, n / block + 2, block, options);
+        CHECK(pool.options().fpmath == FpMath::bf16);
         const Index seq = pool.add_sequence();
         pool.extend(seq, C, KR);
         Matrix<float> paged(heads, r);
@@ -240,6 +243,7 @@ TEST_CASE("LatentKVCache: FpMath::bf16 needs float queries and bfloat16 rows", "
     CHECK(refused([&] { LatentKVCache<float> c(8, 2, 0.5f, bf16); }));
     CHECK(refused([&] { LatentKVCache<float, Q8> c(8, 2, 0.5f, bf16); }));
     CHECK(refused([&] { LatentKVCache<double, Eigen::bfloat16> c(8, 2, 0.5, bf16); }));
+    CHECK(refused([&] { LatentKVCache<float, Eigen::half> c(8, 2, 0.5f, bf16); }));
     CHECK(refused([&] { PagedLatentKVCache<float> p(8, 2, 0.5f, 4, 16, bf16); }));
     CHECK_NOTHROW(PagedLatentKVCache<float, Eigen::bfloat16>(8, 2, 0.5f, 4, 16, bf16));
 }

@@ -423,12 +423,12 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
                 size_rows(scratch.rounded_values, chunk, p.dv);
                 scratch.rounded_keys.topRows(m) = scratch.keys.topRows(m).template cast<E>();
                 scratch.rounded_values.topRows(m) = scratch.values.topRows(m).template cast<E>();
-                const SoftmaxTiles tiles = softmax.tiles;
+                const SoftmaxTiles kernel_tiles = softmax.tiles;
                 attend(TiledCausalSoftmax<float, DefaultBlocking, C, C, C>(
-                    C(scratch.rounded_queries.middleRows(t0, n - t0), tiles.queries, softmax.converted_q),
-                    C(scratch.rounded_keys.topRows(m), tiles.keys, softmax.converted_k),
-                    C(scratch.rounded_values.topRows(m), tiles.keys, softmax.converted_v), p.scale, 0, 0, softmax,
-                    rule));
+                    C(scratch.rounded_queries.middleRows(t0, n - t0), kernel_tiles.queries, softmax.converted_q),
+                    C(scratch.rounded_keys.topRows(m), kernel_tiles.keys, softmax.converted_k),
+                    C(scratch.rounded_values.topRows(m), kernel_tiles.keys, softmax.converted_v), p.scale, 0, 0,
+                    softmax, rule));
                 rounded = true;
             }
         }

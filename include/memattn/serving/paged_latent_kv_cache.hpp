@@ -183,8 +183,8 @@ public:
     [[nodiscard]] Index query_dim() const noexcept { return width(); }
     /// The factor of q·k before the softmax.
     [[nodiscard]] T scale() const noexcept { return scale_; }
-    /// The options its attends follow: the scale, the softcap and the sink logits (the
-    /// spans view the pool's own copy).
+    /// The options its attends follow: the scale, the softcap, the fpmath and the sink
+    /// logits (the spans view the pool's own copy).
     [[nodiscard]] SoftmaxOptions options() const noexcept {
         return logits_.into({.scale = static_cast<double>(scale_), .fpmath = fpmath_});
     }
@@ -297,7 +297,7 @@ public:
         if (scratch_.jobs.capacity() < static_cast<std::size_t>(batch))
             scratch_.jobs.reserve(static_cast<std::size_t>(batch));
         for (auto& worker : scratch_.workers)  // each thread's kernel scratch and tile, as latent_piece makes them
-            detail::latent_worker(worker, heads, latent_dim_, width());
+            detail::latent_worker(worker, heads, latent_dim_, width(), fpmath_);
     }
 
     /// The storage type code snapshots record for S.

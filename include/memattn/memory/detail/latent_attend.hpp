@@ -304,16 +304,38 @@ struct LatentScratch {
     }
 };
 
-/// A thread's kernel scratch and decoded tile for attends of `heads` heads (made when
-/// missing or of another shape, else kept); returns the kernel's tiles.
+/// A thread's kernel scratch and tile buffers for attends of `heads` heads (made when
+/// missing or of another shape, else kept); returns the kernel's tiles. Strict: the
+/// decoded tile. FpMath::bf16 (float workers only): the rounded queries, a gathered tile,
+/// the bfloat16 products' packed operands (or, without AVX512-BF16, the tiles converted
+/// to float) and the values' float tile of the careful path, so that a reserved pool's
+/// steps allocate nothing whichever tiles straddle its blocks.
 template <class Worker>
-SoftmaxTiles latent_worker(Worker& worker, Index heads, Index r, Index width) {
+SoftmaxTiles latent_worker(Worker& worker, Index heads, Index r, Index width, FpMath fpmath = FpMath::strict) {
     const SoftmaxTiles tiles{std::min(heads, latent_head_tile), 128};
     if (!worker.softmax || worker.softmax->tiles != tiles || worker.softmax->qt.rows() != width ||
         worker.softmax->acc.cols() != r)
         worker.softmax.emplace(width, r, tiles);
-    if (worker.decoded.rows() < tiles.keys || worker.decoded.cols() != width)
-        worker.decoded.resize(tiles.keys, width);
+    const auto size = [](auto& m, Index rows, Index cols) {
+        if (m.rows() < rows || m.cols() != cols)
+            m.resize(rows, cols);
+    };
+    if (fpmath == FpMath::strict) {
+        size(worker.decoded, tiles.keys, width);
+        return tiles;
+    }
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(*worker.softmax)>, SoftmaxScratch<float>>) {
+        SoftmaxScratch<float>& scratch = *worker.softmax;
+        size(worker.rounded, heads, width);
+        size(worker.gathered, tiles.keys, width);
+        size(scratch.converted_v, tiles.keys, r);
+        if constexpr (bf16_dot) {
+            [[maybe_unused]] const Bf16TileProducts<DefaultBlocking> sizing(scratch, width, r);  // sizes its operands
+        } else {
+            size(scratch.converted_q, tiles.queries, width);
+            size(scratch.converted_k, tiles.keys, width);
+        }
+    }
     return tiles;
 }
 
@@ -323,7 +345,7 @@ template <class T, class S>
 void latent_piece(const LatentJob<T, S>& job, const LatentParams<T>& params, Index j0, Index n, MatrixRef<T> partial,
                   T* lse, typename LatentScratch<T, S>::Worker& worker) {
     const Index width = params.latent_dim + params.rope_dim;
-    latent_worker(worker, job.heads, params.latent_dim, width);
+    latent_worker(worker, job.heads, params.latent_dim, width, params.fpmath);
     const LogitRule rule{.causal = false, .softcap = params.softcap};
     const auto sink = [lse](Index i, T value) { lse[i] = value; };
     using Map = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
@@ -333,9 +355,7 @@ void latent_piece(const LatentJob<T, S>& job, const LatentParams<T>& params, Ind
             using E = Eigen::bfloat16;
             const SoftmaxTiles tiles = worker.softmax->tiles;
             SoftmaxScratch<float>& scratch = *worker.softmax;
-            if (worker.rounded.rows() < job.heads || worker.rounded.cols() != width)
-                worker.rounded.resize(job.heads, width);
-            worker.rounded.topRows(job.heads) = queries.template cast<E>();
+            worker.rounded.topRows(job.heads) = queries.template cast<E>();  // sized by latent_worker
             LatentPairTile<S> tile(job.view, j0, n, tiles.keys, worker.gathered);
             using Source = LatentPairColumns<S>;
             TiledCausalSoftmax<float, DefaultBlocking, Source, Source, ConvertedRows<E>> kernel(
