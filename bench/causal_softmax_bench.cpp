@@ -19,6 +19,7 @@
 #include <limits>
 #include <map>
 #include <tuple>
+#include <type_traits>
 #include <span>
 #include <vector>
 
@@ -46,13 +47,15 @@ struct Case {
 
 /// The kernel's error against causal softmax attention in double on the same inputs (a
 /// window of w: the keys (p − w, p]): its largest and its rms difference, computed once per
-/// case (rows of queries at a time, so nothing of N² is held) and kept for the repetitions.
+/// case (rows of queries at a time, so nothing of N² is held) and kept for the repetitions;
+/// a case is its shape, T and the call's fpmath.
 template <class T>
 std::pair<double, double> error_against_double(const Matrix<T>& Q, const Matrix<T>& K, const Matrix<T>& V,
-                                               const Matrix<T>& O, Index window) {
+                                               const Matrix<T>& O, Index window,
+                                               memattn::FpMath fpmath = memattn::FpMath::strict) {
     using MatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-    static std::map<std::tuple<Index, Index, Index, std::size_t>, std::pair<double, double>> done;
-    const auto key = std::make_tuple(Q.rows(), Q.cols(), window, sizeof(T));
+    static std::map<std::tuple<Index, Index, Index, std::size_t, memattn::FpMath>, std::pair<double, double>> done;
+    const auto key = std::make_tuple(Q.rows(), Q.cols(), window, sizeof(T), fpmath);
     if (const auto it = done.find(key); it != done.end())
         return it->second;
     const MatrixD Qd = Q.template cast<float>().template cast<double>(),
@@ -92,26 +95,34 @@ using Kernel = std::conditional_t<memattn::LowPrecision<T>,
 
 /// T = Eigen::bfloat16: Q, K, V and O in bfloat16 (vdpbf16ps products on AVX512-BF16).
 /// Counters: the output's largest and rms error against double on the same inputs
-/// (values uniform in [−1, 1]).
-template <class T = float>
+/// (values uniform in [−1, 1]). F = FpMath::bf16 (float inputs, BM_CausalSoftmaxFpMathBf16):
+/// rounded to bfloat16 for the products. Where the products are bfloat16 (those, and
+/// bfloat16 inputs), `amx` says whether AMX tiles ran them (else vdpbf16ps, or float on the
+/// rounded values).
+template <class T = float, memattn::FpMath F = memattn::FpMath::strict>
 void BM_CausalSoftmax(benchmark::State& state) {
     const Case c(state);
     const Matrix<T> Q = random_matrix<T>(c.n, c.d, 1), K = random_matrix<T>(c.n, c.d, 2),
                     V = random_matrix<T>(c.n, c.d, 3);
     Matrix<T> O(c.n, c.d);
     for (auto _ : state) {
-        memattn::causal_softmax_attention(Q, K, V, O, {.scale = 0, .window = c.window});
+        memattn::causal_softmax_attention(Q, K, V, O, {.scale = 0, .window = c.window, .fpmath = F});
         benchmark::DoNotOptimize(O.data());
         benchmark::ClobberMemory();
     }
     set_gflops(state, c.useful_flops());
     if (memattn::bench::measure_error()) {
-        const auto [largest, rms] = error_against_double(Q, K, V, O, c.window);
+        const auto [largest, rms] = error_against_double(Q, K, V, O, c.window, F);
         state.counters["max_error"] = largest;
         state.counters["rms_error"] = rms;
     }
     state.counters["scratch_KiB"] =
         static_cast<double>(Kernel<T>::scratch_bytes(c.d, c.d, memattn::detail::default_tiles(c.window))) / 1024.0;
+    if constexpr (std::is_same_v<T, Eigen::bfloat16> || F == memattn::FpMath::bf16)
+        state.counters["amx"] = memattn::detail::bf16_dot && c.d % 2 == 0 &&
+                                        memattn::detail::AmxTileProducts<memattn::detail::DefaultBlocking>::runs()
+                                    ? 1
+                                    : 0;
 }
 
 /// Scores for all N² pairs, masked, softmax by rows, times V.
@@ -202,26 +213,6 @@ void BM_AmxPeak(benchmark::State& state) {
     state.counters["GFLOPS"] = benchmark::Counter(4.0 * 16384.0 * static_cast<double>(reps),
                                                   benchmark::Counter::kIsIterationInvariantRate,
                                                   benchmark::Counter::kIs1000);
-}
-
-/// Float inputs with SoftmaxOptions::fpmath = FpMath::bf16: rounded to bfloat16 for the
-/// products (AMX tiles or vdpbf16ps where the CPU has them), beside BM_CausalSoftmax
-/// and BM_CausalSoftmaxBf16 in the same run. `amx`: whether the tiles ran.
-void BM_CausalSoftmaxFpMathBf16(benchmark::State& state) {
-    const Case c(state);
-    const Matrix<float> Q = random_matrix<float>(c.n, c.d, 1), K = random_matrix<float>(c.n, c.d, 2),
-                        V = random_matrix<float>(c.n, c.d, 3);
-    Matrix<float> O(c.n, c.d);
-    for (auto _ : state) {
-        memattn::causal_softmax_attention(Q, K, V, O, {.window = c.window, .fpmath = memattn::FpMath::bf16});
-        benchmark::DoNotOptimize(O.data());
-        benchmark::ClobberMemory();
-    }
-    set_gflops(state, c.useful_flops());
-    state.counters["amx"] = memattn::detail::AmxTileProducts<memattn::detail::DefaultBlocking>::runs() &&
-                                    memattn::detail::bf16_dot
-                                ? 1
-                                : 0;
 }
 
 /// Tile sizes: query tile × key tile at N = 4096 and 16384, full causal and a window of 512
@@ -346,7 +337,9 @@ BENCHMARK(BM_FmaPeak);
 BENCHMARK(BM_Bf16DotPeak);
 BENCHMARK(BM_CausalSoftmax<float>)->Name("BM_CausalSoftmax")->Apply([](auto* b) { cases(b, 16384); });
 BENCHMARK(BM_CausalSoftmax<Eigen::bfloat16>)->Name("BM_CausalSoftmaxBf16")->Apply([](auto* b) { cases(b, 16384); });
-BENCHMARK(BM_CausalSoftmaxFpMathBf16)->Apply([](auto* b) { cases(b, 16384); });
+BENCHMARK(BM_CausalSoftmax<float, memattn::FpMath::bf16>)
+    ->Name("BM_CausalSoftmaxFpMathBf16")
+    ->Apply([](auto* b) { cases(b, 16384); });
 BENCHMARK(BM_AmxPeak);
 // Double: half the lanes per packet, so half the float rate is the FMA count's limit.
 BENCHMARK(BM_CausalSoftmax<double>)->Name("BM_CausalSoftmaxDouble")->Apply([](auto* b) { cases(b, 4096); });
