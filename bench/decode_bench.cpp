@@ -11,7 +11,8 @@
 //   BM_DecodeStepBf16Rows/...                  BM_DecodeStep<bfloat16> with rows of
 //       bfloat16 in and out (MultiHead<KVCache<Eigen::bfloat16>>, docs/design.md §4.7d)
 //
-// S is float, bfloat16 (Eigen::bfloat16), half (Eigen::half), Q8, Q4 or Q4Affine. Every
+// S is float, bfloat16 (Eigen::bfloat16), half (Eigen::half), Q8, IntegerDot<Q8> (Q8's
+// bytes, the logits in integers on the int8-rounded queries), Q4 or Q4Affine. Every
 // cell also measures, after its timed loop and on the same T threads:
 //   read_ms    a streaming read of exactly the bytes the step must read (the footprint()
 //              of every KV head's stored K and V at length L, in storage S), from one
@@ -1110,12 +1111,14 @@ BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Appl
 BENCHMARK(BM_DecodeStep<Eigen::half>)->Name("BM_DecodeStep<half>")->Apply(cells);
 BENCHMARK(BM_DecodeStepBf16Rows)->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q8>)->Name("BM_DecodeStep<Q8>")->Apply(cells);
+BENCHMARK(BM_DecodeStep<memattn::IntegerDot<memattn::Q8>>)->Name("BM_DecodeStep<IntegerDot<Q8>>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q4>)->Name("BM_DecodeStep<Q4>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q4Affine>)->Name("BM_DecodeStep<Q4Affine>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<float>)->Name("BM_DecodeAttend<float>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<Eigen::bfloat16>)->Name("BM_DecodeAttend<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<Eigen::half>)->Name("BM_DecodeAttend<half>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<memattn::Q8>)->Name("BM_DecodeAttend<Q8>")->Apply(cells);
+BENCHMARK(BM_DecodeAttend<memattn::IntegerDot<memattn::Q8>>)->Name("BM_DecodeAttend<IntegerDot<Q8>>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<memattn::Q4>)->Name("BM_DecodeAttend<Q4>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<memattn::Q4Affine>)->Name("BM_DecodeAttend<Q4Affine>")->Apply(cells);
 

@@ -2,8 +2,11 @@
 
 #include <memattn/memattn.hpp>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
@@ -1185,6 +1188,119 @@ TEST_CASE("Integer Q·K: snapshots are the storage's; rotated keys; MultiHead's 
     // MultiHead with a group of one query per KV head: each head's attend, for any executor.
     check_layer_against_heads({.q_heads = 2, .kv_heads = 2, .head_dim = 16, .value_dim = 8},
                               [] { return KVCache<float, IntegerDot<Q8>>(16, 8); });
+}
+
+TEST_CASE("Integer Q·K in a group: the grouped logits of Q8 keys are the single query's integer_dot, bit for bit",
+          "[storage][integer]") {
+    if constexpr (!detail::integer_group_logits) {
+        WARN("skipped: the grouped integer logits need AVX-512 VNNI, BW and VL, which this build does not target");
+    } else {
+        for (const Index cols : {1, 15, 31, 32, 33, 64, 100, 128, 200, 256}) {
+            const Index n = 150;
+            Matrix<float> X = random_matrix<float>(n, cols, 31, 3.0);
+            X(2, 0) = 40.0f;                                     // an outlier sets its block's scale
+            X.row(7).setZero();                                  // zero scales
+            X(9, cols - 1) = std::numeric_limits<float>::quiet_NaN();  // a NaN scale: its logits NaN
+            X.row(11) *= 1e-30f;                                 // tiny scales
+            detail::StoredRows<float, Q8> rows(n, cols);
+            rows.put_rows(0, X);
+            for (const Index g : {1, 2, 3, 4, 7, 16}) {
+                Matrix<float> Q = random_matrix<float>(g, cols, 32, 2.0);
+                Q(0, 0) = 0.0f;
+                if (g > 2)
+                    Q.row(2).setZero();
+                if (g > 3)
+                    Q(3, cols / 2) = std::numeric_limits<float>::infinity();  // its row NaN
+                detail::IntegerGroup group;
+                group.round(Q.data(), Q.outerStride(), g, cols);
+                for (const auto& [first, m] : {std::pair<Index, Index>{0, 1}, {0, 16}, {3, 17}, {5, 128}, {20, 130 - 20}, {149, 1}}) {
+                    INFO("cols = " << cols << ", g = " << g << ", first = " << first << ", m = " << m);
+                    alignas(64) float s[detail::IntegerGroup::max_queries * 128];
+                    const float scale = 0.37f;
+                    rows.integer_logits(first, m, group, scale, s, 128, rows, 0, n);
+                    for (Index r = 0; r < g; ++r) {
+                        detail::IntegerQuery one;
+                        one.round(Q.row(r).data(), cols);
+                        for (Index j = 0; j < m; ++j) {
+                            const float expected = scale * rows.integer_dot(first + j, one), got = s[r * 128 + j];
+                            CAPTURE(r, j, expected, got);
+                            CHECK((std::bit_cast<std::uint32_t>(expected) == std::bit_cast<std::uint32_t>(got) ||
+                                   (std::isnan(expected) && std::isnan(got))));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+TEMPLATE_TEST_CASE("Integer Q·K in a group: attend_group over IntegerDot<Q8> keys is the double reference of the "
+                   "int8-rounded queries, with the logit options; a query's output is its own in any group",
+                   "[storage][integer]", IntegerDot<Q8>, IntegerDot<Rotated<Q8>>) {
+    using S = TestType;
+    if constexpr (!detail::integer_group<S>)
+        WARN("the grouped integer logits need AVX-512 VNNI, BW and VL: this build's groups read the keys in float");
+    for (const auto& [n, d, dv] : {std::tuple<Index, Index, Index>{1, 32, 8}, {37, 5, 7}, {300, 128, 64},
+                                   {130, 200, 16}, {129, 256, 33}, {20, 33, 1}}) {
+        const Index most = detail::group_rows;
+        const Matrix<float> K = random_matrix<float>(n, d, 41), V = random_matrix<float>(n, dv, 42),
+                            Q = random_matrix<float>(most, d, 43, 2.0);
+        std::vector<double> slopes(static_cast<std::size_t>(most)), sinks(slopes.size());
+        for (std::size_t r = 0; r < slopes.size(); ++r)
+            slopes[r] = 0.01 * double(r + 1), sinks[r] = 0.3 * double(r) - 1.0;
+        for (const bool options : {false, true}) {
+            // A cache whose attend_group takes the queries `rows` (their slopes and sinks).
+            const auto cache_for = [&](const std::vector<Index>& rows) {
+                std::vector<double> a, b;  // the cache copies the spans
+                for (const Index r : rows)
+                    a.push_back(slopes[std::size_t(r)]), b.push_back(sinks[std::size_t(r)]);
+                SoftmaxOptions o;
+                if (options)
+                    o.softcap = 3.0, o.alibi_slopes = a, o.sink_logits = b;
+                KVCache<float, S> cache(d, dv, o);
+                memattn::extend(cache, K, V);
+                return cache;
+            };
+            // The reference reads what the cache multiplies: the rounded (rotated) queries, the stored pairs.
+            MatrixD Kd = to_double(K), Qd = to_double(Q);
+            if constexpr (detail::is_rotated<S>) {
+                for (Index r = 0; r < n; ++r)
+                    detail::hadamard_rotate(Kd.row(r).data(), d);
+                for (Index r = 0; r < most; ++r)
+                    detail::hadamard_rotate(Qd.row(r).data(), d);
+            }
+            const MatrixD Ks = to_double(stored<float, Q8>(Matrix<float>(Kd.cast<float>()))),
+                          Vs = to_double(stored<float, Q8>(V)), Qr = int8_rounded(Matrix<float>(Qd.cast<float>()));
+            Matrix<float> pairs(most, dv);  // each query in a group of two (itself twice)
+            for (Index r = 0; r < most; ++r) {
+                Matrix<float> twice(2, d), out(2, dv);
+                twice << Q.row(r), Q.row(r);
+                cache_for({r, r}).attend_group(twice, out);
+                CHECK((out.row(0).array() == out.row(1).array()).all());
+                pairs.row(r) = out.row(0);
+            }
+            for (const Index g : {2, 3, 4, 8, 13, 16}) {
+                INFO(detail::storage_name<S> << ": n = " << n << ", d = " << d << ", dv = " << dv << ", g = " << g
+                                             << ", options " << options);
+                std::vector<Index> rows(static_cast<std::size_t>(g));
+                std::iota(rows.begin(), rows.end(), Index(0));
+                Matrix<float> grouped(g, dv);
+                cache_for(rows).attend_group(Q.topRows(g), grouped);
+                if constexpr (detail::integer_group<S>)
+                    CHECK((grouped.array() == pairs.topRows(g).array()).all());
+                MatrixD exact(g, dv);
+                for (Index r = 0; r < g; ++r) {
+                    reference::Logits l{.softcap = options ? 3.0 : 0.0, .offset = n - 1};
+                    if (options)
+                        l.slope = slopes[std::size_t(r)], l.sink = sinks[std::size_t(r)];
+                    // Without the integer route a group reads the keys in float, with the exact queries.
+                    const MatrixD q = detail::integer_group<S> ? MatrixD(Qr.row(r)) : MatrixD(Qd.row(r));
+                    exact.row(r) = reference::softmax_attention(q, Ks, Vs, l).out;
+                }
+                check_close(grouped, exact, tolerance<float>());
+            }
+        }
+    }
 }
 
 namespace {

@@ -12,7 +12,9 @@
 //                       the whole group; fold() for runs of T, fold_stored() for any storage.
 //                       Fewer queries than a packet's lanes (float, AVX2/AVX-512): tiles of
 //                       GQ queries × GK keys (logit_tiles, value_tiles), rows converted in
-//                       registers; a whole packet of queries: the tiled kernel's products
+//                       registers; a whole packet of queries: the tiled kernel's products;
+//                       IntegerDot<Q8> keys with AVX-512 VNNI: the logits in integers,
+//                       sixteen keys at a time (StoredRows<T, Q8>::integer_logits)
 //   MemoryAttention     a group of a memory's queries over its runs, with its options
 //   attend_memory_group every query of a memory's attend_group
 //
@@ -35,8 +37,8 @@
 //   exponential per logit. On AVX-512 cores that run 512-bit operations in two halves,
 //   these share the ports of the multiply-adds;
 // - so Q8, with a quarter of float's bytes, is bound by that arithmetic, not by memory:
-//   an integer Q·K removes the keys' conversion (IntegerDot<S>: the single-query route
-//   only so far, attend_stored);
+//   an integer Q·K removes the keys' conversion (IntegerDot<S>: attend_stored for one
+//   query, and for a group of Q8 keys GroupAttention::fold_integer with AVX-512 VNNI);
 // - float is bound by memory but reaches only ~0.6 of a streaming read on one thread: the
 //   reads of the four rows of a tile and of the values interleave with the arithmetic, and
 //   the core's line-fill buffers, not the bandwidth, cap what is in flight (the software

@@ -199,6 +199,12 @@ void for_query_tiles(Index g, F&& f) {
     }(std::make_integer_sequence<int, 4>{});
 }
 
+/// Keys whose grouped attend takes its logits in integers (GroupAttention::fold_integer):
+/// IntegerDot<Q8> and IntegerDot<Rotated<Q8>> in float, where the CPU has AVX-512 VNNI.
+template <class SK>
+inline constexpr bool integer_group =
+    integer_group_logits && integer_dot<SK> && std::is_base_of_v<StoredRows<float, Q8>, StoredRows<float, SK>>;
+
 /// Grouped attend: at most `group_rows` queries and `group_keys` keys per step.
 inline constexpr Index group_rows = 16;
 inline constexpr Index group_keys = 128;
@@ -287,6 +293,10 @@ struct DecodeLogits {
 ///   tiles route, S = (scale·Q_g) K_bᵀ by logit_tiles and one SoftmaxState per query, the
 ///   rows converted in registers (a 32/8 × 128 layer at 32768 tokens, bfloat16: 24.5 →
 ///   10.5 ms per step on one thread, float 23 → 19 ms);
+/// - IntegerDot<Q8> keys (integer_group: AVX-512 VNNI), any g ≥ 2 or one query with logit
+///   options, d ≤ 256: the logits in integers on the queries rounded once
+///   (fold_integer), the bits of the single query's integer_dot, so a query's output is
+///   the same in any group; then the tiles route's softmax and value_tiles;
 /// - elsewhere: S = scale · Q_g K_bᵀ as dot products vectorised along the head dim and
 ///   one SoftmaxState per query, since a key-major product would fill only g of a
 ///   packet's lanes (g = 4: 1.6× faster than the tiled route with AVX2).
@@ -320,6 +330,7 @@ public:
         MEMATTN_DASSERT(queries.rows() == g_ && queries.cols() == queries_.cols());
         new (&queries_) QueryMap(queries.data(), g_, queries.cols(), Eigen::OuterStride<>(queries.outerStride()));
         load_queries();
+        rounded_ = false;
     }
 
     /// Folds keys K (n×d) and values V (n×dv), contiguous rows of any stride, into the
@@ -353,7 +364,8 @@ public:
     /// whole group into a buffer that stays in L1 (the other routes), and the products
     /// run on the converted rows in the same blocks and the same order of terms as fold():
     /// the result is bitwise fold()'s on the stored values converted to T. One query takes
-    /// attend_stored, which is exactly the cache's attend.
+    /// attend_stored, which is exactly the cache's attend. IntegerDot<Q8> keys take their
+    /// logits in integers where integer_group says so (fold_integer).
     template <class SK, class SV, class Acc>
     void fold_stored(const StoredRows<T, SK>& K, const StoredRows<T, SV>& V, Index first, Index n, Acc&& acc,
                      Index key_position = 0) {
@@ -372,6 +384,12 @@ public:
             if (g_ == 1 && !logits_.transforms()) {
                 attend_stored(queries_.row(0), K, V, first, n, scale_, states_[0], acc.row(0));
                 return;
+            }
+            if constexpr (integer_group<SK>) {
+                if (K.cols() <= IntegerGroup::max_depth) {
+                    fold_integer(K, V, first, n, acc);
+                    return;
+                }
             }
             if constexpr (std::is_same_v<T, float> && decode_tiles) {
                 if (tiles_) {
@@ -401,7 +419,7 @@ public:
     }
     /// Query r's state (natural logarithms), to finish or merge its accumulator row. The
     /// sink logits are not in it (they join once, in finish, after any merge).
-    [[nodiscard]] SoftmaxState<T> state(Index r) const { return tiled_ ? block_.state(r) : states_[r]; }
+    [[nodiscard]] SoftmaxState<T> state(Index r) const { return tiled_ && !integer_folds_ ? block_.state(r) : states_[r]; }
 
     /// Query r's output: its sink logit, if any, joins the denominator, then acc / sum.
     template <class Row>
@@ -514,15 +532,45 @@ private:
     template <class Keys, class Values, class Acc>
     void fold_tiles(const Keys& keys, const Values& values, Index first, Index n, Index d, Index dv,
                     Index key_row_bytes, Index prefetch_end, Acc& acc) {
+        fold_blocks(values, first, n, dv, key_row_bytes, acc, [&](Index j0, Index block, Index ahead) {
+            for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                logit_tiles<GQ>(keys, values, first + j0, block, d, qt_ + r0 * depth_, depth_, s_ + r0 * group_keys,
+                                group_keys, r0 == 0 ? ahead : 0, prefetch_end);
+            });
+        });
+    }
+
+    /// The route of IntegerDot<Q8> keys (integer_group): fold_tiles with the logits of
+    /// every query taken in integers, sixteen keys at a time, on the queries rounded once
+    /// per attend (StoredRows<float, Q8>::integer_logits: the bits of the single-query
+    /// route's integer_dot, so a query's logits do not depend on its group).
+    template <class SK, class Values, class Acc>
+    void fold_integer(const StoredRows<T, SK>& keys, const Values& values, Index first, Index n, Acc& acc) {
+        if constexpr (integer_group<SK>) {
+            if (!rounded_) {
+                integer_.round(queries_.data(), queries_.outerStride(), g_, queries_.cols());
+                rounded_ = integer_folds_ = true;
+            }
+            fold_blocks(values, first, n, values.cols(), static_cast<Index>(StoredRows<T, SK>::row_bytes(keys.cols())),
+                        acc, [&](Index j0, Index block, Index ahead) {
+                            keys.integer_logits(first + j0, block, integer_, scale_, s_, group_keys, values, ahead,
+                                                keys.rows());
+                        });
+        }
+    }
+
+    /// The loop of fold_tiles and fold_integer: per block of group_keys keys, the logits
+    /// (logits(j0, block, ahead): into s_, one row of group_keys per query), the options,
+    /// one SoftmaxState per query, then α ⊙ acc + P·V by value_tiles.
+    template <class Values, class Acc, class Logits>
+    void fold_blocks(const Values& values, Index first, Index n, Index dv, Index key_row_bytes, Acc& acc,
+                     const Logits& logits) {
         float* out = acc.data();
         const Index ldo = acc.outerStride();
         const Index ahead = ahead_ ? std::max<Index>(1, Index(4096) / std::max<Index>(1, key_row_bytes)) : 0;
         for (Index j0 = 0; j0 < n; j0 += group_keys) {
             const Index block = std::min(group_keys, n - j0);
-            for_query_tiles(g_, [&]<int GQ>(Index r0) {
-                logit_tiles<GQ>(keys, values, first + j0, block, d, qt_ + r0 * depth_, depth_, s_ + r0 * group_keys,
-                                group_keys, r0 == 0 ? ahead : 0, prefetch_end);
-            });
+            logits(j0, block, ahead);
             if (logits_.transforms())
                 for (Index r = 0; r < g_; ++r)
                     logits_.apply(s_ + r * group_keys, block, 1, r, key_position_ + j0, 1.0f);
@@ -548,6 +596,9 @@ private:
     T alpha_[group_rows];
     alignas(64) T qt_[max_depth * group_rows];  // log2(e)·scale·Q_gᵀ (tiled route), scale·Q_g (tiles)
     alignas(64) T s_[group_rows * group_keys];  // logits, then weights
+    IntegerGroup integer_;                       // the queries rounded (fold_integer)
+    bool rounded_ = false;                       // integer_ holds queries_
+    bool integer_folds_ = false;                  // a fold took fold_integer: the states are states_
 };
 
 }  // namespace memattn::detail

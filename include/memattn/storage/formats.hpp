@@ -70,9 +70,11 @@ struct Rotated {
 /// Σ_b s_q,b/2 · Σ_{i∈b} |k̃_i| (the query's rounding; docs/design.md §4.7, IntegerDot).
 /// What it gives: no conversion of the keys to float (ggml's q8_0 dot, ik_llama.cpp's
 /// int8 K·Q). Stored bytes and snapshots are S's, so a snapshot loads into either. The
-/// grouped attend of two or more queries, the logit options and prefill read the keys in
-/// float as S does. For KVCache and SlidingWindowCache of float (and of 16-bit rows, which
-/// compute in float).
+/// grouped attend (a GQA group's queries, each rounded as alone, with or without the logit
+/// options) takes the same integer logits for S = Q8 and Rotated<Q8> where the CPU has
+/// AVX-512 VNNI (sixteen keys per vpdpbusd: the bits of the single query's logits);
+/// elsewhere, for the 4-bit S, and in prefill, the keys are read in float as S does. For
+/// KVCache and SlidingWindowCache of float (and of 16-bit rows, which compute in float).
 template <class S>
 struct IntegerDot {
     using storage = S;                        ///< how the keys and values are stored

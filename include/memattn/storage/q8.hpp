@@ -117,8 +117,9 @@ public:
         }
         return sum;
     }
-    /// q̃·row for the rounded query q̃ (IntegerDot<Q8>): per block s_k·s_q·Σ code·k, the
-    /// sum exact in int32 (int8_block_dot), the blocks added in float.
+    /// q̃·row for the rounded query q̃ (IntegerDot<Q8>): Σ_b (s_k,b·s_q,b)·D_b, D_b the
+    /// block's Σ code·k exact in int32 (int8_block_dot), one fused multiply-add per block
+    /// in order of b: the bits integer_logits gives a query of a group.
     [[nodiscard]] float integer_dot(Index row, const IntegerQuery& q) const {
         const std::int8_t* x = &q_(row, 0);
         const float* s = &scales_(row, 0);
@@ -126,7 +127,7 @@ public:
         float sum = 0;
         Index b = 0;
         if constexpr (integer_blocks) {
-            sum = q8_integer_blocks(x, s, q, whole);
+            sum = q8_integer_blocks(x, s, q, whole, sum);
             b = whole;
         }
         for (; b < scales_.cols(); ++b) {  // without AVX2 every block, with it the last, shorter one
@@ -134,10 +135,71 @@ public:
             std::int32_t dot = 0;
             for (Index c = c0; c < end; ++c)
                 dot += std::int32_t{q.code[c]} * std::int32_t{x[c]};
-            sum += s[b] * q.scale[b] * static_cast<float>(dot);
+            sum = fused_add(static_cast<float>(dot), s[b] * q.scale[b], sum);
         }
         return sum;
     }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    /// s[r·lds + j] = scale · q̃_r·row(first + j) for the g rounded queries of `q` and
+    /// the rows j ∈ [first, first + m) (d ≤ IntegerGroup::max_depth): integer_dot's bits,
+    /// sixteen keys at a time. Per block of 32, the sixteen rows' codes transposed into
+    /// words of four (transposed_words, once for the group) and their scales by block
+    /// (transposed_scales), one vpdpbusd per word and query, D_b in int32 lanes (one per
+    /// key), then s += (s_k,b·s_q,b)·D_b in float. Each tile asks for its own value rows
+    /// (`values`, towards L2) and for the key rows `ahead` on, below `end`, row by row
+    /// (measured on a Zen 5: asking for the tile's lines as two spans, codes and scales,
+    /// doubled the step at 32768 tokens). s[r·lds + j] for j in [m, m rounded up to 16)
+    /// is written too, with no meaning.
+    template <class Values>
+    void integer_logits(Index first, Index m, const IntegerGroup& q, float scale, float* s, Index lds,
+                        const Values& values, Index ahead, Index end) const {
+        const Index d = cols(), blocks = scales_.cols();
+        MEMATTN_DASSERT(d <= IntegerGroup::max_depth && first + m <= rows());
+        const Index rest = d - (blocks - 1) * Q8::block;  // the last block's values
+        const __mmask32 whole = ~__mmask32{0}, last = rest == Q8::block ? whole : (__mmask32{1} << rest) - 1;
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (Index j = 0; j < m; j += 16) {
+            const Index n = std::min<Index>(16, m - j);
+            const std::int8_t* p[16];  // a tile past the end repeats the last key
+            for (Index k = 0; k < 16; ++k)
+                p[k] = &q_(first + j + std::min(k, n - 1), 0);
+            if (ahead > 0) {
+                for (Index r = first + j; r < first + j + n; ++r) {
+                    if (r + ahead < end)
+                        prefetch_row(r + ahead);
+                    values.prefetch_row(r);
+                }
+            }
+            const float* row_scales = &scales_(first + j, 0);
+            __m512 by_block[4];  // the rows' scales of each block (four blocks or fewer)
+            if (blocks <= 4)
+                transposed_scales(row_scales, n, blocks, by_block);
+            // Else gathered per block: lane k at row_scales + min(k, n − 1)·blocks + b.
+            const __m512i at = _mm512_mullo_epi32(_mm512_min_epi32(lane, _mm512_set1_epi32(static_cast<int>(n - 1))),
+                                                  _mm512_set1_epi32(static_cast<int>(blocks)));
+            for (Index b = 0; b < blocks; ++b) {
+                __m512i t[8];
+                transposed_words(p, b * Q8::block, b + 1 < blocks ? whole : last, t);
+                const __m512 sk = blocks <= 4 ? by_block[b] : _mm512_i32gather_ps(at, row_scales + b, 4);
+                for (Index r = 0; r < q.queries; ++r) {
+                    const std::int32_t* w = q.word[r] + b * (Q8::block / 4);
+                    __m512i even = _mm512_set1_epi32(q.offset[r][b]), odd = _mm512_setzero_si512();
+                    for (int c = 0; c < 8; c += 2) {
+                        even = _mm512_dpbusd_epi32(even, t[c], _mm512_set1_epi32(w[c]));
+                        odd = _mm512_dpbusd_epi32(odd, t[c + 1], _mm512_set1_epi32(w[c + 1]));
+                    }
+                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+                    float* out = s + r * lds + j;
+                    __m512 sum = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out);
+                    sum = _mm512_fmadd_ps(dot, _mm512_mul_ps(sk, _mm512_set1_ps(q.scale[r][b])), sum);
+                    if (b + 1 == blocks)
+                        sum = _mm512_mul_ps(_mm512_set1_ps(scale), sum);
+                    _mm512_storeu_ps(out, sum);
+                }
+            }
+        }
+    }
+#endif
     /// acc += w · row in float, converted in registers.
     void add_scaled(Index row, float w, float* acc) const {
         const std::int8_t* x = &q_(row, 0);
