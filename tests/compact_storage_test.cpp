@@ -1192,9 +1192,8 @@ TEST_CASE("Integer Q·K: snapshots are the storage's; rotated keys; MultiHead's 
 
 TEST_CASE("Integer Q·K in a group: the grouped logits of Q8 keys are the single query's integer_dot, bit for bit",
           "[storage][integer]") {
-    if constexpr (!detail::integer_group_logits) {
-        WARN("skipped: the grouped integer logits need AVX-512 VNNI, BW and VL, which this build does not target");
-    } else {
+    INFO((detail::integer_group_logits ? "sixteen keys per vpdpbusd (AVX-512 VNNI)" : "key by key (no AVX-512 VNNI)"));
+    {
         for (const Index cols : {1, 15, 31, 32, 33, 64, 100, 128, 200, 256}) {
             const Index n = 150;
             Matrix<float> X = random_matrix<float>(n, cols, 31, 3.0);
@@ -1238,8 +1237,7 @@ TEMPLATE_TEST_CASE("Integer Q·K in a group: attend_group over IntegerDot<Q8> ke
                    "int8-rounded queries, with the logit options; a query's output is its own in any group",
                    "[storage][integer]", IntegerDot<Q8>, IntegerDot<Rotated<Q8>>) {
     using S = TestType;
-    if constexpr (!detail::integer_group<S>)
-        WARN("the grouped integer logits need AVX-512 VNNI, BW and VL: this build's groups read the keys in float");
+    static_assert(detail::integer_group<S>, "every build takes a group's Q8 logits in integers");
     for (const auto& [n, d, dv] : {std::tuple<Index, Index, Index>{1, 32, 8}, {37, 5, 7}, {300, 128, 64},
                                    {130, 200, 16}, {129, 256, 33}, {20, 33, 1}}) {
         const Index most = detail::group_rows;
@@ -1286,21 +1284,42 @@ TEMPLATE_TEST_CASE("Integer Q·K in a group: attend_group over IntegerDot<Q8> ke
                 std::iota(rows.begin(), rows.end(), Index(0));
                 Matrix<float> grouped(g, dv);
                 cache_for(rows).attend_group(Q.topRows(g), grouped);
-                if constexpr (detail::integer_group<S>)
-                    CHECK((grouped.array() == pairs.topRows(g).array()).all());
+                CHECK((grouped.array() == pairs.topRows(g).array()).all());
                 MatrixD exact(g, dv);
                 for (Index r = 0; r < g; ++r) {
                     reference::Logits l{.softcap = options ? 3.0 : 0.0, .offset = n - 1};
                     if (options)
                         l.slope = slopes[std::size_t(r)], l.sink = sinks[std::size_t(r)];
-                    // Without the integer route a group reads the keys in float, with the exact queries.
-                    const MatrixD q = detail::integer_group<S> ? MatrixD(Qr.row(r)) : MatrixD(Qd.row(r));
-                    exact.row(r) = reference::softmax_attention(q, Ks, Vs, l).out;
+                    exact.row(r) = reference::softmax_attention(Qr.row(r), Ks, Vs, l).out;
                 }
                 check_close(grouped, exact, tolerance<float>());
             }
         }
     }
+}
+
+TEST_CASE("Integer Q·K in a group: a window's queries turned per run (RoPE, sinks at their places) are rounded "
+          "anew; MultiHead's GQA groups over IntegerDot<Q8>",
+          "[storage][integer]") {
+    const Index d = 64, dv = 16, n = 300;
+    const Matrix<float> K = random_matrix<float>(n, d, 51), V = random_matrix<float>(n, dv, 52),
+                        Q = random_matrix<float>(6, d, 53, 2.0);
+    const Rope rope{.theta = 10000, .head_dim = d};
+    SlidingWindowCache<float, IntegerDot<Q8>> window(d, dv, SoftmaxOptions{.window = 64, .sink_tokens = 4}, rope,
+                                                      RopePositions::cache);
+    memattn::extend(window, K, V);
+    for (Index r = 0; r < Q.rows(); ++r) {
+        // A group of one query alone takes the single-query route, which rounds the query
+        // it is given each time; the group of two rounds once per turn.
+        Matrix<float> twice(2, d), pair(2, dv), one(1, dv);
+        twice << Q.row(r), Q.row(r);
+        window.attend_group(twice, pair);
+        window.attend(Q.row(r), one.row(0));
+        INFO("query " << r);
+        check_close(pair.topRows(1), to_double(one), tolerance<float>());
+    }
+    check_layer_against_heads({.q_heads = 8, .kv_heads = 2, .head_dim = 128, .value_dim = 16},
+                              [] { return KVCache<float, IntegerDot<Q8>>(128, 16); });
 }
 
 namespace {

@@ -200,10 +200,11 @@ void for_query_tiles(Index g, F&& f) {
 }
 
 /// Keys whose grouped attend takes its logits in integers (GroupAttention::fold_integer):
-/// IntegerDot<Q8> and IntegerDot<Rotated<Q8>> in float, where the CPU has AVX-512 VNNI.
+/// IntegerDot<Q8> and IntegerDot<Rotated<Q8>> in float, on every instruction set (the same
+/// bits; sixteen keys per vpdpbusd where the build targets AVX-512 VNNI,
+/// integer_group_logits, key by key elsewhere).
 template <class SK>
-inline constexpr bool integer_group =
-    integer_group_logits && integer_dot<SK> && std::is_base_of_v<StoredRows<float, Q8>, StoredRows<float, SK>>;
+inline constexpr bool integer_group = integer_dot<SK> && std::is_base_of_v<StoredRows<float, Q8>, StoredRows<float, SK>>;
 
 /// Grouped attend: at most `group_rows` queries and `group_keys` keys per step.
 inline constexpr Index group_rows = 16;
@@ -293,8 +294,9 @@ struct DecodeLogits {
 ///   tiles route, S = (scale·Q_g) K_bᵀ by logit_tiles and one SoftmaxState per query, the
 ///   rows converted in registers (a 32/8 × 128 layer at 32768 tokens, bfloat16: 24.5 →
 ///   10.5 ms per step on one thread, float 23 → 19 ms);
-/// - IntegerDot<Q8> keys (integer_group: AVX-512 VNNI), any g ≥ 2 or one query with logit
-///   options, d ≤ 256: the logits in integers on the queries rounded once
+/// - IntegerDot<Q8> keys (integer_group), any g ≥ 2 or one query with logit options,
+///   d ≤ 256: the logits in integers on the queries rounded once (sixteen keys per
+///   vpdpbusd with AVX-512 VNNI)
 ///   (fold_integer), the bits of the single query's integer_dot, so a query's output is
 ///   the same in any group; then the tiles route's softmax and value_tiles;
 /// - elsewhere: S = scale · Q_g K_bᵀ as dot products vectorised along the head dim and
@@ -385,7 +387,7 @@ public:
                 attend_stored(queries_.row(0), K, V, first, n, scale_, states_[0], acc.row(0));
                 return;
             }
-            if constexpr (integer_group<SK>) {
+            if constexpr (std::is_same_v<T, float> && integer_group<SK>) {
                 if (K.cols() <= IntegerGroup::max_depth) {
                     fold_integer(K, V, first, n, acc);
                     return;
@@ -477,6 +479,7 @@ private:
     template <class KeyRows, class ValueRows, class Acc>
     void fold_rows(Index n, Index d, Index dv, const KeyRows& key_rows, const ValueRows& value_rows, Index key_step,
                    Index value_step, Acc& acc) {
+        MEMATTN_DASSERT(!integer_folds_);  // one route per GroupAttention: state() reads its states
         for (Index j0 = 0; j0 < n; j0 += group_keys) {
             const Index block = std::min(group_keys, n - j0);
             const T* alpha = alpha_;
@@ -546,7 +549,7 @@ private:
     /// route's integer_dot, so a query's logits do not depend on its group).
     template <class SK, class Values, class Acc>
     void fold_integer(const StoredRows<T, SK>& keys, const Values& values, Index first, Index n, Acc& acc) {
-        if constexpr (integer_group<SK>) {
+        if constexpr (std::is_same_v<T, float> && integer_group<SK>) {
             if (!rounded_) {
                 integer_.round(queries_.data(), queries_.outerStride(), g_, queries_.cols());
                 rounded_ = integer_folds_ = true;
@@ -576,10 +579,20 @@ private:
                     logits_.apply(s_ + r * group_keys, block, 1, r, key_position_ + j0, 1.0f);
             for (Index r = 0; r < g_; ++r)
                 alpha_[r] = states_[r].absorb(s_ + r * group_keys, block);
-            for_query_tiles(g_, [&]<int GQ>(Index r0) {
-                value_tiles<GQ>(values, first + j0, block, dv, s_ + r0 * group_keys, group_keys, alpha_ + r0,
-                                out + r0 * ldo, ldo);
-            });
+            if constexpr (decode_tiles) {
+                for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                    value_tiles<GQ>(values, first + j0, block, dv, s_ + r0 * group_keys, group_keys, alpha_ + r0,
+                                    out + r0 * ldo, ldo);
+                });
+            } else {  // without AVX2 (fold_integer only): value_tiles' sums, one value at a time
+                for (Index r = 0; r < g_; ++r)
+                    for (Index c = 0; c < dv; ++c) {
+                        float x = alpha_[r] * out[r * ldo + c];
+                        for (Index j = 0; j < block; ++j)
+                            x = fused_add(s_[r * group_keys + j], values.stored_value(first + j0 + j, c), x);
+                        out[r * ldo + c] = x;
+                    }
+            }
         }
     }
 
@@ -596,7 +609,8 @@ private:
     T alpha_[group_rows];
     alignas(64) T qt_[max_depth * group_rows];  // log2(e)·scale·Q_gᵀ (tiled route), scale·Q_g (tiles)
     alignas(64) T s_[group_rows * group_keys];  // logits, then weights
-    IntegerGroup integer_;                       // the queries rounded (fold_integer)
+    struct NoIntegerGroup {};
+    std::conditional_t<std::is_same_v<T, float>, IntegerGroup, NoIntegerGroup> integer_;  // the queries rounded (fold_integer)
     bool rounded_ = false;                       // integer_ holds queries_
     bool integer_folds_ = false;                  // a fold took fold_integer: the states are states_
 };

@@ -28,7 +28,7 @@ namespace memattn {
 /// \tparam S how the pairs are stored, T itself or a compact type (storage/compact.hpp:
 /// Eigen::bfloat16, Eigen::half, memattn::Q8, memattn::Q4, memattn::Q4Affine, or
 /// `memattn::Rotated<S>` of the last three: keys rotated, see there; `memattn::IntegerDot<S>`
-/// of those: a single query's q·k in integers; `memattn::PerChannelKeys<S>` of Q8, Q4 or
+/// of those: a query's q·k in integers (a group's too for Q8); `memattn::PerChannelKeys<S>` of Q8, Q4 or
 /// Q4Affine: keys quantised per channel over groups of tokens, values as S, see there);
 /// arithmetic is in T either way.
 template <class T, class S = T>

@@ -45,7 +45,7 @@
 // model that spreads its weight thinly over the whole past (docs/choosing-a-memory.md).
 //
 // The bounds are of the keys as stored: for a compact storage type, of the rounded keys
-// the attend reads (with IntegerDot<S>, whose single-query logits are taken on a
+// the attend reads (with IntegerDot<S>, whose logits are taken on a
 // rounded query, the bound is that of the exact query's logits). Keys quantised per
 // channel over groups of tokens (PerChannelKeys<S>) change when their group fills, so
 // they are not offered. prefill is decode's: each row chooses its own blocks, so a long

@@ -31,7 +31,7 @@
 //                    Outputs within 1e-1 on unit-scale inputs.
 //                    For both, a block holding ±∞ or NaN reads as NaN, as Q8's.
 //   memattn::Rotated<S>     keys (and queries) Hadamard-rotated, stored as S.
-//   memattn::IntegerDot<S>  stored as S; a single query's q·k taken in integers on the
+//   memattn::IntegerDot<S>  stored as S; a query's q·k taken in integers on the
 //                    query rounded to int8 per block (StoredRows::integer_dot).
 //   memattn::PerChannelKeys<S>  keys quantised as S per channel over groups of 32
 //                    tokens (the newest, unfinished group exact), values as S (KIVI).

@@ -71,9 +71,9 @@ struct Rotated {
 /// What it gives: no conversion of the keys to float (ggml's q8_0 dot, ik_llama.cpp's
 /// int8 K·Q). Stored bytes and snapshots are S's, so a snapshot loads into either. The
 /// grouped attend (a GQA group's queries, each rounded as alone, with or without the logit
-/// options) takes the same integer logits for S = Q8 and Rotated<Q8> where the CPU has
-/// AVX-512 VNNI (sixteen keys per vpdpbusd: the bits of the single query's logits);
-/// elsewhere, for the 4-bit S, and in prefill, the keys are read in float as S does. For
+/// options) takes the same integer logits, bit for bit, for S = Q8 and Rotated<Q8> on
+/// every build (sixteen keys per vpdpbusd where the build targets AVX-512 VNNI); for the
+/// 4-bit S, and in prefill, the keys are read in float as S does. For
 /// KVCache and SlidingWindowCache of float (and of 16-bit rows, which compute in float).
 template <class S>
 struct IntegerDot {

@@ -63,13 +63,14 @@ struct IntegerQuery {
 
 /// The queries of a group (g ≤ 16 of them, d ≤ 256), each rounded as IntegerQuery rounds
 /// one (the same codes and scales), for the grouped integer logits of Q8 keys
-/// (StoredRows<T, Q8>::integer_logits): per query its codes as words of four (what
-/// vpdpbusd broadcasts), per block its scale and −128 · Σ codes (the keys enter vpdpbusd
-/// as unsigned bytes k + 128). Once per attend, on the grouped attend's stack.
+/// (StoredRows<T, Q8>::integer_logits): per query its codes (with AVX-512 VNNI read as
+/// words of four, what vpdpbusd broadcasts), per block its scale and −128 · Σ codes (the
+/// keys enter vpdpbusd as unsigned bytes k + 128). Once per attend, on the grouped
+/// attend's stack.
 struct IntegerGroup {
     static constexpr Index block = 32;
     static constexpr Index max_queries = 16, max_depth = 256, max_blocks = max_depth / block;
-    std::int32_t word[max_queries][max_depth / 4];
+    alignas(64) std::int8_t code[max_queries][max_depth];
     std::int32_t offset[max_queries][max_blocks];
     float scale[max_queries][max_blocks];
     Index queries = 0;
@@ -80,14 +81,19 @@ struct IntegerGroup {
         queries = g;
         for (Index r = 0; r < g; ++r)
             for (Index b = 0; b * block < d; ++b) {
-                std::int8_t code[block];
-                scale[r][b] = round_query_block(q + r * ldq + b * block, std::min(block, d - b * block), code);
-                std::memcpy(word[r] + b * (block / 4), code, sizeof code);
+                const Index c0 = b * block;
+                scale[r][b] = round_query_block(q + r * ldq + c0, std::min(block, d - c0), code[r] + c0);
                 int sum = 0;
-                for (const std::int8_t c : code)
-                    sum += c;
+                for (Index c = c0; c < c0 + block; ++c)
+                    sum += code[r][c];
                 offset[r][b] = -128 * sum;
             }
+    }
+    /// Codes 4c … 4c + 3 of query r as one word (vpdpbusd's broadcast operand).
+    [[nodiscard]] std::int32_t word(Index r, Index c) const noexcept {
+        std::int32_t w;
+        std::memcpy(&w, code[r] + 4 * c, sizeof w);
+        return w;
     }
 };
 
@@ -181,6 +187,7 @@ float q4_integer_blocks(const std::uint8_t* x, const float* s, const IntegerQuer
 #else
 inline constexpr bool integer_blocks = false;
 // Declared only, for code that names them where integer_blocks is false (never called).
+std::int32_t q8_block_dot(const std::int8_t* x, const std::int8_t* q);
 float q8_integer_blocks(const std::int8_t* x, const float* s, const IntegerQuery& q, Index whole, float sum);
 template <bool ZeroPoint>
 float q4_integer_blocks(const std::uint8_t* x, const float* s, const IntegerQuery& q, Index blocks);

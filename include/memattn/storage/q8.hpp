@@ -171,7 +171,7 @@ public:
                 }
             }
             const float* row_scales = &scales_(first + j, 0);
-            __m512 by_block[4];  // the rows' scales of each block (four blocks or fewer)
+            __m512 by_block[4] = {};  // the rows' scales of each block (four blocks or fewer)
             if (blocks <= 4)
                 transposed_scales(row_scales, n, blocks, by_block);
             // Else gathered per block: lane k at row_scales + min(k, n − 1)·blocks + b.
@@ -182,11 +182,11 @@ public:
                 transposed_words(p, b * Q8::block, b + 1 < blocks ? whole : last, t);
                 const __m512 sk = blocks <= 4 ? by_block[b] : _mm512_i32gather_ps(at, row_scales + b, 4);
                 for (Index r = 0; r < q.queries; ++r) {
-                    const std::int32_t* w = q.word[r] + b * (Q8::block / 4);
+                    const Index w = b * (Q8::block / 4);
                     __m512i even = _mm512_set1_epi32(q.offset[r][b]), odd = _mm512_setzero_si512();
                     for (int c = 0; c < 8; c += 2) {
-                        even = _mm512_dpbusd_epi32(even, t[c], _mm512_set1_epi32(w[c]));
-                        odd = _mm512_dpbusd_epi32(odd, t[c + 1], _mm512_set1_epi32(w[c + 1]));
+                        even = _mm512_dpbusd_epi32(even, t[c], _mm512_set1_epi32(q.word(r, w + c)));
+                        odd = _mm512_dpbusd_epi32(odd, t[c + 1], _mm512_set1_epi32(q.word(r, w + c + 1)));
                     }
                     const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
                     float* out = s + r * lds + j;
@@ -196,6 +196,40 @@ public:
                         sum = _mm512_mul_ps(_mm512_set1_ps(scale), sum);
                     _mm512_storeu_ps(out, sum);
                 }
+            }
+        }
+    }
+#else
+    /// The same logits, bit for bit, key by key: for each query integer_dot's sum.
+    template <class Values>
+    void integer_logits(Index first, Index m, const IntegerGroup& q, float scale, float* s, Index lds,
+                        const Values& values, Index ahead, Index end) const {
+        const Index d = cols(), blocks = scales_.cols();
+        MEMATTN_DASSERT(d <= IntegerGroup::max_depth && first + m <= rows());
+        for (Index j = 0; j < m; ++j) {
+            const Index row = first + j;
+            if (ahead > 0) {
+                if (row + ahead < end)
+                    prefetch_row(row + ahead);
+                values.prefetch_row(row);
+            }
+            const std::int8_t* x = &q_(row, 0);
+            const float* sk = &scales_(row, 0);
+            for (Index r = 0; r < q.queries; ++r) {
+                float sum = 0;
+                for (Index b = 0; b < blocks; ++b) {
+                    const Index c0 = b * Q8::block, n = std::min(Q8::block, d - c0);
+                    std::int32_t dot = 0;
+                    if constexpr (integer_blocks) {
+                        if (n == Q8::block)
+                            dot = q8_block_dot(x + c0, q.code[r] + c0);
+                    }
+                    if (!integer_blocks || n < Q8::block)
+                        for (Index c = c0; c < c0 + n; ++c)
+                            dot += std::int32_t{q.code[r][c]} * std::int32_t{x[c]};
+                    sum = fused_add(static_cast<float>(dot), sk[b] * q.scale[r][b], sum);
+                }
+                s[r * lds + j] = scale * sum;
             }
         }
     }
