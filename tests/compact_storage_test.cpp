@@ -1238,8 +1238,9 @@ TEMPLATE_TEST_CASE("Integer Q·K in a group: attend_group over IntegerDot<Q8> ke
                    "[storage][integer]", IntegerDot<Q8>, IntegerDot<Rotated<Q8>>) {
     using S = TestType;
     static_assert(detail::integer_group<S>, "every build takes a group's Q8 logits in integers");
-    for (const auto& [n, d, dv] : {std::tuple<Index, Index, Index>{1, 32, 8}, {37, 5, 7}, {300, 128, 64},
-                                   {130, 200, 16}, {129, 256, 33}, {20, 33, 1}}) {
+    for (const auto& shape : {std::tuple<Index, Index, Index>{1, 32, 8}, {37, 5, 7}, {300, 128, 64},
+                              {130, 200, 16}, {129, 256, 33}, {20, 33, 1}}) {
+        const Index n = std::get<0>(shape), d = std::get<1>(shape), dv = std::get<2>(shape);  // captured below
         const Index most = detail::group_rows;
         const Matrix<float> K = random_matrix<float>(n, d, 41), V = random_matrix<float>(n, dv, 42),
                             Q = random_matrix<float>(most, d, 43, 2.0);
