@@ -175,6 +175,8 @@ void attend_stored_rows(const Q& q, const StoredRows<T, SK>& K, const StoredRows
                 for (Index r = 0; r < rows; ++r)
                     logits[j + r] = scale * dot_in_order(q.data(), buffer + r * d, d);
             }
+        } else if constexpr (std::is_invocable_v<const Logit&, Index, Index, T*, Index, Index>) {
+            logit(j0, m, logits, streaming ? k_ahead : 0, end);  // a block at a time, asking ahead itself
         } else {
             for (Index j = 0; j < m; ++j) {
                 if (j0 + j + k_ahead < end)
@@ -204,6 +206,11 @@ void attend_stored_rows(const Q& q, const StoredRows<T, SK>& K, const StoredRows
     }
 }
 
+/// Rows asked for nothing (integer_logits' values when the caller asks for them itself).
+struct NoRows {
+    void prefetch_row(Index) const noexcept {}
+};
+
 /// One query against the stored pairs [first, first + n) of K and V, as the streaming path
 /// of attend_contiguous (attend_stored_rows): the logits s_j = scale · q·k_j, in float
 /// with fused_storage by each row's dot product in registers. With IntegerDot<S> storage
@@ -217,6 +224,19 @@ void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, S
     MEMATTN_DASSERT(q.innerStride() == 1 && acc.innerStride() == 1);
     if constexpr (integer_dot<SK>) {
         static_assert(std::is_same_v<T, float>, "memattn: the integer Q·K (IntegerDot<S>) is for caches of float");
+        if constexpr (integer_group_logits && std::is_base_of_v<StoredRows<float, Q8>, StoredRows<float, SK>>) {
+            // Q8 keys with AVX-512 VNNI: sixteen keys per vpdpbusd, the grouped route's
+            // kernel for a group of one (integer_dot's bits).
+            if (K.cols() <= IntegerGroup::max_depth) {
+                IntegerGroup rounded;
+                rounded.round(q.data(), K.cols(), 1, K.cols());
+                const auto block = [&](Index j0, Index m, float* logits, Index ahead, Index end) {
+                    K.integer_logits(j0, m, rounded, scale, logits, attend_block, NoRows{}, ahead, end);
+                };
+                attend_stored_rows(q, K, V, first, n, scale, state, acc, block);
+                return;
+            }
+        }
         if (K.cols() <= IntegerQuery::max_depth) {
             IntegerQuery rounded;  // round() writes every entry that integer_dot reads
             rounded.round(q.data(), K.cols());
