@@ -199,13 +199,6 @@ void for_query_tiles(Index g, F&& f) {
     }(std::make_integer_sequence<int, 4>{});
 }
 
-/// Keys whose grouped attend takes its logits in integers (GroupAttention::fold_integer):
-/// IntegerDot<Q8> and IntegerDot<Rotated<Q8>> in float, on every instruction set (the same
-/// bits; sixteen keys per vpdpbusd where the build targets AVX-512 VNNI,
-/// integer_group_logits, key by key elsewhere).
-template <class SK>
-inline constexpr bool integer_group = integer_dot<SK> && std::is_base_of_v<StoredRows<float, Q8>, StoredRows<float, SK>>;
-
 /// Grouped attend: at most `group_rows` queries and `group_keys` keys per step.
 inline constexpr Index group_rows = 16;
 inline constexpr Index group_keys = 128;
@@ -295,10 +288,10 @@ struct DecodeLogits {
 ///   rows converted in registers (a 32/8 × 128 layer at 32768 tokens, bfloat16: 24.5 →
 ///   10.5 ms per step on one thread, float 23 → 19 ms);
 /// - IntegerDot<Q8> keys (integer_group), any g ≥ 2 or one query with logit options,
-///   d ≤ 256: the logits in integers on the queries rounded once (sixteen keys per
-///   vpdpbusd with AVX-512 VNNI)
-///   (fold_integer), the bits of the single query's integer_dot, so a query's output is
-///   the same in any group; then the tiles route's softmax and value_tiles;
+///   d ≤ 256: the logits in integers on the queries rounded once (fold_integer; sixteen
+///   keys per vpdpbusd with AVX-512 VNNI), the bits of the single query's integer_dot, so
+///   a query's output is the same in any group; then the tiles route's softmax and
+///   value_tiles;
 /// - elsewhere: S = scale · Q_g K_bᵀ as dot products vectorised along the head dim and
 ///   one SoftmaxState per query, since a key-major product would fill only g of a
 ///   packet's lanes (g = 4: 1.6× faster than the tiled route with AVX2).

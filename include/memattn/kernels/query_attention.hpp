@@ -206,6 +206,13 @@ void attend_stored_rows(const Q& q, const StoredRows<T, SK>& K, const StoredRows
     }
 }
 
+/// Keys whose logits are taken in integers alone and in a group (GroupAttention::fold_integer):
+/// IntegerDot<Q8> and IntegerDot<Rotated<Q8>> in float, on every instruction set (the same
+/// bits; sixteen keys per vpdpbusd where the build targets AVX-512 VNNI,
+/// integer_group_logits, key by key elsewhere).
+template <class SK>
+inline constexpr bool integer_group = integer_dot<SK> && std::is_base_of_v<StoredRows<float, Q8>, StoredRows<float, SK>>;
+
 /// Rows asked for nothing (integer_logits' values when the caller asks for them itself).
 struct NoRows {
     void prefetch_row(Index) const noexcept {}
@@ -224,7 +231,7 @@ void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, S
     MEMATTN_DASSERT(q.innerStride() == 1 && acc.innerStride() == 1);
     if constexpr (integer_dot<SK>) {
         static_assert(std::is_same_v<T, float>, "memattn: the integer Q·K (IntegerDot<S>) is for caches of float");
-        if constexpr (integer_group_logits && std::is_base_of_v<StoredRows<float, Q8>, StoredRows<float, SK>>) {
+        if constexpr (integer_group_logits && integer_group<SK>) {
             // Q8 keys with AVX-512 VNNI: sixteen keys per vpdpbusd, the grouped route's
             // kernel for a group of one (integer_dot's bits).
             if (K.cols() <= IntegerGroup::max_depth) {
