@@ -74,7 +74,9 @@
 //       64 drafts: M = 0 the verify step (prefill with parents, then reject), M = 1 the 64
 //       batched_decode steps it replaces (then truncate), M = 2 accept of a path of 5
 //       drafts alone (the verify before each untimed), M = 3 one batched_decode step, M = 4
-//       the same 64 rows as a causal chunk (prefill without parents, then truncate)
+//       the same 64 rows as a causal chunk (prefill without parents, then truncate); M = 5
+//       the verify step and M = 6 its 64 decode steps in a sliding-window pool of 1024
+//       tokens with ALiBi (rollback room 64: the drafts at their depths' positions)
 //
 // The figure and the table: scripts/plot.py (decode_roofline.png; `plot.py decode-table
 // decode_bench.json` prints the table of docs/performance.md). On a shared machine run
@@ -634,7 +636,14 @@ void BM_PoolTreeVerify(benchmark::State& state) {
     const Index past = state.range(0), mode = state.range(1), drafts = 64;
     const HeadLayout layout{32, 8, head_dim};
     const Index kw = layout.kv_heads * head_dim, qw = layout.q_heads * head_dim;
-    memattn::PagedKVCache<float> paged(layout, past / 128 + 4, 128);
+    const bool windowed = mode >= 5;
+    std::vector<double> slopes(static_cast<std::size_t>(layout.q_heads));
+    for (std::size_t h = 0; h < slopes.size(); ++h)
+        slopes[h] = std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(layout.q_heads));  // ALiBi's
+    const memattn::SoftmaxOptions options =
+        windowed ? memattn::SoftmaxOptions{.window = 1024, .alibi_slopes = slopes} : memattn::SoftmaxOptions{};
+    memattn::PagedKVCache<float> paged(layout, past / 128 + 4, 128, options,
+                                       memattn::PoolOptions{.rollback_tokens = windowed ? 64 : 0});
     const Index seq = paged.add_sequence();
     const Matrix<float>& keys = pool(kw, 2);
     const Matrix<float>& values = pool(kw, 3);
@@ -665,14 +674,14 @@ void BM_PoolTreeVerify(benchmark::State& state) {
         seconds = median(times);
     } else {
         seconds = median_step_seconds(state, [&] {
-            if (mode == 0) {
+            if (mode == 0 || mode == 5) {
                 verify();
                 paged.reject(seq);
             } else if (mode == 4) {
                 paged.prefill(seqs, offsets, Q, K, V, O, memattn::SerialExecutor{});
                 paged.truncate(seq, past);
             } else {
-                for (Index i = 0; i < (mode == 1 ? drafts : 1); ++i)
+                for (Index i = 0; i < (mode == 1 || mode == 6 ? drafts : 1); ++i)
                     memattn::batched_decode(paged, seqs, Q.middleRows(i, 1), K.middleRows(i, 1), V.middleRows(i, 1),
                                             O.middleRows(i, 1), memattn::SerialExecutor{});
                 paged.truncate(seq, past);
@@ -1103,7 +1112,7 @@ BENCHMARK(BM_LatentDecode<Eigen::bfloat16>)->Name("BM_LatentDecode<bfloat16>")->
 BENCHMARK(BM_LatentDecodeFpMathBf16)->Apply(latent_cells);
 BENCHMARK(BM_LatentPrefill)->Apply(latent_prefill_cells);
 BENCHMARK(BM_LatentPrefillFpMathBf16)->Apply(latent_prefill_cells);
-BENCHMARK(BM_PoolTreeVerify)->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {0, 1, 2, 3, 4}})->UseRealTime()
+BENCHMARK(BM_PoolTreeVerify)->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {0, 1, 2, 3, 4, 5, 6}})->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_PagedLatentDecode<float>)->Name("BM_PagedLatentDecode<float>")->Apply(paged_latent_cells);
 BENCHMARK(BM_PagedLatentDecode<Eigen::bfloat16>)->Name("BM_PagedLatentDecode<bfloat16>")->Apply(paged_latent_cells);

@@ -6,7 +6,8 @@
 // an operation that throws (PoolExhausted) must change nothing, an attend must equal the
 // double reference of the sequence's tokens, a rollback the window has made impossible
 // must be refused with nothing changed (one within the pool's rollback room never is),
-// a verify step's drafts must each equal the reference of the sequence and its ancestors,
+// a verify step's drafts must each equal the reference of the sequence and its ancestors
+// (each at its depth's position, windowed: one within the rollback room is never refused),
 // and an accept must leave the path's tokens (a fork's copy of the drafts untouched),
 // and a windowed sequence must never hold more blocks than its window (and room) needs,
 // in either pool; at the end every block must be free
@@ -461,8 +462,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                     pool.remove(back);
                 }
             }
-        } else if (op == 6 && window == 0 && in.flag()) {  // a verify step of a tree of drafts, then accept or reject
-            const Index seq = pick(), n = in.size(1, 5);
+        } else if (op == 6 && in.flag()) {  // a verify step of a tree of drafts, then accept or reject
+            const Index seq = pick(), n = in.size(1, 5), length = pool.length(seq);
             std::vector<Index> parents;
             for (Index t = 0; t < n; ++t)
                 parents.push_back(in.size(0, t) - 1);
@@ -476,7 +477,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                 if (pool.blocks_in_use() != before || pool.length(seq) != static_cast<Index>(model[seq].size()))
                     fail("a refused verify step changed the pool");
                 continue;
+            } catch (const std::invalid_argument&) {  // a windowed pool's drafts past its rollback room
+                if (window == 0 || n <= room)
+                    fail("a verify step within the rollback room refused");
+                if (pool.blocks_in_use() != before || pool.length(seq) != length || pool.pending_drafts(seq) != 0)
+                    fail("a refused verify step changed the pool");
+                continue;
             }
+            peak[seq] = std::max(peak[seq], length + n);  // the window's room counts from the drafts' end
             const auto chain = [&](Index leaf) {  // the drafts from a root to `leaf`
                 std::vector<Index> path;
                 for (Index i = leaf; i >= 0; i = parents[static_cast<std::size_t>(i)])

@@ -1882,13 +1882,39 @@ TEST_CASE("PagedKVCache: a verify step's bad trees, paths and pools are refused 
     CHECK(pool.pending_drafts(a) == 2);
     pool.accept(other, std::vector<Index>{0, 1});
     CHECK(pool.length(other) == 2);
-    // A windowed pool, or one with ALiBi, refuses trees.
+    // A windowed pool whose rollback room cannot take the drafts back refuses them.
     PagedKVCache<float> windowed(layout, 8, 4, SoftmaxOptions{.window = 4});
     const Index w = windowed.add_sequence();
+    windowed.extend(w, K.topRows(6), V.topRows(6));
     CHECK_THROWS_WITH(windowed.prefill(std::vector<Index>{w}, std::vector<Index>{0, 2}, Q.topRows(2), K.topRows(2),
                                        V.topRows(2), O.topRows(2), {}, std::vector<Index>{-1, 0}),
-                      Catch::Contains("window"));
-    CHECK(windowed.length(w) == 0);
+                      Catch::Contains("rollback") && Catch::Contains("window of 4"));
+    CHECK(windowed.length(w) == 6);
+    CHECK(windowed.pending_drafts(w) == 0);
+    CHECK(windowed.blocks_in_use() == 2);
+    // Among the sinks: a sequence of one token, a window of 1 past 1 sink. Without room the
+    // drafts are refused (an accept of one would leave 2 tokens, the second freed); with
+    // room for them, a path of one is kept.
+    for (const Index room : {0, 3}) {
+        INFO("room " << room);
+        PagedKVCache<float> sinks(layout, 8, 1, SoftmaxOptions{.window = 1, .sink_tokens = 1},
+                                  PoolOptions{.rollback_tokens = room});
+        const Index x = sinks.add_sequence();
+        sinks.extend(x, K.topRows(1), V.topRows(1));
+        const auto verify = [&] {
+            sinks.prefill(std::vector<Index>{x}, std::vector<Index>{0, 3}, Q.topRows(3), K.topRows(3), V.topRows(3),
+                          O.topRows(3), {}, std::vector<Index>{-1, 0, 1});
+        };
+        if (room == 0) {
+            CHECK_THROWS_WITH(verify(), Catch::Contains("rollback"));
+            CHECK(sinks.length(x) == 1);
+            CHECK(sinks.blocks_in_use() == 1);
+        } else {
+            verify();
+            sinks.accept(x, std::vector<Index>{0});
+            CHECK(sinks.length(x) == 2);
+        }
+    }
     // An accept whose copies on write do not fit the pool: PoolExhausted, nothing changed.
     PagedKVCache<float> tight(layout, 3, 4);
     const Index t = tight.add_sequence();
@@ -1907,13 +1933,113 @@ TEST_CASE("PagedKVCache: a verify step's bad trees, paths and pools are refused 
     CHECK(tight.length(t2) == 6);
 }
 
+TEMPLATE_TEST_CASE("PagedKVCache: trees in a windowed pool with sinks and ALiBi, each draft at its depth's position: "
+                   "its path decoded token by token, and accept or reject within the rollback room",
+                   "[serving][batched][tree][window]", float, Q8) {
+    using S = TestType;
+    const HeadLayout layout{4, 2, 16, 0};
+    const Index kw = 32, qw = 64, W = 10, sinks = 3, P = 70, n = 21, m = 6, block = 8;
+    const std::vector<double> slopes{0.25, 0.125, 0.0625, 0.03125};
+    const SoftmaxOptions options{.window = W, .sink_tokens = sinks, .softcap = 20.0, .alibi_slopes = slopes};
+    const Matrix<float> K0 = random_matrix<float>(P, kw, 140), V0 = random_matrix<float>(P, kw, 141);
+    const Matrix<float> Q = random_matrix<float>(n + m, qw, 142), K = random_matrix<float>(n + m, kw, 143),
+                        V = random_matrix<float>(n + m, kw, 144);
+    std::vector<Index> parents{-1};  // a chain with branches: depths past the window
+    for (Index i = 1; i < n; ++i)
+        parents.push_back(i % 5 == 0 ? i - 3 : i - 1);
+    const std::vector<Index> small{-1, 0, 0, 1, 3, 1};  // a tree among the sinks: 1 cached token
+    std::vector<Index> all(parents);
+    all.insert(all.end(), small.begin(), small.end());
+    PagedKVCache<float, S> pool(layout, 64, block, options, PoolOptions{.rollback_tokens = n});
+    const Index a = pool.add_sequence(), b = pool.add_sequence();
+    pool.extend(a, K0, V0);
+    pool.extend(b, K0.topRows(1), V0.topRows(1));
+    const Index keep = pool.fork(a);
+    const Index held = pool.blocks_of(a);
+    const std::vector<Index> seqs{a, b}, offsets{0, n, n + m};
+    Matrix<float> O(n + m, qw);
+    for (const int threads : {1, 2}) {
+        INFO(threads << " threads");
+        if (threads == 2) {
+            pool.reject(a);
+            pool.reject(b);
+            CHECK(pool.length(a) == P);
+            CHECK(pool.length(b) == 1);
+            CHECK(pool.blocks_of(a) <= held);  // the window has moved on from the drafts' end
+        }
+        batched_prefill(pool, seqs, offsets, Q, K, V, O, OpenMPExecutor{.threads = threads}, all);
+        CHECK(pool.pending_drafts(a) == n);
+        CHECK(pool.pending_drafts(b) == m);
+        // The multi-head kernel with the tree on each sequence's pairs as stored, bit for
+        // bit; and each draft's output its path's, decoded in double.
+        const auto check_chunk = [&](const Matrix<float>& Kc, const Matrix<float>& Vc, Index q0,
+                                     const std::vector<Index>& tree) {
+            const Index rows = static_cast<Index>(tree.size());
+            const Matrix<float> Ks = stored_heads<float, S>(Kc, 2), Vs = stored_heads<float, S>(Vc, 2);
+            SoftmaxOptions with_tree = options;
+            with_tree.parents = tree;
+            const Matrix<float> expected = layer_rows(layout, Q.middleRows(q0, rows), Ks, Vs, with_tree);
+            CHECK((O.middleRows(q0, rows).array() == expected.array()).all());
+            for (Index h = 0; h < layout.q_heads; ++h) {
+                const Index kv = h / layout.group_size();
+                const MatrixD reference = reference::tree_path_attention(
+                    Q.block(q0, h * 16, rows, 16).cast<double>(), Ks.middleCols(kv * 16, 16).cast<double>(),
+                    Vs.middleCols(kv * 16, 16).cast<double>(), tree,
+                    {.window = W, .sink_tokens = sinks, .softcap = 20.0, .slope = slopes[static_cast<std::size_t>(h)]});
+                check_close(O.block(q0, h * 16, rows, 16), reference, 2e-5);
+            }
+        };
+        Matrix<float> Ka(P + n, kw), Va(P + n, kw), Kb(1 + m, kw), Vb(1 + m, kw);
+        Ka << K0, K.topRows(n);
+        Va << V0, V.topRows(n);
+        Kb << K0.topRows(1), K.bottomRows(m);
+        Vb << V0.topRows(1), V.bottomRows(m);
+        check_chunk(Ka, Va, 0, parents);
+        check_chunk(Kb, Vb, n, small);
+    }
+    // accept keeps a path as if decoded token by token (the fork decodes it now).
+    const std::vector<Index> path = tree_path(parents, n - 1);
+    INFO("path of " << path.size());
+    pool.accept(a, path);
+    CHECK(pool.length(a) == P + static_cast<Index>(path.size()));
+    for (const Index p : path)
+        pool.update(keep, K.row(p), V.row(p));
+    const Matrix<float> q = random_matrix<float>(1, qw, 145);
+    Matrix<float> oa(1, qw), ok(1, qw);
+    pool.attend(a, q.row(0), oa.row(0));
+    pool.attend(keep, q.row(0), ok.row(0));
+    CHECK((oa.array() == ok.array()).all());
+    // The sinks' tree: a path that leaves the sinks, then a reject of the next tree.
+    pool.accept(b, std::vector<Index>{0, 1, 3, 4});
+    CHECK(pool.length(b) == 5);
+    batched_prefill(pool, std::vector<Index>{a}, std::vector<Index>{0, n}, Q.topRows(n), K.topRows(n), V.topRows(n),
+                    O.topRows(n), OpenMPExecutor{.threads = 1}, parents);
+    pool.reject(a);
+    pool.attend(a, q.row(0), oa.row(0));
+    CHECK((oa.array() == ok.array()).all());
+    // Decoding on from the accepted path: the same as the fork's.
+    Matrix<float> Kd(2, kw), Vd(2, kw), Qd(2, qw), Od(2, qw);
+    Kd << K.row(n), K.row(n);
+    Vd << V.row(n), V.row(n);
+    Qd << Q.row(n), Q.row(n);
+    batched_decode(pool, std::vector<Index>{a, keep}, Qd, Kd, Vd, Od);
+    CHECK((Od.row(0).array() == Od.row(1).array()).all());
+}
+
 TEST_CASE("ModelCache: a verify step in every layer, then accept or reject in all at once", "[serving][model][tree]") {
-    const std::vector<ModelLayer> specs{{.layout = {4, 2, 8, 0}, .blocks = 20, .block_size = 16},
-                                        {.layout = {2, 1, 16, 8}, .blocks = 20, .block_size = 4}};
+    static const std::vector<double> slopes{0.5, 0.125};
+    const std::vector<ModelLayer> specs{
+        {.layout = {4, 2, 8, 0}, .blocks = 20, .block_size = 16},
+        {.layout = {2, 1, 16, 8}, .blocks = 20, .block_size = 4},
+        {.layout = {2, 1, 8, 0},  // a windowed layer with ALiBi: the drafts in its rollback room
+         .blocks = 20,
+         .block_size = 4,
+         .options = {.window = 6, .sink_tokens = 2, .alibi_slopes = slopes},
+         .pool = {.rollback_tokens = 8}}};
     ModelCache<float> cache(specs);
     std::vector<PagedKVCache<float>> pools;  // the same calls on independent pools
     for (const ModelLayer& l : specs)
-        pools.emplace_back(l.layout, l.blocks, l.block_size, l.options);
+        pools.emplace_back(l.layout, l.blocks, l.block_size, l.options, l.pool);
     const Index a = cache.add_sequence(), b = cache.add_sequence();
     for (auto& p : pools) {
         p.add_sequence();

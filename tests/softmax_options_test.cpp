@@ -284,6 +284,12 @@ TEMPLATE_TEST_CASE("Dense biases and masks: any Eigen expression, against the re
         Matrix<T> O(nq, 24);
         causal_softmax_attention(Q, K, Vbad, O, SoftmaxOptions{.causal = false}, hide);
         CHECK(O.allFinite());
+        // A key whose logits are NaN under the mask's −∞ is hidden as well.
+        Matrix<T> Kbad = K, clean(nq, 24);
+        Kbad.row(0).setConstant(std::numeric_limits<T>::quiet_NaN());
+        causal_softmax_attention(Q, Kbad, V, O, SoftmaxOptions{.causal = false}, hide);
+        causal_softmax_attention(Q, K, V, clean, SoftmaxOptions{.causal = false}, hide);
+        CHECK((O.array() == clean.array()).all());
     }
 }
 
@@ -322,6 +328,91 @@ TEMPLATE_TEST_CASE("Tree masks: the verify step of speculative decoding equals t
         }
 }
 
+namespace {
+
+/// A tree of n drafts with long chains and branches (depths well past a small window):
+/// each draft's parent the one before it, or now and then any earlier draft or none.
+std::vector<Index> branchy_tree(Index n, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::vector<Index> parents(static_cast<std::size_t>(n));
+    for (Index i = 0; i < n; ++i) {
+        const unsigned roll = rng() % 8;
+        parents[static_cast<std::size_t>(i)] =
+            i == 0 || roll == 0 ? -1 : roll <= 2 ? static_cast<Index>(rng() % static_cast<unsigned>(i)) : i - 1;
+    }
+    return parents;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("Tree masks with a window, sinks and ALiBi: each draft at the position its depth gives, as its "
+                   "path decoded token by token; a chain is a prompt bit for bit",
+                   "[softmax][options][tree]", float, double) {
+    using T = TestType;
+    const double tolerance = std::is_same_v<T, float> ? 3e-5 : 1e-11;
+    std::vector<std::vector<Index>> trees{{-1}, {-1, 0, 0, 0, 0, 0}, {-1, -1, 0, 1, 2, 2}, branchy_tree(150, 5)};
+    std::vector<Index> binary{-1};
+    for (Index i = 1; i < 64; ++i)
+        binary.push_back((i - 1) / 2);
+    trees.push_back(binary);
+    const double slope = 0.07, sink = 0.5;
+    const std::span<const double> one_slope(&slope, 1), one_sink(&sink, 1);
+    struct Variant {
+        Index window, sinks;
+        bool alibi, softcap;
+    };
+    for (const Variant& v : {Variant{40, 4, false, false}, Variant{7, 0, true, false}, Variant{0, 0, true, true},
+                             Variant{100, 2, true, true}, Variant{1, 3, false, false}})
+        for (const std::vector<Index>& parents : trees)
+            for (const Index past : {Index{0}, Index{2}, Index{300}, Index{1000}}) {
+                const Index n = static_cast<Index>(parents.size()), nk = past + n;
+                INFO("window " << v.window << ", sinks " << v.sinks << ", ALiBi " << v.alibi << ": " << n
+                               << " drafts over " << past << " cached tokens");
+                const Matrix<T> Q = random_matrix<T>(n, 32, 71, 2.0), V = random_matrix<T>(nk, 24, 73);
+                Matrix<T> K = random_matrix<T>(nk, 32, 72, 2.0);
+                SoftmaxOptions options{.window = v.window, .sink_tokens = v.sinks, .softcap = v.softcap ? 20.0 : 0.0,
+                                       .sink_logits = one_sink, .parents = parents};
+                if (v.alibi)
+                    options.alibi_slopes = one_slope;
+                // Cached keys no draft sees (outside every window, not sinks) poison nothing,
+                // though the kernel's tiles reach some of them: NaN there.
+                if (v.window > 0)
+                    for (Index j = v.sinks; j < std::max<Index>(v.sinks, past - v.window + 1); ++j)
+                        K.row(j).setConstant(std::numeric_limits<T>::quiet_NaN());
+                Matrix<T> O(n, 24);
+                causal_softmax_attention(Q, K, V, O, options);
+                const reference::Logits logits{.window = v.window,
+                                               .sink_tokens = v.sinks,
+                                               .softcap = v.softcap ? 20.0 : 0.0,
+                                               .slope = v.alibi ? std::optional<double>(slope) : std::nullopt,
+                                               .sink = sink};
+                check_close(O,
+                            reference::tree_path_attention(Q.template cast<double>(), K.template cast<double>(),
+                                                           V.template cast<double>(), parents, logits),
+                            tolerance);
+            }
+    // A chain is a prompt: the same call without parents, bit for bit.
+    for (const Variant& v : {Variant{40, 4, true, true}, Variant{7, 0, true, false}, Variant{0, 0, true, false}})
+        for (const Index past : {Index{0}, Index{300}}) {
+            const Index n = 200, nk = past + n;
+            std::vector<Index> chain(static_cast<std::size_t>(n));
+            for (Index i = 0; i < n; ++i)
+                chain[static_cast<std::size_t>(i)] = i - 1;
+            const Matrix<T> Q = random_matrix<T>(n, 32, 74, 2.0), K = random_matrix<T>(nk, 32, 75, 2.0),
+                            V = random_matrix<T>(nk, 24, 76);
+            SoftmaxOptions prompt{.window = v.window, .sink_tokens = v.sinks, .softcap = v.softcap ? 20.0 : 0.0};
+            if (v.alibi)
+                prompt.alibi_slopes = one_slope;
+            SoftmaxOptions tree = prompt;
+            tree.parents = chain;
+            Matrix<T> O(n, 24), expected(n, 24);
+            causal_softmax_attention(Q, K, V, O, tree);
+            causal_softmax_attention(Q, K, V, expected, prompt);
+            INFO("window " << v.window << " past " << past << " diff " << (O - expected).cwiseAbs().maxCoeff());
+            CHECK((O.array() == expected.array()).all());
+        }
+}
+
 TEST_CASE("Tree masks in the multi-head layer: each head as its own call, any thread count; bad trees refused",
           "[softmax][options][tree][bad_input]") {
     const HeadLayout layout{8, 2, 16, 0};
@@ -330,22 +421,26 @@ TEST_CASE("Tree masks in the multi-head layer: each head as its own call, any th
         parents.push_back(i % 7 == 0 ? -1 : i - 1 - i % 3 / 2);
     const Matrix<float> Q = random_matrix<float>(40, 128, 61, 2.0), K = random_matrix<float>(500, 32, 62, 2.0),
                         V = random_matrix<float>(500, 32, 63);
-    const SoftmaxOptions options{.parents = parents};
-    Matrix<float> O(40, 128), again(40, 128);
-    multi_head_causal_softmax_attention(Q, K, V, O, layout, options, {}, OpenMPExecutor{.threads = 1});
-    multi_head_causal_softmax_attention(Q, K, V, again, layout, options, {}, OpenMPExecutor{.threads = 2});
-    CHECK((O.array() == again.array()).all());
-    for (Index h = 0; h < 8; ++h) {
-        Matrix<float> one(40, 16);
-        causal_softmax_attention(Q.middleCols(h * 16, 16), K.middleCols(h / 4 * 16, 16), V.middleCols(h / 4 * 16, 16),
-                                 one, options);
-        CHECK((one.array() == O.middleCols(h * 16, 16).array()).all());
+    const std::vector<double> slopes{0.5, 0.25, 0.125, 0.0625, 0.03, 0.02, 0.01, 0.005};
+    for (const SoftmaxOptions& options :
+         {SoftmaxOptions{.parents = parents},
+          SoftmaxOptions{.window = 30, .sink_tokens = 3, .alibi_slopes = slopes, .parents = parents}}) {
+        INFO("window " << options.window);
+        Matrix<float> O(40, 128), again(40, 128);
+        multi_head_causal_softmax_attention(Q, K, V, O, layout, options, {}, OpenMPExecutor{.threads = 1});
+        multi_head_causal_softmax_attention(Q, K, V, again, layout, options, {}, OpenMPExecutor{.threads = 2});
+        CHECK((O.array() == again.array()).all());
+        for (Index h = 0; h < 8; ++h) {
+            Matrix<float> one(40, 16);
+            causal_softmax_attention(Q.middleCols(h * 16, 16), K.middleCols(h / 4 * 16, 16),
+                                     V.middleCols(h / 4 * 16, 16), one, detail::head_options(options, h));
+            CHECK((one.array() == O.middleCols(h * 16, 16).array()).all());
+        }
     }
     // Bad trees and combinations: refused by name, O unchanged.
     Matrix<float> out = Matrix<float>::Constant(3, 16, 7);
     const Matrix<float> q = Q.topRows(3).leftCols(16), k = K.topRows(10).leftCols(16);
     const std::vector<Index> forward{-1, 2, 1}, short_tree{-1, 0}, fine{-1, 0, 0};
-    const double slope = 0.1;
     const auto refused = [&](const SoftmaxOptions& bad, const char* what) {
         INFO(what);
         CHECK_THROWS_WITH(causal_softmax_attention(q, k, k, out, bad), Catch::Contains("options.parents"));
@@ -353,8 +448,6 @@ TEST_CASE("Tree masks in the multi-head layer: each head as its own call, any th
     };
     refused(SoftmaxOptions{.parents = forward}, "a parent after its child");
     refused(SoftmaxOptions{.parents = short_tree}, "two parents for three queries");
-    refused(SoftmaxOptions{.window = 4, .parents = fine}, "with a window");
-    refused(SoftmaxOptions{.alibi_slopes = std::span<const double>(&slope, 1), .parents = fine}, "with ALiBi");
     refused(SoftmaxOptions{.causal = false, .parents = fine}, "non-causal");
     CHECK_THROWS_WITH(causal_softmax_attention(q, k, k, out, SoftmaxOptions{.parents = fine}, Matrix<float>::Zero(3, 10)),
                       Catch::Contains("bias"));

@@ -145,6 +145,33 @@ inline SoftmaxResult softmax_attention(const MatrixD& Q, const MatrixD& K, const
     return r;
 }
 
+/// Speculative decoding's verify step as what it stands for: new token i (of the last
+/// n = parents.size() keys) decoded at the end of its own path, the earlier keys then its
+/// ancestors root first and itself at positions past, past + 1, ..., past + depth_i, with
+/// the logit options of `o` (its offset and bias unused). One row of output per new token.
+inline MatrixD tree_path_attention(const MatrixD& Q, const MatrixD& K, const MatrixD& V,
+                                   const std::vector<Index>& parents, Logits o) {
+    const Index n = static_cast<Index>(parents.size()), past = K.rows() - n;
+    o.offset = {};
+    o.bias = nullptr;
+    MatrixD out(n, V.cols());
+    for (Index i = 0; i < n; ++i) {
+        std::vector<Index> path;
+        for (Index a = i; a >= 0; a = parents[static_cast<std::size_t>(a)])
+            path.insert(path.begin(), a);
+        const Index rows = past + static_cast<Index>(path.size());
+        MatrixD Kp(rows, K.cols()), Vp(rows, V.cols());
+        Kp.topRows(past) = K.topRows(past);
+        Vp.topRows(past) = V.topRows(past);
+        for (std::size_t k = 0; k < path.size(); ++k) {
+            Kp.row(past + static_cast<Index>(k)) = K.row(past + path[k]);
+            Vp.row(past + static_cast<Index>(k)) = V.row(past + path[k]);
+        }
+        out.row(i) = softmax_attention(Q.row(i), Kp, Vp, o).out;
+    }
+    return out;
+}
+
 // ---------------------------------------------------------------- linear attention
 
 struct LinearResult {

@@ -203,21 +203,24 @@ void causal_softmax_rows(QRows Q, KRows K, VRows V, MatrixRef<E> O, LseSink&& ls
         return;
     const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
     const Index offset = query_offset == trailing_queries ? K.rows() - Q.rows() : query_offset;
+    // A window past every distance between a query and a key limits nothing (causal: Nk).
+    const Index farthest = std::max(offset + Q.rows() - 1, K.rows() - 1 - offset);
+    Index window = options.causal ? effective_window(options.window, K.rows())
+                                  : effective_window(options.window, farthest + 1);
     std::optional<TreeMask> tree;  // the draft tokens of a speculative step: the last Nq of the keys
     TreeMask::View tree_view{};
     TileBias<T> tile_bias = bias;
     if (!options.parents.empty()) {
-        tree.emplace(options.parents, K.rows() - static_cast<Index>(options.parents.size()));
-        tree_view = {&*tree, offset - (K.rows() - static_cast<Index>(options.parents.size()))};
-        tile_bias = {&TreeMask::fill<T>, &tree_view};
+        const Index past = K.rows() - static_cast<Index>(options.parents.size());
+        const double slope = options.alibi_slopes.empty() ? 0.0 : options.alibi_slopes[0];
+        tree.emplace(options.parents, past, TreeMask::Positions{window, options.sink_tokens, slope});
+        tree_view = {&*tree, offset - past};
+        tile_bias = TreeMask::tile<T>(tree_view);
+        window = 0;  // the tree's fill counts it in the tree's positions (TreeMask)
     }
-    // A window past every distance between a query and a key limits nothing (causal: Nk).
-    const Index farthest = std::max(offset + Q.rows() - 1, K.rows() - 1 - offset);
-    const Index window = options.causal ? effective_window(options.window, K.rows())
-                                        : effective_window(options.window, farthest + 1);
+    const Index sinks = tree ? tree->sink_rows() : options.sink_tokens;
     TiledCausalSoftmax<T, B, KRows, VRows, QRows> kernel(std::move(Q), std::move(K), std::move(V), scale, window,
-                                                         options.sink_tokens, scratch, LogitRule::of(options),
-                                                         tile_bias);
+                                                         sinks, scratch, LogitRule::of(options), tile_bias);
     kernel.set_query_offset(offset);
     kernel.run(O, lse);
 }

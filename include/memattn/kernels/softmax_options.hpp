@@ -50,7 +50,9 @@ struct SoftmaxOptions {
     std::span<const double> alibi_slopes = {};  ///< slope_h per query head: s ← s − slope_h·|p_i − j| (ALiBi)
     /// A tree of new tokens (speculative decoding's verify step): for each query, the
     /// index of its parent among the queries (the last Nq keys), or −1; each sees the
-    /// keys before them and its ancestors among them, itself included. Empty: none.
+    /// keys before them and its ancestors among them, itself included. New token i sits at
+    /// position Nk − Nq + depth_i (its ancestors' count), where decoding its path token by
+    /// token puts it: the window, the sinks and ALiBi count those positions. Empty: none.
     std::span<const Index> parents = {};
     /// The products' arithmetic on float inputs of causal_softmax_attention and
     /// multi_head_causal_softmax_attention (a single-head call rounds copies of Q, K and V; the
@@ -94,12 +96,7 @@ void check_logit_options(std::string_view function, const SoftmaxOptions& option
         require(options.parents[i] >= -1 && options.parents[i] < static_cast<Index>(i), function, "options.parents",
                 "has ", options.parents[i], " at ", i, ", expected -1 (a root) or an earlier query, 0 to ",
                 static_cast<Index>(i) - 1);
-    // A tree's positions are not the queries' rows: a window or ALiBi would count the wrong ones.
     require(options.causal, function, "options.parents", "is given with options.causal = false: a tree is causal");
-    require(options.window == 0, function, "options.parents", "is given with options.window = ", options.window,
-            ": a window counts rows, not a tree's positions (give the tree a dense mask instead)");
-    require(options.alibi_slopes.empty(), function, "options.parents",
-            "is given with options.alibi_slopes: ALiBi counts rows, not a tree's positions (give a dense bias instead)");
 }
 
 /// The options of query head h of a multi-head call: its own sink logit and slope.

@@ -162,7 +162,9 @@ public:
             const Index hi = rule_.causal  ? std::min(p1_ + 1, k_.rows())
                              : window_ > 0 ? std::clamp<Index>(p1_ + window_, 0, k_.rows())
                                            : k_.rows();
-            const Index lo = window_ > 0 ? std::clamp<Index>(p0_ - window_ + 1, 0, k_.rows()) : 0;
+            Index lo = window_ > 0 ? std::clamp<Index>(p0_ - window_ + 1, 0, k_.rows()) : 0;
+            if (bias_.first != nullptr)  // a tree's window, in its positions
+                lo = std::clamp<Index>(bias_.first(bias_.context, i0, rows_), lo, k_.rows());
             for (Index j1 = hi; j1 > lo; j1 -= tiles_.keys) {             // diagonal tile first
                 const Index j0 = std::max(lo, j1 - tiles_.keys);
                 prefetch_key_tile(std::max(lo, j0 - tiles_.keys), j0);     // the next one
@@ -305,13 +307,13 @@ private:
                     row[i] -= slope2_ * static_cast<T>(offset + i < 0 ? -(offset + i) : offset + i);
             }
         }
-        if (biased_) {  // the bias in base 2; −∞ stays −∞
-            const T factor = static_cast<T>(log2e);
+        if (biased_) {  // the bias in base 2; −∞ masks the key, whatever its logit (a NaN too)
+            const T factor = static_cast<T>(log2e), masked = -std::numeric_limits<T>::infinity();
             for (Index jj = 0; jj < n; ++jj) {
                 T* row = s_.data() + jj * lanes_;
                 const T* b = bias_tile_.data() + jj * lanes_;
                 for (Index i = 0; i < cols_; ++i)
-                    row[i] += factor * b[i];
+                    row[i] = b[i] == masked ? masked : row[i] + factor * b[i];
             }
         }
     }

@@ -357,11 +357,14 @@ public:
     /// parents[r] (one per row of K) is row r's parent within its chunk (−1: a root, which
     /// follows the sequence's cached tokens), before it: each row attends the sequence's
     /// cached tokens and, of its chunk, its ancestors and itself (SoftmaxOptions::parents;
-    /// a chunk that is a chain, parents t − 1, is a prompt). The drafts' keys are turned
-    /// to their positions in the tree (cached length + depth), where an accepted path puts
-    /// them. The chunks then wait for accept(seq, path) or reject(seq) (pending_drafts).
-    /// Not in a windowed pool or with ALiBi (a window and ALiBi count rows, not a tree's
-    /// positions): std::invalid_argument, nothing changed.
+    /// a chunk that is a chain, parents t − 1, is a prompt). A draft sits at position L +
+    /// its depth in the tree, L the sequence's cached tokens, where an accepted path puts
+    /// it: the caller turns its key there (RoPE), and the window, the sinks and ALiBi
+    /// count that position, so a draft's output is its path's decoded token by token. The
+    /// chunks then wait for accept(seq, path) or reject(seq) (pending_drafts). A windowed
+    /// pool keeps the drafts in its rollback room (PoolOptions::rollback_tokens at least
+    /// the chunk's rows always suffices): a chunk the window would free the sequence's
+    /// tokens for is refused (std::invalid_argument, nothing changed).
     void prefill(std::span<const Index> seqs, std::span<const Index> q_offsets, ConstMatrixRef<T> queries,
                  ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out, ExecutorRef executor,
                  std::span<const Index> parents) {
@@ -613,7 +616,7 @@ private:
         for (std::size_t i = 0; i < seqs.size(); ++i)
             detail::check_room(site.function, sequences_[static_cast<std::size_t>(seqs[i])].length, chunk(i));
         if (tree)
-            check_tree(function, parents, q_offsets, rows);
+            check_tree(function, seqs, parents, q_offsets, rows);
         const Index needed = chunk_blocks(seqs, chunk);
         detail::check_storable<T, S>(site, keys, false);
         detail::check_storable<T, S>(site, values, true);
@@ -647,22 +650,35 @@ private:
     }
 
     /// A verify step's trees: one parent per row, each chunk's within it and before the
-    /// row; no window or ALiBi.
-    void check_tree(const char* function, std::span<const Index> parents, std::span<const Index> q_offsets,
-                    Index rows) const {
-        detail::require(window_ == 0, function, "parents", "are given to a pool with a window of ", window_,
-                        ": a window counts rows, not a tree's positions (verify in a pool without one)");
-        detail::require(slopes_.empty(), function, "parents",
-                        "are given to a pool with ALiBi slopes: ALiBi counts rows, not a tree's positions");
+    /// row; in a windowed pool, each chunk's drafts within the rollback room (a reject
+    /// takes them all back: the window must not free what the sequence before them sees).
+    void check_tree(const char* function, std::span<const Index> seqs, std::span<const Index> parents,
+                    std::span<const Index> q_offsets, Index rows) const {
         detail::require(static_cast<Index>(parents.size()) == rows, function, "parents", "has ", parents.size(),
                         " entries, expected ", rows, " (one per row of K)");
-        for (std::size_t i = 0; i + 1 < q_offsets.size(); ++i)
-            for (Index t = 0; t < q_offsets[i + 1] - q_offsets[i]; ++t) {
+        for (std::size_t i = 0; i + 1 < q_offsets.size(); ++i) {
+            const Index n = q_offsets[i + 1] - q_offsets[i];
+            for (Index t = 0; t < n; ++t) {
                 const Index p = parents[static_cast<std::size_t>(q_offsets[i] + t)];
                 detail::require(p >= -1 && p < t, function, "parents", "has ", p, " at row ", q_offsets[i] + t,
                                 " (draft ", t, " of sequence ", i, " in the batch), expected -1 (a root) or an "
                                 "earlier draft of its chunk, 0 to ", t - 1);
             }
+            // The shortest length an accept or reject leaves that the window may have cut
+            // (a truncate to the sinks or fewer always succeeds; past them, the shortest is
+            // the hardest: can_truncate).
+            const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
+            const Index shortest = std::max(s.length, sinks_ + 1);
+            if (window_ == 0 || shortest >= s.length + n)
+                continue;
+            const Index first = kept_first(s.length + n, s.first);  // what the window holds after the step
+            detail::require(std::max(sinks_, shortest - window_) >= first, function, "parents",
+                            "give sequence ", seqs[i], " ", n, " drafts after its ", s.length,
+                            " tokens, but its window of ", window_, " would then free tokens up to ", first,
+                            " that a rejected tree or a short path needs: a windowed pool keeps a tree's drafts "
+                            "in its rollback room (PoolOptions::rollback_tokens >= ", n, "; this pool's is ",
+                            rollback_, ")");
+        }
     }
 
     /// update(seqs, K, V) under the name of `function` (PagedKVCache::update, ::decode,

@@ -11,7 +11,8 @@
 // causal_softmax_attention with the pool's options gives it: j ≤ its position, within
 // the window or among the sinks. A chunk that is a tree of drafts (its `parents`, as
 // SoftmaxOptions::parents: speculative decoding's verify step) sees the tokens before
-// it and, of its own rows, a row's ancestors and itself (the tree's mask on the tiles).
+// it and, of its own rows, a row's ancestors and itself (the tree's mask on the tiles),
+// each draft at position length − rows + its depth for the window, sinks and ALiBi.
 //
 // Work items, as the multi-head kernel's (layer/multi_head_kernels.hpp: softmax_items):
 // (chunk, query tile of default_tiles(window) rows, query head), the heads of one KV head

@@ -99,10 +99,12 @@ protected:
     [[nodiscard]] static Index token_blocks(const State& s) noexcept {
         return static_cast<Index>(s.table.size()) + s.dropped;
     }
-    /// The block holding token block j of s (a held one).
-    [[nodiscard]] Index block_of(const State& s, Index j) const noexcept {
-        return s.table[static_cast<std::size_t>(j < sink_blocks() ? j : j - s.dropped)];
+    /// Where in s's table token block j (a held one) is: past the sinks, less the dropped.
+    [[nodiscard]] std::size_t table_index(const State& s, Index j) const noexcept {
+        return static_cast<std::size_t>(j < sink_blocks() ? j : j - s.dropped);
     }
+    /// The block holding token block j of s (a held one).
+    [[nodiscard]] Index block_of(const State& s, Index j) const noexcept { return s.table[table_index(s, j)]; }
     /// Tokens s holds.
     [[nodiscard]] Index held_tokens(const State& s) const noexcept {
         return std::min(sinks_, s.length) + std::max<Index>(0, s.length - s.first);
@@ -404,7 +406,7 @@ protected:
         Index shared = 0;
         if (k0 < n)
             for (Index b = (base + k0) / block_size_; b <= (base + n - 1) / block_size_; ++b)
-                shared += refs_[static_cast<std::size_t>(s.table[static_cast<std::size_t>(b)])] > 1 ? 1 : 0;
+                shared += refs_[static_cast<std::size_t>(block_of(s, b))] > 1 ? 1 : 0;
         return shared;
     }
 

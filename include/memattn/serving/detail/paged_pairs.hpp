@@ -110,8 +110,8 @@ protected:
         const Index base = s.length - s.drafts, k0 = first_moved(path);
         // The blocks rows base + k0 .. base + n − 1 lie in, copied first when shared.
         const Index b0 = (base + k0) / block_size_, b1 = n > k0 ? (base + n - 1) / block_size_ + 1 : b0;
-        for (Index b = b0; b < b1; ++b) {
-            Index& block = s.table[static_cast<std::size_t>(b)];
+        for (Index b = b0; b < b1; ++b) {  // token blocks (a window's dropped ones lie before them)
+            Index& block = s.table[table_index(s, b)];
             if (refs_[static_cast<std::size_t>(block)] == 1)
                 continue;
             const Index own = take_block(), used = std::min(block_size_, s.length - b * block_size_);
@@ -123,7 +123,7 @@ protected:
             block = own;
         }
         const auto row = [&](Index token, Index h) {
-            return first_row(s.table[static_cast<std::size_t>(token / block_size_)], h) + token % block_size_;
+            return first_row(block_of(s, token / block_size_), h) + token % block_size_;
         };
         for (Index k = k0; k < n; ++k)  // source draft path[k] ≥ k: never a row already written
             for (Index h = 0; h < layout_.kv_heads; ++h) {
