@@ -1935,10 +1935,11 @@ TEST_CASE("PagedKVCache: a verify step's bad trees, paths and pools are refused 
 
 TEMPLATE_TEST_CASE("PagedKVCache: trees in a windowed pool with sinks and ALiBi, each draft at its depth's position: "
                    "its path decoded token by token, and accept or reject within the rollback room",
-                   "[serving][batched][tree][window]", float, Q8) {
+                   "[serving][batched][tree][window]", float, Eigen::bfloat16, Q8) {
     using S = TestType;
     const HeadLayout layout{4, 2, 16, 0};
-    const Index kw = 32, qw = 64, W = 10, sinks = 3, P = 70, n = 21, m = 6, block = 8;
+    // 100 drafts: two of the windowed kernel's query tiles, the second starting mid-tree.
+    const Index kw = 32, qw = 64, W = 10, sinks = 3, P = 70, n = 100, m = 6, block = 8;
     const std::vector<double> slopes{0.25, 0.125, 0.0625, 0.03125};
     const SoftmaxOptions options{.window = W, .sink_tokens = sinks, .softcap = 20.0, .alibi_slopes = slopes};
     const Matrix<float> K0 = random_matrix<float>(P, kw, 140), V0 = random_matrix<float>(P, kw, 141);
@@ -1966,6 +1967,7 @@ TEMPLATE_TEST_CASE("PagedKVCache: trees in a windowed pool with sinks and ALiBi,
             CHECK(pool.length(a) == P);
             CHECK(pool.length(b) == 1);
             CHECK(pool.blocks_of(a) <= held);  // the window has moved on from the drafts' end
+            CHECK(pool.blocks_of(a) <= (sinks + block - 1) / block + (W + n + block - 1) / block + 1);
         }
         batched_prefill(pool, seqs, offsets, Q, K, V, O, OpenMPExecutor{.threads = threads}, all);
         CHECK(pool.pending_drafts(a) == n);
@@ -2101,6 +2103,21 @@ TEST_CASE("ModelCache: a verify step in every layer, then accept or reject in al
     CHECK_THROWS_WITH(cache.reject(b), Catch::Contains("layer 1"));
     CHECK(first.pending_drafts(cache.slot_of(b)) == 2);
     CHECK(first.length(cache.slot_of(b)) == 5);
+    // Drafts past the windowed layer's rollback room (8): refused by the step's first
+    // layer, before any layer holds them.
+    std::vector<Index> long_tree{-1};
+    for (Index i = 1; i < 12; ++i)
+        long_tree.push_back(i - 1);
+    const auto& step = cache.plan(std::vector<Index>{a}, std::vector<Index>{0, 12});
+    const Matrix<float> q12 = random_matrix<float>(12, first.query_dim(), 450),
+                        k12 = random_matrix<float>(12, first.key_dim(), 451),
+                        v12 = random_matrix<float>(12, first.value_dim(), 452);
+    Matrix<float> o12(12, first.output_dim());
+    CHECK_THROWS_WITH(cache.prefill(0, step, q12, k12, v12, o12, long_tree),
+                      Catch::Contains("layer 2") && Catch::Contains("rollback"));
+    CHECK(cache.length(a) == 34);
+    CHECK(cache.pending_drafts(a) == 0);
+    cache.rollback(step);
 }
 
 // ---- StatePool: the recurrent layers' states of many sequences, with checkpoints ----------

@@ -413,28 +413,111 @@ TEMPLATE_TEST_CASE("Tree masks with a window, sinks and ALiBi: each draft at the
         }
 }
 
+namespace {
+
+/// Keys or values read in place, noting every row the kernel asks for (tiles, single
+/// rows, prefetches) below `watch_end` and past `watch_begin`: rows it must not read.
+struct RowsRead {
+    Index watch_begin = 0, watch_end = 0, touched = 0;
+    void note(Index j0, Index j1) {
+        if (std::max(j0, watch_begin) < std::min(j1, watch_end))
+            ++touched;
+    }
+};
+class RecordingRows {
+public:
+    RecordingRows(const ConstMatrixRef<float>& m, RowsRead& read) : rows_(m), read_(&read) {}
+    static constexpr bool pairs = false;
+    [[nodiscard]] Index rows() const noexcept { return rows_.rows(); }
+    [[nodiscard]] Index cols() const noexcept { return rows_.cols(); }
+    [[nodiscard]] const float* row(Index j) const {
+        read_->note(j, j + 1);
+        return rows_.row(j);
+    }
+    [[nodiscard]] Index stride() const noexcept { return rows_.stride(); }
+    [[nodiscard]] std::pair<const float*, Index> tile(Index j0, Index n) const {
+        read_->note(j0, j0 + n);
+        return rows_.tile(j0, n);
+    }
+    void prefetch(Index j0, Index j1) const {
+        read_->note(j0, j1);
+        rows_.prefetch(j0, j1);
+    }
+
+private:
+    detail::PlainRows<float> rows_;
+    RowsRead* read_;
+};
+
+}  // namespace
+
+TEST_CASE("Tree masks with a window: the kernel reads no key below every draft's window but the sinks (a windowed "
+          "pool has freed them)",
+          "[softmax][options][tree][window]") {
+    const Index d = 16;
+    for (const Index past : {Index{2}, Index{40}, Index{700}})
+        for (const Index window : {Index{1}, Index{7}, Index{100}})
+            for (const Index sinks : {Index{0}, Index{4}}) {
+                INFO(past << " cached, window " << window << ", sinks " << sinks);
+                std::vector<Index> parents{-1};  // 150 drafts, a deep chain with branches
+                for (Index i = 1; i < 150; ++i)
+                    parents.push_back(i % 11 == 0 ? i / 2 : i - 1);
+                const Index n = static_cast<Index>(parents.size()), nk = past + n;
+                const Matrix<float> Q = random_matrix<float>(n, d, 81), K = random_matrix<float>(nk, d, 82),
+                                    V = random_matrix<float>(nk, d, 83);
+                const double slope = 0.1;
+                SoftmaxOptions options{.window = window,
+                                       .sink_tokens = sinks,
+                                       .alibi_slopes = std::span<const double>(&slope, 1),
+                                       .parents = parents};
+                // Rows past the sinks and below past − window + 1: no draft sees them.
+                RowsRead read{.watch_begin = sinks, .watch_end = past - window + 1};
+                Matrix<float> O(n, d), expected(n, d);
+                detail::SoftmaxScratch<float> scratch(d, d, detail::default_tiles(window));
+                detail::causal_softmax_rows<float>(detail::PlainRows<float>(Q), RecordingRows(K, read),
+                                                   RecordingRows(V, read), MatrixRef<float>(O), [](Index, float) {},
+                                                   options, scratch, detail::trailing_queries,
+                                                   detail::TileBias<float>{});
+                CHECK(read.touched == 0);
+                causal_softmax_attention(Q, K, V, expected, options);
+                CHECK((O.array() == expected.array()).all());
+            }
+}
+
 TEST_CASE("Tree masks in the multi-head layer: each head as its own call, any thread count; bad trees refused",
           "[softmax][options][tree][bad_input]") {
     const HeadLayout layout{8, 2, 16, 0};
+    // 150 drafts, deep chains (depth past the window of 30) with branches and new roots:
+    // the layer's query tiles start mid-tree.
+    const Index n = 150, nk = 600;
     std::vector<Index> parents{-1};
-    for (Index i = 1; i < 40; ++i)
-        parents.push_back(i % 7 == 0 ? -1 : i - 1 - i % 3 / 2);
-    const Matrix<float> Q = random_matrix<float>(40, 128, 61, 2.0), K = random_matrix<float>(500, 32, 62, 2.0),
-                        V = random_matrix<float>(500, 32, 63);
+    for (Index i = 1; i < n; ++i)
+        parents.push_back(i % 37 == 0 ? -1 : i % 9 == 0 ? i - 5 : i - 1);
+    const Matrix<float> Q = random_matrix<float>(n, 128, 61, 2.0), K = random_matrix<float>(nk, 32, 62, 2.0),
+                        V = random_matrix<float>(nk, 32, 63);
     const std::vector<double> slopes{0.5, 0.25, 0.125, 0.0625, 0.03, 0.02, 0.01, 0.005};
     for (const SoftmaxOptions& options :
          {SoftmaxOptions{.parents = parents},
           SoftmaxOptions{.window = 30, .sink_tokens = 3, .alibi_slopes = slopes, .parents = parents}}) {
         INFO("window " << options.window);
-        Matrix<float> O(40, 128), again(40, 128);
+        Matrix<float> O(n, 128), again(n, 128);
         multi_head_causal_softmax_attention(Q, K, V, O, layout, options, {}, OpenMPExecutor{.threads = 1});
         multi_head_causal_softmax_attention(Q, K, V, again, layout, options, {}, OpenMPExecutor{.threads = 2});
         CHECK((O.array() == again.array()).all());
         for (Index h = 0; h < 8; ++h) {
-            Matrix<float> one(40, 16);
+            Matrix<float> one(n, 16);
+            const SoftmaxOptions head = detail::head_options(options, h);
             causal_softmax_attention(Q.middleCols(h * 16, 16), K.middleCols(h / 4 * 16, 16),
-                                     V.middleCols(h / 4 * 16, 16), one, detail::head_options(options, h));
+                                     V.middleCols(h / 4 * 16, 16), one, head);
             CHECK((one.array() == O.middleCols(h * 16, 16).array()).all());
+            reference::Logits logits{.window = options.window, .sink_tokens = options.sink_tokens};
+            if (!head.alibi_slopes.empty())
+                logits.slope = head.alibi_slopes[0];
+            check_close(O.middleCols(h * 16, 16),
+                        reference::tree_path_attention(Q.middleCols(h * 16, 16).cast<double>(),
+                                                       K.middleCols(h / 4 * 16, 16).cast<double>(),
+                                                       V.middleCols(h / 4 * 16, 16).cast<double>(), parents, logits),
+                        3e-5);
         }
     }
     // Bad trees and combinations: refused by name, O unchanged.

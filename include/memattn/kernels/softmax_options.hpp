@@ -13,8 +13,10 @@
 //   key j visible iff (causal: j ≤ p_i) and (j < sink_tokens or window = 0 or |p_i − j| < window)
 //   o_i = Σ_j e^{s_ij} v_j / (e^{σ_h} + Σ_j e^{s_ij})   sink_logits[h] = σ_h (gpt-oss), else no e^{σ_h}
 //
-// A tree (parents) or a dense bias or mask (causal_softmax_attention's bias argument)
-// restricts the visible keys further, after ALiBi: −∞ masks a key.
+// A dense bias or mask (causal_softmax_attention's bias argument) restricts the visible
+// keys further, after ALiBi: −∞ masks a key. A tree (parents) places its new tokens at
+// their depths' positions, which the window, the sinks and ALiBi then count, and hides
+// from each the new tokens that are not its ancestors.
 //
 // Per-head values (sink_logits, alibi_slopes) are spans the caller keeps alive through
 // the call: one value for a single-head call, q_heads for a multi-head one.

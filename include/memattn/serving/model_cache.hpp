@@ -76,6 +76,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -492,7 +493,9 @@ public:
     /// Layer l's verify step of `step` (a plan of chunks, each a tree of drafts):
     /// batched_prefill with `parents` on its pool (PagedKVCache::prefill), the drafts then
     /// pending in that layer; once every layer has run it, accept(id, path) or reject(id).
-    /// Refused (std::invalid_argument) in a cache with recurrent layers.
+    /// The first layer to run it checks the trees for every layer first (a windowed
+    /// layer's rollback room: PagedKVCache::validate_tree), so a refusal comes before any
+    /// layer holds drafts. Refused (std::invalid_argument) in a cache with recurrent layers.
     template <class DQ, class DK, class DV, detail::EigenMatrix DO>
     void prefill(Index l, const Step& step, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                  const Eigen::MatrixBase<DV>& V, DO&& O, std::span<const Index> parents) {
@@ -501,6 +504,17 @@ public:
         detail::require(states_.empty(), function, "parents", "are given to a cache with ", states_.size(),
                         " recurrent layers, whose states follow one chain of tokens: verify draft trees in a model "
                         "without them (or decode the drafts)");
+        if (std::find(ran_.begin(), ran_.end(), char{1}) == ran_.end())  // the step's first layer: all of them
+            for (Index other = 0; other < layers(); ++other) {
+                const Pool& each = pools_[static_cast<std::size_t>(at_[static_cast<std::size_t>(other)])];
+                try {
+                    each.validate_tree(step.slots(), step.q_offsets(), parents);
+                } catch (const std::invalid_argument& e) {
+                    throw std::invalid_argument(std::string("memattn::ModelCache::prefill: layer ") +
+                                                std::to_string(other) + " refuses the verify step's trees (" +
+                                                e.what() + ")");
+                }
+            }
         Pool& pool = pools_[static_cast<std::size_t>(at_[layer])];
         batched_prefill(pool, step.slots(), step.q_offsets(), Q, K, V, std::forward<DO>(O), pool.executor(), parents);
         ran(layer);

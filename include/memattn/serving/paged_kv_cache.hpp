@@ -371,6 +371,19 @@ public:
         prefill_batch("PagedKVCache::prefill", seqs, q_offsets, queries, keys, values, out, executor, parents, true);
     }
 
+    /// Throws what a verify step (prefill with parents) of these chunks would throw for
+    /// their trees, changing nothing: std::invalid_argument for parents that are not a
+    /// tree per chunk, or for drafts a windowed pool's rollback room cannot take back (see
+    /// prefill). seqs: distinct live ids; q_offsets: as prefill's.
+    void validate_tree(std::span<const Index> seqs, std::span<const Index> q_offsets,
+                       std::span<const Index> parents) const {
+        constexpr const char* function = "PagedKVCache::validate_tree";
+        const auto batch = static_cast<Index>(seqs.size());
+        detail::check_offsets(function, q_offsets, batch, q_offsets.empty() ? 0 : q_offsets.back());
+        check_batch(function, seqs, batch, "seqs");
+        check_tree(function, seqs, parents, q_offsets, q_offsets.back());
+    }
+
     /// The drafts of `seq` the last verify step (prefill with parents) left waiting for
     /// accept or reject; 0 when none (any other call that changes the sequence's tokens
     /// makes them plain tokens).
@@ -650,35 +663,55 @@ private:
     }
 
     /// A verify step's trees: one parent per row, each chunk's within it and before the
-    /// row; in a windowed pool, each chunk's drafts within the rollback room (a reject
-    /// takes them all back: the window must not free what the sequence before them sees).
+    /// row; in a windowed pool, each chunk's drafts within the rollback room: every length
+    /// an accept or reject can leave (L, the length before the drafts, to L + the tree's
+    /// longest path) stays truncatable once the window has moved on to L + n. A truncate to
+    /// the sinks or fewer always succeeds, and past them the shortest is the hardest
+    /// (can_truncate), so that one is checked.
     void check_tree(const char* function, std::span<const Index> seqs, std::span<const Index> parents,
                     std::span<const Index> q_offsets, Index rows) const {
         detail::require(static_cast<Index>(parents.size()) == rows, function, "parents", "has ", parents.size(),
                         " entries, expected ", rows, " (one per row of K)");
         for (std::size_t i = 0; i + 1 < q_offsets.size(); ++i) {
             const Index n = q_offsets[i + 1] - q_offsets[i];
+            const std::span<const Index> tree = parents.subspan(static_cast<std::size_t>(q_offsets[i]),
+                                                                static_cast<std::size_t>(n));
             for (Index t = 0; t < n; ++t) {
-                const Index p = parents[static_cast<std::size_t>(q_offsets[i] + t)];
+                const Index p = tree[static_cast<std::size_t>(t)];
                 detail::require(p >= -1 && p < t, function, "parents", "has ", p, " at row ", q_offsets[i] + t,
                                 " (draft ", t, " of sequence ", i, " in the batch), expected -1 (a root) or an "
                                 "earlier draft of its chunk, 0 to ", t - 1);
             }
-            // The shortest length an accept or reject leaves that the window may have cut
-            // (a truncate to the sinks or fewer always succeeds; past them, the shortest is
-            // the hardest: can_truncate).
             const State& s = sequences_[static_cast<std::size_t>(seqs[i])];
-            const Index shortest = std::max(s.length, sinks_ + 1);
-            if (window_ == 0 || shortest >= s.length + n)
+            if (window_ == 0 || n == 0)
+                continue;
+            Index shortest = s.length;
+            if (shortest <= sinks_) {  // among the sinks: past them only if a path reaches that far
+                shortest = sinks_ + 1;
+                if (s.length + longest_path(tree) < shortest)
+                    continue;
+            }
+            if (shortest >= s.length + n)  // (the sequence's own length: nothing truncated)
                 continue;
             const Index first = kept_first(s.length + n, s.first);  // what the window holds after the step
             detail::require(std::max(sinks_, shortest - window_) >= first, function, "parents",
                             "give sequence ", seqs[i], " ", n, " drafts after its ", s.length,
                             " tokens, but its window of ", window_, " would then free tokens up to ", first,
-                            " that a rejected tree or a short path needs: a windowed pool keeps a tree's drafts "
-                            "in its rollback room (PoolOptions::rollback_tokens >= ", n, "; this pool's is ",
-                            rollback_, ")");
+                            " that a sequence of ", shortest, " tokens (a rejected tree or a short path) sees: a "
+                            "windowed pool keeps a tree's drafts in its rollback room "
+                            "(PoolOptions::rollback_tokens >= ", n, "; this pool's is ", rollback_, ")");
         }
+    }
+    /// The drafts on a tree's longest path from a root (its depth + 1).
+    static Index longest_path(std::span<const Index> tree) noexcept {
+        Index longest = 0;
+        for (Index t = 0; t < static_cast<Index>(tree.size()); ++t) {
+            Index drafts = 0;
+            for (Index a = t; a >= 0; a = tree[static_cast<std::size_t>(a)])
+                ++drafts;
+            longest = std::max(longest, drafts);
+        }
+        return longest;
     }
 
     /// update(seqs, K, V) under the name of `function` (PagedKVCache::update, ::decode,
