@@ -78,6 +78,13 @@
 //       the verify step and M = 6 its 64 decode steps in a sliding-window pool of 1024
 //       tokens with ALiBi (rollback room 64: the drafts at their depths' positions)
 //
+//   BM_StatePoolDecode/t:T/mode:M   one decode step of 32 sequences of a hybrid model's
+//       recurrent layer, MultiHead<DeltaRuleMemory<float>> of 8 heads, d = dv = 128 (key
+//       rows [k | β], qk_l2norm): M = 0 StatePool::decode over the 32, M = 1 batched_decode
+//       over 32 separate memories (what the pool replaces); the roofline's bytes the 32
+//       states (16 MiB, each read and written once at least), its FLOPs 6·d·dv a head and
+//       sequence (k·S, the rank-one update, q·S)
+//
 // The figure and the table: scripts/plot.py (decode_roofline.png; `plot.py decode-table
 // decode_bench.json` prints the table of docs/performance.md). On a shared machine run
 //   decode_bench --benchmark_filter=BM_DecodeStep --benchmark_repetitions=5
@@ -95,6 +102,8 @@
 #include <memattn/serving/paged_kv_cache.hpp>
 #include <memattn/serving/paged_latent_kv_cache.hpp>
 #include <memattn/serving/model_cache.hpp>
+#include <memattn/serving/state_pool.hpp>
+#include <memattn/memory/gated_memories.hpp>
 
 #include <algorithm>
 #include <array>
@@ -692,6 +701,39 @@ void BM_PoolTreeVerify(benchmark::State& state) {
     benchmark::DoNotOptimize(O.data());
 }
 
+void BM_StatePoolDecode(benchmark::State& state) {
+    using Recurrent = memattn::MultiHead<memattn::DeltaRuleMemory<float>>;
+    constexpr Index heads = 8, sequences = 32;
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(0))};
+    const Index mode = state.range(1);
+    if (!threads_available(state, state.range(0)))
+        return;
+    const Recurrent prototype({.q_heads = heads, .kv_heads = heads, .head_dim = head_dim}, [](Index) {
+        return memattn::DeltaRuleMemory<float>(head_dim, head_dim, {.qk_l2norm = true});
+    });
+    const Index kw = prototype.key_dim(), qw = prototype.query_dim();
+    const Matrix<float> Q = memattn::bench::random_matrix<float>(sequences, qw, 1);
+    Matrix<float> K = memattn::bench::random_matrix<float>(sequences, kw, 2);
+    const Matrix<float> V = memattn::bench::random_matrix<float>(sequences, prototype.value_dim(), 3);
+    for (Index h = 0; h < heads; ++h)
+        K.col(h * (head_dim + 1) + head_dim).setConstant(0.5f);  // β
+    Matrix<float> O(sequences, prototype.output_dim());
+    memattn::StatePool<Recurrent> pool(sequences, prototype);
+    std::vector<Recurrent> separate(static_cast<std::size_t>(sequences), prototype);
+    std::vector<Index> ids;
+    for (Index i = 0; i < sequences; ++i)
+        ids.push_back(pool.add());
+    const double step_seconds = median_step_seconds(state, [&] {
+        if (mode == 0)
+            pool.decode(ids, Q, K, V, O, executor);
+        else
+            memattn::batched_decode(std::span<Recurrent>(separate), Q, K, V, O, executor);
+    });
+    const std::size_t bytes = static_cast<std::size_t>(sequences) * prototype.footprint();
+    const double flops = 6.0 * static_cast<double>(sequences * heads) * head_dim * head_dim;
+    report_roofline(state, step_seconds, bytes, flops, executor);
+}
+
 template <class S>
 void latent_prefill_cell(benchmark::State& state, memattn::FpMath fpmath) {
     constexpr Index r = 512, dr = 64, nope = 128, dv = 128;
@@ -1113,6 +1155,8 @@ BENCHMARK(BM_LatentDecodeFpMathBf16)->Apply(latent_cells);
 BENCHMARK(BM_LatentPrefill)->Apply(latent_prefill_cells);
 BENCHMARK(BM_LatentPrefillFpMathBf16)->Apply(latent_prefill_cells);
 BENCHMARK(BM_PoolTreeVerify)->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {0, 1, 2, 3, 4, 5, 6}})->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_StatePoolDecode)->ArgNames({"t", "mode"})->ArgsProduct({{1, 2}, {0, 1}})->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_PagedLatentDecode<float>)->Name("BM_PagedLatentDecode<float>")->Apply(paged_latent_cells);
 BENCHMARK(BM_PagedLatentDecode<Eigen::bfloat16>)->Name("BM_PagedLatentDecode<bfloat16>")->Apply(paged_latent_cells);

@@ -327,6 +327,79 @@ TEMPLATE_TEST_CASE("Gated and delta memories: decode and prefill equal the kerne
     static_assert(Memory<DeltaRuleMemory<T>> && Snapshottable<GatedLinearAttentionMemory<T>>);
 }
 
+TEMPLATE_TEST_CASE("Delta-rule and KDA memories: a decode step in one pass (update_attend) equals update then "
+                   "attend, bit for bit, for groups of queries, widths off every packet, resets",
+                   "[delta][kda][memory]", float, double) {
+    using T = TestType;
+    const Index n = 12;
+    for (const auto& shape : std::vector<std::pair<Index, Index>>{{1, 1}, {6, 4}, {16, 37}, {67, 67}, {128, 128}})
+        for (const int variant : {0, 1, 2}) {  // the delta rule (qk_l2norm), gated, KDA
+            const Index d = shape.first, dv = shape.second;
+            INFO("d = " << d << ", dv = " << dv << ", variant " << variant);
+            const auto make = [&]() -> DeltaRuleMemory<T> {
+                if (variant == 2)
+                    return KdaMemory<T>(d, dv);
+                return DeltaRuleMemory<T>(d, dv, {.qk_l2norm = variant == 0}, variant == 1);
+            };
+            DeltaRuleMemory<T> plain = make(), fused = make();
+            const Index gates = variant == 0 ? 0 : variant == 1 ? 1 : d;
+            Matrix<T> keys(n, d + 1 + gates);
+            keys.leftCols(d) = random_matrix<T>(n, d, 21);
+            keys.col(d) = betas<T>(n, 22);
+            if (gates > 0)
+                keys.rightCols(gates) = log_gates<T>(n, gates, 23);
+            if (gates > 0)
+                keys(5, d + 1) = -std::numeric_limits<T>::infinity();  // a reset (KDA: of one row)
+            const Matrix<T> V = random_matrix<T>(n, dv, 24), Q = random_matrix<T>(6 * n, d, 25);
+            for (Index t = 0; t < n; ++t) {
+                const Index g = 1 + t % 6;  // 5 and 6: more rows than one pass takes
+                const Matrix<T> q = Q.middleRows(6 * t, g);
+                Matrix<T> expected(g, dv), out(g, dv);
+                plain.update(keys.row(t), V.row(t));
+                plain.attend_group(q, expected);
+                fused.update_attend_group(keys.row(t), V.row(t), q, out);
+                CHECK((out.array() == expected.array()).all());
+                CHECK((fused.state().array() == plain.state().array()).all());
+                CHECK(fused.length() == plain.length());
+                // One query, as attend: a copy steps the next token both ways.
+                if (t + 1 < n) {
+                    DeltaRuleMemory<T> a = plain, b = plain;
+                    Vector<T> one(dv), alone(dv);
+                    a.update(keys.row(t + 1), V.row(t + 1));
+                    a.attend(q.row(0), alone);
+                    b.update_attend(keys.row(t + 1), V.row(t + 1), q.row(0), one);
+                    CHECK((one.array() == alone.array()).all());
+                }
+            }
+            // Bad input to the fused step: refused by name, nothing changed.
+            Matrix<T> out(1, dv);
+            Matrix<T> bad = keys.topRows(1);
+            bad(0, d) = T(1.5);  // β outside [0, 1]
+            const Matrix<T> before = fused.state();
+            CHECK_THROWS_AS(fused.update_attend_group(bad.row(0), V.row(0), Q.topRows(1), out), std::invalid_argument);
+            CHECK_THROWS_AS(fused.update_attend_group(keys.row(0), V.row(0), Q.topRows(2), out), std::invalid_argument);
+            CHECK((fused.state().array() == before.array()).all());
+            CHECK(fused.length() == n);
+        }
+    // A MultiHead of them (GQA: two query heads a memory) and a decode through memattn::decode.
+    const HeadLayout layout{4, 2, 16, 0};
+    const auto head = [](Index) { return DeltaRuleMemory<T>(16, 16, {.qk_l2norm = true}, true); };
+    MultiHead<DeltaRuleMemory<T>> plain(layout, head), fused(layout, head), decoded(layout, head);
+    Matrix<T> keys(n, plain.key_dim());
+    keys << random_matrix<T>(n, 16, 31), betas<T>(n, 32), log_gates<T>(n, 1, 35), random_matrix<T>(n, 16, 33),
+        betas<T>(n, 34), log_gates<T>(n, 1, 36);
+    const Matrix<T> V = random_matrix<T>(n, plain.value_dim(), 36), Q = random_matrix<T>(n, plain.query_dim(), 37);
+    Matrix<T> expected(n, plain.output_dim()), out(n, plain.output_dim()), through(n, plain.output_dim());
+    for (Index t = 0; t < n; ++t) {
+        plain.update(keys.row(t), V.row(t));
+        plain.attend(Q.row(t), expected.row(t));
+        fused.update_attend(keys.row(t), V.row(t), Q.row(t), out.row(t));
+    }
+    decode(decoded, Q, keys, V, through);
+    CHECK((out.array() == expected.array()).all());
+    CHECK((through.array() == expected.array()).all());
+}
+
 TEST_CASE("Gated and delta kernels: bad input names the function, the argument and the shapes", "[gated][delta]") {
     const Matrix<float> Q = Matrix<float>::Zero(5, 3), V = Matrix<float>::Zero(5, 2);
     Matrix<float> O(5, 2), G = Matrix<float>::Zero(5, 1);

@@ -44,8 +44,10 @@
 //
 // Per token the chunked form does 6·d·dv FMAs for the state, as many as the recurrence
 // (K S_0, Q S_0, Kᵀ U against k S, q S, kᵀ u), plus about C·(d + dv) for the triangles:
-// it wins only because products of C rows run near the FMA peak where the recurrence's
-// GEMVs stream S (64 KiB at d = 128) from L2 three times per token.
+// it wins because products of C rows run near the FMA peak where the recurrence's
+// chains of FMAs stream S (64 KiB at d = 128) once per token (detail::delta_token: by
+// panels of columns, k S from memory, then the update and q S from L1; the figures below
+// are of the three GEMVs it replaced, which read S from L2 three times per token).
 //
 // Measured (bench/linear_attention_bench.cpp, N = 65536, d = dv = 128, float, one thread of
 // an Intel Xeon with AVX-512, FMA peak 180 GFLOP/s, medians of 5, interleaved):
@@ -163,24 +165,101 @@ void delta_keys(const ConstMatrixRef<T>& K, Index t0, Index c, const DeltaOption
         l2_normalise_rows(out, static_cast<T>(options.l2norm_eps));
 }
 
-/// S ← g S for a log-gate row of one column (−∞: S = 0), S ← Diag(α) S for one of d
-/// columns (KDA; −∞ zeroes its row): the decay before a token's delta update, shared by
-/// the recurrence and the memories.
-template <class T, class Gates>
-void delta_decay(const Gates& log_gates, Matrix<T>& S) {
-    constexpr T minus_infinity = -std::numeric_limits<T>::infinity();
-    if (log_gates.size() > 1) {
-        for (Index r = 0; r < S.rows(); ++r) {
-            const T x = log_gates(r);
-            if (x == minus_infinity)
-                S.row(r).setZero();
-            else if (x != T(0))
-                S.row(r) *= std::exp(x);
+/// Query rows a delta_token step takes beside its update (more: attend_group after it).
+inline constexpr Index delta_token_queries = 4;
+
+/// One panel of delta_token: the columns of S, v and out from their pointers on, Packets
+/// packets of P wide; G queries.
+template <class P, int Packets, int G, class T>
+inline void delta_panel(T* S, Index d, Index dv, const T* k, T beta, const T* v, const T* decay, const T* q,
+                        Index ldq, T* out, Index ldo) {
+    using namespace Eigen::internal;
+    constexpr int lanes = unpacket_traits<P>::size;
+    const auto row = [&](Index i, int p) -> P {  // row i of Diag(decay) S, packet p
+        const P s = ploadu<P>(S + i * dv + p * lanes);
+        if (decay == nullptr || decay[i] == T(1))
+            return s;
+        return decay[i] == T(0) ? pset1<P>(T(0)) : pmul(pset1<P>(decay[i]), s);
+    };
+    P acc[Packets];
+    for (int p = 0; p < Packets; ++p)
+        acc[p] = pset1<P>(T(0));
+    for (Index i = 0; i < d; ++i) {  // k S: the panel's rows, from memory
+        const P ki = pset1<P>(k[i]);
+        for (int p = 0; p < Packets; ++p)
+            acc[p] = pmadd(ki, row(i, p), acc[p]);
+    }
+    P u[Packets];
+    for (int p = 0; p < Packets; ++p)
+        u[p] = pmul(pset1<P>(beta), psub(ploadu<P>(v + p * lanes), acc[p]));
+    P o[G > 0 ? G : 1][Packets];
+    for (int m = 0; m < G; ++m)
+        for (int p = 0; p < Packets; ++p)
+            o[m][p] = pset1<P>(T(0));
+    for (Index i = 0; i < d; ++i) {  // S ← S + kᵀ u and q S: the panel again, from L1
+        const P ki = pset1<P>(k[i]);
+        for (int p = 0; p < Packets; ++p) {
+            const P s = pmadd(ki, u[p], row(i, p));
+            pstoreu(S + i * dv + p * lanes, s);
+            for (int m = 0; m < G; ++m)
+                o[m][p] = pmadd(pset1<P>(q[m * ldq + i]), s, o[m][p]);
         }
-    } else if (log_gates(0) == minus_infinity) {
-        S.setZero();  // a reset
-    } else if (log_gates(0) != T(0)) {
-        S *= std::exp(log_gates(0));
+    }
+    for (int m = 0; m < G; ++m)
+        for (int p = 0; p < Packets; ++p)
+            pstoreu(out + m * ldo + p * lanes, o[m][p]);
+}
+
+/// One token of the delta rule on S (d × dv, row-major), in one pass over S's memory:
+///   S ← Diag(decay) S   (decay: d factors, 0 a reset of the row to exactly 0; null: none)
+///   u = β (v − k S),  S ← S + kᵀ u,
+///   out_m = q_m S       for the g ≤ delta_token_queries query rows q_m (stride ldq) into
+///                       the rows of out (stride ldo), from the updated S.
+/// By panels of columns (d rows of four packets: 32 KiB at d = 128 in AVX-512 floats):
+/// each column's k S down the panel's rows from memory, then its update and q S from L1.
+/// Every column's k S and q S is a chain of FMAs down the rows, as the register-blocked
+/// tile product's (detail/tile_product.hpp), so out is attend_group's on the updated S,
+/// bit for bit: a decode step fused or as an update then an attend gives the same numbers.
+template <class T>
+void delta_token(T* S, Index d, Index dv, const T* k, T beta, const T* v, const T* decay, const T* q, Index ldq,
+                 Index g, T* out, Index ldo) {
+    MEMATTN_DASSERT(g >= 0 && g <= delta_token_queries);
+    using P = Packet<T>;
+    constexpr Index lanes = packet_lanes<T>;
+    constexpr int packets = 4;
+    const auto columns = [&]<int G>() {
+        const auto output = [&](Index j) { return G > 0 ? out + j : out; };  // (none without queries)
+        Index j = 0;
+        for (; j + packets * lanes <= dv; j += packets * lanes)
+            delta_panel<P, packets, G>(S + j, d, dv, k, beta, v + j, decay, q, ldq, output(j), ldo);
+        if (const Index left = (dv - j) / lanes; left > 0) {
+            dispatch<packets - 1>(left, [&]<int L>() {
+                delta_panel<P, L, G>(S + j, d, dv, k, beta, v + j, decay, q, ldq, output(j), ldo);
+            });
+            j += left * lanes;
+        }
+        if constexpr (lanes > 1)
+            for (; j < dv; ++j)
+                delta_panel<T, 1, G>(S + j, d, dv, k, beta, v + j, decay, q, ldq, output(j), ldo);
+    };
+    if (g == 0)
+        columns.template operator()<0>();
+    else
+        dispatch<delta_token_queries>(g, [&]<int G>() { columns.template operator()<G>(); });
+}
+
+/// The decay factors of a token's log-gates for delta_token: one log-gate for every row
+/// (the gated delta rule) or one per row (KDA); e^x, 0 for −∞ (a reset), 1 for 0.
+template <class T, class Gates>
+void delta_decay_factors(const Gates& log_gates, Index d, T* factors) {
+    const auto factor = [](T x) {
+        return x == -std::numeric_limits<T>::infinity() ? T(0) : x == T(0) ? T(1) : static_cast<T>(std::exp(x));
+    };
+    if (log_gates.size() > 1) {
+        for (Index r = 0; r < d; ++r)
+            factors[r] = factor(log_gates(r));
+    } else {
+        std::fill(factors, factors + d, factor(log_gates(0)));
     }
 }
 
@@ -189,16 +268,15 @@ void delta_recurrent(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K, con
                      const ConstMatrixRef<T>& beta, const ConstMatrixRef<T>* gates, MatrixRef<T> O,
                      const DeltaOptions& options, Matrix<T>& S) {
     const QueryFactor<T> factor = query_factor<T>(options, Q.cols());
+    const Index d = S.rows(), dv = S.cols();
     Matrix<T> k(1, K.cols());
-    Vector<T> u(V.cols());
+    Vector<T> decay(gates != nullptr ? d : 0);
     for (Index i = 0; i < Q.rows(); ++i) {
         delta_keys(K, i, 1, options, k);
         if (gates != nullptr)  // S ← g S, or KDA's S ← Diag(α) S; −∞ resets
-            delta_decay(gates->row(i), S);
-        u.noalias() = k * S;  // what the state now returns for k
-        u = beta(i, 0) * (V.row(i) - u);
-        S.noalias() += k.transpose() * u;
-        O.row(i).noalias() = Q.row(i) * S;
+            delta_decay_factors(gates->row(i), d, decay.data());
+        delta_token(S.data(), d, dv, k.data(), beta(i, 0), V.row(i).data(), gates != nullptr ? decay.data() : nullptr,
+                    Q.row(i).data(), 0, 1, O.row(i).data(), 0);
         if (factor.active())
             O.row(i) *= factor(Q.row(i).data(), Q.cols());
     }

@@ -189,6 +189,26 @@ public:
         size_split_scratch();  // allocates only when a head's cache has just grown
     }
 
+    /// update(key, value), then attend(query, out): one decode step, the same numbers, each
+    /// head's through its memory's update_attend_group (a recurrent head's state updated and read
+    /// for its group's queries in one pass). Only where the heads' memories have it.
+    void update_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query, RowRef<T> out)
+        requires requires(M& m, ConstRowRef<T> row, ConstMatrixRef<T> q, MatrixRef<T> o) {
+            m.update_attend_group(row, row, q, o);
+        }
+    {
+        validate(key, value, {"MultiHead::update", "key", "value"});
+        detail::check_query("MultiHead::attend", query, out, query_dim(), output_dim());
+        detail::require_disjoint("MultiHead::update", "out", out, "key", key);
+        detail::require_disjoint("MultiHead::update", "out", out, "value", value);
+        const Index d = key_width_, dv = layout_.values();
+        for (Index h = 0; h < layout_.kv_heads; ++h) {
+            GroupOut o = group_outputs(out, h);
+            heads_[static_cast<std::size_t>(h)].update_attend_group(key.segment(h * d, d),
+                                                                    value.segment(h * dv, dv), group_queries(query, h), o);
+        }
+    }
+
     /// Feeds many tokens (packed rows), through each head's own extend where it has one.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         validate(keys, values, {"MultiHead::extend"});

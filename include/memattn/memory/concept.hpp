@@ -144,14 +144,24 @@ void check_sequences(const char* function, const M& mem, const ConstMatrixRef<T>
     validate_pairs(function, mem, k, v);
 }
 
+/// mem.update(key, value), then mem.attend(query, out): through mem.update_attend where
+/// it has one (a recurrent memory's state updated and read in one pass), the same numbers.
+template <class M, class T = typename M::Scalar>
+void update_attend(M& mem, ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query, RowRef<T> out) {
+    if constexpr (requires { mem.update_attend(key, value, query, out); }) {
+        mem.update_attend(key, value, query, out);
+    } else {
+        mem.update(key, value);
+        mem.attend(query, out);
+    }
+}
+
 /// decode's loop, after the checks.
 template <class M, class T = typename M::Scalar>
 void decode_rows(M& mem, const ConstMatrixRef<T>& q, const ConstMatrixRef<T>& k, const ConstMatrixRef<T>& v,
                  MatrixRef<T> o) {
-    for (Index i = 0; i < k.rows(); ++i) {
-        mem.update(k.row(i), v.row(i));
-        mem.attend(q.row(i), o.row(i));
-    }
+    for (Index i = 0; i < k.rows(); ++i)
+        update_attend<M, T>(mem, k.row(i), v.row(i), q.row(i), o.row(i));
 }
 
 }  // namespace detail

@@ -260,7 +260,7 @@ protected:
           options_(options),
           gate_cols_(gate_cols < 0 ? d_ : gate_cols),
           k_(1, d_),
-          u_(dv_) {
+          decay_(gate_cols_ > 0 ? d_ : 0) {
         detail::require(options_.chunk_size > 0, names.type, "options.chunk_size", "is ", options_.chunk_size,
                         ", expected > 0");
         detail::check_query_key_options<T>(names.type, options_.scale, options_.l2norm_eps);
@@ -276,17 +276,33 @@ private:
         detail::check_extras(site, keys, d_, d_, d_ + 1, options_.allow_negative_eigenvalues ? 2.0 : 1.0);
     }
 
-    /// update after its checks, on a key and value apart from the state.
+    /// update after its checks, on a key and value apart from the state: one pass over S
+    /// (detail::delta_token), the decay folded in.
     void step(ConstRowRef<T> key, ConstRowRef<T> value) {
-        Matrix<T>& S = state_.mu;
         k_ = key.head(d_);
         if (options_.qk_l2norm)
             k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
         if (gate_cols_ > 0)  // S ← g S, or KDA's S ← Diag(α) S; −∞ resets
-            detail::delta_decay(key.tail(gate_cols_), S);
-        u_.noalias() = k_ * S;
-        u_ = key(d_) * (value - u_);
-        S.noalias() += k_.transpose() * u_;
+            detail::delta_decay_factors(key.tail(gate_cols_), d_, decay_.data());
+        detail::delta_token(state_.mu.data(), d_, dv_, k_.data(), key(d_), value.data(),
+                            gate_cols_ > 0 ? decay_.data() : nullptr, static_cast<const T*>(nullptr), 0, 0,
+                            static_cast<T*>(nullptr), 0);
+    }
+    /// step, and out = q S (before finish_group) for each row of `queries`, in the same
+    /// pass (update_attend, after its checks); false, having done nothing, for more rows
+    /// than delta_token takes.
+    bool step_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstMatrixRef<T> queries, MatrixRef<T> out) {
+        if (queries.rows() > detail::delta_token_queries)
+            return false;
+        k_ = key.head(d_);
+        if (options_.qk_l2norm)
+            k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
+        if (gate_cols_ > 0)
+            detail::delta_decay_factors(key.tail(gate_cols_), d_, decay_.data());
+        detail::delta_token(state_.mu.data(), d_, dv_, k_.data(), key(d_), value.data(),
+                            gate_cols_ > 0 ? decay_.data() : nullptr, queries.data(), queries.outerStride(),
+                            queries.rows(), out.data(), out.outerStride());
+        return true;
     }
 
     template <class Q, class O>
@@ -326,7 +342,7 @@ private:
     detail::QueryFactor<T> factor_;  ///< q's scale and norm
     Index gate_cols_;  ///< log-gates in the key row: 0, 1 or d
     Matrix<T> k_;   ///< update's key, normalised (allocated once)
-    Vector<T> u_;   ///< update's correction
+    Vector<T> decay_;  ///< update's decay factors, gated (allocated once)
 };
 
 /// KDA's state S as a Memory (kernels/delta_rule.hpp, recurrent_kda_attention): the delta

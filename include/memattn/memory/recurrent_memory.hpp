@@ -106,10 +106,11 @@ public:
     /// The same, naming this memory's validate.
     void validate(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) const { validate(keys, values, {names_->validate}); }
 
-    /// out = q̂ S (q̂: the query as the memory's kernels scale it), zero before any update.
+    /// out = q̂ S (q̂: the query as the memory's kernels scale it), zero before any update:
+    /// attend_group's numbers for a group of one (the register-blocked product).
     void attend(ConstRowRef<T> query, RowRef<T> out) const {
         detail::check_query(names_->attend, query, out, d_, dv_);
-        out.noalias() = query * state_.mu;
+        detail::tile_product<T>(1, dv_, d_, query.data(), 0, 1, state_.mu.data(), dv_, out.data(), 0, nullptr);
         memory().finish(query, out);
     }
 
@@ -122,6 +123,38 @@ public:
         detail::tile_product<T>(queries.rows(), dv_, d_, queries.data(), queries.outerStride(), 1, state_.mu.data(), dv_,
                         out.data(), out.outerStride(), nullptr);
         memory().finish_group(queries, out);
+    }
+
+    /// update(key, value), then attend_group(queries, out): a decode step of a GQA
+    /// group's queries, the same numbers. A memory whose step can give q S from the pass
+    /// that updates S (the delta rule and KDA: detail::delta_token) does both in one pass
+    /// over its state. `out` overlaps neither the queries nor the key or value.
+    void update_attend_group(ConstRowRef<T> key, ConstRowRef<T> value, ConstMatrixRef<T> queries,
+                             MatrixRef<T> out) {
+        validate(key, value, {names_->update, "key", "value"});
+        detail::check_group_query(names_->attend_group, queries, out, d_, dv_);
+        detail::require_disjoint(names_->update, "out", out, "key", key);
+        detail::require_disjoint(names_->update, "out", out, "value", value);
+        if constexpr (requires(Memory& m) { m.step_attend(key, value, queries, out); }) {
+            if (!views_state(key) && !views_state(value) && !views_state(queries) &&
+                memory_mutable().step_attend(key, value, queries, out)) {
+                ++length_;
+                if (queries.rows() > 0)
+                    memory().finish_group(queries, out);
+                return;
+            }
+        }
+        update(key, value);
+        attend_group(queries, out);
+    }
+
+    /// The same for one query: update(key, value), then attend(query, out).
+    void update_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query, RowRef<T> out) {
+        using Row = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
+        using OutRow = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
+        detail::check_query(names_->attend, query, out, d_, dv_);
+        update_attend_group(key, value, Row(query.data(), 1, query.size(), Eigen::OuterStride<>(query.size())),
+                            OutRow(out.data(), 1, out.size(), Eigen::OuterStride<>(out.size())));
     }
 
     /// The memory's chunked kernel over the keys' columns, from and into its state.

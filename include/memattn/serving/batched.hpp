@@ -157,11 +157,9 @@ void decode_memories(std::span<M> memories, ConstMatrixRef<T> Q, ConstMatrixRef<
             detail::parallel_ranges(
                 batch, cost,
                 [&](Index first, Index last) {
-                    for (Index i = first; i < last; ++i) {
-                        M& mem = memories[static_cast<std::size_t>(i)];
-                        mem.update(K.row(i), V.row(i));
-                        mem.attend(Q.row(i), O.row(i));
-                    }
+                    for (Index i = first; i < last; ++i)
+                        detail::update_attend<M, T>(memories[static_cast<std::size_t>(i)], K.row(i), V.row(i),
+                                                    Q.row(i), O.row(i));
                 },
                 0, run_on);
         });

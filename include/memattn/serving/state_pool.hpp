@@ -198,10 +198,11 @@ public:
                                                out.middleRows(i, 1));
         run_batch(ids, executor, [&](Index i) {
             const Index id = ids[static_cast<std::size_t>(i)];
-            M& m = states_[static_cast<std::size_t>(id)];
-            m.update(keys.row(i), values.row(i));
+            // The update and the attend in one pass where the memory can (update_attend);
+            // the checkpoint is the state after the update either way.
+            detail::update_attend<M, Scalar>(states_[static_cast<std::size_t>(id)], keys.row(i), values.row(i),
+                                             queries.row(i), out.row(i));
             keep_checkpoint(id);
-            std::as_const(m).attend(queries.row(i), out.row(i));
         });
     }
     /// The same on the pool's executor.
