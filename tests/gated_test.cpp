@@ -331,8 +331,13 @@ TEMPLATE_TEST_CASE("Delta-rule and KDA memories: a decode step in one pass (upda
                    "attend, bit for bit, for groups of queries, widths off every packet, resets",
                    "[delta][kda][memory]", float, double) {
     using T = TestType;
+    static_assert(DeltaRuleMemory<T>::fuses_step() && KdaMemory<T>::fuses_step());
+    static_assert(!GatedLinearAttentionMemory<T>::fuses_step() && !Rwkv7Memory<T>::fuses_step());
     const Index n = 12;
-    for (const auto& shape : std::vector<std::pair<Index, Index>>{{1, 1}, {6, 4}, {16, 37}, {67, 67}, {128, 128}})
+    // dv: one lane, whole panels, and every count of packets left over (1–3) with lanes
+    // after them, for packets of 2, 4, 8 and 16 lanes.
+    for (const auto& shape : std::vector<std::pair<Index, Index>>{
+             {1, 1}, {6, 4}, {16, 37}, {9, 27}, {5, 55}, {67, 67}, {3, 101}, {128, 128}})
         for (const int variant : {0, 1, 2}) {  // the delta rule (qk_l2norm), gated, KDA
             const Index d = shape.first, dv = shape.second;
             INFO("d = " << d << ", dv = " << dv << ", variant " << variant);
@@ -348,8 +353,8 @@ TEMPLATE_TEST_CASE("Delta-rule and KDA memories: a decode step in one pass (upda
             keys.col(d) = betas<T>(n, 22);
             if (gates > 0)
                 keys.rightCols(gates) = log_gates<T>(n, gates, 23);
-            if (gates > 0)
-                keys(5, d + 1) = -std::numeric_limits<T>::infinity();  // a reset (KDA: of one row)
+            if (gates > 0)  // resets (KDA: of one row) in fused steps of three queries and of one
+                keys(2, d + 1) = keys(6, d + 1) = -std::numeric_limits<T>::infinity();
             const Matrix<T> V = random_matrix<T>(n, dv, 24), Q = random_matrix<T>(6 * n, d, 25);
             for (Index t = 0; t < n; ++t) {
                 const Index g = 1 + t % 6;  // 5 and 6: more rows than one pass takes
@@ -371,8 +376,19 @@ TEMPLATE_TEST_CASE("Delta-rule and KDA memories: a decode step in one pass (upda
                     CHECK((one.array() == alone.array()).all());
                 }
             }
+            // No queries: the update alone.
+            {
+                DeltaRuleMemory<T> a = plain, b = plain;
+                Matrix<T> none(0, dv);
+                a.update(keys.row(0), V.row(0));
+                b.update_attend_group(keys.row(0), V.row(0), Q.topRows(0), none);
+                CHECK((a.state().array() == b.state().array()).all());
+            }
             // Bad input to the fused step: refused by name, nothing changed.
             Matrix<T> out(1, dv);
+            Matrix<T> shared = Matrix<T>::Zero(1, std::max(d, dv));  // out over the query
+            CHECK_THROWS_WITH(fused.update_attend_group(keys.row(0), V.row(0), shared.leftCols(d), shared.leftCols(dv)),
+                              Catch::Contains("out"));
             Matrix<T> bad = keys.topRows(1);
             bad(0, d) = T(1.5);  // β outside [0, 1]
             const Matrix<T> before = fused.state();
@@ -381,23 +397,74 @@ TEMPLATE_TEST_CASE("Delta-rule and KDA memories: a decode step in one pass (upda
             CHECK((fused.state().array() == before.array()).all());
             CHECK(fused.length() == n);
         }
-    // A MultiHead of them (GQA: two query heads a memory) and a decode through memattn::decode.
-    const HeadLayout layout{4, 2, 16, 0};
-    const auto head = [](Index) { return DeltaRuleMemory<T>(16, 16, {.qk_l2norm = true}, true); };
-    MultiHead<DeltaRuleMemory<T>> plain(layout, head), fused(layout, head), decoded(layout, head);
-    Matrix<T> keys(n, plain.key_dim());
-    keys << random_matrix<T>(n, 16, 31), betas<T>(n, 32), log_gates<T>(n, 1, 35), random_matrix<T>(n, 16, 33),
-        betas<T>(n, 34), log_gates<T>(n, 1, 36);
-    const Matrix<T> V = random_matrix<T>(n, plain.value_dim(), 36), Q = random_matrix<T>(n, plain.query_dim(), 37);
-    Matrix<T> expected(n, plain.output_dim()), out(n, plain.output_dim()), through(n, plain.output_dim());
-    for (Index t = 0; t < n; ++t) {
-        plain.update(keys.row(t), V.row(t));
-        plain.attend(Q.row(t), expected.row(t));
-        fused.update_attend(keys.row(t), V.row(t), Q.row(t), out.row(t));
+    // A reset clears a state that is not finite (a value of ∞ fed before), fused or not.
+    {
+        DeltaRuleMemory<T> plain(4, 3, {}, true), fused(4, 3, {}, true);
+        Matrix<T> key = Matrix<T>::Constant(1, 6, T(0.5)), value = Matrix<T>::Constant(1, 3, T(1));
+        value(0, 1) = std::numeric_limits<T>::infinity();
+        key(0, 5) = T(-0.5);
+        plain.update(key.row(0), value.row(0));
+        fused.update(key.row(0), value.row(0));
+        CHECK(!plain.state().allFinite());
+        key(0, 5) = -std::numeric_limits<T>::infinity();
+        value(0, 1) = T(2);
+        const Matrix<T> q = Matrix<T>::Constant(2, 4, T(0.25));
+        Matrix<T> expected(2, 3), out(2, 3);
+        plain.update(key.row(0), value.row(0));
+        plain.attend_group(q, expected);
+        fused.update_attend_group(key.row(0), value.row(0), q, out);
+        CHECK(fused.state().allFinite());
+        CHECK((fused.state().array() == plain.state().array()).all());
+        CHECK((out.array() == expected.array()).all());
     }
-    decode(decoded, Q, keys, V, through);
-    CHECK((out.array() == expected.array()).all());
-    CHECK((through.array() == expected.array()).all());
+    // MultiHead of them: GQA groups of 2, 3 (fused) and 5 (a pass, then the product), KDA
+    // heads, and gated linear attention heads (an update, then an attend); through
+    // MultiHead::update_attend and memattn::decode, against update then attend.
+    const auto check_layer = [&](auto make, const HeadLayout& layout, Index extra) {
+        auto plain = make(layout), fused = make(layout), decoded = make(layout);
+        Matrix<T> keys(n, plain.key_dim());
+        const Index width = plain.key_dim() / layout.kv_heads;
+        for (Index h = 0; h < layout.kv_heads; ++h) {
+            keys.middleCols(h * width, 16) = random_matrix<T>(n, 16, 31 + static_cast<std::uint64_t>(h));
+            if (extra > 0) {  // β, then the log-gates
+                keys.col(h * width + 16) = betas<T>(n, 40 + static_cast<std::uint64_t>(h));
+                keys.middleCols(h * width + 17, extra - 1) = log_gates<T>(n, extra - 1, 50 + static_cast<std::uint64_t>(h));
+            } else {
+                keys.middleCols(h * width + 16, width - 16) = log_gates<T>(n, width - 16, 60 + static_cast<std::uint64_t>(h));
+            }
+        }
+        const Matrix<T> V = random_matrix<T>(n, plain.value_dim(), 36), Q = random_matrix<T>(n, plain.query_dim(), 37);
+        Matrix<T> expected(n, plain.output_dim()), out(n, plain.output_dim()), through(n, plain.output_dim());
+        for (Index t = 0; t < n; ++t) {
+            plain.update(keys.row(t), V.row(t));
+            plain.attend(Q.row(t), expected.row(t));
+            fused.update_attend(keys.row(t), V.row(t), Q.row(t), out.row(t));
+        }
+        decode(decoded, Q, keys, V, through);
+        CHECK((out.array() == expected.array()).all());
+        CHECK((through.array() == expected.array()).all());
+    };
+    for (const HeadLayout& layout : {HeadLayout{4, 2, 16, 0}, HeadLayout{6, 2, 16, 0}, HeadLayout{10, 2, 16, 0}}) {
+        INFO(layout.q_heads << " query heads over " << layout.kv_heads);
+        check_layer([](const HeadLayout& l) {
+            return MultiHead<DeltaRuleMemory<T>>(l, [](Index) { return DeltaRuleMemory<T>(16, 16, {.qk_l2norm = true}, true); });
+        }, layout, 2);
+        check_layer([](const HeadLayout& l) {
+            return MultiHead<KdaMemory<T>>(l, [](Index) { return KdaMemory<T>(16, 16); });
+        }, layout, 17);
+        check_layer([](const HeadLayout& l) {
+            return MultiHead<GatedLinearAttentionMemory<T>>(l, [](Index) { return GatedLinearAttentionMemory<T>(16, 16); });
+        }, layout, 0);
+    }
+    // The recurrent kernel is the memory's decode, bit for bit (the same pass, the same factor).
+    const Matrix<T> Qk = random_matrix<T>(n, 24, 70), Kk = random_matrix<T>(n, 24, 71), Vk = random_matrix<T>(n, 20, 72),
+                    Bk = betas<T>(n, 73), Gk = log_gates<T>(n, 1, 74);
+    Matrix<T> kernel(n, 20), memory(n, 20), gated_keys(n, 26);
+    gated_keys << Kk, Bk, Gk;
+    recurrent_delta_rule_attention(Qk, Kk, Vk, Bk, Gk, kernel);
+    DeltaRuleMemory<T> gated(24, 20, {}, true);
+    decode(gated, Qk, gated_keys, Vk, memory);
+    CHECK((kernel.array() == memory.array()).all());
 }
 
 TEST_CASE("Gated and delta kernels: bad input names the function, the argument and the shapes", "[gated][delta]") {

@@ -42,7 +42,7 @@
 // chunk's rows of Q, K, V and O are prefetched a few lines per strip of these products
 // (detail::PrefetchQueue).
 //
-// Per token the chunked form does 6·d·dv FMAs for the state, as many as the recurrence
+// Per token the chunked form does 6·d·dv FLOPs for the state, as many as the recurrence
 // (K S_0, Q S_0, Kᵀ U against k S, q S, kᵀ u), plus about C·(d + dv) for the triangles:
 // it wins because products of C rows run near the FMA peak where the recurrence's
 // chains of FMAs stream S (64 KiB at d = 128) once per token (detail::delta_token: by
@@ -165,8 +165,16 @@ void delta_keys(const ConstMatrixRef<T>& K, Index t0, Index c, const DeltaOption
         l2_normalise_rows(out, static_cast<T>(options.l2norm_eps));
 }
 
-/// Query rows a delta_token step takes beside its update (more: attend_group after it).
+/// Query rows a delta_token step reads in its pass (more: a tile product after it).
 inline constexpr Index delta_token_queries = 4;
+
+/// A decay factor that resets its row of S to exactly +0 (a log-gate of −∞), whatever
+/// the row holds: −0, which no e^x is (an e^x that underflows to +0 multiplies, as the
+/// chunked form's does).
+template <class T>
+[[nodiscard]] inline bool delta_reset(T factor) noexcept {
+    return factor == T(0) && std::signbit(factor);
+}
 
 /// One panel of delta_token: the columns of S, v and out from their pointers on, Packets
 /// packets of P wide; G queries.
@@ -179,7 +187,7 @@ inline void delta_panel(T* S, Index d, Index dv, const T* k, T beta, const T* v,
         const P s = ploadu<P>(S + i * dv + p * lanes);
         if (decay == nullptr || decay[i] == T(1))
             return s;
-        return decay[i] == T(0) ? pset1<P>(T(0)) : pmul(pset1<P>(decay[i]), s);
+        return delta_reset(decay[i]) ? pset1<P>(T(0)) : pmul(pset1<P>(decay[i]), s);
     };
     P acc[Packets];
     for (int p = 0; p < Packets; ++p)
@@ -211,19 +219,26 @@ inline void delta_panel(T* S, Index d, Index dv, const T* k, T beta, const T* v,
 }
 
 /// One token of the delta rule on S (d × dv, row-major), in one pass over S's memory:
-///   S ← Diag(decay) S   (decay: d factors, 0 a reset of the row to exactly 0; null: none)
+///   S ← Diag(decay) S   (decay: d factors, delta_reset's −0 a reset of the row; null: none)
 ///   u = β (v − k S),  S ← S + kᵀ u,
-///   out_m = q_m S       for the g ≤ delta_token_queries query rows q_m (stride ldq) into
-///                       the rows of out (stride ldo), from the updated S.
-/// By panels of columns (d rows of four packets: 32 KiB at d = 128 in AVX-512 floats):
-/// each column's k S down the panel's rows from memory, then its update and q S from L1.
-/// Every column's k S and q S is a chain of FMAs down the rows, as the register-blocked
-/// tile product's (detail/tile_product.hpp), so out is attend_group's on the updated S,
-/// bit for bit: a decode step fused or as an update then an attend gives the same numbers.
+///   out_m = q_m S       for the g query rows q_m (stride ldq) into the rows of out
+///                       (stride ldo), from the updated S.
+/// By panels of columns (d rows of four packets: 32 KiB at d = 128 in AVX-512 floats,
+/// in L1 where it has 48 KiB, else in L2): each column's k S down the panel's rows from
+/// memory, then its update and q S from the cache. Every column's k S and q S is a chain
+/// of FMAs down the rows, as the register-blocked tile product's
+/// (detail/tile_product.hpp), so out is attend_group's on the updated S, bit for bit: a
+/// decode step fused or as an update then an attend gives the same numbers. More than
+/// delta_token_queries queries: the update, then their tile product (the same bits).
 template <class T>
 void delta_token(T* S, Index d, Index dv, const T* k, T beta, const T* v, const T* decay, const T* q, Index ldq,
                  Index g, T* out, Index ldo) {
-    MEMATTN_DASSERT(g >= 0 && g <= delta_token_queries);
+    MEMATTN_DASSERT(g >= 0);
+    if (g > delta_token_queries) {
+        delta_token(S, d, dv, k, beta, v, decay, q, ldq, 0, out, ldo);
+        tile_product<T>(g, dv, d, q, ldq, 1, S, dv, out, ldo, nullptr);
+        return;
+    }
     using P = Packet<T>;
     constexpr Index lanes = packet_lanes<T>;
     constexpr int packets = 4;
@@ -249,11 +264,12 @@ void delta_token(T* S, Index d, Index dv, const T* k, T beta, const T* v, const 
 }
 
 /// The decay factors of a token's log-gates for delta_token: one log-gate for every row
-/// (the gated delta rule) or one per row (KDA); e^x, 0 for −∞ (a reset), 1 for 0.
+/// (the gated delta rule) or one per row (KDA); e^x, −0 for −∞ (a reset: delta_reset), 1
+/// for 0.
 template <class T, class Gates>
 void delta_decay_factors(const Gates& log_gates, Index d, T* factors) {
     const auto factor = [](T x) {
-        return x == -std::numeric_limits<T>::infinity() ? T(0) : x == T(0) ? T(1) : static_cast<T>(std::exp(x));
+        return x == -std::numeric_limits<T>::infinity() ? -T(0) : x == T(0) ? T(1) : static_cast<T>(std::exp(x));
     };
     if (log_gates.size() > 1) {
         for (Index r = 0; r < d; ++r)

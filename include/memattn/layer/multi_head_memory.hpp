@@ -192,11 +192,13 @@ public:
     /// update(key, value), then attend(query, out): one decode step, the same numbers, each
     /// head's through its memory's update_attend_group (a recurrent head's state updated and read
     /// for its group's queries in one pass). Only where the heads' memories have it.
-    void update_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query, RowRef<T> out)
-        requires requires(M& m, ConstRowRef<T> row, ConstMatrixRef<T> q, MatrixRef<T> o) {
+    /// (A member template, so that an explicit instantiation of a MultiHead whose memory has
+    /// none does not instantiate it: clang before 15 instantiates constrained members.)
+    template <std::same_as<M> H = M>
+        requires requires(H& m, ConstRowRef<T> row, ConstMatrixRef<T> q, MatrixRef<T> o) {
             m.update_attend_group(row, row, q, o);
         }
-    {
+    void update_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query, RowRef<T> out) {
         validate(key, value, {"MultiHead::update", "key", "value"});
         detail::check_query("MultiHead::attend", query, out, query_dim(), output_dim());
         detail::require_disjoint("MultiHead::update", "out", out, "key", key);

@@ -289,11 +289,8 @@ private:
                             static_cast<T*>(nullptr), 0);
     }
     /// step, and out = q S (before finish_group) for each row of `queries`, in the same
-    /// pass (update_attend, after its checks); false, having done nothing, for more rows
-    /// than delta_token takes.
-    bool step_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstMatrixRef<T> queries, MatrixRef<T> out) {
-        if (queries.rows() > detail::delta_token_queries)
-            return false;
+    /// pass (update_attend_group, after its checks).
+    void step_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstMatrixRef<T> queries, MatrixRef<T> out) {
         k_ = key.head(d_);
         if (options_.qk_l2norm)
             k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
@@ -302,7 +299,6 @@ private:
         detail::delta_token(state_.mu.data(), d_, dv_, k_.data(), key(d_), value.data(),
                             gate_cols_ > 0 ? decay_.data() : nullptr, queries.data(), queries.outerStride(),
                             queries.rows(), out.data(), out.outerStride());
-        return true;
     }
 
     template <class Q, class O>

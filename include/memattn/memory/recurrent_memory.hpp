@@ -13,6 +13,8 @@
 //
 //   void check_extras(const PairSite&, keys) const    its extra columns are valid, or throw
 //   void step(key, value)                              the transition of one token (S, z)
+//   void step_attend(key, value, Q, out)               optional: step, and out = Q S from the
+//                                                      same pass (update_attend_group)
 //   void finish(query, out) const                      out = q S → its output
 //   void finish_group(queries, out) const              the same for a group's rows
 //   void run_prefill(Q, keys, V, O, LinearState&)      the chunked kernel on a state
@@ -135,9 +137,9 @@ public:
         detail::check_group_query(names_->attend_group, queries, out, d_, dv_);
         detail::require_disjoint(names_->update, "out", out, "key", key);
         detail::require_disjoint(names_->update, "out", out, "value", value);
-        if constexpr (requires(Memory& m) { m.step_attend(key, value, queries, out); }) {
-            if (!views_state(key) && !views_state(value) && !views_state(queries) &&
-                memory_mutable().step_attend(key, value, queries, out)) {
+        if constexpr (fuses_step()) {
+            if (!views_state(key) && !views_state(value) && !views_state(queries)) {
+                memory_mutable().step_attend(key, value, queries, out);
                 ++length_;
                 if (queries.rows() > 0)
                     memory().finish_group(queries, out);
@@ -146,6 +148,13 @@ public:
         }
         update(key, value);
         attend_group(queries, out);
+    }
+    /// Whether update_attend_group runs the memory's step and q S in one pass (the delta
+    /// rule and KDA: their own step_attend) rather than an update, then an attend.
+    [[nodiscard]] static constexpr bool fuses_step() noexcept {
+        return requires(Memory& m, ConstRowRef<T> row, ConstMatrixRef<T> q, MatrixRef<T> o) {
+            m.step_attend(row, row, q, o);
+        };
     }
 
     /// The same for one query: update(key, value), then attend(query, out).
