@@ -77,12 +77,7 @@ public:
     /// that views the state is copied first (allocates nothing).
     void update(ConstRowRef<T> key, ConstRowRef<T> value) {
         validate(key, value, {names_->update, "key", "value"});
-        if (views_state(key) || views_state(value)) {
-            key_copy_ = key;
-            value_copy_ = value;
-            return feed(key_copy_, value_copy_);
-        }
-        feed(key, value);
+        feed_apart(key, value);
     }
 
     /// Feeds the rows of K/V in order, all or nothing; rows that view the state are copied
@@ -146,7 +141,7 @@ public:
                 return;
             }
         }
-        update(key, value);
+        feed_apart(key, value);  // (checked above)
         attend_group(queries, out);
     }
     /// Whether update_attend_group runs the memory's step and q S in one pass (the delta
@@ -276,6 +271,16 @@ private:
     template <class Rows>
     [[nodiscard]] bool views_state(const Rows& rows) const {
         return detail::views_own(rows, state_.mu, state_.nu);
+    }
+
+    /// update after its checks: a key or value that views the state copied first.
+    void feed_apart(ConstRowRef<T> key, ConstRowRef<T> value) {
+        if (views_state(key) || views_state(value)) {
+            key_copy_ = key;
+            value_copy_ = value;
+            return feed(key_copy_, value_copy_);
+        }
+        feed(key, value);
     }
 
     /// update after its checks, on a key and value apart from the state.
