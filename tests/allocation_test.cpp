@@ -634,7 +634,8 @@ TEMPLATE_TEST_CASE("PagedLatentKVCache: reserved batched decode steps allocate n
     }
 }
 
-TEST_CASE("StatePool: add, fork, remove, decode steps and their checkpoints allocate nothing, at 1 and 2 threads",
+TEST_CASE("StatePool: add, fork, remove, decode steps and their checkpoints, verify steps, accept and reject allocate "
+          "nothing (a verify step once one of its size has run), at 1 and 2 threads",
           "[serving][allocation][state_pool]") {
     const Index d = 16, dv = 16, heads = 4;
     const HeadLayout layout{heads, heads, d};
@@ -649,19 +650,35 @@ TEST_CASE("StatePool: add, fork, remove, decode steps and their checkpoints allo
     for (const int threads : {1, 2}) {
         INFO(threads << " threads");
         const OpenMPExecutor executor{.threads = threads};
-        StatePool<Layer> pool(4, prototype, {.checkpoint_tokens = 4, .checkpoints = 2});
+        StatePool<Layer> pool(4, prototype, {.checkpoint_tokens = 4, .checkpoints = 2, .draft_states = 8});
         pool.set_executor(executor);
-        Matrix<float> O(3, prototype.output_dim());
+        Matrix<float> O(3, prototype.output_dim()), drafts(6, prototype.output_dim());
         const Index a = pool.add(), b = pool.add();
         const std::vector<Index> ids{a, b, pool.fork(a)};
         pool.decode(ids, Q.topRows(3), K.topRows(3), V.topRows(3), O);  // a first step
+        // A verify step of a tree of 4 drafts for a and a chain of 2 for b: the first of
+        // its size sizes the trees' lists.
+        const std::vector<Index> two{a, b}, offsets{0, 4, 6}, parents{-1, 0, 0, 2, -1, 0}, path{0, 2, 3};
+        const auto verify = [&] {
+            pool.prefill(two, offsets, Q.topRows(6), K.topRows(6), V.topRows(6), drafts, parents);
+        };
+        verify();
+        pool.reject(a);
+        pool.reject(b);
         HeapWatch watch;
         for (Index i = 1; i < steps; ++i)
             pool.decode(ids, Q.middleRows(3 * i, 3), K.middleRows(3 * i, 3), V.middleRows(3 * i, 3), O);
         const Index f = pool.fork(b);
         pool.truncate(f, 16);
         pool.remove(f);
+        verify();
+        pool.accept(a, path);  // a's length 19 + 3: a checkpoint at 20 on the way
+        pool.reject(b);
         const auto counts = watch.stop();
+        CHECK(pool.length(a) == steps + 3);
+        CHECK(pool.checkpoint_before(a, 21) == 20);
+        CHECK(drafts.allFinite());
+        pool.truncate(a, steps);
         CHECK(counts.operator_news == 0);
         CHECK(counts.eigen_mallocs == 0);
         CHECK(pool.length(a) == steps);

@@ -2413,14 +2413,17 @@ TEST_CASE("ModelCache with recurrent layers: one id space over state pools and K
     }
     hybrid_step(cache, mirror, kv, cache.plan(std::vector<Index>{b, a}, std::vector<Index>{0, 2, 3}), 480);
 
-    // A verify step of a tree is refused in every layer, nothing run.
+    // A verify step of a tree is refused in every layer when a recurrent layer keeps no
+    // draft states, nothing run.
     {
         const auto& step = cache.plan(std::vector<Index>{a}, std::vector<Index>{0, 2});
         const std::vector<Index> parents{-1, 0};
         const Matrix<float> Q = random_matrix<float>(2, 32, 1), K = random_matrix<float>(2, 16, 2),
                             V = random_matrix<float>(2, 16, 3);
         Matrix<float> O(2, 32);
-        CHECK_THROWS_WITH(cache.prefill(1, step, Q, K, V, O, parents), Catch::Contains("recurrent layers"));
+        CHECK_THROWS_WITH(cache.prefill(1, step, Q, K, V, O, parents),
+                          Catch::Contains("layer 0") && Catch::Contains("draft_states is 0"));
+        CHECK(cache.pending_drafts(a) == 0);
         CHECK(cache.step_pending());
         cache.rollback(step);
         CHECK(cache.length(a) == 20);
@@ -2544,4 +2547,333 @@ TEST_CASE("ModelCache with recurrent layers: one id space over state pools and K
     CHECK(states_only.checkpoint_before(z, 0) == 0);
     states_only.truncate(z, 0);
     CHECK(states_only.length(z) == 0);
+}
+
+namespace {
+
+/// A gated delta-rule layer's key rows: per KV head [k (d) | β | log g], β in [0, 1], log g ≤ 0.
+Matrix<float> gated_delta_keys(Index n, Index kv_heads, Index d, std::uint64_t seed) {
+    Matrix<float> keys = random_matrix<float>(n, kv_heads * (d + 2), seed);
+    const Matrix<float> u = random_matrix<float>(n, 2 * kv_heads, seed + 1);
+    for (Index h = 0; h < kv_heads; ++h) {
+        keys.col(h * (d + 2) + d) = (u.col(2 * h).array() * 0.5f + 0.5f).cwiseMax(0.0f).cwiseMin(1.0f);
+        keys.col(h * (d + 2) + d + 1) = -(u.col(2 * h + 1).array().abs() * 0.3f);
+    }
+    return keys;
+}
+
+}  // namespace
+
+TEST_CASE("StatePool: a verify step's drafts are their paths decoded token by token, bit for bit, on any thread "
+          "count; accept keeps a path with the checkpoints it crosses; reject, and every other change, drops them",
+          "[serving][state_pool][tree]") {
+    using Gdn = MultiHead<DeltaRuleMemory<float>>;
+    const Index d = 8, dv = 6;
+    const Gdn prototype({.q_heads = 4, .kv_heads = 2, .head_dim = d, .value_dim = dv},
+                        [](Index) { return DeltaRuleMemory<float>(8, 6, {.qk_l2norm = true}, true); });
+    const Index qw = prototype.query_dim(), vw = prototype.value_dim(), ow = prototype.output_dim();
+    StatePool<Gdn> pool(3, prototype, {.checkpoint_tokens = 4, .checkpoints = 3, .draft_states = 20});
+    CHECK(pool.free_draft_states() == 20);
+    std::vector<Gdn> alone(2, prototype);  // the same tokens decoded apart
+    const Index a = pool.add(), b = pool.add();
+    const std::vector<Index> ids{a, b};
+    {
+        const std::vector<Index> offsets{0, 6, 9};
+        const Matrix<float> Q = random_matrix<float>(9, qw, 600), K = gated_delta_keys(9, 2, d, 601),
+                            V = random_matrix<float>(9, vw, 603);
+        Matrix<float> O(9, ow);
+        pool.prefill(ids, offsets, Q, K, V, O);
+        for (std::size_t i = 0; i < 2; ++i) {
+            Matrix<float> o(offsets[i + 1] - offsets[i], ow);
+            memattn::prefill(alone[i], Q.middleRows(offsets[i], o.rows()), K.middleRows(offsets[i], o.rows()),
+                             V.middleRows(offsets[i], o.rows()), o);
+        }
+    }
+    // a: a tree of 9 drafts (two roots); b: a chain of 3.
+    const std::vector<Index> tree_a{-1, 0, 0, 1, 1, 2, -1, 6, 3}, tree_b{-1, 0, 1};
+    std::vector<Index> parents = tree_a;
+    parents.insert(parents.end(), tree_b.begin(), tree_b.end());
+    const std::vector<Index> offsets{0, 9, 12};
+    const Matrix<float> Q = random_matrix<float>(12, qw, 610), K = gated_delta_keys(12, 2, d, 611),
+                        V = random_matrix<float>(12, vw, 613);
+    Matrix<float> O1(12, ow), O2(12, ow);
+    pool.prefill(ids, offsets, Q, K, V, O1, OpenMPExecutor{.threads = 1}, parents);
+    CHECK(pool.pending_drafts(a) == 9);
+    CHECK(pool.pending_drafts(b) == 3);
+    CHECK(pool.free_draft_states() == 8);
+    CHECK(pool.length(a) == 6);  // the states as they were
+    CHECK(pool.length(b) == 3);
+    // Each draft's output is its path decoded token by token from the sequence's state.
+    for (std::size_t i = 0; i < 2; ++i) {
+        const std::vector<Index>& tree = i == 0 ? tree_a : tree_b;
+        for (Index t = 0; t < static_cast<Index>(tree.size()); ++t) {
+            Gdn m = alone[i];
+            Matrix<float> o(1, ow);
+            for (const Index p : tree_path(tree, t)) {
+                const Index r = offsets[i] + p;
+                memattn::decode(m, Q.middleRows(r, 1), K.middleRows(r, 1), V.middleRows(r, 1), o);
+            }
+            CHECK((o.array() == O1.row(offsets[i] + t).array()).all());
+        }
+    }
+    // Another verify of both needs 12 more free draft states: refused, nothing changed.
+    CHECK_THROWS_AS(pool.prefill(ids, offsets, Q, K, V, O2, OpenMPExecutor{.threads = 2}, parents), PoolExhausted);
+    CHECK(pool.pending_drafts(a) == 9);
+    CHECK(pool.free_draft_states() == 8);
+    // b's verify again on two threads (its earlier drafts released): the same bits.
+    pool.prefill(std::vector<Index>{b}, std::vector<Index>{0, 3}, Q.bottomRows(3), K.bottomRows(3), V.bottomRows(3),
+                 O2.bottomRows(3), OpenMPExecutor{.threads = 2}, tree_b);
+    CHECK((O2.bottomRows(3).array() == O1.bottomRows(3).array()).all());
+    CHECK(pool.free_draft_states() == 8);
+    // Bad paths and trees are refused by name, nothing changed.
+    CHECK_THROWS_WITH(pool.accept(b, std::vector<Index>{1}), Catch::Contains("StatePool::accept") &&
+                                                                 Catch::Contains("must be a root"));
+    CHECK_THROWS_WITH(pool.accept(a, std::vector<Index>{0, 1, 4, 8}), Catch::Contains("whose parent is 3"));
+    CHECK_THROWS_WITH(pool.accept(a, std::vector<Index>{9}), Catch::Contains("expected a draft, 0 to 8"));
+    CHECK_THROWS_WITH(pool.prefill(std::vector<Index>{b}, std::vector<Index>{0, 2}, Q.topRows(2), K.topRows(2),
+                                   V.topRows(2), O2.topRows(2), std::vector<Index>{0, -1}),
+                      Catch::Contains("parents") && Catch::Contains("expected -1 (a root)"));
+    CHECK_THROWS_WITH(pool.prefill(std::vector<Index>{b}, std::vector<Index>{0, 2}, Q.topRows(2), K.topRows(2),
+                                   V.topRows(2), O2.topRows(2), std::vector<Index>{-1}),
+                      Catch::Contains("expected 2 (one per row of K)"));
+    CHECK(pool.pending_drafts(b) == 3);
+    CHECK(pool.free_draft_states() == 8);
+
+    // Accept a's path 0, 1, 3, 8: tokens 7 to 10, a checkpoint at 8 on the way (draft 1's state).
+    const std::vector<Index> path{0, 1, 3, 8};
+    Gdn at8 = alone[0];
+    {
+        Matrix<float> o(1, ow);
+        for (std::size_t k = 0; k < path.size(); ++k) {
+            const Index r = path[k];
+            memattn::decode(alone[0], Q.middleRows(r, 1), K.middleRows(r, 1), V.middleRows(r, 1), o);
+            if (k == 1)
+                at8 = alone[0];
+        }
+    }
+    pool.accept(a, path);
+    CHECK(pool.length(a) == 10);
+    CHECK(pool.pending_drafts(a) == 0);
+    CHECK(pool.free_draft_states() == 17);
+    const auto same_state = [&](Index id, const Gdn& expected, std::uint64_t seed) {
+        const Matrix<float> q = random_matrix<float>(3, qw, seed);
+        Matrix<float> x(3, ow), y(3, ow);
+        for (Index r = 0; r < 3; ++r) {
+            pool.attend(id, q.row(r), x.row(r));
+            expected.attend(q.row(r), y.row(r));
+        }
+        return pool.length(id) == expected.length() && (x.array() == y.array()).all();
+    };
+    CHECK(same_state(a, alone[0], 620));
+    CHECK(pool.checkpoint_before(a, 9) == 8);
+    const Index f = pool.fork(a);
+    pool.truncate(f, 8);
+    CHECK(same_state(f, at8, 621));
+    pool.remove(f);
+    // reject: the state as it was; a second reject is refused; an empty path is a reject.
+    pool.reject(b);
+    CHECK(pool.pending_drafts(b) == 0);
+    CHECK(pool.free_draft_states() == 20);
+    CHECK(same_state(b, alone[1], 622));
+    CHECK_THROWS_WITH(pool.reject(b), Catch::Contains("no pending drafts"));
+    CHECK_THROWS_WITH(pool.accept(b, std::vector<Index>{}), Catch::Contains("no pending drafts"));
+    const auto verify_b = [&] {
+        pool.prefill(std::vector<Index>{b}, std::vector<Index>{0, 3}, Q.bottomRows(3), K.bottomRows(3),
+                     V.bottomRows(3), O2.bottomRows(3), tree_b);
+        CHECK(pool.pending_drafts(b) == 3);
+    };
+    verify_b();
+    pool.accept(b, std::vector<Index>{});
+    CHECK(pool.pending_drafts(b) == 0);
+    CHECK(same_state(b, alone[1], 623));
+    // A chunk without rows leaves the sequence's drafts pending; a fork takes none; every
+    // other change drops them (update, decode, prefill, truncate, a load, remove).
+    verify_b();
+    Matrix<float> none(0, ow);
+    pool.prefill(std::vector<Index>{b}, std::vector<Index>{0, 0}, Q.topRows(0), K.topRows(0), V.topRows(0), none,
+                 std::vector<Index>{});
+    CHECK(pool.pending_drafts(b) == 3);
+    const Index g = pool.fork(b);
+    CHECK(pool.pending_drafts(g) == 0);
+    pool.remove(g);
+    Matrix<float> o1(1, ow);
+    const std::vector<std::function<void()>> changes{
+        [&] { pool.update(b, K.row(0), V.row(0)); },
+        [&] { pool.decode(std::vector<Index>{b}, Q.topRows(1), K.topRows(1), V.topRows(1), o1); },
+        [&] { pool.prefill(std::vector<Index>{b}, std::vector<Index>{0, 1}, Q.topRows(1), K.topRows(1), V.topRows(1), o1); },
+        [&] { pool.truncate(b, pool.length(b)); },
+        [&] {
+            std::stringstream s;
+            save(pool.sequence(b), s);
+            auto seq = pool.sequence(b);
+            load(seq, s);
+        },
+        [&] {
+            pool.remove(b);
+            CHECK(pool.add() == b);
+        }};
+    for (const auto& change : changes) {
+        verify_b();
+        CHECK(pool.free_draft_states() == 17);
+        change();
+        CHECK(pool.pending_drafts(b) == 0);
+        CHECK(pool.free_draft_states() == 20);
+    }
+    // An executor that throws: the drafts pending before stay, every state as it was.
+    struct Failing {
+        [[nodiscard]] int concurrency() const { return 2; }
+        void parallel_for(Index n, const std::function<void(Index)>& f) const {
+            if (n > 0)
+                f(0);
+            throw std::runtime_error("the executor failed");
+        }
+    };
+    pool.prefill(std::vector<Index>{a}, std::vector<Index>{0, 9}, Q.topRows(9), K.topRows(9), V.topRows(9),
+                 O2.topRows(9), tree_a);
+    CHECK_THROWS_AS(pool.prefill(ids, offsets, Q, K, V, O2, Failing{}, parents), PoolExhausted);  // 9 + 12 > 20
+    CHECK_THROWS_AS(pool.prefill(std::vector<Index>{b, a}, std::vector<Index>{0, 3, 3}, Q.bottomRows(3),
+                                 K.bottomRows(3), V.bottomRows(3), O2.bottomRows(3), Failing{}, tree_b),
+                    std::runtime_error);
+    CHECK(pool.pending_drafts(a) == 9);
+    CHECK(pool.pending_drafts(b) == 0);
+    CHECK(pool.free_draft_states() == 11);
+    CHECK(same_state(a, alone[0], 624));
+    // A pool without draft states refuses a verify step by name.
+    StatePool<Gdn> plain(1, prototype);
+    const Index p0 = plain.add();
+    CHECK_THROWS_WITH(plain.prefill(std::vector<Index>{p0}, std::vector<Index>{0, 3}, Q.topRows(3), K.topRows(3),
+                                    V.topRows(3), O2.topRows(3), tree_b),
+                      Catch::Contains("StatePool::prefill") && Catch::Contains("draft_states is 0"));
+    CHECK(plain.pending_drafts(p0) == 0);
+}
+
+TEST_CASE("ModelCache with recurrent layers: a verify step of draft trees in every layer, accept and reject in all at "
+          "once, equal to each layer's own pool; a sequence with pending drafts is accepted before it is planned",
+          "[serving][model][state_pool][tree]") {
+    const Index d = 8, dv = 6;
+    using Delta = DeltaRuleMemory<float>;
+    using Cache = ModelCache<float, float, Delta>;
+    const Delta prototype(d, dv);
+    const StatePoolOptions states_options{.checkpoint_tokens = 4, .checkpoints = 2, .draft_states = 12};
+    const ModelLayer softmax{.layout = {4, 2, 8, 0}, .blocks = 40, .block_size = 4};
+    Cache cache(std::vector<Cache::Layer>{StateLayer<Delta>{prototype, states_options}, softmax,
+                                          StateLayer<Delta>{prototype, states_options}},
+                3);
+    StatePool<Delta> s0(3, prototype, states_options), s2(3, prototype, states_options);
+    PagedKVCache<float> kv(softmax.layout, softmax.blocks, softmax.block_size);
+    const Index a = cache.add_sequence(), b = cache.add_sequence();
+    for (const Index id : {a, b}) {
+        CHECK(s0.add() == cache.slot_of(id));
+        CHECK(s2.add() == cache.slot_of(id));
+        CHECK(kv.add_sequence() == cache.slot_of(id));
+    }
+    const std::vector<StatePool<Delta>*> mirror{&s0, &s2};
+    hybrid_step(cache, mirror, kv, cache.plan(std::vector<Index>{a, b}, std::vector<Index>{0, 6, 9}), 700);
+    // The verify step: a tree of 5 drafts for a, a chain of 2 for b, every layer's outputs
+    // the same bits as its own pool's.
+    const std::vector<Index> parents{-1, 0, 0, 2, -1, /* b */ -1, 0};
+    const auto verify = [&](const std::vector<Index>& ids, const std::vector<Index>& offsets,
+                            const std::vector<Index>& tree, std::uint64_t seed, Index layers) {
+        const auto& step = cache.plan(ids, offsets);
+        const Index rows = step.rows();
+        std::size_t next_state = 0;
+        for (Index l = 0; l < layers; ++l) {
+            const std::uint64_t at = seed + 10 * static_cast<std::uint64_t>(l);
+            const bool rec = cache.recurrent(l);
+            const Index qd = rec ? d : kv.query_dim(), vd = rec ? dv : kv.value_dim(), od = rec ? dv : kv.output_dim();
+            const Matrix<float> Q = random_matrix<float>(rows, qd, at),
+                                K = rec ? delta_keys(rows, d, at + 1) : random_matrix<float>(rows, kv.key_dim(), at + 1),
+                                V = random_matrix<float>(rows, vd, at + 2);
+            Matrix<float> O(rows, od), expected(rows, od);
+            cache.prefill(l, step, Q, K, V, O, tree);
+            if (rec)
+                mirror[next_state++]->prefill(step.slots(), step.q_offsets(), Q, K, V, expected, tree);
+            else
+                batched_prefill(kv, step.slots(), step.q_offsets(), Q, K, V, expected, {}, tree);
+            CHECK((O.array() == expected.array()).all());
+        }
+        return &step;
+    };
+    verify({a, b}, {0, 5, 7}, parents, 710, 3);
+    CHECK(cache.pending_drafts(a) == 5);
+    CHECK(cache.pending_drafts(b) == 2);
+    CHECK(cache.length(a) == 11);  // as a softmax layer counts them
+    CHECK(cache.states(0).length(cache.slot_of(a)) == 6);
+    CHECK(cache.states(2).free_draft_states() == 5);
+    // Pending drafts bar a plan, a fork, a save and a truncate past them, by name.
+    CHECK_THROWS_WITH(cache.plan_decode(std::vector<Index>{b}), Catch::Contains("ModelCache::plan_decode") &&
+                                                                    Catch::Contains("2 pending drafts"));
+    CHECK_THROWS_WITH(cache.fork(a), Catch::Contains("before it is forked"));
+    {
+        std::stringstream s;
+        CHECK_THROWS_WITH(save(cache.sequence(a), s), Catch::Contains("before it is saved"));
+    }
+    CHECK_THROWS_WITH(cache.truncate(a, 7), Catch::Contains("past the 6 tokens"));
+    // A path refused in one layer is refused in all; then accept keeps it everywhere: the
+    // next step is the same bits as the pools' own after their accepts.
+    CHECK_THROWS_WITH(cache.accept(a, std::vector<Index>{0, 3}), Catch::Contains("ModelCache::accept") &&
+                                                                     Catch::Contains("layer 0"));
+    CHECK(cache.pending_drafts(a) == 5);
+    const std::vector<Index> path{0, 2, 3};
+    cache.accept(a, path);
+    s0.accept(cache.slot_of(a), path);
+    s2.accept(cache.slot_of(a), path);
+    kv.accept(cache.slot_of(a), path);
+    CHECK(cache.length(a) == 9);
+    CHECK(cache.states(0).length(cache.slot_of(a)) == 9);
+    CHECK(cache.states(0).checkpoint_before(cache.slot_of(a), 8) == 8);  // crossed on the path
+    cache.reject(b);
+    s0.reject(cache.slot_of(b));
+    s2.reject(cache.slot_of(b));
+    kv.reject(cache.slot_of(b));
+    CHECK(cache.length(b) == 3);
+    CHECK(cache.states(2).free_draft_states() == 12);
+    hybrid_step(cache, mirror, kv, cache.plan_decode(std::vector<Index>{b, a}), 720);
+    // Too many drafts for a recurrent layer's draft states: refused by the step's first
+    // layer, naming the layer, before any layer holds drafts.
+    {
+        std::vector<Index> chain{-1};
+        for (Index t = 1; t < 13; ++t)
+            chain.push_back(t - 1);
+        const auto& step = cache.plan(std::vector<Index>{a}, std::vector<Index>{0, 13});
+        const Matrix<float> q = random_matrix<float>(13, kv.query_dim(), 730), k = random_matrix<float>(13, kv.key_dim(), 731);
+        Matrix<float> o(13, kv.output_dim());
+        CHECK_THROWS_WITH(cache.prefill(1, step, q, k, k, o, chain),
+                          Catch::Contains("layer 0's draft states") && Catch::Contains("needs 13"));
+        CHECK(cache.pending_drafts(a) == 0);
+        cache.rollback(step);
+    }
+    // A verify step run in one layer, taken back: no layer keeps drafts.
+    {
+        const auto* step = verify({a}, {0, 3}, {-1, 0, 0}, 740, 1);
+        CHECK(cache.states(0).pending_drafts(cache.slot_of(a)) == 3);
+        cache.rollback(*step);
+        s0.reject(cache.slot_of(a));
+        CHECK(cache.states(0).pending_drafts(cache.slot_of(a)) == 0);
+        CHECK(cache.states(0).free_draft_states() == 12);
+        CHECK(cache.length(a) == 10);
+    }
+    // A truncate within the length before the drafts drops them in every layer.
+    verify({a}, {0, 3}, {-1, 0, 1}, 750, 3);
+    cache.truncate(a, 8);
+    for (auto* own : mirror)
+        own->truncate(cache.slot_of(a), 8);
+    kv.truncate(cache.slot_of(a), 8);
+    CHECK(cache.pending_drafts(a) == 0);
+    CHECK(cache.layer(1).pending_drafts(cache.slot_of(a)) == 0);
+    CHECK(cache.states(2).free_draft_states() == 12);
+    hybrid_step(cache, mirror, kv, cache.plan_decode(std::vector<Index>{a}), 760);
+
+    // A model of recurrent layers alone: its length counts the drafts, as a softmax layer's.
+    Cache states_only(std::vector<Cache::Layer>{StateLayer<Delta>{prototype, states_options}}, 1);
+    const Index z = states_only.add_sequence();
+    const auto& step = states_only.plan(std::vector<Index>{z}, std::vector<Index>{0, 2});
+    const Matrix<float> q = random_matrix<float>(2, d, 770), k = delta_keys(2, d, 771), v = random_matrix<float>(2, dv, 772);
+    Matrix<float> o(2, dv);
+    states_only.prefill(0, step, q, k, v, o, std::vector<Index>{-1, -1});
+    CHECK(states_only.length(z) == 2);
+    CHECK(states_only.pending_drafts(z) == 2);
+    states_only.accept(z, std::vector<Index>{1});
+    CHECK(states_only.length(z) == 1);
+    CHECK(states_only.pending_drafts(z) == 0);
 }

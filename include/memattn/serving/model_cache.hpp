@@ -61,8 +61,13 @@
 // go back to; truncate there and replay the tokens after it. rollback(step) takes the
 // step back exactly where every recurrent layer that ran it can, else its sequences go
 // back to checkpoint_before(id, the length before the step) (length(id) says where to
-// replay from). A verify step of draft trees is refused in a cache with recurrent layers
-// (a state follows one chain of tokens).
+// replay from). A verify step of draft trees runs in the recurrent layers too: each
+// draft's state is its parent's updated by its token (StatePool's draft states:
+// StatePoolOptions::draft_states, one per draft), and accept(id, path) makes the path's
+// last state the sequence's in every recurrent layer as it keeps the path's K/V rows in
+// every softmax layer. A recurrent state cannot take a tree's drafts as tokens, so with
+// recurrent layers a sequence's pending drafts are accepted or rejected before it is
+// planned, forked or saved, or truncated past the length before them.
 
 #include "memattn/execution/executor.hpp"
 #include "memattn/kernels/softmax_options.hpp"
@@ -249,6 +254,7 @@ public:
         constexpr const char* function = "ModelCache::fork";
         const Index from = slot_of(function, "parent", parent);
         check_not_mid_step(function, "parent", parent, from);
+        check_no_drafts(function, "parent", parent, from, "forked");
         const Index child = in_every_layer(function, [from](Pool& pool) { return pool.fork(from); },
                                            [from](auto& states) { return states.fork(from); });
         try {
@@ -266,6 +272,13 @@ public:
         constexpr const char* function = "ModelCache::truncate";
         const Index slot = slot_of(function, "id", id);
         check_not_mid_step(function, "id", id, slot);
+        if constexpr (hybrid)
+            if (!states_.empty() && states_.front().pending_drafts(slot) > 0)
+                detail::require(tokens >= 0 && tokens <= states_.front().length(slot), function, "tokens", "is ",
+                                tokens, ", past the ", states_.front().length(slot), " tokens before sequence ", id,
+                                "'s ", states_.front().pending_drafts(slot),
+                                " pending drafts: accept or reject them first (a recurrent layer's state cannot take "
+                                "a tree's drafts as tokens)");
         for (Index l = 0; l < layers(); ++l) {
             const Index at = at_[static_cast<std::size_t>(l)];
             if (at >= 0) {
@@ -352,6 +365,7 @@ public:
     /// memory's snapshot) as a part of its own.
     void write_sequence(Index id, snapshot::Writer& w) const {
         const Index s = slot_of("ModelCache::write_sequence", "id", id);
+        check_no_drafts("ModelCache::write_sequence", "id", id, s, "saved");
         w.index(layers());
         for (const Index at : at_)
             w.part([&](snapshot::Writer& part) {
@@ -494,46 +508,73 @@ public:
     /// batched_prefill with `parents` on its pool (PagedKVCache::prefill), the drafts then
     /// pending in that layer; once every layer has run it, accept(id, path) or reject(id).
     /// The first layer to run it checks the trees for every layer first (a windowed
-    /// layer's rollback room: PagedKVCache::validate_tree), so a refusal comes before any
-    /// layer holds drafts. Refused (std::invalid_argument) in a cache with recurrent layers.
+    /// layer's rollback room: PagedKVCache::validate_tree; a recurrent layer's free draft
+    /// states: StatePool::validate_tree), so a refusal comes before any layer holds drafts.
+    /// A recurrent layer runs StatePool's verify step (prefill with parents).
     template <class DQ, class DK, class DV, detail::EigenMatrix DO>
     void prefill(Index l, const Step& step, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                  const Eigen::MatrixBase<DV>& V, DO&& O, std::span<const Index> parents) {
         constexpr const char* function = "ModelCache::prefill";
         const std::size_t layer = runnable(function, l, step);
-        detail::require(states_.empty(), function, "parents", "are given to a cache with ", states_.size(),
-                        " recurrent layers, whose states follow one chain of tokens: verify draft trees in a model "
-                        "without them (or decode the drafts)");
         if (std::find(ran_.begin(), ran_.end(), char{1}) == ran_.end())  // the step's first layer: all of them
             for (Index other = 0; other < layers(); ++other) {
-                const Pool& each = pools_[static_cast<std::size_t>(at_[static_cast<std::size_t>(other)])];
+                const Index at = at_[static_cast<std::size_t>(other)];
                 try {
-                    each.validate_tree(step.slots(), step.q_offsets(), parents);
+                    if (at >= 0) {
+                        pools_[static_cast<std::size_t>(at)].validate_tree(step.slots(), step.q_offsets(), parents);
+                    } else if constexpr (hybrid) {
+                        const States& states = states_[static_cast<std::size_t>(-1 - at)];
+                        try {
+                            states.validate_tree(step.slots(), step.q_offsets(), parents);
+                        } catch (const PoolExhausted& e) {
+                            throw PoolExhausted(std::string(function) + " (layer " + std::to_string(other) +
+                                                    "'s draft states, StatePoolOptions::draft_states, each counting "
+                                                    "as a block)",
+                                                e.needed(), e.free(), states.options().draft_states);
+                        }
+                    }
                 } catch (const std::invalid_argument& e) {
                     throw std::invalid_argument(std::string("memattn::ModelCache::prefill: layer ") +
                                                 std::to_string(other) + " refuses the verify step's trees (" +
                                                 e.what() + ")");
                 }
             }
-        Pool& pool = pools_[static_cast<std::size_t>(at_[layer])];
-        batched_prefill(pool, step.slots(), step.q_offsets(), Q, K, V, std::forward<DO>(O), pool.executor(), parents);
+        const Index at = at_[layer];
+        if (at >= 0) {
+            Pool& pool = pools_[static_cast<std::size_t>(at)];
+            batched_prefill(pool, step.slots(), step.q_offsets(), Q, K, V, std::forward<DO>(O), pool.executor(),
+                            parents);
+        } else if constexpr (hybrid) {
+            States& states = states_[static_cast<std::size_t>(-1 - at)];
+            if constexpr (detail::batch_scalars<T, DQ, DK, DV, DO>())
+                states.prefill(step.slots(), step.q_offsets(), detail::sequence(Q), detail::sequence(K),
+                               detail::sequence(V), detail::output(std::forward<DO>(O)), states.executor(), parents);
+        }
         ran(layer);
     }
 
     /// Keeps the accepted path of `id`'s pending drafts in every layer at once
-    /// (PagedKVCache::accept), all or nothing: every layer's path and copies checked first
-    /// (std::invalid_argument, PoolExhausted naming the layer, also when the copies would
-    /// leave a layer short of the planned step's blocks). Ends the step `id` is in.
+    /// (PagedKVCache::accept; a recurrent layer's StatePool::accept), all or nothing: every
+    /// layer's path and copies checked first (std::invalid_argument, PoolExhausted naming
+    /// the layer, also when the copies would leave a layer short of the planned step's
+    /// blocks). Ends the step `id` is in.
     void accept(Index id, std::span<const Index> path) {
         constexpr const char* function = "ModelCache::accept";
         const Index s = slot_of(function, "id", id);
         check_not_mid_step(function, "id", id, s);
-        detail::require(!pools_.empty(), function, "id", "is ", id, ", which has no pending drafts (the cache has no "
-                        "softmax layer)");
         for (Index l = 0; l < layers(); ++l) {
-            if (recurrent(l))
+            const Index at = at_[static_cast<std::size_t>(l)];
+            if (at < 0) {
+                if constexpr (hybrid) {
+                    try {
+                        states_[static_cast<std::size_t>(-1 - at)].validate_path(s, path, function);
+                    } catch (const std::invalid_argument& e) {
+                        throw std::invalid_argument(std::string(e.what()) + " (layer " + std::to_string(l) + ")");
+                    }
+                }
                 continue;
-            const Pool& pool = pools_[static_cast<std::size_t>(at_[static_cast<std::size_t>(l)])];
+            }
+            const Pool& pool = pools_[static_cast<std::size_t>(at)];
             const Index needed = pool.accept_blocks(s, path, function);
             const Index held = planned_ && !in_step(s) ? pool.blocks_needed(step_.slots_, tokens_) : 0;
             if (needed > 0 && needed + held > pool.free_blocks())
@@ -542,6 +583,9 @@ public:
         }
         for (Pool& pool : pools_)
             pool.accept(s, path);
+        if constexpr (hybrid)
+            for (States& states : states_)
+                states.accept(s, path);
         end_step_of(s);
     }
     /// Drops `id`'s pending drafts in every layer (PagedKVCache::reject).
@@ -549,20 +593,19 @@ public:
         constexpr const char* function = "ModelCache::reject";
         const Index s = slot_of(function, "id", id);
         check_not_mid_step(function, "id", id, s);
-        detail::require(!pools_.empty(), function, "id", "is ", id, ", which has no pending drafts (the cache has no "
-                        "softmax layer)");
         for (Index l = 0; l < layers(); ++l)  // every layer first: all or nothing
-            if (!recurrent(l))
-                detail::require(pools_[static_cast<std::size_t>(at_[static_cast<std::size_t>(l)])].pending_drafts(s) > 0,
-                                function, "id", "is ", id, ", which has no pending drafts in layer ", l);
+            detail::require(layer_drafts(l, s) > 0, function, "id", "is ", id, ", which has no pending drafts in layer ",
+                            l);
         for (Pool& pool : pools_)
             pool.reject(s);
+        if constexpr (hybrid)
+            for (States& states : states_)
+                states.reject(s);
         end_step_of(s);
     }
     /// The drafts `id`'s last verify step left pending (the same in every layer).
     [[nodiscard]] Index pending_drafts(Index id) const {
-        const Index s = slot_of("ModelCache::pending_drafts", "id", id);
-        return pools_.empty() ? 0 : pools_.front().pending_drafts(s);
+        return layer_drafts(0, slot_of("ModelCache::pending_drafts", "id", id));
     }
 
     /// Whether a step is planned that some layers have not run yet.
@@ -666,9 +709,30 @@ private:
     /// The tokens of live slot s (the same in every layer between steps).
     [[nodiscard]] Index front_length(Index s) const {
         if constexpr (hybrid)
-            if (pools_.empty())
-                return states_.front().length(s);
+            if (pools_.empty())  // the drafts counted, as a softmax layer's pool counts them
+                return states_.front().length(s) + states_.front().pending_drafts(s);
         return pools_.front().length(s);
+    }
+    /// Layer l's pending drafts of live slot s.
+    [[nodiscard]] Index layer_drafts(Index l, Index s) const {
+        const Index at = at_[static_cast<std::size_t>(l)];
+        if (at >= 0)
+            return pools_[static_cast<std::size_t>(at)].pending_drafts(s);
+        if constexpr (hybrid)
+            return states_[static_cast<std::size_t>(-1 - at)].pending_drafts(s);
+        return 0;
+    }
+    /// With recurrent layers, refuses a call on slot s (id `id`) that needs its pending
+    /// drafts accepted or rejected first.
+    void check_no_drafts(const char* function, const char* argument, Index id, Index s, const char* what) const {
+        if constexpr (hybrid)
+            if (!states_.empty()) {
+                const Index drafts = states_.front().pending_drafts(s);
+                if (drafts > 0) [[unlikely]]
+                    detail::require(false, function, argument, "is ", id, ", which has ", drafts,
+                                    " pending drafts: accept or reject them before it is ", what,
+                                    " (a recurrent layer's state cannot take a tree's drafts as tokens)");
+            }
     }
     /// Whether every layer can take slot s back to `tokens`.
     [[nodiscard]] bool restorable(Index s, Index tokens) const noexcept {
@@ -687,9 +751,8 @@ private:
             if (pool.length(s) != tokens)
                 pool.truncate(s, tokens);
         if constexpr (hybrid)
-            for (States& states : states_)
-                if (states.length(s) != tokens)
-                    states.truncate(s, tokens);
+            for (States& states : states_)  // each, even at its length: its pending drafts dropped
+                states.truncate(s, tokens);
     }
     /// Slot s removed from every layer.
     void remove_slot(Index s) {
@@ -761,6 +824,7 @@ private:
             for (std::size_t j = 0; j < i; ++j)
                 detail::require(step_.slots_[j] != s, function, "ids", "names sequence ", ids[i], " twice (at ", j,
                                 " and ", i, ")");
+            check_no_drafts(function, "ids", ids[i], s, "planned");
             step_.slots_[i] = s;
             step_.before_[i] = front_length(s);
         }

@@ -25,6 +25,15 @@
 // restored and replayed. Snapshots of a sequence are its memory's (the checkpoints are
 // not recorded: a loaded sequence has none).
 //
+// Speculative decoding (hybrid models' draft trees): with draft_states = m the pool keeps
+// m more states for pending drafts. prefill with parents is a verify step: each draft's
+// state is its parent's (the sequence's for a root) updated by its token, its output
+// that state's attend, so a draft's output is its path's decoded token by token; the
+// sequence's own state stays as it was until accept(id, path), which makes it the state
+// of the path's last draft (the checkpoints its lengths cross kept on the way; states
+// are exchanged, not copied), or reject(id). Any other change to the sequence drops its
+// pending drafts (a recurrent state cannot take a tree's drafts as tokens).
+//
 // All or nothing: a call that throws (a bad id or shape, a value the memory refuses, a
 // full pool: PoolExhausted, a state counting as one block) changes nothing; a batch
 // validates every row first, and, run on an executor that may throw
@@ -59,6 +68,9 @@ struct StatePoolOptions {
     Index checkpoint_tokens = 0;
     /// How many of its latest checkpoints a sequence keeps (a ring), when checkpoint_tokens > 0.
     Index checkpoints = 2;
+    /// States for pending drafts, across the pool: a verify step (prefill with parents)
+    /// holds one per draft until accept or reject. 0: verify steps are refused.
+    Index draft_states = 0;
 };
 
 /// The recurrent memories of many sequences; see the top of the file.
@@ -76,6 +88,7 @@ public:
         : capacity_(detail::at_least(capacity, 1, "StatePool", "capacity")),
           every_(detail::at_least(options.checkpoint_tokens, 0, "StatePool", "options.checkpoint_tokens")),
           ring_(every_ > 0 ? detail::at_least(options.checkpoints, 1, "StatePool", "options.checkpoints") : 0),
+          draft_states_(detail::at_least(options.draft_states, 0, "StatePool", "options.draft_states")),
           options_(options),
           prototype_(prototype) {
         prototype_.reset();
@@ -89,6 +102,14 @@ public:
             saved_length_.assign(slots, -1);
             next_.assign(n, 0);
         }
+        if (draft_states_ > 0) {
+            drafts_.assign(static_cast<std::size_t>(draft_states_), prototype_);
+            free_drafts_.reserve(static_cast<std::size_t>(draft_states_));
+            for (Index i = draft_states_; i-- > 0;)
+                free_drafts_.push_back(i);
+            claimed_.reserve(static_cast<std::size_t>(draft_states_));
+        }
+        pending_.resize(n);
     }
 
     /// A new sequence, its state the prototype's (empty); returns its id (the smallest
@@ -119,6 +140,7 @@ public:
     /// Ends `id`; its state may be given to the next add or fork.
     void remove(Index id) {
         check("StatePool::remove", "id", id);
+        drop_drafts(id);
         live_[static_cast<std::size_t>(id)] = false;
     }
 
@@ -149,6 +171,8 @@ public:
             bytes += m.footprint();
         for (const M& m : saved_)
             bytes += m.footprint();
+        for (const M& m : drafts_)
+            bytes += m.footprint();
         return bytes;
     }
 
@@ -164,6 +188,7 @@ public:
         detail::validate_pairs<M, Scalar>(function, m, key, value);
         m.update(key, value);
         keep_checkpoint(id);
+        drop_drafts(id);
     }
     /// Appends many tokens to `id` (split where its length reaches a multiple of
     /// checkpoint_tokens, a checkpoint kept at each); all or nothing.
@@ -176,6 +201,7 @@ public:
         for_each_piece(id, keys.rows(), [&](Index r, Index n) {
             memattn::extend(m, keys.middleRows(r, n), values.middleRows(r, n));
         });
+        drop_drafts(id);
     }
     /// `id`'s attend of one query.
     void attend(Index id, ConstRowRef<Scalar> query, RowRef<Scalar> out) const { state(id).attend(query, out); }
@@ -204,6 +230,8 @@ public:
                                              queries.row(i), out.row(i));
             keep_checkpoint(id);
         });
+        for (const Index id : ids)
+            drop_drafts(id);
     }
     /// The same on the pool's executor.
     void decode(std::span<const Index> ids, ConstMatrixRef<Scalar> queries, ConstMatrixRef<Scalar> keys,
@@ -241,11 +269,161 @@ public:
                                  values.middleRows(r0 + r, n), o);
             });
         });
+        for (const Index id : ids)
+            drop_drafts(id);
     }
     /// The same on the pool's executor.
     void prefill(std::span<const Index> ids, std::span<const Index> q_offsets, ConstMatrixRef<Scalar> queries,
                  ConstMatrixRef<Scalar> keys, ConstMatrixRef<Scalar> values, MatrixRef<Scalar> out) {
         prefill(ids, q_offsets, queries, keys, values, out, executor_);
+    }
+
+    /// Speculative decoding's verify step: the same batch, each chunk a tree of drafted
+    /// tokens. parents[r] (one per row of K) is row r's parent within its chunk (−1: a
+    /// root, which follows the sequence's state), before it. Each draft's state is its
+    /// parent's updated by its key and value, and row r of O is that state's attend of row
+    /// r of Q, so a draft's output is its path's decoded token by token (bit for bit:
+    /// decode's update_attend). The sequences' states do not change: each draft's state
+    /// is kept (one of StatePoolOptions::draft_states) until accept(id, path) or
+    /// reject(id) (pending_drafts); a chunk with rows replaces its sequence's pending
+    /// drafts, one without leaves them. The sequences spread over the executor's threads.
+    /// Refused, nothing changed: bad shapes or values, parents that are not a tree per
+    /// chunk, a pool without draft states (std::invalid_argument), fewer free draft states
+    /// than rows (PoolExhausted); an executor that throws leaves every sequence as it was.
+    void prefill(std::span<const Index> ids, std::span<const Index> q_offsets, ConstMatrixRef<Scalar> queries,
+                 ConstMatrixRef<Scalar> keys, ConstMatrixRef<Scalar> values, MatrixRef<Scalar> out,
+                 ExecutorRef executor, std::span<const Index> parents) {
+        constexpr const char* function = "StatePool::prefill";
+        check_batch(function, ids);
+        const auto batch = static_cast<Index>(ids.size());
+        detail::check_offsets(function, q_offsets, batch, keys.rows());
+        detail::require(queries.rows() == keys.rows() && values.rows() == keys.rows() && out.rows() == keys.rows(),
+                        function, "Q, V, O", "have ", queries.rows(), ", ", values.rows(), " and ", out.rows(),
+                        " rows, expected ", keys.rows(), " each (K's)");
+        check_tree(function, q_offsets, parents);
+        for (Index i = 0; i < batch; ++i) {
+            const Index r0 = q_offsets[static_cast<std::size_t>(i)], n = q_offsets[static_cast<std::size_t>(i) + 1] - r0;
+            detail::check_sequences<M, Scalar>(function, states_[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])],
+                                               queries.middleRows(r0, n), keys.middleRows(r0, n),
+                                               values.middleRows(r0, n), out.middleRows(r0, n));
+        }
+        for (Index i = 0; i < batch; ++i) {  // room for the trees now (the first of its size allocates)
+            Pending& p = pending_[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])];
+            const auto n = static_cast<std::size_t>(q_offsets[static_cast<std::size_t>(i) + 1] -
+                                                    q_offsets[static_cast<std::size_t>(i)]);
+            p.parents.reserve(n);
+            p.held.reserve(n);
+        }
+        // Row r's draft state claimed_[r], taken from the free ones; given back if the step fails.
+        const Index rows = keys.rows();
+        claimed_.resize(static_cast<std::size_t>(rows));  // reserved: draft_states ≥ rows (checked)
+        for (Index r = 0; r < rows; ++r) {
+            claimed_[static_cast<std::size_t>(r)] = free_drafts_.back();
+            free_drafts_.pop_back();
+        }
+        const auto range = [&](Index first, Index last) {
+            for (Index i = first; i < last; ++i) {
+                const Index id = ids[static_cast<std::size_t>(i)], r0 = q_offsets[static_cast<std::size_t>(i)],
+                            n = q_offsets[static_cast<std::size_t>(i) + 1] - r0;
+                for (Index t = 0; t < n; ++t) {
+                    const Index r = r0 + t, parent = parents[static_cast<std::size_t>(r)];
+                    M& draft = drafts_[static_cast<std::size_t>(claimed_[static_cast<std::size_t>(r)])];
+                    draft = parent < 0 ? states_[static_cast<std::size_t>(id)]  // same shapes: no allocation
+                                       : drafts_[static_cast<std::size_t>(claimed_[static_cast<std::size_t>(r0 + parent)])];
+                    detail::update_attend<M, Scalar>(draft, keys.row(r), values.row(r), queries.row(r), out.row(r));
+                }
+            }
+        };
+        try {
+            detail::parallel_ranges(batch, [&](Index i) {
+                return static_cast<double>(1 + q_offsets[static_cast<std::size_t>(i) + 1] - q_offsets[static_cast<std::size_t>(i)]);
+            }, range, 0, executor);
+        } catch (...) {
+            for (Index r = rows; r-- > 0;)
+                free_drafts_.push_back(claimed_[static_cast<std::size_t>(r)]);
+            throw;
+        }
+        for (Index i = 0; i < batch; ++i) {
+            const Index id = ids[static_cast<std::size_t>(i)], r0 = q_offsets[static_cast<std::size_t>(i)],
+                        r1 = q_offsets[static_cast<std::size_t>(i) + 1];
+            if (r1 == r0)  // no rows: its own pending drafts, if any, stay
+                continue;
+            drop_drafts(id);
+            Pending& p = pending_[static_cast<std::size_t>(id)];  // reserved above: no allocation
+            p.parents.assign(parents.begin() + r0, parents.begin() + r1);
+            p.held.assign(claimed_.begin() + r0, claimed_.begin() + r1);
+        }
+    }
+    /// The same on the pool's executor.
+    void prefill(std::span<const Index> ids, std::span<const Index> q_offsets, ConstMatrixRef<Scalar> queries,
+                 ConstMatrixRef<Scalar> keys, ConstMatrixRef<Scalar> values, MatrixRef<Scalar> out,
+                 std::span<const Index> parents) {
+        prefill(ids, q_offsets, queries, keys, values, out, executor_, parents);
+    }
+    /// Throws what a verify step (prefill with parents) of these chunks would throw for
+    /// their trees and the draft states they take, changing nothing: std::invalid_argument
+    /// (ids not distinct live ones, offsets, parents that are not a tree per chunk, a pool
+    /// without draft states), PoolExhausted (fewer free draft states than drafts).
+    void validate_tree(std::span<const Index> ids, std::span<const Index> q_offsets,
+                       std::span<const Index> parents) const {
+        constexpr const char* function = "StatePool::validate_tree";
+        check_batch(function, ids);
+        detail::check_offsets(function, q_offsets, static_cast<Index>(ids.size()),
+                              q_offsets.empty() ? 0 : q_offsets.back());
+        check_tree(function, q_offsets, parents);
+    }
+    /// The drafts of `id` the last verify step left waiting for accept or reject; 0 when
+    /// none.
+    [[nodiscard]] Index pending_drafts(Index id) const {
+        check("StatePool::pending_drafts", "id", id);
+        return static_cast<Index>(pending_[static_cast<std::size_t>(id)].parents.size());
+    }
+    /// Draft states no pending draft holds.
+    [[nodiscard]] Index free_draft_states() const noexcept { return static_cast<Index>(free_drafts_.size()); }
+    /// Keeps the accepted path of `id`'s pending drafts: path[k] (indices among the drafts,
+    /// path[0] a root, each the child of the one before) is token L + k, L its length
+    /// before them; its state becomes the last draft's, bit for bit the path decoded
+    /// token by token, with the checkpoints the lengths L + 1 to L + |path| cross (their
+    /// drafts' states), and every pending draft is released. Nothing is copied: the
+    /// states are exchanged with the draft states, so it allocates nothing and costs no
+    /// pass over a state. An empty path is reject(id). std::invalid_argument, nothing
+    /// changed, without pending drafts or for a path that is not a chain of the tree.
+    void accept(Index id, std::span<const Index> path) {
+        constexpr const char* function = "StatePool::accept";
+        check_path(function, id, path);
+        if (path.empty()) {
+            drop_drafts(id);
+            return;
+        }
+        using std::swap;
+        Pending& p = pending_[static_cast<std::size_t>(id)];
+        const auto n = static_cast<Index>(path.size());
+        for (Index k = 0; k + 1 < n; ++k) {  // the checkpoints on the way, into the ring
+            M& draft = drafts_[static_cast<std::size_t>(p.held[static_cast<std::size_t>(path[static_cast<std::size_t>(k)])])];
+            if (every_ == 0 || draft.length() % every_ != 0)
+                continue;
+            Index& next = next_[static_cast<std::size_t>(id)];
+            swap(saved_[at(id, next)], draft);  // same shapes: the draft state takes the ring's
+            saved_length_[at(id, next)] = saved_[at(id, next)].length();
+            next = (next + 1) % ring_;
+        }
+        swap(states_[static_cast<std::size_t>(id)],
+             drafts_[static_cast<std::size_t>(p.held[static_cast<std::size_t>(path.back())])]);
+        keep_checkpoint(id);
+        drop_drafts(id);
+    }
+    /// Checks accept(id, path) makes (std::invalid_argument naming `function`), changing
+    /// nothing.
+    void validate_path(Index id, std::span<const Index> path, const char* function = "StatePool::validate_path") const {
+        check_path(function, id, path);
+    }
+    /// Drops every pending draft of `id` (its state is as before the verify step).
+    void reject(Index id) {
+        constexpr const char* function = "StatePool::reject";
+        check(function, "id", id);
+        detail::require(!pending_[static_cast<std::size_t>(id)].parents.empty(), function, "id", "is ", id,
+                        ", which has no pending drafts");
+        drop_drafts(id);
     }
 
     /// The longest length ≤ `tokens` that `id` can be restored to exactly: `tokens` itself
@@ -278,6 +456,7 @@ public:
         detail::require(nearest == tokens, function, "tokens", "is ", tokens, ", which sequence ", id,
                         " holds no checkpoint at (a recurrent state cannot be cut): the nearest below is ", nearest,
                         "; truncate to it and replay the ", tokens - nearest, " tokens after it");
+        drop_drafts(id);  // even at its length, as a PagedKVCache's truncate
         if (tokens == m.length())
             return;
         M& s = states_[static_cast<std::size_t>(id)];
@@ -305,6 +484,7 @@ public:
         check("StatePool::read_sequence", "id", id);
         states_[static_cast<std::size_t>(id)].read_snapshot(r);
         forget_checkpoints(id);
+        drop_drafts(id);
     }
 
     /// `id` as a Memory whose changes go through the pool (see Sequence).
@@ -364,6 +544,54 @@ private:
                 detail::require(ids[j] != ids[i], function, "ids", "names sequence ", ids[i], " twice (at ", j, " and ",
                                 i, ")");
         }
+    }
+    /// A verify step's trees: one parent per row, each chunk's within it and before the
+    /// row; draft states for every row.
+    void check_tree(const char* function, std::span<const Index> q_offsets, std::span<const Index> parents) const {
+        const Index rows = q_offsets.empty() ? 0 : q_offsets.back();
+        detail::require(static_cast<Index>(parents.size()) == rows, function, "parents", "has ", parents.size(),
+                        " entries, expected ", rows, " (one per row of K)");
+        for (std::size_t i = 0; i + 1 < q_offsets.size(); ++i)
+            for (Index t = 0; t < q_offsets[i + 1] - q_offsets[i]; ++t) {
+                const Index p = parents[static_cast<std::size_t>(q_offsets[i] + t)];
+                detail::require(p >= -1 && p < t, function, "parents", "has ", p, " at row ", q_offsets[i] + t,
+                                " (draft ", t, " of sequence ", i, " in the batch), expected -1 (a root) or an "
+                                "earlier draft of its chunk, 0 to ", t - 1);
+            }
+        detail::require(rows == 0 || draft_states_ > 0, function, "parents",
+                        "give a verify step to a pool that keeps no draft states (StatePoolOptions::draft_states is "
+                        "0): give it one per draft the steps hold at once");
+        if (rows > free_draft_states()) [[unlikely]]
+            throw PoolExhausted(std::string(function) + " (draft states, StatePoolOptions::draft_states, each "
+                                "counting as a block)", rows,
+                                free_draft_states(), draft_states_);
+    }
+    /// accept's checks: pending drafts, and a path that is a chain of their tree from a root.
+    void check_path(const char* function, Index id, std::span<const Index> path) const {
+        check(function, "id", id);
+        const Pending& p = pending_[static_cast<std::size_t>(id)];
+        const auto drafts = static_cast<Index>(p.parents.size());
+        detail::require(drafts > 0, function, "id", "is ", id, ", which has no pending drafts (accept follows a "
+                        "prefill with parents, before any other call changes the sequence)");
+        for (std::size_t k = 0; k < path.size(); ++k) {
+            const Index t = path[k];
+            detail::require(t >= 0 && t < drafts, function, "path", "has ", t, " at ", k, ", expected a draft, 0 to ",
+                            drafts - 1);
+            const Index parent = p.parents[static_cast<std::size_t>(t)];
+            const Index before = k == 0 ? -1 : path[k - 1];
+            detail::require(parent == before, function, "path", "has draft ", t, " at ", k, ", whose parent is ",
+                            parent, ", but the path's ",
+                            k == 0 ? "first draft must be a root (parent -1)" : "draft before it is ",
+                            k == 0 ? std::string() : std::to_string(before));
+        }
+    }
+    /// `id`'s pending drafts released (their states free again).
+    void drop_drafts(Index id) noexcept {
+        Pending& p = pending_[static_cast<std::size_t>(id)];
+        for (const Index d : p.held)
+            free_drafts_.push_back(d);  // reserved: draft_states
+        p.held.clear();
+        p.parents.clear();
     }
     Index free_slot(const char* function) const {
         for (Index i = 0; i < capacity_; ++i)
@@ -443,7 +671,12 @@ private:
         }
     }
 
-    Index capacity_, every_, ring_;
+    /// A sequence's pending drafts: their parents within the tree and their draft states.
+    struct Pending {
+        std::vector<Index> parents, held;
+    };
+
+    Index capacity_, every_, ring_, draft_states_;
     StatePoolOptions options_;
     M prototype_;
     std::vector<M> states_;            // one per slot
@@ -453,6 +686,10 @@ private:
     std::vector<Index> next_;          // each ring's next place
     std::vector<M> undo_;              // a batch's states before it, for an executor that may throw
     std::vector<Index> undo_length_, undo_next_;
+    std::vector<M> drafts_;             // draft_states states for pending drafts
+    std::vector<Index> free_drafts_;    // those no pending draft holds (a stack)
+    std::vector<Index> claimed_;        // a verify step's draft state per row
+    std::vector<Pending> pending_;      // per slot
 };
 
 namespace detail {
@@ -472,6 +709,7 @@ struct StateAccess {
     static void install(Pool& pool, Index id, M& loaded) noexcept {
         pool.states_[static_cast<std::size_t>(id)] = std::move(loaded);
         pool.forget_checkpoints(id);
+        pool.drop_drafts(id);
     }
 };
 }  // namespace detail
