@@ -85,6 +85,14 @@
 //       states (16 MiB, each read and written once at least), its FLOPs 6·d·dv a head and
 //       sequence (k·S, the rank-one update, q·S)
 //
+//   BM_StateTreeVerify/mode:M   speculative decoding in a hybrid model's recurrent layer:
+//       one sequence of a StatePool of the same MultiHead<DeltaRuleMemory<float>> (8 heads,
+//       128 × 128: a 512 KiB state) and a binary tree of 64 drafts: M = 0 the verify step
+//       (a state per draft, then reject), M = 1 the 64 decode steps it replaces (then a
+//       truncate back to the checkpoint before them), M = 2 accept of a path of 5 drafts
+//       alone (the verify before each untimed), M = 3 one decode step (a checkpoint
+//       copy every 64th)
+//
 // The figure and the table: scripts/plot.py (decode_roofline.png; `plot.py decode-table
 // decode_bench.json` prints the table of docs/performance.md). On a shared machine run
 //   decode_bench --benchmark_filter=BM_DecodeStep --benchmark_repetitions=5
@@ -734,6 +742,60 @@ void BM_StatePoolDecode(benchmark::State& state) {
     report_roofline(state, step_seconds, bytes, flops, executor);
 }
 
+void BM_StateTreeVerify(benchmark::State& state) {
+    using Recurrent = memattn::MultiHead<memattn::DeltaRuleMemory<float>>;
+    constexpr Index heads = 8, drafts = 64;
+    const Index mode = state.range(0);
+    const Recurrent prototype({.q_heads = heads, .kv_heads = heads, .head_dim = head_dim}, [](Index) {
+        return memattn::DeltaRuleMemory<float>(head_dim, head_dim, {.qk_l2norm = true});
+    });
+    const Index kw = prototype.key_dim(), qw = prototype.query_dim();
+    const Matrix<float> Q = memattn::bench::random_matrix<float>(drafts, qw, 1);
+    Matrix<float> K = memattn::bench::random_matrix<float>(drafts, kw, 2);
+    const Matrix<float> V = memattn::bench::random_matrix<float>(drafts, prototype.value_dim(), 3);
+    for (Index h = 0; h < heads; ++h)
+        K.col(h * (head_dim + 1) + head_dim).setConstant(0.5f);  // β
+    Matrix<float> O(drafts, prototype.output_dim());
+    memattn::StatePool<Recurrent> pool(1, prototype, {.checkpoint_tokens = drafts, .draft_states = drafts});
+    const Index seq = pool.add();
+    const std::vector<Index> seqs{seq}, offsets{0, drafts};
+    pool.prefill(seqs, offsets, Q, K, V, O, memattn::SerialExecutor{});  // 64 tokens: a checkpoint there
+    std::vector<Index> parents{-1};
+    for (Index i = 1; i < drafts; ++i)
+        parents.push_back((i - 1) / 2);
+    const std::vector<Index> path{0, 1, 3, 7, 15};  // a chain of the binary tree
+    const auto verify = [&] { pool.prefill(seqs, offsets, Q, K, V, O, memattn::SerialExecutor{}, parents); };
+    double seconds = 0;
+    if (mode == 2) {  // accept alone: each repetition's verify untimed
+        std::vector<double> times;
+        times.reserve(1 << 16);
+        for (auto _ : state) {
+            verify();
+            const auto before = Clock::now();
+            pool.accept(seq, path);
+            if (times.size() < times.capacity())
+                times.push_back(seconds_since(before));
+            pool.truncate(seq, drafts);
+        }
+        seconds = median(times);
+    } else {
+        seconds = median_step_seconds(state, [&] {
+            if (mode == 0) {
+                verify();
+                pool.reject(seq);
+            } else {
+                for (Index i = 0; i < (mode == 1 ? drafts : 1); ++i)
+                    pool.decode(seqs, Q.middleRows(i, 1), K.middleRows(i, 1), V.middleRows(i, 1), O.middleRows(i, 1),
+                                memattn::SerialExecutor{});
+                if (mode == 1)  // (one step alone grows the sequence: a state's cost does not)
+                    pool.truncate(seq, drafts);
+            }
+        });
+    }
+    state.counters["step_us"] = seconds * 1e6;
+    benchmark::DoNotOptimize(O.data());
+}
+
 template <class S>
 void latent_prefill_cell(benchmark::State& state, memattn::FpMath fpmath) {
     constexpr Index r = 512, dr = 64, nope = 128, dv = 128;
@@ -1158,6 +1220,7 @@ BENCHMARK(BM_PoolTreeVerify)->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_StatePoolDecode)->ArgNames({"t", "mode"})->ArgsProduct({{1, 2}, {0, 1}})->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_StateTreeVerify)->ArgNames({"mode"})->DenseRange(0, 3)->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_PagedLatentDecode<float>)->Name("BM_PagedLatentDecode<float>")->Apply(paged_latent_cells);
 BENCHMARK(BM_PagedLatentDecode<Eigen::bfloat16>)->Name("BM_PagedLatentDecode<bfloat16>")->Apply(paged_latent_cells);
 BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Apply(cells);

@@ -15,7 +15,10 @@
 // attends go through the executor, one that fails part way: every sequence must be as it
 // was (its snapshot, the free blocks), and the same call on a working executor must then
 // give what a pool that never saw the failure gives, bit for bit. A third runs a
-// ModelCache beside independent pools (model_cache below).
+// ModelCache beside independent pools (model_cache below). A fourth runs a StatePool
+// of delta-rule memories with checkpoints and draft states beside memories of its own
+// (state_pool below): steps, verify steps of draft trees, accept, reject, truncate to
+// checkpoints, bit for bit.
 #include "fuzz_input.hpp"
 
 #include <memattn/memattn.hpp>
@@ -334,6 +337,269 @@ void model_cache(fuzz::FuzzInput& in) {
     }
 }
 
+/// The fourth mode: a StatePool<DeltaRuleMemory<float>> (d, dv, gated or not, checkpoints
+/// every n tokens in a ring of k, m draft states) beside a model per live sequence: its
+/// memory fed the same pieces, every checkpoint it has passed in its current history, and
+/// its pending drafts' states (each its parent's decoded by its token). After every
+/// operation lengths, pending drafts and free draft states must agree and an attend must
+/// equal the model's bit for bit; a verify step's outputs must be the model's path
+/// decodes bit for bit, a refused call (a full pool, too few draft states, an executor
+/// that fails) must change nothing, and a truncate to checkpoint_before must restore the
+/// model's state of that length.
+void state_pool(fuzz::FuzzInput& in) {
+    using Mem = DeltaRuleMemory<float>;
+    const Index d = in.size(1, 5), dv = in.size(1, 5);
+    const bool gated = in.flag();
+    const Mem prototype(d, dv, {.qk_l2norm = in.flag()}, gated);
+    const Index every = in.size(0, 4), ring = in.size(1, 3), drafts = in.size(0, 8), capacity = in.size(1, 4);
+    StatePool<Mem> pool(capacity, prototype, {.checkpoint_tokens = every, .checkpoints = ring, .draft_states = drafts});
+    const Index kw = prototype.key_dim();
+    struct Model {
+        Mem state;
+        std::map<Index, Mem> saved;   // the checkpoints of its current history
+        std::vector<Index> parents;   // pending drafts
+        std::vector<Mem> draft_states;
+    };
+    std::map<Index, Model> model;
+    const auto keys = [&](Index n) {  // [k | β | log g]
+        Matrix<float> k = in.matrix<float>(n, kw, 2.0);
+        for (Index r = 0; r < n; ++r) {
+            k(r, d) = std::abs(k(r, d)) / 2.0f;
+            if (gated)
+                k(r, d + 1) = -std::abs(k(r, d + 1));
+        }
+        return k;
+    };
+    const auto keep = [&](Model& m) {
+        if (every > 0 && m.state.length() > 0 && m.state.length() % every == 0)
+            m.saved.insert_or_assign(m.state.length(), m.state);
+    };
+    const auto pending_total = [&] {
+        Index total = 0;
+        for (const auto& [id, m] : model)
+            total += static_cast<Index>(m.parents.size());
+        return total;
+    };
+    const auto check = [&](const char* what) {
+        if (pool.sequences() != static_cast<Index>(model.size()) || pool.free_draft_states() != drafts - pending_total())
+            fail(what);
+        for (const auto& [id, m] : model) {
+            if (pool.length(id) != m.state.length() ||
+                pool.pending_drafts(id) != static_cast<Index>(m.parents.size()))
+                fail(what);
+            const Matrix<float> q = in.matrix<float>(1, d, 2.0);
+            Matrix<float> x(1, dv), y(1, dv);
+            pool.attend(id, q.row(0), x.row(0));
+            m.state.attend(q.row(0), y.row(0));
+            if (!(x.array() == y.array()).all())
+                fail(what);
+        }
+    };
+    const auto pick = [&] {
+        auto it = model.begin();
+        std::advance(it, in.size(0, static_cast<Index>(model.size()) - 1));
+        return it->first;
+    };
+    const auto batch_of = [&] {  // distinct live ids, in a shuffled order
+        std::vector<Index> ids;
+        for (const auto& [id, m] : model)
+            if (in.flag())
+                ids.push_back(id);
+        for (std::size_t i = 1; i < ids.size(); ++i)
+            std::swap(ids[i], ids[static_cast<std::size_t>(in.size(0, static_cast<Index>(i)))]);
+        return ids;
+    };
+    const Index ops = in.size(1, 40);
+    for (Index op_index = 0; op_index < ops; ++op_index) {
+        const Index op = model.empty() ? 0 : in.size(0, 7);
+        if (op == 0) {  // add, or the full pool refuses
+            if (static_cast<Index>(model.size()) == capacity) {
+                bool threw = false;
+                try {
+                    pool.add();
+                } catch (const PoolExhausted&) {
+                    threw = true;
+                }
+                if (!threw)
+                    fail("add past the capacity");
+            } else {
+                model.emplace(pool.add(), Model{prototype, {}, {}, {}});
+            }
+        } else if (op == 1) {  // fork: the state and checkpoints, no drafts
+            const Index parent = pick();
+            if (static_cast<Index>(model.size()) < capacity) {
+                const Index child = pool.fork(parent);
+                Model m = model.at(parent);
+                m.parents.clear();
+                m.draft_states.clear();
+                model.emplace(child, std::move(m));
+            }
+        } else if (op == 2) {  // remove
+            const Index id = pick();
+            pool.remove(id);
+            model.erase(id);
+        } else if (op == 3 || op == 4) {  // a decode step, or a prefill of chunks cut at the checkpoints
+            const std::vector<Index> ids = batch_of();
+            std::vector<Index> offsets{0};
+            for (std::size_t i = 0; i < ids.size(); ++i)
+                offsets.push_back(offsets.back() + (op == 3 ? 1 : in.size(0, 6)));
+            const Index rows = offsets.back();
+            const Matrix<float> Q = in.matrix<float>(rows, d, 2.0), K = keys(rows), V = in.matrix<float>(rows, dv, 2.0);
+            Matrix<float> O(rows, dv);
+            if (op == 3)
+                pool.decode(ids, Q, K, V, O);
+            else
+                pool.prefill(ids, offsets, Q, K, V, O);
+            for (std::size_t i = 0; i < ids.size(); ++i) {
+                Model& m = model.at(ids[i]);
+                m.parents.clear();
+                m.draft_states.clear();
+                for (Index r = offsets[i]; r < offsets[i + 1];) {
+                    const Index length = m.state.length();
+                    const Index n = every > 0 ? std::min(offsets[i + 1] - r, every - length % every) : offsets[i + 1] - r;
+                    Matrix<float> o(n, dv);
+                    if (op == 3)
+                        memattn::decode(m.state, Q.middleRows(r, n), K.middleRows(r, n), V.middleRows(r, n), o);
+                    else
+                        memattn::prefill(m.state, Q.middleRows(r, n), K.middleRows(r, n), V.middleRows(r, n), o);
+                    if (!(o.array() == O.middleRows(r, n).array()).all())
+                        fail("a step's outputs");
+                    keep(m);
+                    r += n;
+                }
+            }
+        } else if (op == 5) {  // a verify step of trees
+            const std::vector<Index> ids = batch_of();
+            std::vector<Index> offsets{0}, parents;
+            for (std::size_t i = 0; i < ids.size(); ++i) {
+                const Index n = in.size(0, 5);
+                for (Index t = 0; t < n; ++t)
+                    parents.push_back(in.size(-1, t - 1));
+                offsets.push_back(offsets.back() + n);
+            }
+            const Index rows = offsets.back();
+            const Matrix<float> Q = in.matrix<float>(rows, d, 2.0), K = keys(rows), V = in.matrix<float>(rows, dv, 2.0);
+            Matrix<float> O(rows, dv);
+            const bool failing = in.flag();
+            const Index free_before = pool.free_draft_states();
+            bool threw = false;
+            try {
+                if (failing)
+                    pool.prefill(ids, offsets, Q, K, V, O, FailingExecutor{in.size(0, 2)}, parents);
+                else
+                    pool.prefill(ids, offsets, Q, K, V, O, parents);
+            } catch (const PoolExhausted&) {
+                threw = true;
+                if (rows <= free_before)
+                    fail("a verify step refused with the draft states free");
+            } catch (const std::invalid_argument&) {
+                threw = true;
+                if (drafts > 0 || rows == 0)
+                    fail("a verify step refused by a pool with draft states");
+            } catch (const std::runtime_error&) {
+                threw = true;
+                if (!failing)
+                    fail("a verify step threw");
+            }
+            if (!threw) {
+                if (rows > free_before)
+                    fail("a verify step ran past its draft states");
+                for (std::size_t i = 0; i < ids.size(); ++i) {
+                    const Index r0 = offsets[i], n = offsets[i + 1] - r0;
+                    if (n == 0)
+                        continue;
+                    Model& m = model.at(ids[i]);
+                    m.parents.assign(parents.begin() + r0, parents.begin() + r0 + n);
+                    m.draft_states.clear();
+                    for (Index t = 0; t < n; ++t) {
+                        const Index p = m.parents[static_cast<std::size_t>(t)];
+                        Mem s = p < 0 ? m.state : m.draft_states[static_cast<std::size_t>(p)];
+                        Matrix<float> o(1, dv);
+                        memattn::decode(s, Q.middleRows(r0 + t, 1), K.middleRows(r0 + t, 1), V.middleRows(r0 + t, 1), o);
+                        if (!(o.array() == O.middleRows(r0 + t, 1).array()).all())
+                            fail("a draft's output is not its path's decode");
+                        m.draft_states.push_back(std::move(s));
+                    }
+                }
+            }
+        } else if (op == 6) {  // accept a path (or a bad one: refused), or reject
+            const Index id = pick();
+            Model& m = model.at(id);
+            const auto n = static_cast<Index>(m.parents.size());
+            std::vector<Index> path;
+            if (n > 0 && in.flag()) {  // from a draft up to its root, cut short
+                for (Index t = in.size(0, n - 1); t >= 0; t = m.parents[static_cast<std::size_t>(t)])
+                    path.insert(path.begin(), t);
+                path.resize(static_cast<std::size_t>(in.size(0, static_cast<Index>(path.size()))));
+            }
+            const bool bad = n > 0 && in.flag();
+            if (bad)
+                path.push_back(in.size(-1, n));
+            bool valid = n > 0;
+            for (std::size_t k = 0; valid && k < path.size(); ++k)
+                valid = path[k] >= 0 && path[k] < n &&
+                        m.parents[static_cast<std::size_t>(path[k])] == (k == 0 ? -1 : path[k - 1]);
+            const bool rejecting = !bad && in.flag();
+            if (rejecting)
+                path.clear();
+            bool threw = false;
+            try {
+                if (rejecting)
+                    pool.reject(id);
+                else
+                    pool.accept(id, path);
+            } catch (const std::invalid_argument&) {
+                threw = true;
+            }
+            if (threw == valid)
+                fail("accept refused a path of the tree, or took one that is not");
+            if (!threw) {
+                for (const Index t : path) {
+                    m.state = m.draft_states[static_cast<std::size_t>(t)];
+                    keep(m);
+                }
+                m.parents.clear();
+                m.draft_states.clear();
+            }
+        } else {  // truncate back to a checkpoint the pool names, or refused elsewhere
+            const Index id = pick();
+            Model& m = model.at(id);
+            const Index t = in.size(0, m.state.length());
+            const Index c = pool.checkpoint_before(id, t);
+            if (c > t || (c != t && pool.can_truncate(id, t)))
+                fail("checkpoint_before");
+            if (c != t) {
+                bool threw = false;
+                try {
+                    pool.truncate(id, t);
+                } catch (const std::invalid_argument&) {
+                    threw = true;
+                }
+                if (!threw)
+                    fail("a truncate to a length without a checkpoint");
+            }
+            pool.truncate(id, c);
+            if (c == 0) {
+                m.state = prototype;
+                m.saved.clear();
+            } else if (c != m.state.length()) {
+                const auto it = m.saved.find(c);
+                if (it == m.saved.end())
+                    fail("a checkpoint the model never passed");
+                m.state = it->second;
+            }
+            m.saved.erase(m.saved.upper_bound(c), m.saved.end());
+            m.parents.clear();
+            m.draft_states.clear();
+        }
+        check("after an operation");
+    }
+    for (const auto& [id, m] : model)
+        pool.remove(id);
+    if (pool.free_draft_states() != drafts || pool.sequences() != 0)
+        fail("draft states or sequences left at the end");
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -345,6 +611,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     if (mode == 1) {
         model_cache(in);
+        return 0;
+    }
+    if (mode == 7) {
+        state_pool(in);
         return 0;
     }
     const Index kv = in.size(1, 2), g = in.size(1, 3), d = in.size(1, 6);

@@ -652,15 +652,15 @@ TEST_CASE("StatePool: add, fork, remove, decode steps and their checkpoints, ver
         const OpenMPExecutor executor{.threads = threads};
         StatePool<Layer> pool(4, prototype, {.checkpoint_tokens = 4, .checkpoints = 2, .draft_states = 8});
         pool.set_executor(executor);
-        Matrix<float> O(3, prototype.output_dim()), drafts(6, prototype.output_dim());
+        Matrix<float> O(3, prototype.output_dim()), drafts(7, prototype.output_dim());
         const Index a = pool.add(), b = pool.add();
         const std::vector<Index> ids{a, b, pool.fork(a)};
         pool.decode(ids, Q.topRows(3), K.topRows(3), V.topRows(3), O);  // a first step
-        // A verify step of a tree of 4 drafts for a and a chain of 2 for b: the first of
+        // A verify step of a tree of 5 drafts for a and a chain of 2 for b: the first of
         // its size sizes the trees' lists.
-        const std::vector<Index> two{a, b}, offsets{0, 4, 6}, parents{-1, 0, 0, 2, -1, 0}, path{0, 2, 3};
+        const std::vector<Index> two{a, b}, offsets{0, 5, 7}, parents{-1, 0, 0, 2, 3, -1, 0}, path{0, 2, 3, 4};
         const auto verify = [&] {
-            pool.prefill(two, offsets, Q.topRows(6), K.topRows(6), V.topRows(6), drafts, parents);
+            pool.prefill(two, offsets, Q.topRows(7), K.topRows(7), V.topRows(7), drafts, parents);
         };
         verify();
         pool.reject(a);
@@ -672,11 +672,12 @@ TEST_CASE("StatePool: add, fork, remove, decode steps and their checkpoints, ver
         pool.truncate(f, 16);
         pool.remove(f);
         verify();
-        pool.accept(a, path);  // a's length 19 + 3: a checkpoint at 20 on the way
+        pool.accept(a, path);  // lengths 21 to 24: it ends on a checkpoint (a copy in place)
         pool.reject(b);
         const auto counts = watch.stop();
-        CHECK(pool.length(a) == steps + 3);
-        CHECK(pool.checkpoint_before(a, 21) == 20);
+        CHECK(pool.length(a) == steps + 4);
+        CHECK(pool.checkpoint_before(a, 24) == 24);
+        CHECK(pool.checkpoint_before(a, 23) == 20);
         CHECK(drafts.allFinite());
         pool.truncate(a, steps);
         CHECK(counts.operator_news == 0);
@@ -684,6 +685,50 @@ TEST_CASE("StatePool: add, fork, remove, decode steps and their checkpoints, ver
         CHECK(pool.length(a) == steps);
         CHECK(O.allFinite());
     }
+}
+
+namespace {
+
+/// A StatePool of `prototype` (keys from `keys`): forks, decode steps with checkpoints, a
+/// verify step and an accept ending on a checkpoint allocate nothing once the first verify
+/// step of the size has run.
+template <class M, class Keys>
+void state_pool_allocates_nothing(const M& prototype, Index qd, Index vd, Keys&& keys) {
+    using S = typename M::Scalar;
+    StatePool<M> pool(3, prototype, {.checkpoint_tokens = 2, .checkpoints = 2, .draft_states = 4});
+    const Matrix<S> Q = random_matrix<float>(4, qd, 40).template cast<S>(), K = keys(4),
+                    V = random_matrix<float>(4, vd, 42).template cast<S>();
+    Matrix<S> O(4, vd);
+    const Index a = pool.add();
+    const std::vector<Index> ids{a}, offsets{0, 4}, parents{-1, 0, 1, 0}, path{0, 1, 2};
+    pool.prefill(ids, offsets, Q, K, V, O, parents);
+    pool.reject(a);
+    HeapWatch watch;
+    const Index b = pool.fork(a);
+    pool.decode(ids, Q.topRows(1), K.topRows(1), V.topRows(1), O.topRows(1));
+    pool.decode(ids, Q.topRows(1), K.topRows(1), V.topRows(1), O.topRows(1));  // a checkpoint at 2
+    pool.prefill(ids, offsets, Q, K, V, O, parents);
+    pool.accept(a, path);  // 3, and 4 on a checkpoint
+    pool.remove(b);
+    const auto counts = watch.stop();
+    CHECK(counts.operator_news == 0);
+    CHECK(counts.eigen_mallocs == 0);
+    CHECK(pool.length(a) == 5);
+    CHECK(pool.checkpoint_before(a, 4) == 4);
+    CHECK(pool.checkpoint_before(a, 3) == 2);
+}
+
+}  // namespace
+
+TEST_CASE("StatePool of linear attention and bfloat16 memories: forks, checkpoints, verify steps and accept copy in "
+          "place, allocating nothing", "[serving][allocation][state_pool]") {
+    const Index d = 8, dv = 4;
+    state_pool_allocates_nothing(LinearAttentionMemory<float>(d, dv), d, dv,
+                                 [&](Index n) { return random_matrix<float>(n, d, 41); });
+    Matrix<float> beta_keys = random_matrix<float>(4, d + 1, 41);
+    beta_keys.col(d) = beta_keys.col(d).cwiseAbs().cwiseMin(1.0f);
+    state_pool_allocates_nothing(DeltaRuleMemory<Eigen::bfloat16>(d, dv), d, dv,
+                                 [&](Index) { return Matrix<Eigen::bfloat16>(beta_keys.cast<Eigen::bfloat16>()); });
 }
 
 TEST_CASE("ModelCache of a hybrid model: a decode step of its recurrent and softmax layers allocates nothing once one "

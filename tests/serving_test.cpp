@@ -2620,6 +2620,11 @@ TEST_CASE("StatePool: a verify step's drafts are their paths decoded token by to
     CHECK_THROWS_AS(pool.prefill(ids, offsets, Q, K, V, O2, OpenMPExecutor{.threads = 2}, parents), PoolExhausted);
     CHECK(pool.pending_drafts(a) == 9);
     CHECK(pool.free_draft_states() == 8);
+    // Rejected, then verified again with the batch over two threads: the same bits.
+    pool.reject(a);
+    pool.reject(b);
+    pool.prefill(ids, offsets, Q, K, V, O2, OpenMPExecutor{.threads = 2}, parents);
+    CHECK((O2.array() == O1.array()).all());
     // b's verify again on two threads (its earlier drafts released): the same bits.
     pool.prefill(std::vector<Index>{b}, std::vector<Index>{0, 3}, Q.bottomRows(3), K.bottomRows(3), V.bottomRows(3),
                  O2.bottomRows(3), OpenMPExecutor{.threads = 2}, tree_b);
@@ -2738,6 +2743,17 @@ TEST_CASE("StatePool: a verify step's drafts are their paths decoded token by to
     CHECK(pool.pending_drafts(b) == 0);
     CHECK(pool.free_draft_states() == 11);
     CHECK(same_state(a, alone[0], 624));
+    // The draft states given back serve the next verify step: each draft its path's decode.
+    pool.prefill(std::vector<Index>{b}, std::vector<Index>{0, 3}, Q.bottomRows(3), K.bottomRows(3), V.bottomRows(3),
+                 O2.bottomRows(3), tree_b);
+    {
+        Gdn m = pool.state(b);
+        Matrix<float> o(1, ow);
+        for (Index t = 0; t < 3; ++t) {
+            memattn::decode(m, Q.middleRows(9 + t, 1), K.middleRows(9 + t, 1), V.middleRows(9 + t, 1), o);
+            CHECK((o.array() == O2.row(9 + t).array()).all());
+        }
+    }
     // A pool without draft states refuses a verify step by name.
     StatePool<Gdn> plain(1, prototype);
     const Index p0 = plain.add();
@@ -2863,6 +2879,80 @@ TEST_CASE("ModelCache with recurrent layers: a verify step of draft trees in eve
     CHECK(cache.layer(1).pending_drafts(cache.slot_of(a)) == 0);
     CHECK(cache.states(2).free_draft_states() == 12);
     hybrid_step(cache, mirror, kv, cache.plan_decode(std::vector<Index>{a}), 760);
+    const Index sa = cache.slot_of(a), sb = cache.slot_of(b);
+
+    // With drafts pending: truncate's range, can_truncate and checkpoint_before stop at the
+    // length before them; a truncate to it exactly drops them in every layer.
+    verify({a}, {0, 3}, {-1, 0, 0}, 765, 3);
+    CHECK(cache.length(a) == 12);
+    CHECK_THROWS_WITH(cache.truncate(a, -1), Catch::Contains("expected 0 to 12"));
+    CHECK_FALSE(cache.can_truncate(a, 10));
+    CHECK(cache.can_truncate(a, 9));
+    CHECK(cache.checkpoint_before(a, 11) == 9);
+    cache.truncate(a, 9);
+    for (auto* own : mirror)
+        own->truncate(sa, 9);
+    kv.truncate(sa, 9);
+    CHECK(cache.pending_drafts(a) == 0);
+    CHECK(cache.layer(1).length(sa) == 9);
+    CHECK(cache.states(0).free_draft_states() == 12);
+
+    // Every layer runs a step the same way: a layer without the parents, or with others,
+    // is refused; a rollback of a verify step that a recurrent and a softmax layer have
+    // run leaves no drafts in any layer.
+    {
+        const auto* step = verify({a, b}, {0, 2, 3}, {-1, 0, -1}, 780, 2);
+        const Matrix<float> Q = random_matrix<float>(3, d, 790), K = delta_keys(3, d, 791),
+                            V = random_matrix<float>(3, dv, 792);
+        Matrix<float> O(3, dv);
+        CHECK_THROWS_WITH(cache.prefill(2, *step, Q, K, V, O), Catch::Contains("as a verify step"));
+        CHECK_THROWS_WITH(cache.prefill(2, *step, Q, K, V, O, std::vector<Index>{-1, -1, -1}),
+                          Catch::Contains("differ from those"));
+        CHECK(cache.states(2).pending_drafts(sa) == 0);
+        cache.rollback(*step);
+        for (const Index s : {sa, sb}) {
+            s0.reject(s);
+            kv.reject(s);
+            for (Index l = 0; l < 3; ++l)
+                CHECK((cache.recurrent(l) ? cache.states(l).pending_drafts(s) : cache.layer(l).pending_drafts(s)) == 0);
+        }
+        CHECK(cache.length(a) == 9);
+        CHECK(cache.layer(1).length(sa) == 9);
+        CHECK(cache.states(0).free_draft_states() == 12);
+    }
+    hybrid_step(cache, mirror, kv, cache.plan_decode(std::vector<Index>{a, b}), 795);  // the mirrors agree
+
+    // A load drops a sequence's pending drafts in every layer, a remove frees its draft states.
+    {
+        std::stringstream saved;
+        save(cache.sequence(b), saved);
+        verify({a, b}, {0, 2, 3}, {-1, 0, -1}, 800, 3);
+        CHECK(cache.states(2).free_draft_states() == 9);
+        auto seq = cache.sequence(b);
+        load(seq, saved);
+        CHECK(cache.pending_drafts(b) == 0);
+        CHECK(cache.layer(1).pending_drafts(sb) == 0);
+        CHECK(cache.states(2).free_draft_states() == 10);
+        cache.remove(a);
+        CHECK(cache.states(0).free_draft_states() == 12);
+        CHECK(cache.states(2).free_draft_states() == 12);
+    }
+    // A remove of a sequence of a step run in some layers takes the step back for the
+    // others too: no sequence's lengths differ between layers.
+    {
+        const Index c = cache.add_sequence();
+        const auto& step = cache.plan_decode(std::vector<Index>{b, c});
+        const Matrix<float> Q = random_matrix<float>(2, d, 810), K = delta_keys(2, d, 811),
+                            V = random_matrix<float>(2, dv, 812);
+        Matrix<float> O(2, dv);
+        cache.decode(0, step, Q, K, V, O);
+        CHECK(cache.states(0).length(sb) == cache.layer(1).length(sb) + 1);
+        cache.remove(c);
+        CHECK_FALSE(cache.step_pending());
+        CHECK(cache.states(0).length(sb) == cache.layer(1).length(sb));
+        CHECK(cache.states(2).length(sb) == cache.layer(1).length(sb));
+        CHECK(cache.length(b) == cache.layer(1).length(sb));
+    }
 
     // A model of recurrent layers alone: its length counts the drafts, as a softmax layer's.
     Cache states_only(std::vector<Cache::Layer>{StateLayer<Delta>{prototype, states_options}}, 1);
@@ -2877,3 +2967,138 @@ TEST_CASE("ModelCache with recurrent layers: a verify step of draft trees in eve
     CHECK(states_only.length(z) == 1);
     CHECK(states_only.pending_drafts(z) == 0);
 }
+
+namespace {
+
+/// A verify step of one tree per sequence (ids[i] takes trees[i]) on `threads` threads,
+/// each draft's output checked bit for bit against its path decoded from alone[i] (the
+/// sequence's own memory); then accept(ids[i], paths[i]), the same path decoded into
+/// alone[i], and the states compared by their attends.
+template <class M, class Keys>
+void verify_and_accept(StatePool<M>& pool, std::vector<M>& alone, const std::vector<Index>& ids,
+                       const std::vector<std::vector<Index>>& trees, const std::vector<std::vector<Index>>& paths,
+                       Index qd, Index vd, Keys&& keys, std::uint64_t seed, int threads) {
+    using S = typename M::Scalar;
+    std::vector<Index> offsets{0}, parents;
+    for (const auto& tree : trees) {
+        parents.insert(parents.end(), tree.begin(), tree.end());
+        offsets.push_back(offsets.back() + static_cast<Index>(tree.size()));
+    }
+    const Index rows = offsets.back();
+    const Matrix<S> Q = random_matrix<float>(rows, qd, seed).template cast<S>(), K = keys(rows, seed + 1),
+                    V = random_matrix<float>(rows, vd, seed + 2).template cast<S>();
+    Matrix<S> O(rows, vd);
+    pool.prefill(ids, offsets, Q, K, V, O, OpenMPExecutor{.threads = threads}, parents);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+        CHECK(pool.pending_drafts(ids[i]) == static_cast<Index>(trees[i].size()));
+        for (Index t = 0; t < static_cast<Index>(trees[i].size()); ++t) {
+            M m = alone[i];
+            Matrix<S> o(1, vd);
+            for (const Index p : tree_path(trees[i], t)) {
+                const Index r = offsets[i] + p;
+                memattn::decode(m, Q.middleRows(r, 1), K.middleRows(r, 1), V.middleRows(r, 1), o);
+            }
+            CHECK((o.array() == O.row(offsets[i] + t).array()).all());
+        }
+    }
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+        pool.accept(ids[i], paths[i]);
+        Matrix<S> o(1, vd);
+        for (const Index p : paths[i]) {
+            const Index r = offsets[i] + p;
+            memattn::decode(alone[i], Q.middleRows(r, 1), K.middleRows(r, 1), V.middleRows(r, 1), o);
+        }
+        CHECK(pool.length(ids[i]) == alone[i].length());
+        CHECK(pool.pending_drafts(ids[i]) == 0);
+        const Matrix<S> q = random_matrix<float>(2, qd, seed + 3).template cast<S>();
+        Matrix<S> x(2, vd), y(2, vd);
+        for (Index r = 0; r < 2; ++r) {
+            pool.attend(ids[i], q.row(r), x.row(r));
+            alone[i].attend(q.row(r), y.row(r));
+        }
+        CHECK((x.array() == y.array()).all());
+    }
+}
+
+}  // namespace
+
+TEST_CASE("StatePool: accept keeps the checkpoints its path crosses (of more than the ring holds, the last), ending on "
+          "one or not; linear attention and bfloat16 memories verify and accept bit for bit on 1 and 2 threads",
+          "[serving][state_pool][tree]") {
+    using Delta = DeltaRuleMemory<float>;
+    const Index d = 4, dv = 3;
+    const auto keys = [=](Index n, std::uint64_t seed) { return delta_keys(n, d, seed); };
+    // Checkpoints every token, a ring of 2: a path of 5 from length 0 crosses 1 to 5 and
+    // ends on one; the ring keeps 4 and 5.
+    {
+        const Delta prototype(d, dv);
+        StatePool<Delta> pool(2, prototype, {.checkpoint_tokens = 1, .checkpoints = 2, .draft_states = 8});
+        std::vector<Delta> alone{prototype};
+        const Index a = pool.add();
+        std::vector<Delta> at4{prototype};
+        verify_and_accept(pool, at4, {a}, {{-1, 0, 1, 2, 3, 0}}, {{0, 1, 2, 3}}, d, dv, keys, 800, 1);
+        pool.truncate(a, 0);
+        verify_and_accept(pool, alone, {a}, {{-1, 0, 1, 2, 3, 0}}, {{0, 1, 2, 3, 4}}, d, dv, keys, 800, 1);
+        CHECK(pool.length(a) == 5);
+        CHECK(pool.checkpoint_before(a, 4) == 4);
+        CHECK(pool.checkpoint_before(a, 3) == 0);  // 1 to 3: out of the ring
+        CHECK(pool.free_draft_states() == 8);
+        pool.truncate(a, 4);
+        const Matrix<float> q = random_matrix<float>(1, d, 810);
+        Matrix<float> x(1, dv), y(1, dv);
+        pool.attend(a, q.row(0), x.row(0));
+        at4[0].attend(q.row(0), y.row(0));
+        CHECK((x.array() == y.array()).all());
+        // The ring goes on from the kept checkpoint: a step puts 5 back, 4 stays.
+        Matrix<float> o(1, dv);
+        pool.decode(std::vector<Index>{a}, q, delta_keys(1, d, 811), random_matrix<float>(1, dv, 812), o);
+        CHECK(pool.checkpoint_before(a, 4) == 4);
+        CHECK(pool.checkpoint_before(a, 5) == 5);
+    }
+    // Every 3 tokens, a ring of 3: from length 1 a path of 4 crosses 3 and ends at 5.
+    {
+        const Delta prototype(d, dv);
+        StatePool<Delta> pool(2, prototype, {.checkpoint_tokens = 3, .checkpoints = 3, .draft_states = 8});
+        std::vector<Delta> alone{prototype};
+        const Index b = pool.add();
+        verify_and_accept(pool, alone, {b}, {{-1}}, {{0}}, d, dv, keys, 820, 1);
+        std::vector<Delta> at3 = alone;  // a fork of b taking the path's first two drafts
+        const Index c = pool.fork(b);
+        verify_and_accept(pool, at3, {c}, {{-1, 0, 1, 2, -1}}, {{0, 1}}, d, dv, keys, 830, 1);
+        verify_and_accept(pool, alone, {b}, {{-1, 0, 1, 2, -1}}, {{0, 1, 2, 3}}, d, dv, keys, 830, 2);
+        CHECK(pool.length(b) == 5);
+        CHECK(pool.checkpoint_before(b, 4) == 3);
+        pool.truncate(b, 3);
+        const Matrix<float> q = random_matrix<float>(1, d, 840);
+        Matrix<float> x(1, dv), y(1, dv);
+        pool.attend(b, q.row(0), x.row(0));
+        at3[0].attend(q.row(0), y.row(0));
+        CHECK((x.array() == y.array()).all());
+    }
+    // Linear attention (its copy assignment in place) and a bfloat16 delta rule: two
+    // sequences' trees over one and two threads.
+    {
+        const LinearAttentionMemory<float> prototype(d, dv);
+        StatePool<LinearAttentionMemory<float>> pool(2, prototype, {.checkpoint_tokens = 2, .draft_states = 12});
+        std::vector<LinearAttentionMemory<float>> alone(2, prototype);
+        const std::vector<Index> ids{pool.add(), pool.add()};
+        const auto plain_keys = [=](Index n, std::uint64_t seed) { return random_matrix<float>(n, d, seed); };
+        for (int threads = 1; threads <= 2; ++threads)
+            verify_and_accept(pool, alone, ids, {{-1, 0, 0, 1, 3}, {-1, -1, 1}}, {{0, 1, 3}, {1, 2}}, d, dv, plain_keys,
+                              850 + static_cast<std::uint64_t>(threads), threads);
+    }
+    {
+        using Bf16 = DeltaRuleMemory<Eigen::bfloat16>;
+        const Bf16 prototype(d, dv);
+        StatePool<Bf16> pool(2, prototype, {.checkpoint_tokens = 2, .draft_states = 12});
+        std::vector<Bf16> alone(2, prototype);
+        const std::vector<Index> ids{pool.add(), pool.add()};
+        const auto bf16_keys = [=](Index n, std::uint64_t seed) {
+            return Matrix<Eigen::bfloat16>(delta_keys(n, d, seed).cast<Eigen::bfloat16>());
+        };
+        for (int threads = 1; threads <= 2; ++threads)
+            verify_and_accept(pool, alone, ids, {{-1, 0, 0, 1, 3}, {-1, -1, 1}}, {{0, 2}, {1, 2}}, d, dv, bf16_keys,
+                              860 + static_cast<std::uint64_t>(threads), threads);
+    }
+}
+

@@ -90,12 +90,25 @@ public:
           wide_(other.wide_ ? std::make_unique<WideScratch>(feature_dim_) : nullptr) {}
     /// Takes over the state and the scratch.
     LinearAttentionMemory(LinearAttentionMemory&&) noexcept = default;
-    /// As the copy constructor: the state, map and options, with scratch of its own.
+    /// As the copy constructor: the state, map and options, with scratch of its own;
+    /// between memories of the same shapes in place, keeping this one's scratch, so it
+    /// allocates nothing (a pool's copies of its states: StatePool).
     LinearAttentionMemory& operator=(const LinearAttentionMemory& other) {
-        if (this != &other) {
+        if (this == &other)
+            return *this;
+        if (feature_dim_ != other.feature_dim_ || value_dim_ != other.value_dim_ ||
+            extend_rows_ != other.extend_rows_ || static_cast<bool>(wide_) != static_cast<bool>(other.wide_)) {
             LinearAttentionMemory copy(other);
             *this = std::move(copy);
+            return *this;
         }
+        phi_ = other.phi_;  // first: the only copy that may throw (a map's own members)
+        key_dim_ = other.key_dim_;
+        options_ = other.options_;
+        state_.mu = other.state_.mu;  // the same shapes: no allocation
+        state_.nu = other.state_.nu;
+        length_ = other.length_;
+        powers_ = other.powers_;
         return *this;
     }
     /// Takes over the state and the scratch.

@@ -34,8 +34,11 @@
 // once (decode, prefill); rollback(step) takes its tokens back from every layer that took
 // them. Between a step's first layer and its last, its sequences' lengths differ between
 // layers, so a new plan, and a fork, truncate or load of one of them, are refused until
-// the step has run in every layer or is taken back; remove is always allowed (and ends
-// the step it is in). Before any layer has run it, a truncate, remove or load of one of
+// the step has run in every layer or is taken back; a remove of one of them takes the
+// step back first (rollback: refused, nothing changed, where a windowed layer cannot),
+// so no sequence is left with lengths that differ between layers. A step runs the same
+// way in every layer: with the same parents in each (a verify step) or with none.
+// Before any layer has run it, a truncate, remove or load of one of
 // its sequences ends the step (its lengths are stale): plan anew.
 //
 // Snapshots: sequence(id) is the sequence across every layer, for memattn::save and
@@ -101,7 +104,8 @@ struct ModelLayer {
 };
 
 /// One recurrent layer of a hybrid ModelCache: the memory every sequence's state starts
-/// as (copied, reset) and the checkpoints its StatePool keeps.
+/// as (copied, reset), the checkpoints its StatePool keeps and its draft states (one per
+/// pending draft of a verify step).
 template <Memory M>
 struct StateLayer {
     M prototype;                    ///< a sequence's memory before its first token
@@ -273,12 +277,15 @@ public:
         const Index slot = slot_of(function, "id", id);
         check_not_mid_step(function, "id", id, slot);
         if constexpr (hybrid)
-            if (!states_.empty() && states_.front().pending_drafts(slot) > 0)
-                detail::require(tokens >= 0 && tokens <= states_.front().length(slot), function, "tokens", "is ",
-                                tokens, ", past the ", states_.front().length(slot), " tokens before sequence ", id,
-                                "'s ", states_.front().pending_drafts(slot),
+            if (!states_.empty() && states_.front().pending_drafts(slot) > 0) {
+                const Index before = states_.front().length(slot), drafts = states_.front().pending_drafts(slot);
+                detail::require(tokens >= 0 && tokens <= before + drafts, function, "tokens", "is ", tokens,
+                                ", expected 0 to ", before + drafts, " (the length of sequence ", id, ")");
+                detail::require(tokens <= before, function, "tokens", "is ", tokens, ", past the ", before,
+                                " tokens before sequence ", id, "'s ", drafts,
                                 " pending drafts: accept or reject them first (a recurrent layer's state cannot take "
                                 "a tree's drafts as tokens)");
+            }
         for (Index l = 0; l < layers(); ++l) {
             const Index at = at_[static_cast<std::size_t>(l)];
             if (at >= 0) {
@@ -329,9 +336,14 @@ public:
         }
         return c;
     }
-    /// Ends `id` in every layer; the id is refused from now on.
+    /// Ends `id` in every layer; the id is refused from now on. A sequence of a step that
+    /// has run in some layers and not in others takes the step back first, for every
+    /// sequence of the step (rollback(step): where a windowed layer cannot, the remove is
+    /// refused, std::invalid_argument, nothing changed; run the step in the rest first).
     void remove(Index id) {
         const Index slot = slot_of("ModelCache::remove", "id", id);
+        if (mid_step() && in_step(slot))
+            rollback(step_);
         remove_slot(slot);
         ++generations_[static_cast<std::size_t>(slot)];
         end_step_of(slot);
@@ -474,6 +486,7 @@ public:
         constexpr const char* function = "ModelCache::decode";
         const std::size_t layer = runnable(function, l, step);
         detail::require(step.decode(), function, "step", "is a plan of chunks (plan), expected one of plan_decode");
+        check_kind(function, false, {});
         const Index at = at_[layer];
         if (at >= 0) {
             Pool& pool = pools_[static_cast<std::size_t>(at)];
@@ -492,6 +505,7 @@ public:
     void prefill(Index l, const Step& step, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                  const Eigen::MatrixBase<DV>& V, DO&& O) {
         const std::size_t layer = runnable("ModelCache::prefill", l, step);
+        check_kind("ModelCache::prefill", false, {});
         const Index at = at_[layer];
         if (at >= 0) {
             Pool& pool = pools_[static_cast<std::size_t>(at)];
@@ -509,13 +523,16 @@ public:
     /// pending in that layer; once every layer has run it, accept(id, path) or reject(id).
     /// The first layer to run it checks the trees for every layer first (a windowed
     /// layer's rollback room: PagedKVCache::validate_tree; a recurrent layer's free draft
-    /// states: StatePool::validate_tree), so a refusal comes before any layer holds drafts.
-    /// A recurrent layer runs StatePool's verify step (prefill with parents).
+    /// states: StatePool::validate_tree), so those refusals come before any layer holds
+    /// drafts (a value a later layer refuses comes after the earlier ones ran:
+    /// rollback(step) takes their drafts back). A recurrent layer runs StatePool's verify
+    /// step (prefill with parents). Every layer runs the step with the same parents.
     template <class DQ, class DK, class DV, detail::EigenMatrix DO>
     void prefill(Index l, const Step& step, const Eigen::MatrixBase<DQ>& Q, const Eigen::MatrixBase<DK>& K,
                  const Eigen::MatrixBase<DV>& V, DO&& O, std::span<const Index> parents) {
         constexpr const char* function = "ModelCache::prefill";
         const std::size_t layer = runnable(function, l, step);
+        check_kind(function, true, parents);
         if (std::find(ran_.begin(), ran_.end(), char{1}) == ran_.end())  // the step's first layer: all of them
             for (Index other = 0; other < layers(); ++other) {
                 const Index at = at_[static_cast<std::size_t>(other)];
@@ -562,6 +579,9 @@ public:
         constexpr const char* function = "ModelCache::accept";
         const Index s = slot_of(function, "id", id);
         check_not_mid_step(function, "id", id, s);
+        for (Index l = 0; l < layers(); ++l)  // (then the layers' checks are of the path alone)
+            detail::require(layer_drafts(l, s) > 0, function, "id", "is ", id, ", which has no pending drafts in layer ",
+                            l, " (accept follows a verify step run in every layer)");
         for (Index l = 0; l < layers(); ++l) {
             const Index at = at_[static_cast<std::size_t>(l)];
             if (at < 0) {
@@ -569,7 +589,8 @@ public:
                     try {
                         states_[static_cast<std::size_t>(-1 - at)].validate_path(s, path, function);
                     } catch (const std::invalid_argument& e) {
-                        throw std::invalid_argument(std::string(e.what()) + " (layer " + std::to_string(l) + ")");
+                        throw std::invalid_argument(std::string(e.what()) + " (layer " + std::to_string(l) + ", sequence " +
+                                                    std::to_string(id) + ")");
                     }
                 }
                 continue;
@@ -726,13 +747,14 @@ private:
     /// drafts accepted or rejected first.
     void check_no_drafts(const char* function, const char* argument, Index id, Index s, const char* what) const {
         if constexpr (hybrid)
-            if (!states_.empty()) {
-                const Index drafts = states_.front().pending_drafts(s);
-                if (drafts > 0) [[unlikely]]
-                    detail::require(false, function, argument, "is ", id, ", which has ", drafts,
-                                    " pending drafts: accept or reject them before it is ", what,
-                                    " (a recurrent layer's state cannot take a tree's drafts as tokens)");
-            }
+            if (!states_.empty())
+                for (Index l = 0; l < layers(); ++l) {
+                    const Index drafts = layer_drafts(l, s);
+                    if (drafts > 0) [[unlikely]]
+                        detail::require(false, function, argument, "is ", id, ", which has ", drafts,
+                                        " pending drafts (layer ", l, "): accept or reject them before it is ", what,
+                                        " (a recurrent layer's state cannot take a tree's drafts as tokens)");
+                }
     }
     /// Whether every layer can take slot s back to `tokens`.
     [[nodiscard]] bool restorable(Index s, Index tokens) const noexcept {
@@ -899,6 +921,25 @@ private:
         detail::require(!ran_[at], function, "step", "has run in layer ", l, " already");
         return at;
     }
+    /// A layer's run of the planned step is of the same kind as the layers' that ran it
+    /// (with the same parents, or none); the step's first layer's is kept.
+    void check_kind(const char* function, bool verify, std::span<const Index> parents) {
+        if (!mid_step()) {
+            step_verify_ = verify;
+            step_parents_.assign(parents.begin(), parents.end());
+            return;
+        }
+        if (step_verify_ != verify)
+            detail::require(false, function, "parents",
+                            verify ? "are given, but the step's earlier layers ran it without: a step is a verify step "
+                                     "in every layer or in none"
+                                   : "are not given, but the step's earlier layers ran it as a verify step: give "
+                                     "every layer the same parents");
+        detail::require(!verify || std::equal(parents.begin(), parents.end(), step_parents_.begin(),
+                                              step_parents_.end()),
+                        function, "parents", "differ from those the step's earlier layers ran with (",
+                        step_parents_.size(), " entries): every layer verifies the same trees");
+    }
     /// Layer `at` has run the step; after the last, the step has ended.
     void ran(std::size_t at) noexcept {
         ran_[at] = 1;
@@ -910,6 +951,8 @@ private:
     std::vector<States> states_;      // the recurrent layers', in order
     std::vector<Index> at_;           // per layer: its index in pools_, or −1 − its index in states_
     std::vector<Index> targets_;      // rollback's lengths per member
+    std::vector<Index> step_parents_;  // the planned step's parents, as its first layer ran it
+    bool step_verify_ = false;         // whether its first layer ran it as a verify step
     Index capacity_ = max_length;     // live sequences at most (hybrid: the constructor's)
     std::vector<Index> generations_;  // per slot: the generation of its live (or next) sequence
     Step step_;

@@ -15,8 +15,8 @@
 //
 // Capacity is fixed when the pool is built: every sequence's memory and checkpoint ring
 // are copies of the prototype made then, so add, fork (a copy into an existing slot),
-// remove, a step and a checkpoint allocate nothing (a memory whose copy assignment
-// allocates nothing: every memattn memory). Checkpoints: with checkpoint_tokens = n, the
+// remove, a step and a checkpoint allocate nothing (for a memory whose copy assignment
+// between equal shapes allocates nothing: every memattn memory). Checkpoints: with checkpoint_tokens = n, the
 // state is kept each time a sequence's length reaches a multiple of n (a chunk is split
 // at those lengths), in a ring of the last `checkpoints` of them; truncate(id, t) goes
 // back to a length t the sequence can be restored to exactly (its length, 0, or a
@@ -31,8 +31,10 @@
 // that state's attend, so a draft's output is its path's decoded token by token; the
 // sequence's own state stays as it was until accept(id, path), which makes it the state
 // of the path's last draft (the checkpoints its lengths cross kept on the way; states
-// are exchanged, not copied), or reject(id). Any other change to the sequence drops its
-// pending drafts (a recurrent state cannot take a tree's drafts as tokens).
+// are exchanged, not copied, but for a path that ends on a checkpoint: that state is
+// copied into the ring, as a decode step's is), or reject(id). Any other change to the
+// sequence drops its pending drafts (a recurrent state cannot take a tree's drafts as
+// tokens).
 //
 // All or nothing: a call that throws (a bad id or shape, a value the memory refuses, a
 // full pool: PoolExhausted, a state counting as one block) changes nothing; a batch
@@ -53,6 +55,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -83,7 +86,8 @@ public:
     class Sequence;
 
     /// A pool of `capacity` sequences, each a copy of `prototype` (reset), and, with
-    /// checkpoints, `options.checkpoints` more copies each for its ring. Allocates them now.
+    /// checkpoints, `options.checkpoints` more copies each for its ring, and
+    /// `options.draft_states` more for pending drafts. Allocates them now.
     StatePool(Index capacity, const M& prototype, const StatePoolOptions& options = {})
         : capacity_(detail::at_least(capacity, 1, "StatePool", "capacity")),
           every_(detail::at_least(options.checkpoint_tokens, 0, "StatePool", "options.checkpoint_tokens")),
@@ -104,10 +108,11 @@ public:
         }
         if (draft_states_ > 0) {
             drafts_.assign(static_cast<std::size_t>(draft_states_), prototype_);
-            free_drafts_.reserve(static_cast<std::size_t>(draft_states_));
-            for (Index i = draft_states_; i-- > 0;)
-                free_drafts_.push_back(i);
-            claimed_.reserve(static_cast<std::size_t>(draft_states_));
+            free_drafts_.resize(static_cast<std::size_t>(draft_states_));
+            for (Index i = 0; i < draft_states_; ++i)
+                free_drafts_[static_cast<std::size_t>(i)] = draft_states_ - 1 - i;
+            free_count_ = draft_states_;
+            claimed_.resize(static_cast<std::size_t>(draft_states_));
         }
         pending_.resize(n);
     }
@@ -164,7 +169,8 @@ public:
         check("StatePool::state", "id", id);
         return states_[static_cast<std::size_t>(id)];
     }
-    /// Bytes of every state and checkpoint held (allocated when the pool was built).
+    /// Bytes of every state, checkpoint and draft state held (allocated when the pool was
+    /// built).
     [[nodiscard]] std::size_t footprint() const noexcept {
         std::size_t bytes = 0;
         for (const M& m : states_)
@@ -289,7 +295,9 @@ public:
     /// drafts, one without leaves them. The sequences spread over the executor's threads.
     /// Refused, nothing changed: bad shapes or values, parents that are not a tree per
     /// chunk, a pool without draft states (std::invalid_argument), fewer free draft states
-    /// than rows (PoolExhausted); an executor that throws leaves every sequence as it was.
+    /// than rows (PoolExhausted: the states a sequence's pending drafts hold are released
+    /// only once the step has run, so a step that fails leaves them as they were); an
+    /// executor that throws leaves every sequence as it was.
     void prefill(std::span<const Index> ids, std::span<const Index> q_offsets, ConstMatrixRef<Scalar> queries,
                  ConstMatrixRef<Scalar> keys, ConstMatrixRef<Scalar> values, MatrixRef<Scalar> out,
                  ExecutorRef executor, std::span<const Index> parents) {
@@ -300,13 +308,13 @@ public:
         detail::require(queries.rows() == keys.rows() && values.rows() == keys.rows() && out.rows() == keys.rows(),
                         function, "Q, V, O", "have ", queries.rows(), ", ", values.rows(), " and ", out.rows(),
                         " rows, expected ", keys.rows(), " each (K's)");
-        check_tree(function, q_offsets, parents);
         for (Index i = 0; i < batch; ++i) {
             const Index r0 = q_offsets[static_cast<std::size_t>(i)], n = q_offsets[static_cast<std::size_t>(i) + 1] - r0;
             detail::check_sequences<M, Scalar>(function, states_[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])],
                                                queries.middleRows(r0, n), keys.middleRows(r0, n),
                                                values.middleRows(r0, n), out.middleRows(r0, n));
         }
+        check_tree(function, q_offsets, parents);
         for (Index i = 0; i < batch; ++i) {  // room for the trees now (the first of its size allocates)
             Pending& p = pending_[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])];
             const auto n = static_cast<std::size_t>(q_offsets[static_cast<std::size_t>(i) + 1] -
@@ -314,13 +322,11 @@ public:
             p.parents.reserve(n);
             p.held.reserve(n);
         }
-        // Row r's draft state claimed_[r], taken from the free ones; given back if the step fails.
+        // Row r's draft state claimed_[r], taken from the free ones (rows ≤ free_count_:
+        // checked); given back if the step fails.
         const Index rows = keys.rows();
-        claimed_.resize(static_cast<std::size_t>(rows));  // reserved: draft_states ≥ rows (checked)
-        for (Index r = 0; r < rows; ++r) {
-            claimed_[static_cast<std::size_t>(r)] = free_drafts_.back();
-            free_drafts_.pop_back();
-        }
+        for (Index r = 0; r < rows; ++r)
+            claimed_[static_cast<std::size_t>(r)] = free_drafts_[static_cast<std::size_t>(--free_count_)];
         const auto range = [&](Index first, Index last) {
             for (Index i = first; i < last; ++i) {
                 const Index id = ids[static_cast<std::size_t>(i)], r0 = q_offsets[static_cast<std::size_t>(i)],
@@ -340,7 +346,7 @@ public:
             }, range, 0, executor);
         } catch (...) {
             for (Index r = rows; r-- > 0;)
-                free_drafts_.push_back(claimed_[static_cast<std::size_t>(r)]);
+                free_drafts_[static_cast<std::size_t>(free_count_++)] = claimed_[static_cast<std::size_t>(r)];
             throw;
         }
         for (Index i = 0; i < batch; ++i) {
@@ -379,37 +385,60 @@ public:
         return static_cast<Index>(pending_[static_cast<std::size_t>(id)].parents.size());
     }
     /// Draft states no pending draft holds.
-    [[nodiscard]] Index free_draft_states() const noexcept { return static_cast<Index>(free_drafts_.size()); }
+    [[nodiscard]] Index free_draft_states() const noexcept { return free_count_; }
     /// Keeps the accepted path of `id`'s pending drafts: path[k] (indices among the drafts,
     /// path[0] a root, each the child of the one before) is token L + k, L its length
     /// before them; its state becomes the last draft's, bit for bit the path decoded
     /// token by token, with the checkpoints the lengths L + 1 to L + |path| cross (their
-    /// drafts' states), and every pending draft is released. Nothing is copied: the
-    /// states are exchanged with the draft states, so it allocates nothing and costs no
-    /// pass over a state. An empty path is reject(id). std::invalid_argument, nothing
-    /// changed, without pending drafts or for a path that is not a chain of the tree.
+    /// drafts' states), and every pending draft is released. The states are exchanged
+    /// with the draft states, not copied, but for a path that ends on a checkpoint (that
+    /// state is copied into the ring, as a decode step's is): otherwise no pass over a
+    /// state, and nothing allocated. An empty path is reject(id). std::invalid_argument,
+    /// nothing changed, without pending drafts or for a path that is not a chain of the
+    /// tree.
     void accept(Index id, std::span<const Index> path) {
+        static_assert(std::is_nothrow_swappable_v<M>, "StatePool::accept exchanges states: M must swap without throwing");
         constexpr const char* function = "StatePool::accept";
         check_path(function, id, path);
         if (path.empty()) {
             drop_drafts(id);
             return;
         }
-        using std::swap;
-        Pending& p = pending_[static_cast<std::size_t>(id)];
+        const Pending& p = pending_[static_cast<std::size_t>(id)];
         const auto n = static_cast<Index>(path.size());
-        for (Index k = 0; k + 1 < n; ++k) {  // the checkpoints on the way, into the ring
-            M& draft = drafts_[static_cast<std::size_t>(p.held[static_cast<std::size_t>(path[static_cast<std::size_t>(k)])])];
-            if (every_ == 0 || draft.length() % every_ != 0)
-                continue;
-            Index& next = next_[static_cast<std::size_t>(id)];
-            swap(saved_[at(id, next)], draft);  // same shapes: the draft state takes the ring's
-            saved_length_[at(id, next)] = saved_[at(id, next)].length();
-            next = (next + 1) % ring_;
+        const auto draft = [&](Index k) -> M& {
+            return drafts_[static_cast<std::size_t>(p.held[static_cast<std::size_t>(path[static_cast<std::size_t>(k)])])];
+        };
+        // The checkpoints the path's lengths cross go into the ring in order, each into
+        // the next place: of c crossed, the last min(c, ring) stay. Where the path ends on
+        // one, its state is both the sequence's and the ring's: that one is copied, first
+        // (the only step that may throw: a memory whose copy allocates), then the others
+        // are exchanged.
+        Index crossed = 0;
+        if (every_ > 0)
+            for (Index k = 0; k < n; ++k)
+                crossed += draft(k).length() % every_ == 0 ? 1 : 0;
+        const Index first_kept = std::max<Index>(0, crossed - ring_);
+        const Index start = crossed > 0 ? next_[static_cast<std::size_t>(id)] : 0;
+        if (crossed > 0 && draft(n - 1).length() % every_ == 0) {
+            const std::size_t place = at(id, (start + crossed - 1) % ring_);
+            saved_[place] = draft(n - 1);  // same shapes: no allocation for memattn memories
+            saved_length_[place] = saved_[place].length();
         }
-        swap(states_[static_cast<std::size_t>(id)],
-             drafts_[static_cast<std::size_t>(p.held[static_cast<std::size_t>(path.back())])]);
-        keep_checkpoint(id);
+        using std::swap;
+        for (Index k = 0, j = 0; k + 1 < n; ++k) {
+            if (every_ == 0 || draft(k).length() % every_ != 0)
+                continue;
+            if (j >= first_kept) {
+                const std::size_t place = at(id, (start + j) % ring_);
+                swap(saved_[place], draft(k));  // the draft state takes the ring's old one
+                saved_length_[place] = saved_[place].length();
+            }
+            ++j;
+        }
+        if (crossed > 0)
+            next_[static_cast<std::size_t>(id)] = (start + crossed) % ring_;
+        swap(states_[static_cast<std::size_t>(id)], draft(n - 1));
         drop_drafts(id);
     }
     /// Checks accept(id, path) makes (std::invalid_argument naming `function`), changing
@@ -589,7 +618,7 @@ private:
     void drop_drafts(Index id) noexcept {
         Pending& p = pending_[static_cast<std::size_t>(id)];
         for (const Index d : p.held)
-            free_drafts_.push_back(d);  // reserved: draft_states
+            free_drafts_[static_cast<std::size_t>(free_count_++)] = d;
         p.held.clear();
         p.parents.clear();
     }
@@ -687,8 +716,9 @@ private:
     std::vector<M> undo_;              // a batch's states before it, for an executor that may throw
     std::vector<Index> undo_length_, undo_next_;
     std::vector<M> drafts_;             // draft_states states for pending drafts
-    std::vector<Index> free_drafts_;    // those no pending draft holds (a stack)
-    std::vector<Index> claimed_;        // a verify step's draft state per row
+    std::vector<Index> free_drafts_;    // [0, free_count_): those no pending draft holds (a stack)
+    Index free_count_ = 0;
+    std::vector<Index> claimed_;        // a verify step's draft state per row (draft_states of them)
     std::vector<Pending> pending_;      // per slot
 };
 

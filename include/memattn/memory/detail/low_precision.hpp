@@ -54,7 +54,8 @@ public:
         : rows_(other.rows_), a_cols_(other.a_cols_), b_cols_(other.b_cols_), a_(std::move(other.a_)),
           b_(std::move(other.b_)) {}
     ConversionScratch& operator=(const ConversionScratch& other) {
-        if (this != &other) {
+        if (this != &other && (rows_ != other.rows_ || a_cols_ != other.a_cols_ || b_cols_ != other.b_cols_)) {
+            // (the same shapes: this one's buffers kept, nothing to copy from a scratch)
             ConversionScratch copy(other);
             swap(copy);
         }
