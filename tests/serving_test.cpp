@@ -2937,21 +2937,36 @@ TEST_CASE("ModelCache with recurrent layers: a verify step of draft trees in eve
         CHECK(cache.states(0).free_draft_states() == 12);
         CHECK(cache.states(2).free_draft_states() == 12);
     }
-    // A remove of a sequence of a step run in some layers takes the step back for the
-    // others too: no sequence's lengths differ between layers.
+    // A remove of a sequence of a step run in some layers leaves the step running for the
+    // others (its slot kept until the step ends); removing every one of them ends it.
     {
-        const Index c = cache.add_sequence();
+        const Index c = cache.add_sequence(), sc = cache.slot_of(c), before = cache.length(b);
         const auto& step = cache.plan_decode(std::vector<Index>{b, c});
         const Matrix<float> Q = random_matrix<float>(2, d, 810), K = delta_keys(2, d, 811),
-                            V = random_matrix<float>(2, dv, 812);
-        Matrix<float> O(2, dv);
+                            V = random_matrix<float>(2, dv, 812), q = random_matrix<float>(2, kv.query_dim(), 813),
+                            k = random_matrix<float>(2, kv.key_dim(), 814);
+        Matrix<float> O(2, dv), o(2, kv.output_dim());
         cache.decode(0, step, Q, K, V, O);
-        CHECK(cache.states(0).length(sb) == cache.layer(1).length(sb) + 1);
         cache.remove(c);
+        CHECK_FALSE(cache.contains(c));
+        CHECK(cache.step_pending());
+        CHECK(cache.states(2).contains(sc));  // its slot until the step ends
+        cache.decode(1, step, q, k, k, o);
+        cache.decode(2, step, Q, K, V, O);
         CHECK_FALSE(cache.step_pending());
-        CHECK(cache.states(0).length(sb) == cache.layer(1).length(sb));
-        CHECK(cache.states(2).length(sb) == cache.layer(1).length(sb));
-        CHECK(cache.length(b) == cache.layer(1).length(sb));
+        CHECK_FALSE(cache.states(2).contains(sc));
+        CHECK_FALSE(cache.layer(1).contains(sc));
+        CHECK(cache.length(b) == before + 1);
+        for (Index l = 0; l < 3; ++l)
+            CHECK((cache.recurrent(l) ? cache.states(l).length(sb) : cache.layer(l).length(sb)) == before + 1);
+        // Every sequence of a half-run step removed: the step ends at once.
+        const Index e = cache.add_sequence(), se = cache.slot_of(e);
+        const auto& lone = cache.plan_decode(std::vector<Index>{e});
+        cache.decode(0, lone, Q.topRows(1), K.topRows(1), V.topRows(1), O.topRows(1));
+        cache.remove(e);
+        CHECK_FALSE(cache.step_pending());
+        CHECK_FALSE(cache.states(0).contains(se));
+        CHECK(cache.sequences() == 1);
     }
 
     // A model of recurrent layers alone: its length counts the drafts, as a softmax layer's.

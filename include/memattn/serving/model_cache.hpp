@@ -34,10 +34,12 @@
 // once (decode, prefill); rollback(step) takes its tokens back from every layer that took
 // them. Between a step's first layer and its last, its sequences' lengths differ between
 // layers, so a new plan, and a fork, truncate or load of one of them, are refused until
-// the step has run in every layer or is taken back; a remove of one of them takes the
-// step back first (rollback: refused, nothing changed, where a windowed layer cannot),
-// so no sequence is left with lengths that differ between layers. A step runs the same
-// way in every layer: with the same parents in each (a verify step) or with none.
+// the step has run in every layer or is taken back; a remove of one of them is always
+// allowed and leaves the step running: the id is refused from then on, but its slot
+// stays in the layers (which take its rows, discarded) until the step has run in every
+// layer or is taken back, so the step's other sequences keep their tokens; once every
+// sequence of the step is removed, the step ends at once. A step runs the same way in
+// every layer: with the same parents in each (a verify step) or with none.
 // Before any layer has run it, a truncate, remove or load of one of
 // its sequences ends the step (its lengths are stale): plan anew.
 //
@@ -337,15 +339,22 @@ public:
         return c;
     }
     /// Ends `id` in every layer; the id is refused from now on. A sequence of a step that
-    /// has run in some layers and not in others takes the step back first, for every
-    /// sequence of the step (rollback(step): where a windowed layer cannot, the remove is
-    /// refused, std::invalid_argument, nothing changed; run the step in the rest first).
+    /// has run in some layers and not in others keeps its slot in every layer until the
+    /// step has run in the rest or is taken back (the layers take its rows; its outputs
+    /// are discarded), so the step goes on for its other sequences; when every sequence of
+    /// the step has been removed, the step ends and their slots are freed at once.
     void remove(Index id) {
         const Index slot = slot_of("ModelCache::remove", "id", id);
-        if (mid_step() && in_step(slot))
-            rollback(step_);
-        remove_slot(slot);
         ++generations_[static_cast<std::size_t>(slot)];
+        if (mid_step() && in_step(slot)) {
+            removed_.push_back(slot);  // (reserved: the step's size)
+            if (removed_.size() < step_.slots_.size())
+                return;
+            planned_ = false;  // nothing left of the step to run
+            free_removed();
+            return;
+        }
+        remove_slot(slot);
         end_step_of(slot);
     }
 
@@ -681,6 +690,7 @@ public:
         for (std::size_t i = 0; i < slots.size(); ++i)
             truncate_slot(slots[i], targets_[i]);
         planned_ = false;
+        free_removed();  // the step's sequences removed while it ran
     }
 
     /// Bytes of every layer's pool.
@@ -880,6 +890,8 @@ private:
             planned_ = false;
             throw;
         }
+        removed_.clear();
+        removed_.reserve(step_.slots_.size());
         step_.serial_ = ++serial_;
         return step_;
     }
@@ -909,8 +921,10 @@ private:
     }
     /// A change to slot s ends the step it is in.
     void end_step_of(Index s) noexcept {
-        if (in_step(s))
+        if (in_step(s)) {
             planned_ = false;
+            free_removed();
+        }
     }
     /// Layer l's index, where `step` is the latest plan and l has not run it.
     std::size_t runnable(const char* function, Index l, const Step& step) const {
@@ -940,11 +954,20 @@ private:
                         function, "parents", "differ from those the step's earlier layers ran with (",
                         step_parents_.size(), " entries): every layer verifies the same trees");
     }
-    /// Layer `at` has run the step; after the last, the step has ended.
+    /// Layer `at` has run the step; after the last, the step has ended (the slots of its
+    /// sequences removed meanwhile are freed).
     void ran(std::size_t at) noexcept {
         ran_[at] = 1;
-        if (std::find(ran_.begin(), ran_.end(), char{0}) == ran_.end())
+        if (std::find(ran_.begin(), ran_.end(), char{0}) == ran_.end()) {
             planned_ = false;
+            free_removed();
+        }
+    }
+    /// The slots of the step's sequences removed while it ran, freed in every layer.
+    void free_removed() noexcept {
+        for (const Index s : removed_)
+            remove_slot(s);
+        removed_.clear();
     }
 
     std::vector<Pool> pools_;         // the softmax layers', in order
@@ -952,6 +975,7 @@ private:
     std::vector<Index> at_;           // per layer: its index in pools_, or −1 − its index in states_
     std::vector<Index> targets_;      // rollback's lengths per member
     std::vector<Index> step_parents_;  // the planned step's parents, as its first layer ran it
+    std::vector<Index> removed_;       // slots of the step's sequences removed while it ran
     bool step_verify_ = false;         // whether its first layer ran it as a verify step
     Index capacity_ = max_length;     // live sequences at most (hybrid: the constructor's)
     std::vector<Index> generations_;  // per slot: the generation of its live (or next) sequence
