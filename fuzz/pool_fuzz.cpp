@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -308,27 +309,83 @@ void model_cache(fuzz::FuzzInput& in) {
                 if (!(O.array() == expected.array()).all())
                     fail("a layer's step differs from its pool's");
             }
-            if (reached < layers) {  // the step stopped part way: take it back
-                bool can = true;
-                for (Index l = 0; l < reached; ++l)
-                    for (std::size_t i = 0; i < ids.size(); ++i)
-                        can = can && pools[static_cast<std::size_t>(l)].can_truncate(step->slots()[i], lengths[i]);
-                try {
-                    cache.rollback(*step);
-                    for (Index l = 0; l < reached; ++l)
-                        for (std::size_t i = 0; i < ids.size(); ++i)
-                            pools[static_cast<std::size_t>(l)].truncate(step->slots()[i], lengths[i]);
-                } catch (const std::invalid_argument&) {
-                    if (can)
-                        fail("a rollback every layer could take was refused");
-                    // Refused, nothing changed: the layers not reached are behind; remove the step's sequences.
-                    for (const Index id : ids) {
-                        const Index slot = cache.slot_of(id);
-                        cache.remove(id);
+            if (reached < layers) {  // the step stopped part way
+                // Maybe one of its sequences is removed now: the step goes on for the others
+                // (its slot kept in the cache's layers until the step ends; the same pools
+                // drop it then).
+                std::vector<bool> gone(ids.size(), false);
+                std::vector<Index> gone_slots;
+                if (!ids.empty() && in.flag()) {
+                    const auto k = static_cast<std::size_t>(in.size(0, static_cast<Index>(ids.size()) - 1));
+                    gone[k] = true;
+                    gone_slots.push_back(step->slots()[k]);
+                    cache.remove(ids[k]);
+                    live.erase(std::find(live.begin(), live.end(), ids[k]));
+                    dead.push_back(ids[k]);
+                    if (cache.contains(ids[k]))
+                        fail("a removed id of a running step is live");
+                    // (before any layer has run it, a remove ends the step: its lengths are stale)
+                    if (cache.step_pending() != (reached > 0 && ids.size() > 1))
+                        fail("a step with a sequence left ended, or one without any went on");
+                }
+                const auto drop_gone = [&] {
+                    for (const Index slot : gone_slots)
                         for (auto& p : pools)
                             p.remove(slot);
-                        live.erase(std::find(live.begin(), live.end(), id));
-                        dead.push_back(id);
+                };
+                if (!cache.step_pending()) {  // its only sequence removed: the step ended
+                    drop_gone();
+                } else if (!gone_slots.empty() && in.flag()) {  // run it in the rest of the layers
+                    const Index rows = step->rows();
+                    for (Index l = reached; l < layers; ++l) {
+                        PagedKVCache<float>& own = pools[static_cast<std::size_t>(l)];
+                        const Matrix<float> Q = in.matrix<float>(rows, own.query_dim(), 2.0),
+                                            K = in.matrix<float>(rows, own.key_dim(), 2.0),
+                                            V = in.matrix<float>(rows, own.value_dim(), 2.0);
+                        Matrix<float> O(rows, own.output_dim()), expected(rows, own.output_dim());
+                        if (decode) {
+                            cache.decode(l, *step, Q, K, V, O);
+                            batched_decode(own, step->slots(), Q, K, V, expected);
+                        } else {
+                            cache.prefill(l, *step, Q, K, V, O);
+                            batched_prefill(own, step->slots(), step->q_offsets(), Q, K, V, expected);
+                        }
+                        if (!(O.array() == expected.array()).all())
+                            fail("a layer's step differs from its pool's after a removal");
+                    }
+                    if (cache.step_pending())
+                        fail("a step run in every layer is still pending");
+                    drop_gone();
+                } else {  // take it back
+                    bool can = true;
+                    for (Index l = 0; l < reached; ++l)
+                        for (std::size_t i = 0; i < ids.size(); ++i)
+                            can = can && (gone[i] || pools[static_cast<std::size_t>(l)].can_truncate(
+                                                         step->slots()[i], lengths[i]));
+                    try {
+                        cache.rollback(*step);
+                        for (Index l = 0; l < reached; ++l)
+                            for (std::size_t i = 0; i < ids.size(); ++i)
+                                if (!gone[i])
+                                    pools[static_cast<std::size_t>(l)].truncate(step->slots()[i], lengths[i]);
+                        drop_gone();
+                    } catch (const std::invalid_argument&) {
+                        if (can)
+                            fail("a rollback every layer could take was refused");
+                        // Refused, nothing changed: the layers not reached are behind; remove the
+                        // step's sequences (the last one removed ends the step, every slot freed).
+                        for (std::size_t i = 0; i < ids.size(); ++i) {
+                            if (gone[i])
+                                continue;
+                            const Index slot = cache.slot_of(ids[i]);
+                            cache.remove(ids[i]);
+                            gone_slots.push_back(slot);
+                            live.erase(std::find(live.begin(), live.end(), ids[i]));
+                            dead.push_back(ids[i]);
+                        }
+                        if (cache.step_pending())
+                            fail("a step whose sequences were all removed is still pending");
+                        drop_gone();
                     }
                 }
             }
@@ -357,12 +414,14 @@ void state_pool(fuzz::FuzzInput& in) {
     struct Model {
         Mem state;
         std::map<Index, Mem> saved;   // the checkpoints of its current history
+        std::deque<Index> ring;       // the lengths the pool's ring holds, oldest first
         std::vector<Index> parents;   // pending drafts
         std::vector<Mem> draft_states;
     };
     std::map<Index, Model> model;
-    const auto keys = [&](Index n) {  // [k | β | log g]
+    const auto keys = [&](Index n) {  // [k | β | log g], β ‖k‖² ≤ 1: the state stays bounded
         Matrix<float> k = in.matrix<float>(n, kw, 2.0);
+        k.leftCols(d) *= 0.5f / std::sqrt(static_cast<float>(d));
         for (Index r = 0; r < n; ++r) {
             k(r, d) = std::abs(k(r, d)) / 2.0f;
             if (gated)
@@ -371,8 +430,12 @@ void state_pool(fuzz::FuzzInput& in) {
         return k;
     };
     const auto keep = [&](Model& m) {
-        if (every > 0 && m.state.length() > 0 && m.state.length() % every == 0)
+        if (every > 0 && m.state.length() > 0 && m.state.length() % every == 0) {
             m.saved.insert_or_assign(m.state.length(), m.state);
+            m.ring.push_back(m.state.length());
+            if (static_cast<Index>(m.ring.size()) > ring)
+                m.ring.pop_front();
+        }
     };
     const auto pending_total = [&] {
         Index total = 0;
@@ -387,6 +450,14 @@ void state_pool(fuzz::FuzzInput& in) {
             if (pool.length(id) != m.state.length() ||
                 pool.pending_drafts(id) != static_cast<Index>(m.parents.size()))
                 fail(what);
+            for (Index t = 0; t < m.state.length(); ++t) {  // the ring: the latest it holds at or below t
+                Index expected = 0;
+                for (const Index c : m.ring)
+                    if (c <= t)
+                        expected = std::max(expected, c);
+                if (pool.checkpoint_before(id, t) != expected)
+                    fail("checkpoint_before differs from the ring's model");
+            }
             const Matrix<float> q = in.matrix<float>(1, d, 2.0);
             Matrix<float> x(1, dv), y(1, dv);
             pool.attend(id, q.row(0), x.row(0));
@@ -423,7 +494,7 @@ void state_pool(fuzz::FuzzInput& in) {
                 if (!threw)
                     fail("add past the capacity");
             } else {
-                model.emplace(pool.add(), Model{prototype, {}, {}, {}});
+                model.emplace(pool.add(), Model{prototype, {}, {}, {}, {}});
             }
         } else if (op == 1) {  // fork: the state and checkpoints, no drafts
             const Index parent = pick();
@@ -582,6 +653,7 @@ void state_pool(fuzz::FuzzInput& in) {
             if (c == 0) {
                 m.state = prototype;
                 m.saved.clear();
+                m.ring.clear();
             } else if (c != m.state.length()) {
                 const auto it = m.saved.find(c);
                 if (it == m.saved.end())
@@ -589,6 +661,7 @@ void state_pool(fuzz::FuzzInput& in) {
                 m.state = it->second;
             }
             m.saved.erase(m.saved.upper_bound(c), m.saved.end());
+            std::erase_if(m.ring, [c](Index l) { return l > c; });
             m.parents.clear();
             m.draft_states.clear();
         }

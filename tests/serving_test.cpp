@@ -2968,6 +2968,46 @@ TEST_CASE("ModelCache with recurrent layers: a verify step of draft trees in eve
         CHECK_FALSE(cache.states(0).contains(se));
         CHECK(cache.sequences() == 1);
     }
+    // A verify step's sequence removed half way: its id is refused at once, its slot
+    // counts until the step ends (here taken back), then its draft states and slot come
+    // back. A layer must run the step as the layers before it did.
+    {
+        const Index f = cache.add_sequence(), sf = cache.slot_of(f);
+        const auto& step = cache.plan(std::vector<Index>{b, f}, std::vector<Index>{0, 2, 3});
+        const std::vector<Index> tree{-1, 0, -1};
+        const Matrix<float> Q = random_matrix<float>(3, d, 900), K = delta_keys(3, d, 901),
+                            V = random_matrix<float>(3, dv, 902), q = random_matrix<float>(3, kv.query_dim(), 903),
+                            k = random_matrix<float>(3, kv.key_dim(), 904);
+        Matrix<float> O(3, dv), o(3, kv.output_dim());
+        cache.prefill(0, step, Q, K, V, O, tree);
+        CHECK(cache.states(0).free_draft_states() == 9);
+        CHECK_THROWS_WITH(cache.prefill(1, step, q, k, k, o), Catch::Contains("as a verify step"));
+        cache.remove(f);
+        CHECK_THROWS_WITH(cache.length(f), Catch::Contains("was removed"));
+        CHECK_THROWS_WITH(cache.remove(f), Catch::Contains("was removed"));
+        CHECK(cache.sequences() == 2);
+        const Index g = cache.add_sequence();  // the third slot: f's is still held
+        CHECK(cache.slot_of(g) != sf);
+        CHECK_THROWS_AS(cache.add_sequence(), PoolExhausted);
+        cache.rollback(step);
+        CHECK(cache.states(0).free_draft_states() == 12);
+        CHECK(cache.states(0).pending_drafts(sb) == 0);
+        CHECK_FALSE(cache.states(0).contains(sf));
+        CHECK_FALSE(cache.layer(1).contains(sf));
+        CHECK(cache.sequences() == 2);
+        const Index h = cache.add_sequence();  // f's slot again, under a new id
+        CHECK(cache.slot_of(h) == sf);
+        CHECK_FALSE(cache.contains(f));
+        cache.remove(g);
+        cache.remove(h);
+        // A plain first layer, then parents: refused.
+        const auto& plain = cache.plan(std::vector<Index>{b}, std::vector<Index>{0, 1});
+        cache.prefill(0, plain, Q.topRows(1), K.topRows(1), V.topRows(1), O.topRows(1));
+        CHECK_THROWS_WITH(cache.prefill(1, plain, q.topRows(1), k.topRows(1), k.topRows(1), o.topRows(1),
+                                        std::vector<Index>{-1}),
+                          Catch::Contains("ran it without"));
+        cache.rollback(plain);
+    }
 
     // A model of recurrent layers alone: its length counts the drafts, as a softmax layer's.
     Cache states_only(std::vector<Cache::Layer>{StateLayer<Delta>{prototype, states_options}}, 1);

@@ -96,14 +96,13 @@ public:
     LinearAttentionMemory& operator=(const LinearAttentionMemory& other) {
         if (this == &other)
             return *this;
-        if (feature_dim_ != other.feature_dim_ || value_dim_ != other.value_dim_ ||
+        if (key_dim_ != other.key_dim_ || feature_dim_ != other.feature_dim_ || value_dim_ != other.value_dim_ ||
             extend_rows_ != other.extend_rows_ || static_cast<bool>(wide_) != static_cast<bool>(other.wide_)) {
             LinearAttentionMemory copy(other);
             *this = std::move(copy);
             return *this;
         }
-        phi_ = other.phi_;  // first: the only copy that may throw (a map's own members)
-        key_dim_ = other.key_dim_;
+        phi_ = other.phi_;  // first: a map's members of the same key width (no allocation for memattn's maps)
         options_ = other.options_;
         state_.mu = other.state_.mu;  // the same shapes: no allocation
         state_.nu = other.state_.nu;

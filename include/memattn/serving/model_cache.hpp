@@ -37,8 +37,9 @@
 // the step has run in every layer or is taken back; a remove of one of them is always
 // allowed and leaves the step running: the id is refused from then on, but its slot
 // stays in the layers (which take its rows, discarded) until the step has run in every
-// layer or is taken back, so the step's other sequences keep their tokens; once every
-// sequence of the step is removed, the step ends at once. A step runs the same way in
+// layer or is taken back (counted among the live sequences until then), so the step's
+// other sequences keep their tokens; once every sequence of the step is removed, the
+// step ends at once. A step runs the same way in
 // every layer: with the same parents in each (a verify step) or with none.
 // Before any layer has run it, a truncate, remove or load of one of
 // its sequences ends the step (its lengths are stale): plan anew.
@@ -341,8 +342,10 @@ public:
     /// Ends `id` in every layer; the id is refused from now on. A sequence of a step that
     /// has run in some layers and not in others keeps its slot in every layer until the
     /// step has run in the rest or is taken back (the layers take its rows; its outputs
-    /// are discarded), so the step goes on for its other sequences; when every sequence of
-    /// the step has been removed, the step ends and their slots are freed at once.
+    /// are discarded), so the step goes on for its other sequences; until then the slot
+    /// still counts among the live sequences (sequences(), the capacity) and holds its
+    /// blocks and states. When every sequence of the step has been removed, the step ends
+    /// and their slots are freed at once.
     void remove(Index id) {
         const Index slot = slot_of("ModelCache::remove", "id", id);
         ++generations_[static_cast<std::size_t>(slot)];
@@ -362,7 +365,7 @@ public:
     [[nodiscard]] bool contains(Index id) const noexcept {
         const Index s = slot(id), g = generation(id);
         return g > 0 && s < static_cast<Index>(generations_.size()) && generations_[static_cast<std::size_t>(s)] == g &&
-               live(s);
+               live(s) && !removing(s);
     }
     /// Tokens of `id` (the same in every layer).
     [[nodiscard]] Index length(Index id) const { return front_length(slot_of("ModelCache::length", "id", id)); }
@@ -657,8 +660,8 @@ public:
         const auto slots = step.slots();
         targets_.resize(slots.size());
         for (std::size_t i = 0; i < slots.size(); ++i) {
-            detail::require(live(slots[i]), function, "step", "names slot ", slots[i],
-                            ", which is no longer a live sequence");
+            if (removing(slots[i]))  // removed while the step ran: freed below, its tokens no matter
+                continue;
             Index& target = targets_[i];
             target = step.before_[i];
             if constexpr (hybrid)  // back to a length every recurrent layer holds a state of, and
@@ -688,7 +691,8 @@ public:
             }
         }
         for (std::size_t i = 0; i < slots.size(); ++i)
-            truncate_slot(slots[i], targets_[i]);
+            if (!removing(slots[i]))
+                truncate_slot(slots[i], targets_[i]);
         planned_ = false;
         free_removed();  // the step's sequences removed while it ran
     }
@@ -882,6 +886,7 @@ private:
     }
     /// The step just filled becomes the plan, holding its blocks, or, refused, none is.
     const Step& admit_plan(const char* function) {
+        removed_.reserve(step_.slots_.size());  // (before anything changes: it may throw)
         planned_ = true;
         std::fill(ran_.begin(), ran_.end(), char{0});
         try {
@@ -890,8 +895,6 @@ private:
             planned_ = false;
             throw;
         }
-        removed_.clear();
-        removed_.reserve(step_.slots_.size());
         step_.serial_ = ++serial_;
         return step_;
     }
@@ -962,6 +965,11 @@ private:
             planned_ = false;
             free_removed();
         }
+    }
+    /// Whether slot s belongs to a sequence removed while its step ran (its slot kept
+    /// until the step ends).
+    [[nodiscard]] bool removing(Index s) const noexcept {
+        return std::find(removed_.begin(), removed_.end(), s) != removed_.end();
     }
     /// The slots of the step's sequences removed while it ran, freed in every layer.
     void free_removed() noexcept {
