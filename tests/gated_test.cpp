@@ -374,6 +374,21 @@ TEMPLATE_TEST_CASE("Delta-rule and KDA memories: a decode step in one pass (upda
                     a.attend(q.row(0), alone);
                     b.update_attend(keys.row(t + 1), V.row(t + 1), q.row(0), one);
                     CHECK((one.array() == alone.array()).all());
+                    // The copy folded into the step (assign_update_attend_group: S read from
+                    // the source, written into another memory): the same bits, the source
+                    // untouched.
+                    DeltaRuleMemory<T> c = make();
+                    Matrix<T> folded(g, dv), stepped(g, dv);
+                    const Matrix<T> source_state = plain.state();
+                    c.assign_update_attend_group(plain, keys.row(t + 1), V.row(t + 1), q, folded);
+                    DeltaRuleMemory<T> e = plain;
+                    e.update_attend_group(keys.row(t + 1), V.row(t + 1), q, stepped);
+                    CHECK((folded.array() == stepped.array()).all());
+                    CHECK((c.state().array() == e.state().array()).all());
+                    CHECK(c.length() == e.length());
+                    CHECK((plain.state().array() == source_state.array()).all());
+                    c.assign_update_attend(plain, keys.row(t + 1), V.row(t + 1), q.row(0), one);
+                    CHECK((one.array() == alone.array()).all());
                 }
             }
             // No queries: the update alone.
@@ -396,6 +411,17 @@ TEMPLATE_TEST_CASE("Delta-rule and KDA memories: a decode step in one pass (upda
             CHECK_THROWS_AS(fused.update_attend_group(keys.row(0), V.row(0), Q.topRows(2), out), std::invalid_argument);
             CHECK((fused.state().array() == before.array()).all());
             CHECK(fused.length() == n);
+            // ... and to the copy folded into it: a bad value or a source of another shape
+            // is refused with the memory unchanged.
+            DeltaRuleMemory<T> target = make();
+            CHECK_THROWS_AS(target.assign_update_attend_group(fused, bad.row(0), V.row(0), Q.topRows(1), out),
+                            std::invalid_argument);
+            CHECK(target.length() == 0);
+            if (variant == 0) {
+                const DeltaRuleMemory<T> other(d + 1, dv);
+                CHECK_THROWS_WITH(target.assign_update_attend_group(other, keys.row(0), V.row(0), Q.topRows(1), out),
+                                  Catch::Contains("source"));
+            }
         }
     // A reset clears a state that is not finite (a value of ∞ fed before), fused or not.
     {
@@ -434,11 +460,19 @@ TEMPLATE_TEST_CASE("Delta-rule and KDA memories: a decode step in one pass (upda
             }
         }
         const Matrix<T> V = random_matrix<T>(n, plain.value_dim(), 36), Q = random_matrix<T>(n, plain.query_dim(), 37);
-        Matrix<T> expected(n, plain.output_dim()), out(n, plain.output_dim()), through(n, plain.output_dim());
+        Matrix<T> expected(n, plain.output_dim()), out(n, plain.output_dim()), through(n, plain.output_dim()),
+            folded(1, plain.output_dim());
+        auto target = make(layout);
         for (Index t = 0; t < n; ++t) {
+            // The step folded with a copy of the layer (MultiHead::assign_update_attend),
+            // through the dispatcher StatePool's verify step takes: the same bits.
+            detail::assign_update_attend<decltype(target), T>(target, plain, keys.row(t), V.row(t), Q.row(t),
+                                                              folded.row(0));
             plain.update(keys.row(t), V.row(t));
             plain.attend(Q.row(t), expected.row(t));
             fused.update_attend(keys.row(t), V.row(t), Q.row(t), out.row(t));
+            CHECK((folded.row(0).array() == expected.row(t).array()).all());
+            CHECK(target.length() == plain.length());
         }
         decode(decoded, Q, keys, V, through);
         CHECK((out.array() == expected.array()).all());

@@ -6,11 +6,31 @@
 
 #include "memattn/types.hpp"
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <concepts>
 #include <type_traits>
 
 namespace memattn::detail {
+
+/// The tag of the calls that leave the stores they streamed past the cache unfenced: the
+/// caller fences once after many (stream_fence).
+struct Unfenced {};
+/// Unfenced{}.
+inline constexpr Unfenced unfenced{};
+
+/// Orders the stores this thread streamed past the cache (non-temporal stores) before
+/// whatever it stores next, so another thread that sees those sees them: once after a
+/// batch of streamed data, not after each piece (each fence waits for the writes to
+/// reach memory).
+inline void stream_fence() noexcept {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
 
 template <class T>
 using Packet = typename Eigen::internal::packet_traits<T>::type;

@@ -71,8 +71,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 
 namespace memattn {
 
@@ -176,17 +178,53 @@ template <class T>
     return factor == T(0) && std::signbit(factor);
 }
 
-/// One panel of delta_token: the columns of S, v and out from their pointers on, Packets
-/// packets of P wide; G queries; Decayed: decay given. Each row's factor, key and query
+/// A packet of S's update stored: Stream, past the cache where the packet is a whole
+/// aligned 64-byte line of floats or doubles on AVX-512 (or 32 bytes on AVX) — a state
+/// written now and read later, as a speculative step's draft states (its lines neither
+/// read for ownership nor evicting the cache's); else an ordinary store.
+template <bool Stream, class P, class T>
+inline void delta_store(T* to, const P& s) {
+    if constexpr (Stream && !std::is_same_v<P, T>) {
+        [[maybe_unused]] constexpr int lanes = Eigen::internal::unpacket_traits<P>::size;
+        [[maybe_unused]] constexpr bool is_float = std::is_same_v<T, float>;
+        [[maybe_unused]] constexpr bool is_double = std::is_same_v<T, double>;
+        [[maybe_unused]] const auto aligned = [to](std::uintptr_t bytes) {
+            return (reinterpret_cast<std::uintptr_t>(to) & (bytes - 1)) == 0;
+        };
+#if defined(__AVX512F__)
+        if constexpr (is_float && lanes == 16) {
+            if (aligned(64))
+                return _mm512_stream_ps(to, s);
+        } else if constexpr (is_double && lanes == 8) {
+            if (aligned(64))
+                return _mm512_stream_pd(to, s);
+        }
+#endif
+#if defined(__AVX__)
+        if constexpr (is_float && lanes == 8) {
+            if (aligned(32))
+                return _mm256_stream_ps(to, s);
+        } else if constexpr (is_double && lanes == 4) {
+            if (aligned(32))
+                return _mm256_stream_pd(to, s);
+        }
+#endif
+    }
+    Eigen::internal::pstoreu(to, s);
+}
+
+/// One panel of delta_token: the columns of S (read from src: S itself, or another state
+/// of its shape), v and out from their pointers on, Packets packets of P wide; G queries;
+/// Decayed: decay given; Stream: S stored past the cache (delta_store). Each row's factor, key and query
 /// coefficients are read once, before its packets (S's stores could alias them, and
 /// reading them per packet cost 10–15% of a step).
-template <class P, int Packets, int G, bool Decayed, class T>
-inline void delta_panel(T* S, Index d, Index dv, const T* k, T beta, const T* v, const T* decay, const T* q,
-                        Index ldq, T* out, Index ldo) {
+template <class P, int Packets, int G, bool Decayed, bool Stream, class T>
+inline void delta_panel(T* S, const T* src, Index d, Index dv, const T* k, T beta, const T* v, const T* decay,
+                        const T* q, Index ldq, T* out, Index ldo) {
     using namespace Eigen::internal;
     constexpr int lanes = unpacket_traits<P>::size;
-    const auto row = [&](Index i, int p, T factor) -> P {  // row i of Diag(decay) S, packet p
-        const P s = ploadu<P>(S + i * dv + p * lanes);
+    const auto row = [&](Index i, int p, T factor) -> P {  // row i of Diag(decay) src, packet p
+        const P s = ploadu<P>(src + i * dv + p * lanes);
         if constexpr (Decayed) {
             if (factor != T(1))
                 return delta_reset(factor) ? pset1<P>(T(0)) : pmul(pset1<P>(factor), s);
@@ -217,7 +255,7 @@ inline void delta_panel(T* S, Index d, Index dv, const T* k, T beta, const T* v,
             qi[m] = pset1<P>(q[m * ldq + i]);
         for (int p = 0; p < Packets; ++p) {
             const P s = pmadd(ki, u[p], row(i, p, factor));
-            pstoreu(S + i * dv + p * lanes, s);
+            delta_store<Stream>(S + i * dv + p * lanes, s);
             for (int m = 0; m < G; ++m)
                 o[m][p] = pmadd(qi[m], s, o[m][p]);
         }
@@ -239,12 +277,16 @@ inline void delta_panel(T* S, Index d, Index dv, const T* k, T beta, const T* v,
 /// (detail/tile_product.hpp), so out is attend_group's on the updated S, bit for bit: a
 /// decode step fused or as an update then an attend gives the same numbers. More than
 /// delta_token_queries queries: the update, then their tile product (the same bits).
+/// src: the state before the token, read (S itself, or another d × dv state that S does
+/// not overlap: S is then src's update, in the same pass, the same numbers). stream: S
+/// stored past the cache where it can (delta_store: a state read later, not at once);
+/// the caller fences them (stream_fence) before another thread reads S.
 template <class T>
-void delta_token(T* S, Index d, Index dv, const T* k, T beta, const T* v, const T* decay, const T* q, Index ldq,
-                 Index g, T* out, Index ldo) {
+void delta_token_from(T* S, const T* src, Index d, Index dv, const T* k, T beta, const T* v, const T* decay,
+                      const T* q, Index ldq, Index g, T* out, Index ldo, bool stream = false) {
     MEMATTN_DASSERT(g >= 0);
     if (g > delta_token_queries) {
-        delta_token(S, d, dv, k, beta, v, decay, q, ldq, 0, out, ldo);
+        delta_token_from(S, src, d, dv, k, beta, v, decay, q, ldq, 0, out, ldo, stream);
         tile_product<T>(g, dv, d, q, ldq, 1, S, dv, out, ldo, nullptr);
         return;
     }
@@ -255,16 +297,23 @@ void delta_token(T* S, Index d, Index dv, const T* k, T beta, const T* v, const 
         const auto output = [&](Index j) { return G > 0 ? out + j : out; };  // (none without queries)
         Index j = 0;
         for (; j + packets * lanes <= dv; j += packets * lanes)
-            delta_panel<P, packets, G, Decayed>(S + j, d, dv, k, beta, v + j, decay, q, ldq, output(j), ldo);
+            if (stream)  // (the whole panels: the few columns after them stored as usual)
+                delta_panel<P, packets, G, Decayed, true>(S + j, src + j, d, dv, k, beta, v + j, decay, q, ldq,
+                                                          output(j), ldo);
+            else
+                delta_panel<P, packets, G, Decayed, false>(S + j, src + j, d, dv, k, beta, v + j, decay, q, ldq,
+                                                           output(j), ldo);
         if (const Index left = (dv - j) / lanes; left > 0) {
             dispatch<packets - 1>(left, [&]<int L>() {
-                delta_panel<P, L, G, Decayed>(S + j, d, dv, k, beta, v + j, decay, q, ldq, output(j), ldo);
+                delta_panel<P, L, G, Decayed, false>(S + j, src + j, d, dv, k, beta, v + j, decay, q, ldq, output(j),
+                                                     ldo);
             });
             j += left * lanes;
         }
         if constexpr (lanes > 1)
             for (; j < dv; ++j)
-                delta_panel<T, 1, G, Decayed>(S + j, d, dv, k, beta, v + j, decay, q, ldq, output(j), ldo);
+                delta_panel<T, 1, G, Decayed, false>(S + j, src + j, d, dv, k, beta, v + j, decay, q, ldq, output(j),
+                                                     ldo);
     };
     const auto queries = [&]<bool Decayed>() {
         if (g == 0)
@@ -276,6 +325,13 @@ void delta_token(T* S, Index d, Index dv, const T* k, T beta, const T* v, const 
         queries.template operator()<true>();
     else
         queries.template operator()<false>();
+}
+
+/// delta_token_from on S in place.
+template <class T>
+void delta_token(T* S, Index d, Index dv, const T* k, T beta, const T* v, const T* decay, const T* q, Index ldq,
+                 Index g, T* out, Index ldo) {
+    delta_token_from(S, static_cast<const T*>(S), d, dv, k, beta, v, decay, q, ldq, g, out, ldo);
 }
 
 /// The decay factors of a token's log-gates for delta_token: one log-gate for every row

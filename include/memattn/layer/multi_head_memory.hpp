@@ -211,6 +211,48 @@ public:
         }
     }
 
+    /// `source` (a layer of this one's layout and heads: a copy of the same layer) updated
+    /// by one token into this layer, then its attend of `query`: the same numbers as
+    /// `*this = source` then update_attend, each head's copy folded into its step where
+    /// the head fuses it (RecurrentMemory::assign_update_attend_group). A member template,
+    /// as update_attend.
+    template <std::same_as<M> H = M>
+        requires requires(H& m, const H& src, ConstRowRef<T> row, ConstMatrixRef<T> q, MatrixRef<T> o) {
+            m.assign_update_attend_group(src, row, row, q, o, detail::unfenced);
+        }
+    void assign_update_attend(const MultiHead& source, ConstRowRef<T> key, ConstRowRef<T> value,
+                              ConstRowRef<T> query, RowRef<T> out) {
+        assign_update_attend(source, key, value, query, out, detail::unfenced);
+        detail::stream_fence();  // once for every head's streamed state
+    }
+    /// The same, its heads' streamed stores left unfenced (a caller that streams many
+    /// states fences once after them: detail::stream_fence).
+    template <std::same_as<M> H = M>
+        requires requires(H& m, const H& src, ConstRowRef<T> row, ConstMatrixRef<T> q, MatrixRef<T> o) {
+            m.assign_update_attend_group(src, row, row, q, o, detail::unfenced);
+        }
+    void assign_update_attend(const MultiHead& source, ConstRowRef<T> key, ConstRowRef<T> value,
+                              ConstRowRef<T> query, RowRef<T> out, detail::Unfenced) {
+        if (&source == this) {
+            update_attend(key, value, query, out);
+            return;
+        }
+        detail::require(source.layout_.q_heads == layout_.q_heads && source.layout_.kv_heads == layout_.kv_heads &&
+                            source.key_width_ == key_width_ && source.layout_.values() == layout_.values(),
+                        "MultiHead::update", "source", "is a layer of another layout");
+        validate(key, value, {"MultiHead::update", "key", "value"});
+        detail::check_query("MultiHead::attend", query, out, query_dim(), output_dim());
+        detail::require_disjoint("MultiHead::update", "out", out, "key", key);
+        detail::require_disjoint("MultiHead::update", "out", out, "value", value);
+        const Index d = key_width_, dv = layout_.values();
+        for (Index h = 0; h < layout_.kv_heads; ++h) {  // (checked: no head throws)
+            GroupOut o = group_outputs(out, h);
+            heads_[static_cast<std::size_t>(h)].assign_update_attend_group(
+                source.heads_[static_cast<std::size_t>(h)], key.segment(h * d, d), value.segment(h * dv, dv),
+                group_queries(query, h), o, detail::unfenced);
+        }
+    }
+
     /// Feeds many tokens (packed rows), through each head's own extend where it has one.
     void extend(ConstMatrixRef<T> keys, ConstMatrixRef<T> values) {
         validate(keys, values, {"MultiHead::extend"});

@@ -16,6 +16,7 @@
 //       void reset() { v_.setZero(); n_ = 0; }
 //   };
 
+#include "memattn/detail/packet.hpp"
 #include "memattn/types.hpp"
 
 #include <concepts>
@@ -153,6 +154,24 @@ void update_attend(M& mem, ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef
     } else {
         mem.update(key, value);
         mem.attend(query, out);
+    }
+}
+
+/// mem = source, then update_attend(mem, key, value, query, out): through
+/// mem.assign_update_attend where it has one (the copy folded into a recurrent memory's
+/// fused step: the state read from source, written to mem), the same numbers.
+/// Stores it streamed past the cache are left unfenced: the caller fences once after a
+/// batch of them (stream_fence) before another thread reads those states.
+template <class M, class T = typename M::Scalar>
+void assign_update_attend(M& mem, const M& source, ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query,
+                          RowRef<T> out) {
+    if constexpr (requires { mem.assign_update_attend(source, key, value, query, out, unfenced); }) {
+        mem.assign_update_attend(source, key, value, query, out, unfenced);
+    } else if constexpr (requires { mem.assign_update_attend(source, key, value, query, out); }) {
+        mem.assign_update_attend(source, key, value, query, out);
+    } else {
+        mem = source;
+        update_attend<M, T>(mem, key, value, query, out);
     }
 }
 

@@ -291,14 +291,20 @@ private:
     /// step, and out = q S (before finish_group) for each row of `queries`, in the same
     /// pass (update_attend_group, after its checks).
     void step_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstMatrixRef<T> queries, MatrixRef<T> out) {
+        step_attend_from(state_.mu.data(), key, value, queries, out);
+    }
+    /// The same with S read from `src` (another state of S's shape: S becomes its update,
+    /// stored past the cache, read later: assign_update_attend_group, after its checks).
+    void step_attend_from(const T* src, ConstRowRef<T> key, ConstRowRef<T> value, ConstMatrixRef<T> queries,
+                          MatrixRef<T> out) {
         k_ = key.head(d_);
         if (options_.qk_l2norm)
             k_ *= detail::l2norm_factor<T>(k_.data(), d_, factor_.eps);
         if (gate_cols_ > 0)
             detail::delta_decay_factors(key.tail(gate_cols_), d_, decay_.data());
-        detail::delta_token(state_.mu.data(), d_, dv_, k_.data(), key(d_), value.data(),
-                            gate_cols_ > 0 ? decay_.data() : nullptr, queries.data(), queries.outerStride(),
-                            queries.rows(), out.data(), out.outerStride());
+        detail::delta_token_from(state_.mu.data(), src, d_, dv_, k_.data(), key(d_), value.data(),
+                                 gate_cols_ > 0 ? decay_.data() : nullptr, queries.data(), queries.outerStride(),
+                                 queries.rows(), out.data(), out.outerStride(), src != state_.mu.data());
     }
 
     template <class Q, class O>

@@ -161,6 +161,69 @@ public:
                             OutRow(out.data(), 1, out.size(), Eigen::OuterStride<>(out.size())));
     }
 
+    /// `source` updated by (key, value) into this memory, then attend_group(queries, out):
+    /// the same numbers as `*this = source` then update_attend_group(key, value, queries,
+    /// out). `source` has this memory's shapes and options (a copy of the same memory: a
+    /// StatePool's states and draft states); a memory that fuses its step reads S from
+    /// `source` and writes its update here in the same pass, so the copy costs no pass of
+    /// its own, and stores it past the cache where the CPU can (non-temporal stores of
+    /// whole lines: a state read later, not at once, as speculative decoding's draft
+    /// states). `out` overlaps neither the queries nor the key or value.
+    void assign_update_attend_group(const Memory& source, ConstRowRef<T> key, ConstRowRef<T> value,
+                                    ConstMatrixRef<T> queries, MatrixRef<T> out) {
+        assign_update_attend_group(source, key, value, queries, out, detail::unfenced);
+        detail::stream_fence();
+    }
+    /// The same without the fence after the streamed stores (a caller that streams many
+    /// states, as MultiHead's heads, fences once after them: detail::stream_fence).
+    void assign_update_attend_group(const Memory& source, ConstRowRef<T> key, ConstRowRef<T> value,
+                                    ConstMatrixRef<T> queries, MatrixRef<T> out, detail::Unfenced) {
+        const RecurrentMemory& from = source;
+        if (&from == this) {
+            update_attend_group(key, value, queries, out);
+            return;
+        }
+        detail::require(from.d_ == d_ && from.dv_ == dv_ && from.key_dim_ == key_dim_, names_->update, "source",
+                        "has key_dim ", from.d_, ", value_dim ", from.dv_, " and key rows of ", from.key_dim_,
+                        ", expected ", d_, ", ", dv_, " and ", key_dim_);
+        validate(key, value, {names_->update, "key", "value"});  // (the same memory's checks as source's)
+        detail::check_group_query(names_->attend_group, queries, out, d_, dv_);
+        detail::require_disjoint(names_->update, "out", out, "key", key);
+        detail::require_disjoint(names_->update, "out", out, "value", value);
+        if constexpr (fuses_step() && !normaliser &&
+                      requires(Memory& m, const T* p, ConstRowRef<T> row, ConstMatrixRef<T> q, MatrixRef<T> o) {
+                          m.step_attend_from(p, row, row, q, o);
+                      }) {
+            if (!views_state(key) && !views_state(value) && !views_state(queries) && !from.views_state(key) &&
+                !from.views_state(value) && !from.views_state(queries)) {
+                memory_mutable().step_attend_from(from.state_.mu.data(), key, value, queries, out);
+                length_ = from.length_ + 1;
+                if (queries.rows() > 0)
+                    memory().finish_group(queries, out);
+                return;
+            }
+        }
+        memory_mutable() = source;  // same shapes: no allocation
+        update_attend_group(key, value, queries, out);
+    }
+    /// The same for one query: `*this = source`, then update_attend(key, value, query, out).
+    void assign_update_attend(const Memory& source, ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query,
+                              RowRef<T> out) {
+        assign_update_attend(source, key, value, query, out, detail::unfenced);
+        detail::stream_fence();
+    }
+    /// The same, the streamed stores left unfenced (the caller fences: detail::stream_fence).
+    void assign_update_attend(const Memory& source, ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query,
+                              RowRef<T> out, detail::Unfenced) {
+        using Row = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
+        using OutRow = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
+        detail::check_query(names_->attend, query, out, d_, dv_);
+        assign_update_attend_group(source, key, value,
+                                   Row(query.data(), 1, query.size(), Eigen::OuterStride<>(query.size())),
+                                   OutRow(out.data(), 1, out.size(), Eigen::OuterStride<>(out.size())),
+                                   detail::unfenced);
+    }
+
     /// The memory's chunked kernel over the keys' columns, from and into its state.
     void prefill(ConstMatrixRef<T> queries, ConstMatrixRef<T> keys, ConstMatrixRef<T> values, MatrixRef<T> out) {
         validate(keys, values, {names_->prefill});  // shapes, gates (and beta)

@@ -334,11 +334,17 @@ public:
                 for (Index t = 0; t < n; ++t) {
                     const Index r = r0 + t, parent = parents[static_cast<std::size_t>(r)];
                     M& draft = drafts_[static_cast<std::size_t>(claimed_[static_cast<std::size_t>(r)])];
-                    draft = parent < 0 ? states_[static_cast<std::size_t>(id)]  // same shapes: no allocation
-                                       : drafts_[static_cast<std::size_t>(claimed_[static_cast<std::size_t>(r0 + parent)])];
-                    detail::update_attend<M, Scalar>(draft, keys.row(r), values.row(r), queries.row(r), out.row(r));
+                    const M& from = parent < 0 ? states_[static_cast<std::size_t>(id)]
+                                               : drafts_[static_cast<std::size_t>(
+                                                     claimed_[static_cast<std::size_t>(r0 + parent)])];
+                    // draft = from, then its update_attend: one pass where the memory folds
+                    // the copy into its step (a delta-rule or KDA state), else a copy (same
+                    // shapes: no allocation) and the step.
+                    detail::assign_update_attend<M, Scalar>(draft, from, keys.row(r), values.row(r), queries.row(r),
+                                                           out.row(r));
                 }
             }
+            detail::stream_fence();  // the draft states streamed past the cache, before any other thread reads them
         };
         try {
             detail::parallel_ranges(batch, [&](Index i) {
