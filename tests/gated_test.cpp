@@ -332,6 +332,8 @@ TEMPLATE_TEST_CASE("Delta-rule and KDA memories: a decode step in one pass (upda
                    "[delta][kda][memory]", float, double) {
     using T = TestType;
     static_assert(DeltaRuleMemory<T>::fuses_step() && KdaMemory<T>::fuses_step());
+    static_assert(DeltaRuleMemory<T>::folds_copy() && KdaMemory<T>::folds_copy());
+    static_assert(!GatedLinearAttentionMemory<T>::folds_copy() && !Rwkv7Memory<T>::folds_copy());
     static_assert(!GatedLinearAttentionMemory<T>::fuses_step() && !Rwkv7Memory<T>::fuses_step());
     const Index n = 12;
     // dv: one lane, whole panels, and every count of packets left over (1–3) with lanes

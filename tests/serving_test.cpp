@@ -3130,6 +3130,23 @@ TEST_CASE("StatePool: accept keeps the checkpoints its path crosses (of more tha
         at3[0].attend(q.row(0), y.row(0));
         CHECK((x.array() == y.array()).all());
     }
+    // Values 128 wide (whole panels: on AVX-512 the draft states streamed past the cache),
+    // two sequences' trees on two threads, each accept then read on this one.
+    {
+        const Delta prototype(d, 128, {.qk_l2norm = true}, true);
+        StatePool<Delta> pool(2, prototype, {.checkpoint_tokens = 3, .draft_states = 16});
+        std::vector<Delta> alone(2, prototype);
+        const std::vector<Index> ids{pool.add(), pool.add()};
+        const auto gated_keys = [=](Index n, std::uint64_t seed) {
+            Matrix<float> k(n, d + 2);
+            k.leftCols(d + 1) = delta_keys(n, d, seed);
+            k.col(d + 1) = -(random_matrix<float>(n, 1, seed + 7).array().abs() * 0.5f);
+            return k;
+        };
+        for (int round = 0; round < 3; ++round)
+            verify_and_accept(pool, alone, ids, {{-1, 0, 0, 1, 3, 2, -1}, {-1, 0, 1, 2, 0}}, {{0, 1, 3}, {0, 1, 2}}, d,
+                              128, gated_keys, 870 + 10 * static_cast<std::uint64_t>(round), 2);
+    }
     // Linear attention (its copy assignment in place) and a bfloat16 delta rule: two
     // sequences' trees over one and two threads.
     {

@@ -6,7 +6,7 @@
 
 #include "memattn/types.hpp"
 
-#if defined(__SSE2__)
+#if defined(__SSE2__) || defined(_M_X64) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -27,10 +27,17 @@ inline constexpr Unfenced unfenced{};
 /// batch of streamed data, not after each piece (each fence waits for the writes to
 /// reach memory).
 inline void stream_fence() noexcept {
-#if defined(__SSE2__)
+#if defined(__SSE2__) || defined(_M_X64) || defined(__AVX__)
     _mm_sfence();
 #endif
 }
+/// stream_fence when it goes out of scope, also when the scope throws.
+struct StreamFence {
+    StreamFence() = default;
+    StreamFence(const StreamFence&) = delete;
+    StreamFence& operator=(const StreamFence&) = delete;
+    ~StreamFence() { stream_fence(); }
+};
 
 template <class T>
 using Packet = typename Eigen::internal::packet_traits<T>::type;

@@ -179,9 +179,10 @@ template <class T>
 }
 
 /// A packet of S's update stored: Stream, past the cache where the packet is a whole
-/// aligned 64-byte line of floats or doubles on AVX-512 (or 32 bytes on AVX) — a state
-/// written now and read later, as a speculative step's draft states (its lines neither
-/// read for ownership nor evicting the cache's); else an ordinary store.
+/// aligned 64-byte line of floats or doubles (AVX-512 builds: a 32-byte AVX packet is
+/// half a line, whose streaming costs partial writes) — a state written now and read
+/// later, as a speculative step's draft states (its lines not read for ownership, the
+/// cache's not evicted); else an ordinary store.
 template <bool Stream, class P, class T>
 inline void delta_store(T* to, const P& s) {
     if constexpr (Stream && !std::is_same_v<P, T>) {
@@ -198,15 +199,6 @@ inline void delta_store(T* to, const P& s) {
         } else if constexpr (is_double && lanes == 8) {
             if (aligned(64))
                 return _mm512_stream_pd(to, s);
-        }
-#endif
-#if defined(__AVX__)
-        if constexpr (is_float && lanes == 8) {
-            if (aligned(32))
-                return _mm256_stream_ps(to, s);
-        } else if constexpr (is_double && lanes == 4) {
-            if (aligned(32))
-                return _mm256_stream_pd(to, s);
         }
 #endif
     }
@@ -279,14 +271,15 @@ inline void delta_panel(T* S, const T* src, Index d, Index dv, const T* k, T bet
 /// delta_token_queries queries: the update, then their tile product (the same bits).
 /// src: the state before the token, read (S itself, or another d × dv state that S does
 /// not overlap: S is then src's update, in the same pass, the same numbers). stream: S
-/// stored past the cache where it can (delta_store: a state read later, not at once);
-/// the caller fences them (stream_fence) before another thread reads S.
+/// stored past the cache where it can (delta_store: a state read later, not at once; not
+/// with more queries than one pass takes, whose product reads S back at once); the
+/// caller fences them (stream_fence) before another thread reads S.
 template <class T>
 void delta_token_from(T* S, const T* src, Index d, Index dv, const T* k, T beta, const T* v, const T* decay,
                       const T* q, Index ldq, Index g, T* out, Index ldo, bool stream = false) {
     MEMATTN_DASSERT(g >= 0);
     if (g > delta_token_queries) {
-        delta_token_from(S, src, d, dv, k, beta, v, decay, q, ldq, 0, out, ldo, stream);
+        delta_token_from(S, src, d, dv, k, beta, v, decay, q, ldq, 0, out, ldo, false);  // (read back at once)
         tile_product<T>(g, dv, d, q, ldq, 1, S, dv, out, ldo, nullptr);
         return;
     }

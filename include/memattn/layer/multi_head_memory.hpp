@@ -222,8 +222,8 @@ public:
         }
     void assign_update_attend(const MultiHead& source, ConstRowRef<T> key, ConstRowRef<T> value,
                               ConstRowRef<T> query, RowRef<T> out) {
+        const detail::StreamFence fence;  // once for every head's streamed state (also when it throws)
         assign_update_attend(source, key, value, query, out, detail::unfenced);
-        detail::stream_fence();  // once for every head's streamed state
     }
     /// The same, its heads' streamed stores left unfenced (a caller that streams many
     /// states fences once after them: detail::stream_fence).
@@ -238,9 +238,10 @@ public:
             return;
         }
         detail::require(source.layout_.q_heads == layout_.q_heads && source.layout_.kv_heads == layout_.kv_heads &&
-                            source.key_width_ == key_width_ && source.layout_.values() == layout_.values(),
+                            source.layout_.head_dim == layout_.head_dim && source.key_width_ == key_width_ &&
+                            source.layout_.values() == layout_.values(),
                         "MultiHead::update", "source", "is a layer of another layout");
-        validate(key, value, {"MultiHead::update", "key", "value"});
+        source.validate(key, value, {"MultiHead::update", "key", "value"});  // source's checks
         detail::check_query("MultiHead::attend", query, out, query_dim(), output_dim());
         detail::require_disjoint("MultiHead::update", "out", out, "key", key);
         detail::require_disjoint("MultiHead::update", "out", out, "value", value);

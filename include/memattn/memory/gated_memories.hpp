@@ -293,6 +293,13 @@ private:
     void step_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstMatrixRef<T> queries, MatrixRef<T> out) {
         step_attend_from(state_.mu.data(), key, value, queries, out);
     }
+    /// Everything of `*this = other` but the state and the scratch (folded copies:
+    /// assign_update_attend_group).
+    void assign_fields(const DeltaRuleMemory& other) noexcept {
+        options_ = other.options_;
+        factor_ = other.factor_;
+        gate_cols_ = other.gate_cols_;
+    }
     /// The same with S read from `src` (another state of S's shape: S becomes its update,
     /// stored past the cache, read later: assign_update_attend_group, after its checks).
     void step_attend_from(const T* src, ConstRowRef<T> key, ConstRowRef<T> value, ConstMatrixRef<T> queries,

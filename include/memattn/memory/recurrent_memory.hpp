@@ -144,6 +144,16 @@ public:
         feed_apart(key, value);  // (checked above)
         attend_group(queries, out);
     }
+    /// Whether assign_update_attend_group folds the copy into the step (the delta rule and
+    /// KDA: their own step_attend_from and assign_fields) rather than a copy, then the step.
+    [[nodiscard]] static constexpr bool folds_copy() noexcept {
+        return !normaliser &&
+               requires(Memory& m, const Memory& other, const T* p, ConstRowRef<T> row, ConstMatrixRef<T> q,
+                        MatrixRef<T> o) {
+                   m.step_attend_from(p, row, row, q, o);
+                   m.assign_fields(other);
+               };
+    }
     /// Whether update_attend_group runs the memory's step and q S in one pass (the delta
     /// rule and KDA: their own step_attend) rather than an update, then an attend.
     [[nodiscard]] static constexpr bool fuses_step() noexcept {
@@ -162,17 +172,18 @@ public:
     }
 
     /// `source` updated by (key, value) into this memory, then attend_group(queries, out):
-    /// the same numbers as `*this = source` then update_attend_group(key, value, queries,
-    /// out). `source` has this memory's shapes and options (a copy of the same memory: a
-    /// StatePool's states and draft states); a memory that fuses its step reads S from
-    /// `source` and writes its update here in the same pass, so the copy costs no pass of
-    /// its own, and stores it past the cache where the CPU can (non-temporal stores of
-    /// whole lines: a state read later, not at once, as speculative decoding's draft
-    /// states). `out` overlaps neither the queries nor the key or value.
+    /// the same as `*this = source` then update_attend_group(key, value, queries, out)
+    /// (its checks are source's: its length, its values' range). `source` has this
+    /// memory's shapes (refused otherwise). Where the memory folds the copy into its step
+    /// (folds_copy: the delta rule and KDA) and no argument views either state, S is read
+    /// from `source` and its update written here in the same pass, stored past the cache
+    /// where the build targets AVX-512 (non-temporal stores of whole aligned lines: a
+    /// state read later, not at once, as speculative decoding's draft states); else a
+    /// copy, then the step. `out` overlaps neither the queries nor the key or value.
     void assign_update_attend_group(const Memory& source, ConstRowRef<T> key, ConstRowRef<T> value,
                                     ConstMatrixRef<T> queries, MatrixRef<T> out) {
+        const detail::StreamFence fence;  // (also when it throws)
         assign_update_attend_group(source, key, value, queries, out, detail::unfenced);
-        detail::stream_fence();
     }
     /// The same without the fence after the streamed stores (a caller that streams many
     /// states, as MultiHead's heads, fences once after them: detail::stream_fence).
@@ -184,18 +195,17 @@ public:
             return;
         }
         detail::require(from.d_ == d_ && from.dv_ == dv_ && from.key_dim_ == key_dim_, names_->update, "source",
-                        "has key_dim ", from.d_, ", value_dim ", from.dv_, " and key rows of ", from.key_dim_,
+                        "has queries of ", from.d_, ", values of ", from.dv_, " and key rows of ", from.key_dim_,
                         ", expected ", d_, ", ", dv_, " and ", key_dim_);
-        validate(key, value, {names_->update, "key", "value"});  // (the same memory's checks as source's)
+        from.validate(key, value, {names_->update, "key", "value"});  // source's checks (its length, its β range)
         detail::check_group_query(names_->attend_group, queries, out, d_, dv_);
         detail::require_disjoint(names_->update, "out", out, "key", key);
         detail::require_disjoint(names_->update, "out", out, "value", value);
-        if constexpr (fuses_step() && !normaliser &&
-                      requires(Memory& m, const T* p, ConstRowRef<T> row, ConstMatrixRef<T> q, MatrixRef<T> o) {
-                          m.step_attend_from(p, row, row, q, o);
-                      }) {
+        if constexpr (folds_copy()) {
             if (!views_state(key) && !views_state(value) && !views_state(queries) && !from.views_state(key) &&
-                !from.views_state(value) && !from.views_state(queries)) {
+                !from.views_state(value) && !from.views_state(queries) && !from.views_state(out)) {
+                memory_mutable().assign_fields(source);  // everything of *this = source but S and the scratch
+                names_ = from.names_;
                 memory_mutable().step_attend_from(from.state_.mu.data(), key, value, queries, out);
                 length_ = from.length_ + 1;
                 if (queries.rows() > 0)
@@ -209,8 +219,8 @@ public:
     /// The same for one query: `*this = source`, then update_attend(key, value, query, out).
     void assign_update_attend(const Memory& source, ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query,
                               RowRef<T> out) {
+        const detail::StreamFence fence;  // (also when it throws)
         assign_update_attend(source, key, value, query, out, detail::unfenced);
-        detail::stream_fence();
     }
     /// The same, the streamed stores left unfenced (the caller fences: detail::stream_fence).
     void assign_update_attend(const Memory& source, ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query,

@@ -328,6 +328,9 @@ public:
         for (Index r = 0; r < rows; ++r)
             claimed_[static_cast<std::size_t>(r)] = free_drafts_[static_cast<std::size_t>(--free_count_)];
         const auto range = [&](Index first, Index last) {
+            // The draft states streamed past the cache, ordered before any other thread
+            // reads them: one fence for the range's (also when it throws).
+            const detail::StreamFence fence;
             for (Index i = first; i < last; ++i) {
                 const Index id = ids[static_cast<std::size_t>(i)], r0 = q_offsets[static_cast<std::size_t>(i)],
                             n = q_offsets[static_cast<std::size_t>(i) + 1] - r0;
@@ -344,7 +347,6 @@ public:
                                                            out.row(r));
                 }
             }
-            detail::stream_fence();  // the draft states streamed past the cache, before any other thread reads them
         };
         try {
             detail::parallel_ranges(batch, [&](Index i) {
