@@ -649,6 +649,23 @@ void paged_latent_cells(benchmark::internal::Benchmark* b) {
     b->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 
+/// The median time of `timed` alone over the benchmark's iterations: `before` runs
+/// untimed ahead of each (a verify step ahead of its accept), `after` untimed behind it.
+template <class Before, class Timed, class After>
+double median_timed_seconds(benchmark::State& state, Before&& before, Timed&& timed, After&& after) {
+    std::vector<double> times;
+    times.reserve(1 << 16);
+    for (auto _ : state) {
+        before();
+        const auto start = Clock::now();
+        timed();
+        if (times.size() < times.capacity())
+            times.push_back(seconds_since(start));
+        after();
+    }
+    return median(times);
+}
+
 void BM_PoolTreeVerify(benchmark::State& state) {
     const Index past = state.range(0), mode = state.range(1), drafts = 64;
     const HeadLayout layout{32, 8, head_dim};
@@ -677,18 +694,9 @@ void BM_PoolTreeVerify(benchmark::State& state) {
     const std::vector<Index> seqs{seq}, offsets{0, drafts};
     const auto verify = [&] { paged.prefill(seqs, offsets, Q, K, V, O, memattn::SerialExecutor{}, parents); };
     double seconds = 0;
-    if (mode == 2) {  // accept alone: each repetition's verify untimed
-        std::vector<double> times;
-        times.reserve(1 << 16);
-        for (auto _ : state) {
-            verify();
-            const auto before = Clock::now();
-            paged.accept(seq, path);
-            if (times.size() < times.capacity())
-                times.push_back(seconds_since(before));
-            paged.truncate(seq, past);
-        }
-        seconds = median(times);
+    if (mode == 2) {
+        seconds = median_timed_seconds(state, verify, [&] { paged.accept(seq, path); },
+                                       [&] { paged.truncate(seq, past); });
     } else {
         seconds = median_step_seconds(state, [&] {
             if (mode == 0 || mode == 5) {
@@ -766,18 +774,9 @@ void BM_StateTreeVerify(benchmark::State& state) {
     const std::vector<Index> path{0, 1, 3, 7, 15};  // a chain of the binary tree
     const auto verify = [&] { pool.prefill(seqs, offsets, Q, K, V, O, memattn::SerialExecutor{}, parents); };
     double seconds = 0;
-    if (mode == 2) {  // accept alone: each repetition's verify untimed
-        std::vector<double> times;
-        times.reserve(1 << 16);
-        for (auto _ : state) {
-            verify();
-            const auto before = Clock::now();
-            pool.accept(seq, path);
-            if (times.size() < times.capacity())
-                times.push_back(seconds_since(before));
-            pool.truncate(seq, drafts);
-        }
-        seconds = median(times);
+    if (mode == 2) {
+        seconds = median_timed_seconds(state, verify, [&] { pool.accept(seq, path); },
+                                       [&] { pool.truncate(seq, drafts); });
     } else {
         seconds = median_step_seconds(state, [&] {
             if (mode == 0) {

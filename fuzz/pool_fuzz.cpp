@@ -292,9 +292,10 @@ void model_cache(fuzz::FuzzInput& in) {
             std::vector<Index> lengths;  // before the step
             for (const Index id : ids)
                 lengths.push_back(cache.length(id));
-            const Index reached = in.flag() ? in.size(0, layers) : layers, rows = step->rows();
-            for (Index l = 0; l < reached; ++l) {
+            const Index reached = in.flag() ? in.size(0, layers) : layers;
+            const auto run_layer = [&](Index l, const char* what) {  // the cache's layer l and its pool, bit for bit
                 PagedKVCache<float>& own = pools[static_cast<std::size_t>(l)];
+                const Index rows = step->rows();
                 const Matrix<float> Q = in.matrix<float>(rows, own.query_dim(), 2.0),
                                     K = in.matrix<float>(rows, own.key_dim(), 2.0),
                                     V = in.matrix<float>(rows, own.value_dim(), 2.0);
@@ -307,8 +308,10 @@ void model_cache(fuzz::FuzzInput& in) {
                     batched_prefill(own, step->slots(), step->q_offsets(), Q, K, V, expected);
                 }
                 if (!(O.array() == expected.array()).all())
-                    fail("a layer's step differs from its pool's");
-            }
+                    fail(what);
+            };
+            for (Index l = 0; l < reached; ++l)
+                run_layer(l, "a layer's step differs from its pool's");
             if (reached < layers) {  // the step stopped part way
                 // Maybe one of its sequences is removed now: the step goes on for the others
                 // (its slot kept in the cache's layers until the step ends; the same pools
@@ -336,23 +339,8 @@ void model_cache(fuzz::FuzzInput& in) {
                 if (!cache.step_pending()) {  // its only sequence removed: the step ended
                     drop_gone();
                 } else if (!gone_slots.empty() && in.flag()) {  // run it in the rest of the layers
-                    const Index rows = step->rows();
-                    for (Index l = reached; l < layers; ++l) {
-                        PagedKVCache<float>& own = pools[static_cast<std::size_t>(l)];
-                        const Matrix<float> Q = in.matrix<float>(rows, own.query_dim(), 2.0),
-                                            K = in.matrix<float>(rows, own.key_dim(), 2.0),
-                                            V = in.matrix<float>(rows, own.value_dim(), 2.0);
-                        Matrix<float> O(rows, own.output_dim()), expected(rows, own.output_dim());
-                        if (decode) {
-                            cache.decode(l, *step, Q, K, V, O);
-                            batched_decode(own, step->slots(), Q, K, V, expected);
-                        } else {
-                            cache.prefill(l, *step, Q, K, V, O);
-                            batched_prefill(own, step->slots(), step->q_offsets(), Q, K, V, expected);
-                        }
-                        if (!(O.array() == expected.array()).all())
-                            fail("a layer's step differs from its pool's after a removal");
-                    }
+                    for (Index l = reached; l < layers; ++l)
+                        run_layer(l, "a layer's step differs from its pool's after a removal");
                     if (cache.step_pending())
                         fail("a step run in every layer is still pending");
                     drop_gone();

@@ -254,18 +254,7 @@ public:
                  ConstMatrixRef<Scalar> keys, ConstMatrixRef<Scalar> values, MatrixRef<Scalar> out,
                  ExecutorRef executor) {
         constexpr const char* function = "StatePool::prefill";
-        check_batch(function, ids);
-        const auto batch = static_cast<Index>(ids.size());
-        detail::check_offsets(function, q_offsets, batch, keys.rows());
-        detail::require(queries.rows() == keys.rows() && values.rows() == keys.rows() && out.rows() == keys.rows(),
-                        function, "Q, V, O", "have ", queries.rows(), ", ", values.rows(), " and ", out.rows(),
-                        " rows, expected ", keys.rows(), " each (K's)");
-        for (Index i = 0; i < batch; ++i) {
-            const Index r0 = q_offsets[static_cast<std::size_t>(i)], n = q_offsets[static_cast<std::size_t>(i) + 1] - r0;
-            detail::check_sequences<M, Scalar>(function, states_[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])],
-                                               queries.middleRows(r0, n), keys.middleRows(r0, n),
-                                               values.middleRows(r0, n), out.middleRows(r0, n));
-        }
+        check_chunks(function, ids, q_offsets, queries, keys, values, out);
         run_batch(ids, executor, [&](Index i) {
             const Index id = ids[static_cast<std::size_t>(i)], r0 = q_offsets[static_cast<std::size_t>(i)];
             M& m = states_[static_cast<std::size_t>(id)];
@@ -302,18 +291,8 @@ public:
                  ConstMatrixRef<Scalar> keys, ConstMatrixRef<Scalar> values, MatrixRef<Scalar> out,
                  ExecutorRef executor, std::span<const Index> parents) {
         constexpr const char* function = "StatePool::prefill";
-        check_batch(function, ids);
+        check_chunks(function, ids, q_offsets, queries, keys, values, out);
         const auto batch = static_cast<Index>(ids.size());
-        detail::check_offsets(function, q_offsets, batch, keys.rows());
-        detail::require(queries.rows() == keys.rows() && values.rows() == keys.rows() && out.rows() == keys.rows(),
-                        function, "Q, V, O", "have ", queries.rows(), ", ", values.rows(), " and ", out.rows(),
-                        " rows, expected ", keys.rows(), " each (K's)");
-        for (Index i = 0; i < batch; ++i) {
-            const Index r0 = q_offsets[static_cast<std::size_t>(i)], n = q_offsets[static_cast<std::size_t>(i) + 1] - r0;
-            detail::check_sequences<M, Scalar>(function, states_[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])],
-                                               queries.middleRows(r0, n), keys.middleRows(r0, n),
-                                               values.middleRows(r0, n), out.middleRows(r0, n));
-        }
         check_tree(function, q_offsets, parents);
         for (Index i = 0; i < batch; ++i) {  // room for the trees now (the first of its size allocates)
             Pending& p = pending_[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])];
@@ -580,6 +559,24 @@ private:
             for (std::size_t j = 0; j < i; ++j)
                 detail::require(ids[j] != ids[i], function, "ids", "names sequence ", ids[i], " twice (at ", j, " and ",
                                 i, ")");
+        }
+    }
+    /// prefill's checks of a batch: distinct live ids, offsets, rows, then each chunk's
+    /// shapes and values against its sequence's memory.
+    void check_chunks(const char* function, std::span<const Index> ids, std::span<const Index> q_offsets,
+                      const ConstMatrixRef<Scalar>& queries, const ConstMatrixRef<Scalar>& keys,
+                      const ConstMatrixRef<Scalar>& values, MatrixRef<Scalar> out) const {
+        check_batch(function, ids);
+        const auto batch = static_cast<Index>(ids.size());
+        detail::check_offsets(function, q_offsets, batch, keys.rows());
+        detail::require(queries.rows() == keys.rows() && values.rows() == keys.rows() && out.rows() == keys.rows(),
+                        function, "Q, V, O", "have ", queries.rows(), ", ", values.rows(), " and ", out.rows(),
+                        " rows, expected ", keys.rows(), " each (K's)");
+        for (Index i = 0; i < batch; ++i) {
+            const Index r0 = q_offsets[static_cast<std::size_t>(i)], n = q_offsets[static_cast<std::size_t>(i) + 1] - r0;
+            detail::check_sequences<M, Scalar>(function, states_[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)])],
+                                               queries.middleRows(r0, n), keys.middleRows(r0, n),
+                                               values.middleRows(r0, n), out.middleRows(r0, n));
         }
     }
     /// A verify step's trees: one parent per row, each chunk's within it and before the
