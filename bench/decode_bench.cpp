@@ -12,8 +12,10 @@
 //       bfloat16 in and out (MultiHead<KVCache<Eigen::bfloat16>>, docs/design.md §4.7d)
 //
 // S is float, bfloat16 (Eigen::bfloat16), half (Eigen::half), Q8, IntegerDot<Q8> (Q8's
-// bytes, the logits in integers on the int8-rounded queries), Q4 or Q4Affine. Every
-// cell also measures, after its timed loop and on the same T threads:
+// bytes, the logits in integers on the int8-rounded queries), Q4, Q4Affine, Fp8E4M3,
+// Fp8E5M2 or PerTokenScale<Fp8E4M3> (one byte a value, a float scale per row; the
+// BM_DecodeStep cells only). Every cell also measures, after its timed loop and on the
+// same T threads:
 //   read_ms    a streaming read of exactly the bytes the step must read (the footprint()
 //              of every KV head's stored K and V at length L, in storage S), from one
 //              buffer of that size, so a cell that fits in the last-level cache is
@@ -1229,6 +1231,11 @@ BENCHMARK(BM_DecodeStep<memattn::Q8>)->Name("BM_DecodeStep<Q8>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::IntegerDot<memattn::Q8>>)->Name("BM_DecodeStep<IntegerDot<Q8>>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q4>)->Name("BM_DecodeStep<Q4>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q4Affine>)->Name("BM_DecodeStep<Q4Affine>")->Apply(cells);
+BENCHMARK(BM_DecodeStep<memattn::Fp8E4M3>)->Name("BM_DecodeStep<Fp8E4M3>")->Apply(cells);
+BENCHMARK(BM_DecodeStep<memattn::Fp8E5M2>)->Name("BM_DecodeStep<Fp8E5M2>")->Apply(cells);
+BENCHMARK(BM_DecodeStep<memattn::PerTokenScale<memattn::Fp8E4M3>>)
+    ->Name("BM_DecodeStep<PerTokenScale<Fp8E4M3>>")
+    ->Apply(cells);
 BENCHMARK(BM_DecodeAttend<float>)->Name("BM_DecodeAttend<float>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<Eigen::bfloat16>)->Name("BM_DecodeAttend<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<Eigen::half>)->Name("BM_DecodeAttend<half>")->Apply(cells);

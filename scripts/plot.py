@@ -325,7 +325,8 @@ def threads(results, out):
 
 
 DECODE_STORAGES = [("float", "tab:blue"), ("bfloat16", "tab:orange"), ("half", "tab:green"), ("Q8", "tab:red"),
-                   ("Q4", "tab:purple"), ("Q4Affine", "tab:brown")]
+                   ("Q4", "tab:purple"), ("Q4Affine", "tab:brown"), ("Fp8E4M3", "tab:pink"),
+                   ("Fp8E5M2", "tab:olive")]
 DECODE_LAYOUTS = [(32, 8), (8, 1)]
 
 
