@@ -13,9 +13,9 @@
 //
 // S is float, bfloat16 (Eigen::bfloat16), half (Eigen::half), Q8, IntegerDot<Q8> (Q8's
 // bytes, the logits in integers on the int8-rounded queries), Q4, Q4Affine, Fp8E4M3,
-// Fp8E5M2 or PerTokenScale<Fp8E4M3> (one byte a value, a float scale per row; the
-// BM_DecodeStep cells only). Every cell also measures, after its timed loop and on the
-// same T threads:
+// Fp8E5M2 or PerTokenScale<Fp8E4M3> (one byte a value; PerTokenScale adds a float scale
+// per row; the BM_DecodeStep cells only). Every cell also measures, after its timed loop
+// and on the same T threads:
 //   read_ms    a streaming read of exactly the bytes the step must read (the footprint()
 //              of every KV head's stored K and V at length L, in storage S), from one
 //              buffer of that size, so a cell that fits in the last-level cache is
