@@ -10,6 +10,9 @@
 //       update costs is the difference
 //   BM_DecodeStepBf16Rows/...                  BM_DecodeStep<bfloat16> with rows of
 //       bfloat16 in and out (MultiHead<KVCache<Eigen::bfloat16>>, docs/design.md §4.7d)
+//   BM_DecodeStepFpMathBf16/...                BM_DecodeStep<bfloat16> with FpMath::bf16:
+//       the queries and weights rounded to bfloat16, the stored rows multiplied as they
+//       are (vdpbf16ps on AVX512-BF16, docs/design.md §4.7c)
 //
 // S is float, bfloat16 (Eigen::bfloat16), half (Eigen::half), Q8, IntegerDot<Q8> (Q8's
 // bytes, the logits in integers on the int8-rounded queries), Q4, Q4Affine, Fp8E4M3,
@@ -35,6 +38,11 @@
 //       heads) at L tokens: KVCache (B = 0) against SparseKVCache with blocks of B tokens,
 //       top_k_blocks · B = 2048, a window of 64 and 4 sinks; the bytes of its roofline
 //       are the bounds of every block and the pairs it attends
+//
+//   BM_GroupAttend/g:G/length:L/fpmath:F       one KV head's attend_group of G queries
+//       (d = dv = 128) over a KVCache<float, bfloat16> of L = 512 tokens (in L2), strict
+//       (F = 0) or FpMath::bf16 (F = 1): the two routes' arithmetic; ns_per_key besides
+//       the roofline counters
 //
 //   BM_DecodeVariants/length:L/variant:V      the step of BM_DecodeStep<float> (32/8 × 128,
 //       one thread) with the attention variants of the memories: V = 0 plain, 1 the
@@ -358,7 +366,7 @@ bool threads_available([[maybe_unused]] benchmark::State& state, [[maybe_unused]
 }
 
 template <class S, class R = float>
-void decode_cell(benchmark::State& state, bool with_update) {
+void decode_cell(benchmark::State& state, bool with_update, memattn::FpMath fpmath = memattn::FpMath::strict) {
     const HeadLayout layout{state.range(0), state.range(1), head_dim};
     const Index length = state.range(2);
     const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(3))};
@@ -374,11 +382,13 @@ void decode_cell(benchmark::State& state, bool with_update) {
     static std::string kept_name;
     static std::shared_ptr<void> kept;
     const std::string name = std::string(typeid(Cache).name()) + "/" + std::to_string(layout.q_heads) + "/" +
-                             std::to_string(layout.kv_heads) + "/" + std::to_string(length);
+                             std::to_string(layout.kv_heads) + "/" + std::to_string(length) + "/" +
+                             std::to_string(static_cast<int>(fpmath));
     if (name != kept_name || !kept) {
         kept.reset();  // at most one filled layer at a time
         kept_name.clear();
-        auto made = std::make_shared<Layer>(layout, [](Index) { return Cache(head_dim, head_dim); });
+        auto made = std::make_shared<Layer>(
+            layout, [fpmath](Index) { return Cache(head_dim, head_dim, memattn::SoftmaxOptions{.fpmath = fpmath}); });
         made->reserve(length + 1);
         for (Index filled = 0; filled < length; filled += pool_tokens) {
             const Index n = std::min(pool_tokens, length - filled);
@@ -424,6 +434,34 @@ void BM_DecodeAttend(benchmark::State& state) {
 /// MultiHead<KVCache<Eigen::bfloat16>>: what converting the rows costs is the difference.
 void BM_DecodeStepBf16Rows(benchmark::State& state) {
     decode_cell<Eigen::bfloat16, Eigen::bfloat16>(state, true);
+}
+/// The step of BM_DecodeStep<bfloat16> with FpMath::bf16: the queries and the weights
+/// rounded to bfloat16, the stored rows multiplied as they are by vdpbf16ps (AVX512-BF16;
+/// elsewhere the float products on the rounded queries).
+void BM_DecodeStepFpMathBf16(benchmark::State& state) {
+    decode_cell<Eigen::bfloat16>(state, true, memattn::FpMath::bf16);
+}
+
+/// One KV head's grouped attend (attend_group of g queries, d = dv = 128) over a
+/// KVCache<float, bfloat16> of L tokens, strict (fpmath:0) or FpMath::bf16 (fpmath:1):
+/// at L = 512 its 256 KiB of pairs sit in L2, so the cell shows the arithmetic of the
+/// two routes (ns_per_key, and the fraction of the roofline, FMA-bound there).
+void BM_GroupAttend(benchmark::State& state) {
+    const Index g = state.range(0), length = state.range(1);
+    const memattn::FpMath fpmath = state.range(2) == 1 ? memattn::FpMath::bf16 : memattn::FpMath::strict;
+    const memattn::OpenMPExecutor executor{.threads = 1};
+    memattn::KVCache<float, Eigen::bfloat16> cache(head_dim, head_dim, memattn::SoftmaxOptions{.fpmath = fpmath});
+    cache.extend(pool(head_dim, 2).topRows(length), pool(head_dim, 3).topRows(length));
+    const Matrix<float> queries = pool(head_dim, 1).topRows(g);
+    Matrix<float> out(g, head_dim);
+    const double step_seconds = median_step_seconds(state, [&] {
+        cache.attend_group(queries, out);
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+    });
+    state.counters["ns_per_key"] = step_seconds * 1e9 / static_cast<double>(length);
+    const double flops = 2.0 * static_cast<double>(g) * static_cast<double>(length) * (2.0 * head_dim);
+    report_roofline(state, step_seconds, cache.footprint(), flops, executor);
 }
 
 void BM_DecodeVariants(benchmark::State& state) {
@@ -1227,6 +1265,7 @@ BENCHMARK(BM_PagedLatentDecode<Eigen::bfloat16>)->Name("BM_PagedLatentDecode<bfl
 BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<Eigen::half>)->Name("BM_DecodeStep<half>")->Apply(cells);
 BENCHMARK(BM_DecodeStepBf16Rows)->Apply(cells);
+BENCHMARK(BM_DecodeStepFpMathBf16)->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q8>)->Name("BM_DecodeStep<Q8>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::IntegerDot<memattn::Q8>>)->Name("BM_DecodeStep<IntegerDot<Q8>>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q4>)->Name("BM_DecodeStep<Q4>")->Apply(cells);
@@ -1250,6 +1289,11 @@ BENCHMARK(BM_SparseDecode)
     ->ArgsProduct({{32768, 131072, 1048576}, {0, 8, 16, 32, 64}, {1, 4}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_GroupAttend)
+    ->ArgNames({"g", "length", "fpmath"})
+    ->ArgsProduct({{1, 4, 8}, {512}, {0, 1}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeVariants)
     ->ArgNames({"length", "variant"})
     ->ArgsProduct({{4096, 32768}, {0, 1, 2, 3}})

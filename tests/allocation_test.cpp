@@ -419,6 +419,38 @@ TEMPLATE_TEST_CASE("MultiHead<KVCache>: split decode steps allocate nothing once
     }
 }
 
+TEST_CASE("MultiHead<KVCache<float, bfloat16>> with FpMath::bf16: split decode steps allocate nothing once reserved, "
+          "at 1 and 2 threads",
+          "[memory][allocation][layer]") {
+    using E = Eigen::bfloat16;
+    const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 16};
+    const Index n = 9000, steps = 20;
+    const Matrix<float> K = random_matrix<float>(n + steps, 32, 2), V = random_matrix<float>(n + steps, 32, 3),
+                        Q = random_matrix<float>(steps, 128, 1);
+    for (const bool rope : {false, true})
+        for (const int threads : {1, 2}) {
+            INFO(threads << " threads" << (rope ? ", RoPE" : ""));
+            MultiHead<KVCache<float, E>> mem(layout, [&](Index) {
+                const SoftmaxOptions options{.fpmath = FpMath::bf16};
+                return rope ? KVCache<float, E>(16, 16, options, Rope{.head_dim = 16}) : KVCache<float, E>(16, 16, options);
+            });
+            mem.reserve(n + steps);
+            mem.extend(K.topRows(n), V.topRows(n));
+            const OpenMPExecutor executor{.threads = threads};
+            mem.set_executor(executor);
+            Vector<float> out(128);
+            HeapWatch watch;
+            for (Index i = 0; i < steps; ++i) {
+                mem.update(K.row(n + i), V.row(n + i));
+                mem.attend(Q.row(i), out);
+            }
+            const auto counts = watch.stop();
+            CHECK(counts.operator_news == 0);
+            CHECK(counts.eigen_mallocs == 0);
+            CHECK(out.allFinite());
+        }
+}
+
 TEMPLATE_TEST_CASE("PagedKVCache: steps allocate nothing, through new blocks, copy-on-write and truncate",
                    "[serving][allocation]", float, Eigen::bfloat16, Q8, Q4) {
     using S = TestType;

@@ -8,6 +8,7 @@
 
 #include <memattn/kernels/causal_softmax.hpp>
 #include <memattn/layer/multi_head_kernels.hpp>
+#include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/kv_cache.hpp>
 #include <memattn/memory/sliding_window_cache.hpp>
 #include <memattn/serving/paged_kv_cache.hpp>
@@ -688,8 +689,10 @@ TEST_CASE("FpMath::bf16: float inputs rounded to bfloat16 for the products, bit 
             multi_head_causal_softmax_attention(Qb, Kb, Vb, expected, layout, base);
             CHECK((out.array() == expected.array()).all());
         }
-    // The memories refuse it (they read their pairs as stored), as a pool does.
+    // The memories of float rows refuse it (they read their pairs as stored), as a pool does.
     CHECK_THROWS_WITH(KVCache<float>(8, 8, SoftmaxOptions{.fpmath = FpMath::bf16}), Catch::Contains("options.fpmath"));
+    CHECK_THROWS_WITH((KVCache<float, Eigen::half>(8, 8, SoftmaxOptions{.fpmath = FpMath::bf16})),
+                      Catch::Contains("options.fpmath") && Catch::Contains("Eigen::bfloat16"));
     CHECK_THROWS_WITH(SlidingWindowCache<float>(8, 8, SoftmaxOptions{.window = 4, .fpmath = FpMath::bf16}),
                       Catch::Contains("options.fpmath"));
     // double computes in double; a pool keeps its own products.
@@ -699,4 +702,159 @@ TEST_CASE("FpMath::bf16: float inputs rounded to bfloat16 for the products, bit 
                       Catch::Contains("options.fpmath") && Catch::Contains("double"));
     CHECK_THROWS_WITH(PagedKVCache<float>(layout, 4, 16, SoftmaxOptions{.fpmath = FpMath::bf16}),
                       Catch::Contains("options.fpmath"));
+}
+
+namespace {
+
+/// The bound of FpMath::bf16 over stored rows (docs/design.md §4.7c): each column of `out`
+/// (rows: queries) within 2⁻⁸/(1 − 2⁻⁸) of the range of its values (and of 0, the
+/// sink's value, when there is a sink) of `expected`, plus float's rounding.
+void check_weights_bound(const Matrix<float>& out, const MatrixD& expected, const MatrixD& values, bool sink) {
+    const double bound = std::ldexp(1.0, -8) / (1 - std::ldexp(1.0, -8));
+    for (Index c = 0; c < out.cols(); ++c) {
+        double lo = 0, hi = 0;
+        if (values.rows() > 0) {
+            lo = sink ? 0.0 : values.col(c).minCoeff();
+            hi = sink ? 0.0 : values.col(c).maxCoeff();
+            lo = std::min(lo, values.col(c).minCoeff());
+            hi = std::max(hi, values.col(c).maxCoeff());
+        }
+        for (Index r = 0; r < out.rows(); ++r) {
+            INFO("query " << r << ", column " << c);
+            CHECK(std::abs(out(r, c) - expected(r, c)) <= bound * (hi - lo) + 2e-5 * (1 + std::abs(expected(r, c))));
+        }
+    }
+}
+
+}  // namespace
+
+TEST_CASE("FpMath::bf16 in the memories of bfloat16 rows: queries and weights rounded to bfloat16, within the "
+          "weights' bound of the double reference on the rounded queries; a query's output the same in any group; "
+          "bitwise for any thread count",
+          "[softmax][options][fpmath][memory]") {
+    using E = Eigen::bfloat16;
+    const double slope = 0.05, sink = 0.5;
+    for (const auto& [d, dv] : {std::pair<Index, Index>{1, 1}, {31, 40}, {64, 24}, {128, 128}, {200, 33}})
+        for (const Index n : {0, 1, 2, 37, 129, 300})
+            for (const int variant : {0, 1}) {
+                INFO("d = " << d << ", dv = " << dv << ", n = " << n << ", variant " << variant);
+                const Index g = 16;
+                const Matrix<float> Q = random_matrix<float>(g, d, 71), K = random_matrix<float>(n, d, 72),
+                                    V = random_matrix<float>(n, dv, 73);
+                SoftmaxOptions options{.fpmath = FpMath::bf16};
+                std::vector<double> slopes(g, slope), sinks(g, sink);
+                if (variant == 1) {  // the logit options, one value per query of the group
+                    options.softcap = 6;
+                    options.alibi_slopes = slopes;
+                    options.sink_logits = sinks;
+                }
+                KVCache<float, E> cache(d, dv, options);
+                if (n > 0)
+                    cache.extend(K, V);
+                Matrix<float> out(g, dv);
+                cache.attend_group(Q, out);
+                // The reference: the rounded queries against the stored rows, in double.
+                const MatrixD Kd = K.cast<E>().cast<double>(), Vd = V.cast<E>().cast<double>();
+                const MatrixD Qd = Q.cast<E>().cast<double>();
+                MatrixD expected(g, dv);
+                for (Index r = 0; r < g; ++r) {
+                    reference::Logits logits{.offset = n - 1};
+                    if (variant == 1) {
+                        logits.softcap = 6;
+                        logits.slope = slope;
+                        logits.sink = sink;
+                    }
+                    expected.row(r) = n == 0 ? MatrixD::Zero(1, dv)
+                                      : reference::softmax_attention(Qd.row(r), Kd, Vd, logits).out;
+                }
+                check_weights_bound(out, expected, Vd, variant == 1);
+                if constexpr (detail::bf16_dot) {
+                    // One tiling and one order of terms for every group: the same bits for a
+                    // query alone (variant 0: attend; with per-query options, a group of 1
+                    // is not an attend of this cache) and in a group of 3.
+                    Matrix<float> three(3, dv);
+                    SoftmaxOptions three_options = options;
+                    std::vector<double> three_slopes(3, slope), three_sinks(3, sink);
+                    if (variant == 1) {
+                        three_options.alibi_slopes = three_slopes;
+                        three_options.sink_logits = three_sinks;
+                    }
+                    KVCache<float, E> small(d, dv, three_options);
+                    if (n > 0)
+                        small.extend(K, V);
+                    small.attend_group(Q.middleRows(5, 3), three);
+                    CHECK((three.array() == out.middleRows(5, 3).array()).all());
+                    if (variant == 0) {
+                        Matrix<float> one(1, dv);
+                        cache.attend(Q.row(9), one.row(0));
+                        CHECK((one.array() == out.row(9).array()).all());
+                    }
+                    // The weights' rounding shows against the strict products of the same rows.
+                    if (n == 300) {
+                        SoftmaxOptions strict = options;
+                        strict.fpmath = FpMath::strict;
+                        KVCache<float, E> plain(d, dv, strict);
+                        plain.extend(K, V);
+                        Matrix<float> rounded_queries = Q.cast<E>().cast<float>(), other(g, dv);
+                        plain.attend_group(rounded_queries, other);
+                        CHECK((other.array() != out.array()).any());
+                    }
+                }
+            }
+
+    // A sliding window (with sink tokens) and RoPE: the window's pairs, the queries turned
+    // then rounded.
+    {
+        const Index d = 16, n = 90;
+        const Matrix<float> Q = random_matrix<float>(4, d, 74), K = random_matrix<float>(n, d, 75),
+                            V = random_matrix<float>(n, d, 76);
+        SlidingWindowCache<float, E> window(d, d, SoftmaxOptions{.window = 20, .sink_tokens = 3, .fpmath = FpMath::bf16});
+        for (Index i = 0; i < n; ++i)
+            window.update(K.row(i), V.row(i));
+        Matrix<float> out(4, d);
+        window.attend_group(Q, out);
+        MatrixD kept(23, d), kept_values(23, d);
+        kept << K.topRows(3).cast<E>().cast<double>(), K.bottomRows(20).cast<E>().cast<double>();
+        kept_values << V.topRows(3).cast<E>().cast<double>(), V.bottomRows(20).cast<E>().cast<double>();
+        const MatrixD expected =
+            reference::softmax_attention(Q.cast<E>().cast<double>(), kept, kept_values, reference::Logits{.causal = false})
+                .out;
+        check_weights_bound(out, expected, kept_values, false);
+
+        const Rope rope{.head_dim = d};
+        KVCache<float, E> turned(d, d, SoftmaxOptions{.fpmath = FpMath::bf16}, rope), strict(d, d, SoftmaxOptions{}, rope);
+        turned.extend(K, V);
+        strict.extend(K, V);
+        Matrix<float> a(4, d), b(4, d);
+        turned.attend_group(Q, a);
+        strict.attend_group(Q, b);
+        // Unit-normal inputs at d = 16: the queries' rounding moves a logit by a few hundredths.
+        CHECK((a - b).cwiseAbs().maxCoeff() < 0.05f);
+        CHECK((a.array() != b.array()).any());
+    }
+
+    // MultiHead over them, its attend split into pieces across threads: the same bits for
+    // 1 and 2 threads, and near the caches of each head.
+    {
+        const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};
+        const Index n = 2 * MultiHead<KVCache<float, E>>::split_keys + 300;
+        const auto make = [](Index) { return KVCache<float, E>(64, 64, SoftmaxOptions{.fpmath = FpMath::bf16}); };
+        MultiHead<KVCache<float, E>> heads(layout, make);
+        const Matrix<float> K = random_matrix<float>(n, 128, 77), V = random_matrix<float>(n, 128, 78),
+                            q = random_matrix<float>(1, 512, 79);
+        heads.extend(K, V);
+        Matrix<float> one(1, 512), two(1, 512), expected(1, 512);
+        const OpenMPExecutor serial{.threads = 1}, threaded{.threads = 2};
+        heads.set_executor(serial);
+        heads.attend(q.row(0), one.row(0));
+        heads.set_executor(threaded);
+        heads.attend(q.row(0), two.row(0));
+        CHECK((one.array() == two.array()).all());
+        for (Index h = 0; h < 2; ++h) {
+            Eigen::Map<const Matrix<float>> group(q.data() + h * 256, 4, 64);
+            Eigen::Map<Matrix<float>> o(expected.data() + h * 256, 4, 64);
+            heads.head(h).attend_group(group, o);
+        }
+        check_close(one, reference::to_double(expected), 1e-4);
+    }
 }

@@ -104,6 +104,23 @@ std::vector<T> exp2_packets(const std::vector<T>& x) {
 
 }  // namespace
 
+TEST_CASE("SoftmaxState::absorb's round: the weights mapped before they are summed (FpMath::bf16's rounding)",
+          "[softmax][state]") {
+    std::vector<float> s{0.0f, -0.3f, -1.7f, -0.01f, -9.5f}, plain = s;
+    SoftmaxState<float> rounded, exact;
+    const auto to_bf16 = [](auto& p) { p = p.template cast<Eigen::bfloat16>().template cast<float>(); };
+    CHECK(rounded.absorb(s.data(), 5, to_bf16) == 0.0f);  // α = exp(−∞) on the first block
+    exact.absorb(plain.data(), 5);
+    float sum = 0;
+    for (std::size_t j = 0; j < s.size(); ++j) {
+        CHECK(s[j] == static_cast<float>(Eigen::bfloat16(plain[j])));  // each weight rounded once
+        sum += s[j];
+    }
+    CHECK(rounded.sum == Approx(sum).epsilon(1e-6));  // the sum of the rounded weights
+    CHECK(rounded.sum != exact.sum);
+    CHECK(rounded.max == exact.max);
+}
+
 TEMPLATE_TEST_CASE("exp2_nonpositive: packets and lone lanes within 3.5 (float) and 1.25 (double) ulps of 2^x, exact at integers",
                    "[softmax][exp2]", float, double) {
     using T = TestType;

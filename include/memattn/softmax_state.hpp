@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <functional>
 #include <limits>
+#include <type_traits>
 
 namespace memattn {
 
@@ -41,8 +42,11 @@ struct SoftmaxState {
     /// the caller scales its accumulator before adding Σ_j p_j v_j:
     ///   m_new = max(m_old, max_j s_j),  sum = α·sum + Σ_j p_j,  acc = α·acc + Σ_j p_j v_j.
     /// A logit of −∞ is a masked key (weight 0). If every logit seen so far is −∞ the
-    /// state stays empty and α = 1, so nothing becomes NaN.
-    T absorb(T* s, Index n) {
+    /// state stays empty and α = 1, so nothing becomes NaN. `round(weights)`, given, maps
+    /// the weights (an Eigen array of n) in place before they are summed, so the sum is of
+    /// the weights the caller multiplies by (FpMath::bf16 rounds them to bfloat16).
+    template <class Round = std::identity>
+    T absorb(T* s, Index n, Round round = {}) {
         Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> a(s, n);
         // PropagateNaN: a NaN logit makes the maximum NaN, so it poisons the state even
         // when every other logit is −∞ (std::max and plain maxCoeff may drop it).
@@ -53,6 +57,8 @@ struct SoftmaxState {
             return T(1);
         }
         a = (a - new_max).unaryExpr(detail::ExpNonpositiveOp<T>{});  // −∞ → 0, no floor, NaN stays
+        if constexpr (!std::is_same_v<Round, std::identity>)
+            round(a);
         const T alpha = std::exp(max - new_max);  // exp(−∞) = 0 on the first block
         sum = alpha * sum + a.sum();
         max = new_max;

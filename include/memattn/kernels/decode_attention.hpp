@@ -14,7 +14,9 @@
 //                       GQ queries × GK keys (logit_tiles, value_tiles), rows converted in
 //                       registers; a whole packet of queries: the tiled kernel's products;
 //                       IntegerDot<Q8> keys with AVX-512 VNNI: the logits in integers,
-//                       sixteen keys at a time (StoredRows<T, Q8>::integer_logits)
+//                       sixteen keys at a time (StoredRows<T, Q8>::integer_logits);
+//                       FpMath::bf16 over bfloat16 rows with AVX512-BF16: the stored
+//                       rows multiplied as they are by vdpbf16ps (fold_bf16)
 //   MemoryAttention     a group of a memory's queries over its runs, with its options
 //   attend_memory_group every query of a memory's attend_group
 //
@@ -103,14 +105,19 @@ DecodeLogits decode_logits(const M& m, Index r0) {
 /// queries its attend_group takes) over its stored pairs: GroupAttention with the
 /// memory's logit options, each fold's keys at their pair_position (ALiBi), and, for a
 /// memory that turns queries (RoPE), the queries turned to each run's query_position,
-/// in a buffer of its own (on the stack up to group_rows × max_depth values).
+/// in a buffer of its own (on the stack up to group_rows × max_depth values). With
+/// FpMath::bf16 the queries are rounded to bfloat16 (after turning): by GroupAttention's
+/// fold_bf16 where it runs (rounds_queries), else in that buffer.
 template <class T, class M>
 class MemoryAttention {
 public:
     template <class QB>
     MemoryAttention(const M& m, const QB& queries, Index r0, bool ahead)
         : m_(m), queries_(queries.data(), queries.rows(), queries.cols(), Eigen::OuterStride<>(queries.outerStride())),
-          logits_(decode_logits(m, r0)), group_(queries, static_cast<T>(m.scale()), ahead, logits_) {}
+          logits_(decode_logits(m, r0)), group_(queries, static_cast<T>(m.scale()), ahead, logits_) {
+        if (logits_.bf16_products && !group_.rounds_queries())
+            group_.requery(rounded(queries_));
+    }
 
     /// Folds the pairs [begin, end) of the ones attend reads (for_each_stored_run's
     /// order) into the states and `acc` (g × dv, zero before the first fold).
@@ -148,17 +155,32 @@ private:
     void turn_to(Index p) {
         if (p == turned_at_)
             return;
-        const Index g = queries_.rows(), d = queries_.cols();
-        T* turned = turned_;
-        if (g * d > stack_values) {  // a head wider than max_depth: the one allocation
-            heap_.resize(static_cast<std::size_t>(g * d));
-            turned = heap_.data();
-        }
-        Eigen::Map<Matrix<T>> rows(turned, g, d);
+        Eigen::Map<Matrix<T>> rows = buffer();
         rows = queries_;
-        m_.turn_query(turned, g * d, p);  // one packed row of g heads: the angles once
+        m_.turn_query(rows.data(), rows.size(), p);  // one packed row of g heads: the angles once
+        if (logits_.bf16_products && !group_.rounds_queries())
+            rows = rows.template cast<Eigen::bfloat16>().template cast<T>();
         group_.requery(rows);
         turned_at_ = p;
+    }
+
+    /// `queries` rounded to bfloat16 (nearest even), in the buffer.
+    template <class QB>
+    Eigen::Map<Matrix<T>> rounded(const QB& queries) {
+        Eigen::Map<Matrix<T>> rows = buffer();
+        rows = queries.template cast<Eigen::bfloat16>().template cast<T>();
+        return rows;
+    }
+
+    /// The buffer of the queries turned or rounded: g × d.
+    Eigen::Map<Matrix<T>> buffer() {
+        const Index g = queries_.rows(), d = queries_.cols();
+        T* rows = turned_;
+        if (g * d > stack_values) {  // a head wider than max_depth: the one allocation
+            heap_.resize(static_cast<std::size_t>(g * d));
+            rows = heap_.data();
+        }
+        return {rows, g, d};
     }
 
     const M& m_;

@@ -4,7 +4,12 @@
 // their measurements): the tiles of a few queries (logit_tiles, value_tiles), the logit
 // options of a decode step (DecodeLogits), and GroupAttention.
 
+#include "memattn/detail/bf16_product.hpp"
 #include "memattn/kernels/query_attention.hpp"
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
 
 namespace memattn::detail {
 
@@ -20,8 +25,9 @@ namespace memattn::detail {
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // packets as template arguments (see packet.hpp)
 #endif
 #if defined(EIGEN_VECTORIZE_AVX512)
-/// Lane ℓ of the result is the sum of the lanes of a[tile_slot(ℓ)].
-inline Packet<float> sum_lanes(const Packet<float> (&a)[16]) {
+/// Lane ℓ of the result is the sum of the lanes of a[tile_slot(ℓ)]. Inlined always: a call
+/// would take the sixteen accumulators through memory.
+[[gnu::always_inline]] inline Packet<float> sum_lanes(const Packet<float> (&a)[16]) {
     __m512 b[8], c[4], d[2];
     for (int i = 0; i < 8; ++i)  // 256-bit halves: lanes e + e+8 of a[2i], then of a[2i+1]
         b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
@@ -74,6 +80,10 @@ inline constexpr bool decode_tiles = false;
 #pragma GCC diagnostic pop
 #endif
 
+/// Rows stored as bfloat16: what fold_bf16 multiplies as they are.
+template <class S>
+inline constexpr bool bf16_rows = std::is_same_v<S, Eigen::bfloat16>;
+
 /// Rows of float read in place (a run of a cache's own rows), with the interface of
 /// StoredRows' stored_packet and stored_value.
 struct InPlaceRows {
@@ -85,6 +95,20 @@ struct InPlaceRows {
     }
     [[nodiscard]] float stored_value(Index r, Index c) const { return data[r * stride + c]; }
 };
+
+/// A logit tile's requests: the key rows `ahead` rows past [r0, r1) (below `end`), and
+/// the value rows [r0, r1) towards L2, where the value tiles read them next; none when
+/// `ahead` is 0.
+template <class Keys, class Values>
+void prefetch_tile(const Keys& keys, const Values& values, Index r0, Index r1, Index ahead, Index end) {
+    if (ahead <= 0)
+        return;
+    for (Index r = r0; r < r1; ++r) {
+        if (r + ahead < end)
+            keys.prefetch_row(r + ahead);
+        values.prefetch_row(r);
+    }
+}
 
 /// s (GQ rows, stride lds) = q (GQ rows of d values, stride ldq, zero-padded to whole
 /// packets, aligned) · K_jᵀ for the keys j ∈ [first, first + m) of `keys`
@@ -103,13 +127,7 @@ void logit_tiles(const Keys& keys, const Values& values, Index first, Index m, I
         Index row[GK];  // a tile past the end repeats the last key, and drops its sums
         for (int k = 0; k < GK; ++k)
             row[k] = first + std::min<Index>(j + k, m - 1);
-        if (ahead > 0) {
-            for (Index r = first + j; r < std::min(first + j + GK, first + m); ++r) {
-                if (r + ahead < end)
-                    keys.prefetch_row(r + ahead);
-                values.prefetch_row(r);
-            }
-        }
+        prefetch_tile(keys, values, first + j, std::min(first + j + GK, first + m), ahead, end);
         P acc[lanes];
         for (int i = 0; i < lanes; ++i)
             acc[i] = pset1<P>(0.0f);
@@ -133,12 +151,20 @@ void logit_tiles(const Keys& keys, const Values& values, Index first, Index m, I
                     acc[tile_slot(r * GK + k)] = pmadd(pload<P>(q + r * ldq + packed), kp, acc[tile_slot(r * GK + k)]);
             }
         }
+#if defined(EIGEN_VECTORIZE_AVX512)
+        // Lanes r·GK .. r·GK + n − 1 hold query r's logits: one masked store per query.
+        const Packet<float> sums = sum_lanes(acc);
+        const auto n = static_cast<int>(std::min<Index>(GK, m - j));
+        for (int r = 0; r < GQ; ++r)
+            _mm512_mask_storeu_ps(s + r * lds + j - r * GK, static_cast<__mmask16>(((1u << n) - 1) << (r * GK)), sums);
+#else
         alignas(64) float sums[lanes];
         pstore(sums, sum_lanes(acc));
         const Index n = std::min<Index>(GK, m - j);
         for (int r = 0; r < GQ; ++r)
             for (Index k = 0; k < n; ++k)
                 s[r * lds + j + k] = sums[r * GK + k];
+#endif
     }
 }
 
@@ -183,6 +209,155 @@ void value_tiles(const Values& values, Index first, Index m, Index dv, const flo
             out[r * ldo + c] = x;
         }
 }
+
+#if defined(MEMATTN_BF16_DOT)
+// Loops over a tile's registers unrolled whole: GCC 12 otherwise may keep a tile's
+// accumulator arrays in memory, a store per multiply-add (measured: 1.3x the time).
+#define MEMATTN_UNROLL _Pragma("GCC unroll 16")
+// The same two tiles in bfloat16 arithmetic (FpMath::bf16 over rows stored as bfloat16;
+// detail/bf16_product.hpp has vdpbf16ps's arithmetic): the queries rounded to bfloat16
+// once, the weights rounded before P·V, the stored rows multiplied as they are, two
+// terms per float lane and instruction, with no conversion of a stored value.
+
+/// s (GQ rows, stride lds) = scale · (q · K_jᵀ) for the keys j ∈ [first, first + m) of
+/// bfloat16 `keys` (stored_row): q is GQ rows of bfloat16 bits (stride ldq words,
+/// zero-padded to whole 32-word packets), pairs along the head dim as the rows are
+/// stored; the tiles, the lanes' sums and the prefetches are logit_tiles'. A row's words
+/// past d are not read (masked loads), so they need not be finite.
+template <int GQ, class Keys, class Values>
+void logit_tiles_bf16(const Keys& keys, const Values& values, Index first, Index m, Index d, const std::uint16_t* q,
+                      Index ldq, float scale, float* s, Index lds, Index ahead, Index end) {
+    constexpr int lanes = 16, GK = lanes / GQ;
+    static_assert(GQ * GK == lanes);
+    const Index whole = d / 32 * 32;
+    const auto rest = static_cast<__mmask32>((std::uint64_t(1) << (d - whole)) - 1);
+    const auto query = [q, ldq](int r, Index c) {
+        return std::bit_cast<__m512bh>(_mm512_load_si512(q + r * ldq + c));
+    };
+    for (Index j = 0; j < m; j += GK) {
+        const void* row[GK];  // a tile past the end repeats the last key, and drops its sums
+        for (int k = 0; k < GK; ++k)
+            row[k] = keys.stored_row(first + std::min<Index>(j + k, m - 1));
+        prefetch_tile(keys, values, first + j, std::min(first + j + GK, first + m), ahead, end);
+        __m512 acc[lanes];
+        for (int i = 0; i < lanes; ++i)
+            acc[i] = _mm512_setzero_ps();
+        for (Index c = 0; c < whole; c += 32)
+            for (int k = 0; k < GK; ++k) {
+                const auto kp = std::bit_cast<__m512bh>(_mm512_loadu_si512(static_cast<const std::uint16_t*>(row[k]) + c));
+                for (int r = 0; r < GQ; ++r)
+                    acc[tile_slot(r * GK + k)] = _mm512_dpbf16_ps(acc[tile_slot(r * GK + k)], query(r, c), kp);
+            }
+        if (rest != 0)
+            for (int k = 0; k < GK; ++k) {
+                const auto kp = std::bit_cast<__m512bh>(
+                    _mm512_maskz_loadu_epi16(rest, static_cast<const std::uint16_t*>(row[k]) + whole));
+                for (int r = 0; r < GQ; ++r)
+                    acc[tile_slot(r * GK + k)] = _mm512_dpbf16_ps(acc[tile_slot(r * GK + k)], query(r, whole), kp);
+            }
+        // Lanes r·GK .. r·GK + n − 1 hold query r's logits: one masked store per query.
+        const __m512 sums = _mm512_mul_ps(sum_lanes(acc), _mm512_set1_ps(scale));
+        const auto n = static_cast<int>(std::min<Index>(GK, m - j));
+        for (int r = 0; r < GQ; ++r)
+            _mm512_mask_storeu_ps(s + r * lds + j - r * GK, static_cast<__mmask16>(((1u << n) - 1) << (r * GK)), sums);
+    }
+}
+
+/// x[0, n) rounded to bfloat16 (nearest even, as Eigen's cast) in place, and the same
+/// values as bfloat16 into w[0, n): the weights of value_tiles_bf16, summed as rounded.
+inline void round_weights_bf16(float* x, Index n, Eigen::bfloat16* w) noexcept {
+    Index i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i), std::bit_cast<__m256i>(b));
+        _mm512_storeu_ps(x + i, _mm512_cvtpbh_ps(b));
+    }
+    if (i < n) {
+        const auto mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + i));
+        _mm256_mask_storeu_epi16(w + i, mask, std::bit_cast<__m256i>(b));
+        _mm512_mask_storeu_ps(x + i, mask, _mm512_cvtpbh_ps(b));
+    }
+}
+
+/// out (GQ rows of dv, stride ldo) = α ⊙ out + P·V_j for the values j ∈ [first, first + m)
+/// of bfloat16 `values` and the weights in bfloat16 w (GQ rows of m values, stride
+/// ldw, even; w[m], past an odd m, is 0): two keys per vdpbf16ps, their rows interleaved
+/// into pairs (unpacklo/hi_epi16: the pairs of columns 0–3 and 4–7 of each 128-bit
+/// lane), so each accumulator holds a fixed permutation of 16 output columns, undone as
+/// the tile is stored. An odd m pairs its last row with zeros; a row's words past dv are
+/// not read. Each output element adds its terms two keys at a time, in order of j.
+template <int GQ, class Values>
+void value_tiles_bf16(const Values& values, Index first, Index m, Index dv, const Eigen::bfloat16* w, Index ldw,
+                      const float* alpha, float* out, Index ldo) {
+    constexpr int width = GQ >= 8 ? 1 : GQ >= 4 ? 2 : 4;  // 32-column chunks per tile: 2·GQ·width ≤ 16 accumulators
+    const Index chunks = (dv + 31) / 32;
+    // Lane ℓ of the "lo" accumulator holds column 8⌊ℓ/4⌋ + ℓ mod 4 of the chunk, of "hi" 4 more.
+    const __m512i lo_columns = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    const __m512i hi_columns = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    // Columns 0–15 and 16–31 of the chunk from (lo, hi): index ℓ < 16 reads lo, 16 + ℓ hi.
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const auto row_mask = [dv](Index c) {  // the words of columns [c, c + 32) below dv
+        return dv - c >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((std::uint64_t(1) << (dv - c)) - 1);
+    };
+    const auto half_mask = [dv](Index c) {  // the floats of columns [c, c + 16) below dv
+        return dv - c >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>(dv > c ? (1u << (dv - c)) - 1 : 0);
+    };
+    for (Index c0 = 0; c0 < chunks; c0 += width) {
+        dispatch<width>(std::min<Index>(width, chunks - c0), [&]<int Chunks>() {
+            __m512 lo[GQ][Chunks], hi[GQ][Chunks];
+            MEMATTN_UNROLL
+            for (int r = 0; r < GQ; ++r) {
+                const __m512 a = _mm512_set1_ps(alpha[r]);
+                for (int k = 0; k < Chunks; ++k) {
+                    const Index c = (c0 + k) * 32;
+                    const __m512 x = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(half_mask(c), out + r * ldo + c));
+                    const __m512 y = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(half_mask(c + 16), out + r * ldo + c + 16));
+                    lo[r][k] = _mm512_permutex2var_ps(x, lo_columns, y);
+                    hi[r][k] = _mm512_permutex2var_ps(x, hi_columns, y);
+                }
+            }
+            for (Index j = 0; j < m; j += 2) {
+                const auto* x = reinterpret_cast<const std::uint16_t*>(values.stored_row(first + j));
+                const auto* y = j + 1 < m ? reinterpret_cast<const std::uint16_t*>(values.stored_row(first + j + 1))
+                                          : nullptr;
+                __m512bh va[Chunks], vb[Chunks];
+                MEMATTN_UNROLL
+                for (int k = 0; k < Chunks; ++k) {
+                    const Index c = (c0 + k) * 32;
+                    const __mmask32 mask = row_mask(c);
+                    const __m512i a = _mm512_maskz_loadu_epi16(mask, x + c);
+                    const __m512i b = y != nullptr ? _mm512_maskz_loadu_epi16(mask, y + c) : _mm512_setzero_si512();
+                    va[k] = std::bit_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
+                    vb[k] = std::bit_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+                }
+                MEMATTN_UNROLL
+                for (int r = 0; r < GQ; ++r) {
+                    std::uint32_t pair;
+                    std::memcpy(&pair, w + r * ldw + j, sizeof pair);
+                    const auto p = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+                    MEMATTN_UNROLL
+                    for (int k = 0; k < Chunks; ++k) {
+                        lo[r][k] = _mm512_dpbf16_ps(lo[r][k], va[k], p);
+                        hi[r][k] = _mm512_dpbf16_ps(hi[r][k], vb[k], p);
+                    }
+                }
+            }
+            MEMATTN_UNROLL
+            for (int r = 0; r < GQ; ++r)
+                for (int k = 0; k < Chunks; ++k) {
+                    const Index c = (c0 + k) * 32;
+                    _mm512_mask_storeu_ps(out + r * ldo + c, half_mask(c),
+                                          _mm512_permutex2var_ps(lo[r][k], first_half, hi[r][k]));
+                    _mm512_mask_storeu_ps(out + r * ldo + c + 16, half_mask(c + 16),
+                                          _mm512_permutex2var_ps(lo[r][k], second_half, hi[r][k]));
+                }
+        });
+    }
+}
+#undef MEMATTN_UNROLL
+#endif
 
 /// f.template operator()<GQ>(r0) over the rows [0, g) in chunks of powers of two below
 /// the lanes, largest first.
@@ -230,6 +405,10 @@ struct DecodeLogits {
     const double* slopes = nullptr;  ///< ALiBi: s ← s − slopes[r]·(position − j), one per query
     const double* sinks = nullptr;   ///< σ_r joins query r's denominator, one per query
     Index position = 0;              ///< the queries' position (the token they belong to)
+    /// FpMath::bf16 (a memory of float over rows stored as bfloat16): the queries and the
+    /// weights rounded to bfloat16 and the products run by vdpbf16ps where the target has
+    /// it (AVX512-BF16; elsewhere the float products on the rounded queries).
+    bool bf16_products = false;
 
     /// Whether the logits change (the sinks act at the end, in finish).
     [[nodiscard]] bool transforms() const noexcept { return softcap > 0 || slopes != nullptr; }
@@ -250,7 +429,8 @@ struct DecodeLogits {
         return {.softcap = options.softcap,
                 .slopes = options.alibi_slopes.empty() ? nullptr : options.alibi_slopes.data(),
                 .sinks = options.sink_logits.empty() ? nullptr : options.sink_logits.data(),
-                .position = position};
+                .position = position,
+                .bf16_products = options.fpmath == FpMath::bf16};
     }
 
     /// Softcap, then ALiBi, on logits s[0, m) of query r at key positions k0, k0 + 1, ...
@@ -292,6 +472,10 @@ struct DecodeLogits {
 ///   keys per vpdpbusd with AVX-512 VNNI), the bits of the single query's integer_dot, so
 ///   a query's output is the same in any group; then the tiles route's softmax and
 ///   value_tiles;
+/// - FpMath::bf16 (DecodeLogits::bf16_products) over rows stored as bfloat16 with
+///   AVX512-BF16, any g, d ≤ max_depth: fold_bf16, the tiles route in bfloat16 arithmetic
+///   (logit_tiles_bf16 on the queries rounded once, the weights rounded for
+///   value_tiles_bf16), no stored value converted;
 /// - elsewhere: S = scale · Q_g K_bᵀ as dot products vectorised along the head dim and
 ///   one SoftmaxState per query, since a key-major product would fill only g of a
 ///   packet's lanes (g = 4: 1.6× faster than the tiled route with AVX2).
@@ -311,7 +495,8 @@ public:
           scale_(scale), g_(queries.rows()), lanes_(round_up(g_, packet_lanes<T>)), ahead_(ahead), logits_(logits),
           tiled_(g_ >= packet_lanes<T> && queries.cols() <= max_depth),
           tiles_(std::is_same_v<T, float> && decode_tiles && g_ >= 2 && !tiled_ && queries.cols() <= max_depth),
-          depth_(round_up(queries.cols(), packet_lanes<T>)), block_(tiled_ ? lanes_ : 1) {
+          depth_(round_up(queries.cols(), packet_lanes<T>)), block_(tiled_ ? lanes_ : 1),
+          dot_(bf16_dot && std::is_same_v<T, float> && logits.bf16_products && queries.cols() <= max_depth) {
         MEMATTN_DASSERT(g_ <= group_rows && lanes_ <= group_rows);
         load_queries();
     }
@@ -376,6 +561,12 @@ public:
             fold(K.block(first, n), V.block(first, n), acc, key_position);
         } else {
             MEMATTN_DASSERT(K.cols() == queries_.cols() && V.cols() == acc.cols() && acc.rows() == g_);
+            if constexpr (bf16_rows<SK> && bf16_rows<SV>) {
+                if (dot_) {
+                    fold_bf16(K, V, first, n, acc);
+                    return;
+                }
+            }
             if (g_ == 1 && !logits_.transforms()) {
                 attend_stored(queries_.row(0), K, V, first, n, scale_, states_[0], acc.row(0));
                 return;
@@ -412,9 +603,13 @@ public:
                       std::clamp<Index>(buffered / dv, 1, group_keys), acc);
         }
     }
+    /// Whether the folds round the queries to bfloat16 themselves (FpMath::bf16 on rows
+    /// stored as bfloat16, fold_bf16); else a caller that wants them rounded gives them so.
+    [[nodiscard]] bool rounds_queries() const noexcept { return dot_; }
+
     /// Query r's state (natural logarithms), to finish or merge its accumulator row. The
     /// sink logits are not in it (they join once, in finish, after any merge).
-    [[nodiscard]] SoftmaxState<T> state(Index r) const { return tiled_ && !integer_folds_ ? block_.state(r) : states_[r]; }
+    [[nodiscard]] SoftmaxState<T> state(Index r) const { return tiled_ && !states_folds_ ? block_.state(r) : states_[r]; }
 
     /// Query r's output: its sink logit, if any, joins the denominator, then acc / sum.
     template <class Row>
@@ -438,6 +633,21 @@ private:
     /// (tiled route), rows zero-padded to whole packets.
     void load_queries() noexcept {
         const Index d = queries_.cols();
+#if defined(MEMATTN_BF16_DOT)
+        if constexpr (std::is_same_v<T, float>) {
+            if (dot_) {  // fold_bf16's queries rounded to bfloat16, rows of whole 32-value packets
+                const Index depth = round_up(d, 32);
+                for (Index r = 0; r < g_; ++r)
+                    for (Index k = 0; k < depth; k += 16) {
+                        const auto mask = static_cast<__mmask16>(k + 16 <= d ? 0xFFFF : k < d ? (1u << (d - k)) - 1 : 0);
+                        const float* q = queries_.data() + r * queries_.outerStride() + k;
+                        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, q));
+                        _mm256_store_si256(reinterpret_cast<__m256i*>(bf16_.q + r * depth + k), std::bit_cast<__m256i>(b));
+                    }
+                return;  // the other routes' layouts are not read
+            }
+        }
+#endif
         if (tiles_) {
             for (Index r = 0; r < g_; ++r) {
                 for (Index k = 0; k < d; ++k)
@@ -472,7 +682,7 @@ private:
     template <class KeyRows, class ValueRows, class Acc>
     void fold_rows(Index n, Index d, Index dv, const KeyRows& key_rows, const ValueRows& value_rows, Index key_step,
                    Index value_step, Acc& acc) {
-        MEMATTN_DASSERT(!integer_folds_);  // one route per GroupAttention: state() reads its states
+        MEMATTN_DASSERT(!states_folds_);  // one route per GroupAttention: state() reads its states
         for (Index j0 = 0; j0 < n; j0 += group_keys) {
             const Index block = std::min(group_keys, n - j0);
             const T* alpha = alpha_;
@@ -545,7 +755,7 @@ private:
         if constexpr (std::is_same_v<T, float> && integer_group<SK>) {
             if (!rounded_) {
                 integer_.round(queries_.data(), queries_.outerStride(), g_, queries_.cols());
-                rounded_ = integer_folds_ = true;
+                rounded_ = states_folds_ = true;
             }
             fold_blocks(values, first, n, values.cols(), static_cast<Index>(StoredRows<T, SK>::row_bytes(keys.cols())),
                         acc, [&](Index j0, Index block, Index ahead) {
@@ -555,10 +765,37 @@ private:
         }
     }
 
-    /// The loop of fold_tiles and fold_integer: per block of group_keys keys, the logits
-    /// (logits(j0, block, ahead): into s_, one row of group_keys per query), the options,
-    /// one SoftmaxState per query, then α ⊙ acc + P·V by value_tiles.
-    template <class Values, class Acc, class Logits>
+    /// The route of FpMath::bf16 over rows stored as bfloat16 (dot_: AVX512-BF16), any g:
+    /// fold_blocks with the logits of the queries rounded once (load_queries) by
+    /// logit_tiles_bf16 and the weights rounded to bfloat16 for value_tiles_bf16. A
+    /// query's logits and output do not depend on the group it is in (the tiles' sums
+    /// have one tree, the value tiles one order).
+    template <class SK, class SV, class Acc>
+    void fold_bf16(const StoredRows<T, SK>& keys, const StoredRows<T, SV>& values, Index first, Index n, Acc& acc) {
+#if defined(MEMATTN_BF16_DOT)
+        if constexpr (std::is_same_v<T, float>) {
+            states_folds_ = true;
+            const Index d = keys.cols(), depth = round_up(d, 32);
+            fold_blocks<true>(values, first, n, values.cols(), static_cast<Index>(StoredRows<T, SK>::row_bytes(d)), acc,
+                              [&](Index j0, Index block, Index ahead) {
+                                  for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                                      logit_tiles_bf16<GQ>(keys, values, first + j0, block, d,
+                                                           reinterpret_cast<const std::uint16_t*>(bf16_.q + r0 * depth),
+                                                           depth, scale_, s_ + r0 * group_keys, group_keys,
+                                                           r0 == 0 ? ahead : 0, keys.rows());
+                                  });
+                              });
+        }
+#else
+        (void)keys, (void)values, (void)first, (void)n, (void)acc;
+#endif
+    }
+
+    /// The loop of fold_tiles, fold_integer and fold_bf16: per block of group_keys keys, the
+    /// logits (logits(j0, block, ahead): into s_, one row of group_keys per query), the
+    /// options, one SoftmaxState per query, then α ⊙ acc + P·V by value_tiles (Bf16: the
+    /// weights rounded to bfloat16, and value_tiles_bf16).
+    template <bool Bf16 = false, class Values, class Acc, class Logits>
     void fold_blocks(const Values& values, Index first, Index n, Index dv, Index key_row_bytes, Acc& acc,
                      const Logits& logits) {
         float* out = acc.data();
@@ -570,6 +807,22 @@ private:
             if (logits_.transforms())
                 for (Index r = 0; r < g_; ++r)
                     logits_.apply(s_ + r * group_keys, block, 1, r, key_position_ + j0, 1.0f);
+            if constexpr (Bf16) {
+#if defined(MEMATTN_BF16_DOT)
+                // The weights rounded to bfloat16, summed as rounded, and kept for P·V.
+                for (Index r = 0; r < g_; ++r) {
+                    Eigen::bfloat16* w = bf16_.w + r * bf16_weights;
+                    alpha_[r] = states_[r].absorb(s_ + r * group_keys, block,
+                                                  [w](auto& p) { round_weights_bf16(p.data(), p.size(), w); });
+                    w[block] = Eigen::bfloat16(0.0f);
+                }
+                for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                    value_tiles_bf16<GQ>(values, first + j0, block, dv, bf16_.w + r0 * bf16_weights, bf16_weights,
+                                         alpha_ + r0, out + r0 * ldo, ldo);
+                });
+#endif
+                continue;
+            }
             for (Index r = 0; r < g_; ++r)
                 alpha_[r] = states_[r].absorb(s_ + r * group_keys, block);
             if constexpr (decode_tiles) {
@@ -605,7 +858,15 @@ private:
     struct NoIntegerGroup {};
     std::conditional_t<std::is_same_v<T, float>, IntegerGroup, NoIntegerGroup> integer_;  // the queries rounded (fold_integer)
     bool rounded_ = false;                       // integer_ holds queries_
-    bool integer_folds_ = false;                  // a fold took fold_integer: the states are states_
+    bool dot_;                                   // fold_bf16 takes rows stored as bfloat16
+    static constexpr Index bf16_weights = group_keys + 2;  // a query's weights in bf16_.w (even)
+    struct Bf16Operands {
+        alignas(64) Eigen::bfloat16 q[group_rows * max_depth];     // the queries rounded (fold_bf16)
+        alignas(64) Eigen::bfloat16 w[group_rows * bf16_weights];  // a block's weights rounded
+    };
+    struct NoBf16Operands {};
+    std::conditional_t<bf16_dot && std::is_same_v<T, float>, Bf16Operands, NoBf16Operands> bf16_;
+    bool states_folds_ = false;                   // a fold took fold_integer or fold_bf16: the states are states_
 };
 
 }  // namespace memattn::detail

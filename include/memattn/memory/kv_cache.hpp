@@ -61,7 +61,7 @@ public:
     /// are refused with std::invalid_argument otherwise. The cache copies the spans.
     KVCache(Index key_dim, Index value_dim, const SoftmaxOptions& options)
         : KVCache(key_dim, value_dim, static_cast<T>(options.scale)) {
-        logits_ = detail::HeldLogits("KVCache", options, std::type_identity<T>{});
+        logits_ = detail::HeldLogits("KVCache", options, std::type_identity<T>{}, false, detail::bf16_products<T, S>);
     }
 
     /// With the options and rotary position embeddings (positional/rope.hpp, for one head:

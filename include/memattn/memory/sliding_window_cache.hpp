@@ -69,7 +69,8 @@ public:
     /// from the query as its position says.
     SlidingWindowCache(Index key_dim, Index value_dim, const SoftmaxOptions& options)
         : SlidingWindowCache(key_dim, value_dim, options.window, options.sink_tokens, static_cast<T>(options.scale)) {
-        logits_ = detail::HeldLogits("SlidingWindowCache", options, std::type_identity<T>{}, true);
+        logits_ = detail::HeldLogits("SlidingWindowCache", options, std::type_identity<T>{}, true,
+                                     detail::bf16_products<T, S>);
     }
 
     /// With the options and rotary position embeddings (see KVCache's): keys stored

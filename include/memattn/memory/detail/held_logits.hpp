@@ -17,6 +17,10 @@
 
 namespace memattn::detail {
 
+/// Whether a memory of T over rows stored as S takes FpMath::bf16: float over bfloat16.
+template <class T, class S>
+inline constexpr bool bf16_products = std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16>;
+
 /// A softmax memory's copy of its logit options; see the top of the file.
 class HeldLogits {
 public:
@@ -27,12 +31,16 @@ public:
     /// memory's window and sink tokens are its own (`window_allowed`: SlidingWindowCache
     /// takes them from the options); a memory's queries come after its keys, so
     /// `causal` must be true and no tree is given. T: the scalar the memory computes in,
-    /// in which the values must be finite.
+    /// in which the values must be finite. `bf16_allowed`: the memory stores its rows as
+    /// bfloat16 and computes in float, so it takes FpMath::bf16 (its attends then round
+    /// the queries and the weights to bfloat16: GroupAttention's fold_bf16).
     template <class T>
-    HeldLogits(const char* memory, const SoftmaxOptions& options, std::type_identity<T>, bool window_allowed = false)
+    HeldLogits(const char* memory, const SoftmaxOptions& options, std::type_identity<T>, bool window_allowed = false,
+               bool bf16_allowed = false)
         : softcap_(options.softcap),
           slopes_(options.alibi_slopes.begin(), options.alibi_slopes.end()),
-          sinks_(options.sink_logits.begin(), options.sink_logits.end()) {
+          sinks_(options.sink_logits.begin(), options.sink_logits.end()),
+          fpmath_(options.fpmath) {
         const Index heads = static_cast<Index>(std::max(slopes_.size(), sinks_.size()));
         check_logit_options<T>(memory, options, std::max<Index>(heads, 1));
         require(options.causal, memory, "options.causal",
@@ -41,9 +49,11 @@ public:
         require(options.parents.empty(), memory, "options.parents",
                 "is given, but a memory attends one token at a time (verify a tree with causal_softmax_attention "
                 "or the paged pool)");
-        require(options.fpmath == FpMath::strict, memory, "options.fpmath",
-                "is not FpMath::strict, but a memory reads its pairs as stored and keeps its own products (round "
-                "with causal_softmax_attention or the multi-head kernel)");
+        require(options.fpmath == FpMath::strict || bf16_allowed, memory, "options.fpmath",
+                "is not FpMath::strict, but this memory reads its pairs as stored and keeps its own products "
+                "(FpMath::bf16 is taken by KVCache and SlidingWindowCache of float over rows stored as "
+                "Eigen::bfloat16, and MultiHead over them; round with causal_softmax_attention or the multi-head "
+                "kernel)");
         if (!window_allowed) {
             require(options.window == 0, memory, "options.window", "is ", options.window,
                     ", expected 0: a window is SlidingWindowCache's (or this memory's own argument)");
@@ -54,7 +64,7 @@ public:
     }
 
     /// Whether any option is on (else the memory's plain attends run).
-    [[nodiscard]] bool any() const noexcept { return softcap_ > 0 || heads_ > 0; }
+    [[nodiscard]] bool any() const noexcept { return softcap_ > 0 || heads_ > 0 || fpmath_ != FpMath::strict; }
     /// Queries per attend the per-query values are for: 0 when there are none.
     [[nodiscard]] Index queries() const noexcept { return heads_; }
     /// Whether ALiBi slopes are given.
@@ -66,6 +76,7 @@ public:
         base.softcap = softcap_;
         base.alibi_slopes = slopes_;
         base.sink_logits = sinks_;
+        base.fpmath = fpmath_;
         return base;
     }
     /// The options of query m of an attend of queries() queries (its own slope and sink).
@@ -88,6 +99,7 @@ public:
 private:
     double softcap_ = 0;
     std::vector<double> slopes_, sinks_;
+    FpMath fpmath_ = FpMath::strict;
     Index heads_ = 0;
 };
 
