@@ -10,9 +10,9 @@
 //       update costs is the difference
 //   BM_DecodeStepBf16Rows/...                  BM_DecodeStep<bfloat16> with rows of
 //       bfloat16 in and out (MultiHead<KVCache<Eigen::bfloat16>>, docs/design.md §4.7d)
-//   BM_DecodeStepFpMathBf16/...                BM_DecodeStep<bfloat16> with FpMath::bf16:
-//       the queries and weights rounded to bfloat16, the stored rows multiplied as they
-//       are (vdpbf16ps on AVX512-BF16, docs/design.md §4.7c)
+//   BM_DecodeStepFpMathBf16<S>/...             BM_DecodeStep<S> (S bfloat16, Fp8E4M3 or
+//       Fp8E5M2) with FpMath::bf16: the queries and weights rounded to bfloat16, the
+//       stored values multiplied as they are (vdpbf16ps on AVX512-BF16, docs/design.md §4.7c)
 //
 // S is float, bfloat16 (Eigen::bfloat16), half (Eigen::half), Q8, IntegerDot<Q8> (Q8's
 // bytes, the logits in integers on the int8-rounded queries), Q4, Q4Affine, Fp8E4M3,
@@ -435,11 +435,12 @@ void BM_DecodeAttend(benchmark::State& state) {
 void BM_DecodeStepBf16Rows(benchmark::State& state) {
     decode_cell<Eigen::bfloat16, Eigen::bfloat16>(state, true);
 }
-/// The step of BM_DecodeStep<bfloat16> with FpMath::bf16: the queries and the weights
-/// rounded to bfloat16, the stored rows multiplied as they are by vdpbf16ps (AVX512-BF16;
-/// elsewhere the float products on the rounded queries).
+/// The step of BM_DecodeStep<S> (S bfloat16, Fp8E4M3 or Fp8E5M2) with FpMath::bf16: the
+/// queries and the weights rounded to bfloat16, the stored values multiplied as they are
+/// by vdpbf16ps (AVX512-BF16; elsewhere the float products on the rounded queries).
+template <class S>
 void BM_DecodeStepFpMathBf16(benchmark::State& state) {
-    decode_cell<Eigen::bfloat16>(state, true, memattn::FpMath::bf16);
+    decode_cell<S>(state, true, memattn::FpMath::bf16);
 }
 
 /// One KV head's grouped attend (attend_group of g queries, d = dv = 128) over a
@@ -1265,7 +1266,9 @@ BENCHMARK(BM_PagedLatentDecode<Eigen::bfloat16>)->Name("BM_PagedLatentDecode<bfl
 BENCHMARK(BM_DecodeStep<Eigen::bfloat16>)->Name("BM_DecodeStep<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<Eigen::half>)->Name("BM_DecodeStep<half>")->Apply(cells);
 BENCHMARK(BM_DecodeStepBf16Rows)->Apply(cells);
-BENCHMARK(BM_DecodeStepFpMathBf16)->Apply(cells);
+BENCHMARK(BM_DecodeStepFpMathBf16<Eigen::bfloat16>)->Name("BM_DecodeStepFpMathBf16<bfloat16>")->Apply(cells);
+BENCHMARK(BM_DecodeStepFpMathBf16<memattn::Fp8E4M3>)->Name("BM_DecodeStepFpMathBf16<Fp8E4M3>")->Apply(cells);
+BENCHMARK(BM_DecodeStepFpMathBf16<memattn::Fp8E5M2>)->Name("BM_DecodeStepFpMathBf16<Fp8E5M2>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q8>)->Name("BM_DecodeStep<Q8>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::IntegerDot<memattn::Q8>>)->Name("BM_DecodeStep<IntegerDot<Q8>>")->Apply(cells);
 BENCHMARK(BM_DecodeStep<memattn::Q4>)->Name("BM_DecodeStep<Q4>")->Apply(cells);

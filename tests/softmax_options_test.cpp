@@ -11,6 +11,7 @@
 #include <memattn/layer/multi_head_memory.hpp>
 #include <memattn/memory/kv_cache.hpp>
 #include <memattn/memory/sliding_window_cache.hpp>
+#include <memattn/memory/sparse_kv_cache.hpp>
 #include <memattn/serving/paged_kv_cache.hpp>
 
 #include <cmath>
@@ -693,6 +694,10 @@ TEST_CASE("FpMath::bf16: float inputs rounded to bfloat16 for the products, bit 
     CHECK_THROWS_WITH(KVCache<float>(8, 8, SoftmaxOptions{.fpmath = FpMath::bf16}), Catch::Contains("options.fpmath"));
     CHECK_THROWS_WITH((KVCache<float, Eigen::half>(8, 8, SoftmaxOptions{.fpmath = FpMath::bf16})),
                       Catch::Contains("options.fpmath") && Catch::Contains("Eigen::bfloat16"));
+    CHECK_THROWS_WITH((KVCache<float, PerTokenScale<Fp8E4M3>>(8, 8, SoftmaxOptions{.fpmath = FpMath::bf16})),
+                      Catch::Contains("options.fpmath") && Catch::Contains("Fp8E4M3"));
+    CHECK_THROWS_WITH((SparseKVCache<float, Eigen::bfloat16>(8, 8, SparseKVOptions{}, SoftmaxOptions{.fpmath = FpMath::bf16})),
+                      Catch::Contains("SparseKVCache") && Catch::Contains("options.fpmath"));
     CHECK_THROWS_WITH(SlidingWindowCache<float>(8, 8, SoftmaxOptions{.window = 4, .fpmath = FpMath::bf16}),
                       Catch::Contains("options.fpmath"));
     // double computes in double; a pool keeps its own products.
@@ -728,17 +733,25 @@ void check_weights_bound(const Matrix<float>& out, const MatrixD& expected, cons
 
 }  // namespace
 
-TEST_CASE("FpMath::bf16 in the memories of bfloat16 rows: queries and weights rounded to bfloat16, within the "
-          "weights' bound of the double reference on the rounded queries; a query's output the same in any group; "
-          "bitwise for any thread count",
-          "[softmax][options][fpmath][memory]") {
+TEMPLATE_TEST_CASE("FpMath::bf16 in the memories of bfloat16 and FP8 rows: queries and weights rounded to bfloat16, "
+                   "within the weights' bound of the double reference on the rounded queries; a query's output the "
+                   "same in any group; bitwise for any thread count",
+                   "[softmax][options][fpmath][memory]", Eigen::bfloat16, Fp8E4M3, Fp8E5M2) {
     using E = Eigen::bfloat16;
+    using S = TestType;
+    const auto stored = [](const Matrix<float>& X) {  // as S holds X, in double
+        Matrix<float> back(X.rows(), X.cols());
+        if (X.rows() > 0)
+            detail::round_trip<float, S>(X, back.data(), X.cols());
+        return MatrixD(back.cast<double>());
+    };
     const double slope = 0.05, sink = 0.5;
-    for (const auto& [d, dv] : {std::pair<Index, Index>{1, 1}, {31, 40}, {64, 24}, {128, 128}, {200, 33}})
+    // d = 300: past GroupAttention::max_depth, the float routes on the rounded queries.
+    for (const auto& [d, dv] : {std::pair<Index, Index>{1, 1}, {31, 40}, {64, 24}, {128, 128}, {200, 33}, {300, 48}})
         for (const Index n : {0, 1, 2, 37, 129, 300})
+            for (const Index g : {4, 7, 16})  // query tiles of 4; 4, 2 and 1; 8 and 8
             for (const int variant : {0, 1}) {
-                INFO("d = " << d << ", dv = " << dv << ", n = " << n << ", variant " << variant);
-                const Index g = 16;
+                INFO("d = " << d << ", dv = " << dv << ", n = " << n << ", g = " << g << ", variant " << variant);
                 const Matrix<float> Q = random_matrix<float>(g, d, 71), K = random_matrix<float>(n, d, 72),
                                     V = random_matrix<float>(n, dv, 73);
                 SoftmaxOptions options{.fpmath = FpMath::bf16};
@@ -748,13 +761,13 @@ TEST_CASE("FpMath::bf16 in the memories of bfloat16 rows: queries and weights ro
                     options.alibi_slopes = slopes;
                     options.sink_logits = sinks;
                 }
-                KVCache<float, E> cache(d, dv, options);
+                KVCache<float, S> cache(d, dv, options);
                 if (n > 0)
                     cache.extend(K, V);
                 Matrix<float> out(g, dv);
                 cache.attend_group(Q, out);
                 // The reference: the rounded queries against the stored rows, in double.
-                const MatrixD Kd = K.cast<E>().cast<double>(), Vd = V.cast<E>().cast<double>();
+                const MatrixD Kd = stored(K), Vd = stored(V);
                 const MatrixD Qd = Q.cast<E>().cast<double>();
                 MatrixD expected(g, dv);
                 for (Index r = 0; r < g; ++r) {
@@ -768,7 +781,7 @@ TEST_CASE("FpMath::bf16 in the memories of bfloat16 rows: queries and weights ro
                                       : reference::softmax_attention(Qd.row(r), Kd, Vd, logits).out;
                 }
                 check_weights_bound(out, expected, Vd, variant == 1);
-                if constexpr (detail::bf16_dot) {
+                if (detail::bf16_dot_rows<S> && d <= 256 && g == 16) {  // fold_bf16 runs
                     // One tiling and one order of terms for every group: the same bits for a
                     // query alone (variant 0: attend; with per-query options, a group of 1
                     // is not an attend of this cache) and in a group of 3.
@@ -779,7 +792,7 @@ TEST_CASE("FpMath::bf16 in the memories of bfloat16 rows: queries and weights ro
                         three_options.alibi_slopes = three_slopes;
                         three_options.sink_logits = three_sinks;
                     }
-                    KVCache<float, E> small(d, dv, three_options);
+                    KVCache<float, S> small(d, dv, three_options);
                     if (n > 0)
                         small.extend(K, V);
                     small.attend_group(Q.middleRows(5, 3), three);
@@ -793,7 +806,7 @@ TEST_CASE("FpMath::bf16 in the memories of bfloat16 rows: queries and weights ro
                     if (n == 300) {
                         SoftmaxOptions strict = options;
                         strict.fpmath = FpMath::strict;
-                        KVCache<float, E> plain(d, dv, strict);
+                        KVCache<float, S> plain(d, dv, strict);
                         plain.extend(K, V);
                         Matrix<float> rounded_queries = Q.cast<E>().cast<float>(), other(g, dv);
                         plain.attend_group(rounded_queries, other);
@@ -808,21 +821,21 @@ TEST_CASE("FpMath::bf16 in the memories of bfloat16 rows: queries and weights ro
         const Index d = 16, n = 90;
         const Matrix<float> Q = random_matrix<float>(4, d, 74), K = random_matrix<float>(n, d, 75),
                             V = random_matrix<float>(n, d, 76);
-        SlidingWindowCache<float, E> window(d, d, SoftmaxOptions{.window = 20, .sink_tokens = 3, .fpmath = FpMath::bf16});
+        SlidingWindowCache<float, S> window(d, d, SoftmaxOptions{.window = 20, .sink_tokens = 3, .fpmath = FpMath::bf16});
         for (Index i = 0; i < n; ++i)
             window.update(K.row(i), V.row(i));
         Matrix<float> out(4, d);
         window.attend_group(Q, out);
         MatrixD kept(23, d), kept_values(23, d);
-        kept << K.topRows(3).cast<E>().cast<double>(), K.bottomRows(20).cast<E>().cast<double>();
-        kept_values << V.topRows(3).cast<E>().cast<double>(), V.bottomRows(20).cast<E>().cast<double>();
+        kept << stored(K.topRows(3)), stored(K.bottomRows(20));
+        kept_values << stored(V.topRows(3)), stored(V.bottomRows(20));
         const MatrixD expected =
             reference::softmax_attention(Q.cast<E>().cast<double>(), kept, kept_values, reference::Logits{.causal = false})
                 .out;
         check_weights_bound(out, expected, kept_values, false);
 
         const Rope rope{.head_dim = d};
-        KVCache<float, E> turned(d, d, SoftmaxOptions{.fpmath = FpMath::bf16}, rope), strict(d, d, SoftmaxOptions{}, rope);
+        KVCache<float, S> turned(d, d, SoftmaxOptions{.fpmath = FpMath::bf16}, rope), strict(d, d, SoftmaxOptions{}, rope);
         turned.extend(K, V);
         strict.extend(K, V);
         Matrix<float> a(4, d), b(4, d);
@@ -837,9 +850,9 @@ TEST_CASE("FpMath::bf16 in the memories of bfloat16 rows: queries and weights ro
     // 1 and 2 threads, and near the caches of each head.
     {
         const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};
-        const Index n = 2 * MultiHead<KVCache<float, E>>::split_keys + 300;
-        const auto make = [](Index) { return KVCache<float, E>(64, 64, SoftmaxOptions{.fpmath = FpMath::bf16}); };
-        MultiHead<KVCache<float, E>> heads(layout, make);
+        const Index n = 2 * MultiHead<KVCache<float, S>>::split_keys + 300;
+        const auto make = [](Index) { return KVCache<float, S>(64, 64, SoftmaxOptions{.fpmath = FpMath::bf16}); };
+        MultiHead<KVCache<float, S>> heads(layout, make);
         const Matrix<float> K = random_matrix<float>(n, 128, 77), V = random_matrix<float>(n, 128, 78),
                             q = random_matrix<float>(1, 512, 79);
         heads.extend(K, V);

@@ -54,6 +54,8 @@ struct SoftmaxState {
         const T new_max = std::isnan(block_max) ? block_max : std::max(max, block_max);
         if (new_max == minus_inf) {
             a.setZero();
+            if constexpr (!std::is_same_v<Round, std::identity>)
+                round(a);  // the caller's copy of the weights too
             return T(1);
         }
         a = (a - new_max).unaryExpr(detail::ExpNonpositiveOp<T>{});  // −∞ → 0, no floor, NaN stays

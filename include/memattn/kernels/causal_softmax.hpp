@@ -345,8 +345,9 @@ void causal_softmax_stored(const ConstMatrixRef<T>& Q, const StoredRows<T, SK>& 
 /// FpMath::bf16 on float views (causal_softmax_attention): Q, K and V rounded to bfloat16
 /// (nearest even, Eigen's vectorised cast; O(N·d) against the kernel's O(N·W·d)), then
 /// the kernel of bfloat16 inputs with O of float: bit for bit the call on the rounded
-/// inputs. Only the public calls and the multi-head kernel reach it: the memories, whose
-/// own calls reach causal_softmax_views, refuse the option.
+/// inputs. Only the public calls and the multi-head kernel reach it: the memories' own
+/// calls reach causal_softmax_views or causal_softmax_stored, which do not round (a
+/// memory of bfloat16 or FP8 rows that takes the option prefills with strict products).
 template <class LseSink>
 void causal_softmax_rounded(const ConstMatrixRef<float>& Q, const ConstMatrixRef<float>& K,
                             const ConstMatrixRef<float>& V, MatrixRef<float> O, LseSink&& lse,

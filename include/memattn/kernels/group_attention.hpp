@@ -7,6 +7,7 @@
 #include "memattn/detail/bf16_product.hpp"
 #include "memattn/kernels/query_attention.hpp"
 
+#include <array>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -80,9 +81,22 @@ inline constexpr bool decode_tiles = false;
 #pragma GCC diagnostic pop
 #endif
 
-/// Rows stored as bfloat16: what fold_bf16 multiplies as they are.
-template <class S>
-inline constexpr bool bf16_rows = std::is_same_v<S, Eigen::bfloat16>;
+/// The grouped decode's bfloat16 route (fold_bf16) is compiled: vdpbf16ps (AVX512-BF16)
+/// and Eigen's 16-lane packets, whose tiles and lane sums it shares.
+#if defined(MEMATTN_BF16_DOT) && defined(EIGEN_VECTORIZE_AVX512)
+#define MEMATTN_GROUP_BF16 1
+inline constexpr bool group_bf16 = true;
+#else
+inline constexpr bool group_bf16 = false;
+#endif
+
+/// The format S of StoredRows<T, S>.
+template <class Rows>
+struct stored_format;
+template <class T, class S>
+struct stored_format<StoredRows<T, S>> {
+    using type = S;
+};
 
 /// Rows of float read in place (a run of a cache's own rows), with the interface of
 /// StoredRows' stored_packet and stored_value.
@@ -210,20 +224,73 @@ void value_tiles(const Values& values, Index first, Index m, Index dv, const flo
         }
 }
 
-#if defined(MEMATTN_BF16_DOT)
+#if defined(MEMATTN_GROUP_BF16)
 // Loops over a tile's registers unrolled whole: GCC 12 otherwise may keep a tile's
 // accumulator arrays in memory, a store per multiply-add (measured: 1.3x the time).
 #define MEMATTN_UNROLL _Pragma("GCC unroll 16")
-// The same two tiles in bfloat16 arithmetic (FpMath::bf16 over rows stored as bfloat16;
-// detail/bf16_product.hpp has vdpbf16ps's arithmetic): the queries rounded to bfloat16
-// once, the weights rounded before P·V, the stored rows multiplied as they are, two
-// terms per float lane and instruction, with no conversion of a stored value.
+// The same two tiles in bfloat16 arithmetic (FpMath::bf16 over rows stored as bfloat16
+// or FP8; detail/bf16_product.hpp has vdpbf16ps's arithmetic): the queries rounded to
+// bfloat16 once, the weights rounded before P·V, the stored values multiplied as they
+// are (an FP8 value is a bfloat16 one: Bf16Words), two terms per float lane and
+// instruction.
+
+/// How the bfloat16 tiles read rows of format S: row(rows, r), the first byte of row r,
+/// and load(row, c, mask), the values of columns [c, c + 32) as 32 bfloat16 words, the
+/// lanes off `mask` zero (their bytes not read). Defined for the formats fold_bf16 takes
+/// (bf16_dot_rows<S>).
+template <class S>
+struct Bf16Words;
+
+/// bfloat16 rows: the words as stored.
+template <>
+struct Bf16Words<Eigen::bfloat16> {
+    template <class Rows>
+    static const void* row(const Rows& rows, Index r) noexcept {
+        return rows.stored_row(r);
+    }
+    static __m512i load(const void* row, Index c, __mmask32 mask) noexcept {
+        return _mm512_maskz_loadu_epi16(mask, static_cast<const std::uint16_t*>(row) + c);
+    }
+};
+
+/// FP8 rows: every E4M3 and E5M2 value is a bfloat16 one (3 or 2 bits of mantissa,
+/// exponents within bfloat16's; NaN and E5M2's ±∞ as bfloat16's), so a byte becomes its
+/// word exactly: its magnitude from a 128-word table (two vpermt2w and a blend), its sign
+/// bit moved to bit 15 (vpternlogd). Seven instructions for 32 values.
+template <Fp8Storage S>
+struct Bf16Words<S> {
+    /// The bfloat16 bits of the magnitudes 0–127, by their byte.
+    static constexpr std::array<std::uint16_t, 128> table = [] {
+        std::array<std::uint16_t, 128> words{};
+        for (std::size_t m = 0; m < words.size(); ++m)
+            words[m] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(fp8_values<S>[m]) >> 16);
+        return words;
+    }();
+    template <class Rows>
+    static const void* row(const Rows& rows, Index r) noexcept {
+        return rows.row_data(r);
+    }
+    static __m512i load(const void* row, Index c, __mmask32 mask) noexcept {
+        const __m512i bytes = _mm512_cvtepu8_epi16(
+            _mm512_castsi512_si256(_mm512_maskz_loadu_epi8(__mmask64{mask}, static_cast<const std::uint8_t*>(row) + c)));
+        // vpermt2w picks from two registers of 32 words by the index's bits 0–5: the
+        // magnitudes 0–63 and 64–127 separately, then bit 6 chooses
+        const auto part = [](const std::uint16_t* words) { return _mm512_loadu_si512(words); };
+        const __m512i low = _mm512_permutex2var_epi16(part(table.data()), bytes, part(table.data() + 32));
+        const __m512i high = _mm512_permutex2var_epi16(part(table.data() + 64), bytes, part(table.data() + 96));
+        const __m512i magnitude =
+            _mm512_mask_blend_epi16(_mm512_test_epi16_mask(bytes, _mm512_set1_epi16(0x40)), low, high);
+        // magnitude | (bytes << 8 & 0x8000): the sign, bit 7 of the byte
+        return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(bytes, 8), _mm512_set1_epi16(-0x8000), 0xF8);
+    }
+};
+
 
 /// s (GQ rows, stride lds) = scale · (q · K_jᵀ) for the keys j ∈ [first, first + m) of
-/// bfloat16 `keys` (stored_row): q is GQ rows of bfloat16 bits (stride ldq words,
-/// zero-padded to whole 32-word packets), pairs along the head dim as the rows are
-/// stored; the tiles, the lanes' sums and the prefetches are logit_tiles'. A row's words
-/// past d are not read (masked loads), so they need not be finite.
+/// `keys` (bfloat16 or FP8 rows, read by Bf16Words): q is GQ rows of bfloat16 bits
+/// (stride ldq words, zero-padded to whole 32-word packets), pairs along the head dim as
+/// the rows are stored; the tiles, the lanes' sums and the prefetches are logit_tiles'.
+/// A row's values past d are not read (masked loads), so they need not be finite.
 template <int GQ, class Keys, class Values>
 void logit_tiles_bf16(const Keys& keys, const Values& values, Index first, Index m, Index d, const std::uint16_t* q,
                       Index ldq, float scale, float* s, Index lds, Index ahead, Index end) {
@@ -234,24 +301,24 @@ void logit_tiles_bf16(const Keys& keys, const Values& values, Index first, Index
     const auto query = [q, ldq](int r, Index c) {
         return std::bit_cast<__m512bh>(_mm512_load_si512(q + r * ldq + c));
     };
+    using Words = Bf16Words<typename stored_format<Keys>::type>;
     for (Index j = 0; j < m; j += GK) {
         const void* row[GK];  // a tile past the end repeats the last key, and drops its sums
         for (int k = 0; k < GK; ++k)
-            row[k] = keys.stored_row(first + std::min<Index>(j + k, m - 1));
+            row[k] = Words::row(keys, first + std::min<Index>(j + k, m - 1));
         prefetch_tile(keys, values, first + j, std::min(first + j + GK, first + m), ahead, end);
         __m512 acc[lanes];
         for (int i = 0; i < lanes; ++i)
             acc[i] = _mm512_setzero_ps();
         for (Index c = 0; c < whole; c += 32)
             for (int k = 0; k < GK; ++k) {
-                const auto kp = std::bit_cast<__m512bh>(_mm512_loadu_si512(static_cast<const std::uint16_t*>(row[k]) + c));
+                const auto kp = std::bit_cast<__m512bh>(Words::load(row[k], c, ~__mmask32(0)));
                 for (int r = 0; r < GQ; ++r)
                     acc[tile_slot(r * GK + k)] = _mm512_dpbf16_ps(acc[tile_slot(r * GK + k)], query(r, c), kp);
             }
         if (rest != 0)
             for (int k = 0; k < GK; ++k) {
-                const auto kp = std::bit_cast<__m512bh>(
-                    _mm512_maskz_loadu_epi16(rest, static_cast<const std::uint16_t*>(row[k]) + whole));
+                const auto kp = std::bit_cast<__m512bh>(Words::load(row[k], whole, rest));
                 for (int r = 0; r < GQ; ++r)
                     acc[tile_slot(r * GK + k)] = _mm512_dpbf16_ps(acc[tile_slot(r * GK + k)], query(r, whole), kp);
             }
@@ -281,7 +348,7 @@ inline void round_weights_bf16(float* x, Index n, Eigen::bfloat16* w) noexcept {
 }
 
 /// out (GQ rows of dv, stride ldo) = α ⊙ out + P·V_j for the values j ∈ [first, first + m)
-/// of bfloat16 `values` and the weights in bfloat16 w (GQ rows of m values, stride
+/// of `values` (bfloat16 or FP8 rows, read by Bf16Words) and the weights in bfloat16 w (GQ rows of m values, stride
 /// ldw, even; w[m], past an odd m, is 0): two keys per vdpbf16ps, their rows interleaved
 /// into pairs (unpacklo/hi_epi16: the pairs of columns 0–3 and 4–7 of each 128-bit
 /// lane), so each accumulator holds a fixed permutation of 16 output columns, undone as
@@ -291,6 +358,7 @@ template <int GQ, class Values>
 void value_tiles_bf16(const Values& values, Index first, Index m, Index dv, const Eigen::bfloat16* w, Index ldw,
                       const float* alpha, float* out, Index ldo) {
     constexpr int width = GQ >= 8 ? 1 : GQ >= 4 ? 2 : 4;  // 32-column chunks per tile: 2·GQ·width ≤ 16 accumulators
+    using Words = Bf16Words<typename stored_format<Values>::type>;
     const Index chunks = (dv + 31) / 32;
     // Lane ℓ of the "lo" accumulator holds column 8⌊ℓ/4⌋ + ℓ mod 4 of the chunk, of "hi" 4 more.
     const __m512i lo_columns = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
@@ -319,16 +387,15 @@ void value_tiles_bf16(const Values& values, Index first, Index m, Index dv, cons
                 }
             }
             for (Index j = 0; j < m; j += 2) {
-                const auto* x = reinterpret_cast<const std::uint16_t*>(values.stored_row(first + j));
-                const auto* y = j + 1 < m ? reinterpret_cast<const std::uint16_t*>(values.stored_row(first + j + 1))
-                                          : nullptr;
+                const void* x = Words::row(values, first + j);
+                const void* y = j + 1 < m ? Words::row(values, first + j + 1) : nullptr;
                 __m512bh va[Chunks], vb[Chunks];
                 MEMATTN_UNROLL
                 for (int k = 0; k < Chunks; ++k) {
                     const Index c = (c0 + k) * 32;
                     const __mmask32 mask = row_mask(c);
-                    const __m512i a = _mm512_maskz_loadu_epi16(mask, x + c);
-                    const __m512i b = y != nullptr ? _mm512_maskz_loadu_epi16(mask, y + c) : _mm512_setzero_si512();
+                    const __m512i a = Words::load(x, c, mask);
+                    const __m512i b = y != nullptr ? Words::load(y, c, mask) : _mm512_setzero_si512();
                     va[k] = std::bit_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
                     vb[k] = std::bit_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
                 }
@@ -357,6 +424,16 @@ void value_tiles_bf16(const Values& values, Index first, Index m, Index dv, cons
     }
 }
 #undef MEMATTN_UNROLL
+#endif
+
+/// S is a format fold_bf16 reads as bfloat16 words (Bf16Words<S>, AVX512-BF16): bfloat16
+/// and FP8.
+#if defined(MEMATTN_GROUP_BF16)
+template <class S>
+inline constexpr bool bf16_dot_rows = std::is_same_v<S, Eigen::bfloat16> || Fp8Storage<S>;
+#else
+template <class S>
+inline constexpr bool bf16_dot_rows = false;
 #endif
 
 /// f.template operator()<GQ>(r0) over the rows [0, g) in chunks of powers of two below
@@ -405,9 +482,9 @@ struct DecodeLogits {
     const double* slopes = nullptr;  ///< ALiBi: s ← s − slopes[r]·(position − j), one per query
     const double* sinks = nullptr;   ///< σ_r joins query r's denominator, one per query
     Index position = 0;              ///< the queries' position (the token they belong to)
-    /// FpMath::bf16 (a memory of float over rows stored as bfloat16): the queries and the
-    /// weights rounded to bfloat16 and the products run by vdpbf16ps where the target has
-    /// it (AVX512-BF16; elsewhere the float products on the rounded queries).
+    /// FpMath::bf16 (a memory of float over rows stored as bfloat16 or FP8): the queries
+    /// and the weights rounded to bfloat16 and the products run by vdpbf16ps where the
+    /// target has it (bf16_dot_rows; elsewhere the float products on the rounded queries).
     bool bf16_products = false;
 
     /// Whether the logits change (the sinks act at the end, in finish).
@@ -472,10 +549,10 @@ struct DecodeLogits {
 ///   keys per vpdpbusd with AVX-512 VNNI), the bits of the single query's integer_dot, so
 ///   a query's output is the same in any group; then the tiles route's softmax and
 ///   value_tiles;
-/// - FpMath::bf16 (DecodeLogits::bf16_products) over rows stored as bfloat16 with
-///   AVX512-BF16, any g, d ≤ max_depth: fold_bf16, the tiles route in bfloat16 arithmetic
-///   (logit_tiles_bf16 on the queries rounded once, the weights rounded for
-///   value_tiles_bf16), no stored value converted;
+/// - FpMath::bf16 (DecodeLogits::bf16_products) over rows stored as bfloat16 or FP8
+///   with AVX512-BF16 (bf16_dot_rows), any g, d ≤ max_depth: fold_bf16, the tiles route in
+///   bfloat16 arithmetic (logit_tiles_bf16 on the queries rounded once, the weights
+///   rounded for value_tiles_bf16), each stored value read as bfloat16 (Bf16Words);
 /// - elsewhere: S = scale · Q_g K_bᵀ as dot products vectorised along the head dim and
 ///   one SoftmaxState per query, since a key-major product would fill only g of a
 ///   packet's lanes (g = 4: 1.6× faster than the tiled route with AVX2).
@@ -496,7 +573,7 @@ public:
           tiled_(g_ >= packet_lanes<T> && queries.cols() <= max_depth),
           tiles_(std::is_same_v<T, float> && decode_tiles && g_ >= 2 && !tiled_ && queries.cols() <= max_depth),
           depth_(round_up(queries.cols(), packet_lanes<T>)), block_(tiled_ ? lanes_ : 1),
-          dot_(bf16_dot && std::is_same_v<T, float> && logits.bf16_products && queries.cols() <= max_depth) {
+          dot_(group_bf16 && std::is_same_v<T, float> && logits.bf16_products && queries.cols() <= max_depth) {
         MEMATTN_DASSERT(g_ <= group_rows && lanes_ <= group_rows);
         load_queries();
     }
@@ -517,6 +594,7 @@ public:
     /// states and the rows of `acc` (g×dv, zero before the first fold).
     template <class KBlock, class VBlock, class Acc>
     void fold(const KBlock& K, const VBlock& V, Acc&& acc, Index key_position = 0) {
+        MEMATTN_DASSERT(!dot_);  // fold_bf16's queries only (load_queries)
         MEMATTN_DASSERT(K.rows() == V.rows() && K.cols() == queries_.cols() && V.cols() == acc.cols() &&
                         acc.rows() == g_);
         key_position_ = key_position;
@@ -561,12 +639,13 @@ public:
             fold(K.block(first, n), V.block(first, n), acc, key_position);
         } else {
             MEMATTN_DASSERT(K.cols() == queries_.cols() && V.cols() == acc.cols() && acc.rows() == g_);
-            if constexpr (bf16_rows<SK> && bf16_rows<SV>) {
+            if constexpr (bf16_dot_rows<SK> && bf16_dot_rows<SV>) {
                 if (dot_) {
                     fold_bf16(K, V, first, n, acc);
                     return;
                 }
             }
+            MEMATTN_DASSERT(!dot_);  // the memories take FpMath::bf16 over rows fold_bf16 reads
             if (g_ == 1 && !logits_.transforms()) {
                 attend_stored(queries_.row(0), K, V, first, n, scale_, states_[0], acc.row(0));
                 return;
@@ -604,7 +683,7 @@ public:
         }
     }
     /// Whether the folds round the queries to bfloat16 themselves (FpMath::bf16 on rows
-    /// stored as bfloat16, fold_bf16); else a caller that wants them rounded gives them so.
+    /// fold_bf16 reads, bf16_dot_rows); else a caller that wants them rounded gives them so.
     [[nodiscard]] bool rounds_queries() const noexcept { return dot_; }
 
     /// Query r's state (natural logarithms), to finish or merge its accumulator row. The
@@ -633,7 +712,7 @@ private:
     /// (tiled route), rows zero-padded to whole packets.
     void load_queries() noexcept {
         const Index d = queries_.cols();
-#if defined(MEMATTN_BF16_DOT)
+#if defined(MEMATTN_GROUP_BF16)
         if constexpr (std::is_same_v<T, float>) {
             if (dot_) {  // fold_bf16's queries rounded to bfloat16, rows of whole 32-value packets
                 const Index depth = round_up(d, 32);
@@ -765,14 +844,15 @@ private:
         }
     }
 
-    /// The route of FpMath::bf16 over rows stored as bfloat16 (dot_: AVX512-BF16), any g:
+    /// The route of FpMath::bf16 over rows stored as bfloat16 or FP8 (dot_ and
+    /// bf16_dot_rows), any g:
     /// fold_blocks with the logits of the queries rounded once (load_queries) by
     /// logit_tiles_bf16 and the weights rounded to bfloat16 for value_tiles_bf16. A
     /// query's logits and output do not depend on the group it is in (the tiles' sums
     /// have one tree, the value tiles one order).
     template <class SK, class SV, class Acc>
     void fold_bf16(const StoredRows<T, SK>& keys, const StoredRows<T, SV>& values, Index first, Index n, Acc& acc) {
-#if defined(MEMATTN_BF16_DOT)
+#if defined(MEMATTN_GROUP_BF16)
         if constexpr (std::is_same_v<T, float>) {
             states_folds_ = true;
             const Index d = keys.cols(), depth = round_up(d, 32);
@@ -808,7 +888,7 @@ private:
                 for (Index r = 0; r < g_; ++r)
                     logits_.apply(s_ + r * group_keys, block, 1, r, key_position_ + j0, 1.0f);
             if constexpr (Bf16) {
-#if defined(MEMATTN_BF16_DOT)
+#if defined(MEMATTN_GROUP_BF16)
                 // The weights rounded to bfloat16, summed as rounded, and kept for P·V.
                 for (Index r = 0; r < g_; ++r) {
                     Eigen::bfloat16* w = bf16_.w + r * bf16_weights;
@@ -865,7 +945,7 @@ private:
         alignas(64) Eigen::bfloat16 w[group_rows * bf16_weights];  // a block's weights rounded
     };
     struct NoBf16Operands {};
-    std::conditional_t<bf16_dot && std::is_same_v<T, float>, Bf16Operands, NoBf16Operands> bf16_;
+    std::conditional_t<group_bf16 && std::is_same_v<T, float>, Bf16Operands, NoBf16Operands> bf16_;
     bool states_folds_ = false;                   // a fold took fold_integer or fold_bf16: the states are states_
 };
 

@@ -140,9 +140,10 @@ public:
         : pairs_(key_dim, value_dim, scale), sparse_(checked(sparse)) {
         size_bounds();
     }
-    /// With KVCache's logit options (softcap, ALiBi slopes, sink logits; see KVCache).
+    /// With KVCache's logit options (softcap, ALiBi slopes, sink logits; see KVCache);
+    /// FpMath::bf16 is refused (its blocks' bounds are of the exact queries).
     SparseKVCache(Index key_dim, Index value_dim, const SparseKVOptions& sparse, const SoftmaxOptions& options)
-        : pairs_(key_dim, value_dim, options), sparse_(checked(sparse)) {
+        : pairs_(key_dim, value_dim, strict(options)), sparse_(checked(sparse)) {
         size_bounds();
     }
     /// With the options and rotary position embeddings (KVCache's: keys stored turned to
@@ -150,7 +151,7 @@ public:
     /// keys, for the turned query).
     SparseKVCache(Index key_dim, Index value_dim, const SparseKVOptions& sparse, const SoftmaxOptions& options,
                   const Rope& rope)
-        : pairs_(key_dim, value_dim, options, rope), sparse_(checked(sparse)) {
+        : pairs_(key_dim, value_dim, strict(options), rope), sparse_(checked(sparse)) {
         size_bounds();
     }
 
@@ -348,6 +349,14 @@ private:
         [[nodiscard]] Index count() const noexcept { return last - first; }
     };
 
+    /// `options`, refused unless FpMath::strict: the bounds that choose the blocks are of
+    /// the exact queries, so rounded products could pass over a block they should read.
+    static const SoftmaxOptions& strict(const SoftmaxOptions& options) {
+        detail::require(options.fpmath == FpMath::strict, "SparseKVCache", "options.fpmath",
+                        "is not FpMath::strict: the blocks' bounds are of the exact queries (FpMath::bf16 is taken by "
+                        "KVCache and SlidingWindowCache of bfloat16 or FP8 rows)");
+        return options;
+    }
     static SparseKVOptions checked(const SparseKVOptions& o) {
         detail::at_least(o.block, 1, "SparseKVCache", "sparse.block");
         detail::at_least(o.top_k_blocks, 0, "SparseKVCache", "sparse.top_k_blocks");

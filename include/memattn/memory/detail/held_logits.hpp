@@ -17,9 +17,12 @@
 
 namespace memattn::detail {
 
-/// Whether a memory of T over rows stored as S takes FpMath::bf16: float over bfloat16.
+/// Whether a memory of T over rows stored as S takes FpMath::bf16: float over bfloat16 or
+/// FP8 (each of whose values is a bfloat16 one).
 template <class T, class S>
-inline constexpr bool bf16_products = std::is_same_v<T, float> && std::is_same_v<S, Eigen::bfloat16>;
+inline constexpr bool bf16_products =
+    std::is_same_v<T, float> &&
+    (std::is_same_v<S, Eigen::bfloat16> || std::is_same_v<S, Fp8E4M3> || std::is_same_v<S, Fp8E5M2>);
 
 /// A softmax memory's copy of its logit options; see the top of the file.
 class HeldLogits {
@@ -32,7 +35,7 @@ public:
     /// takes them from the options); a memory's queries come after its keys, so
     /// `causal` must be true and no tree is given. T: the scalar the memory computes in,
     /// in which the values must be finite. `bf16_allowed`: the memory stores its rows as
-    /// bfloat16 and computes in float, so it takes FpMath::bf16 (its attends then round
+    /// bfloat16 or FP8 and computes in float, so it takes FpMath::bf16 (its attends then round
     /// the queries and the weights to bfloat16: GroupAttention's fold_bf16).
     template <class T>
     HeldLogits(const char* memory, const SoftmaxOptions& options, std::type_identity<T>, bool window_allowed = false,
@@ -52,8 +55,8 @@ public:
         require(options.fpmath == FpMath::strict || bf16_allowed, memory, "options.fpmath",
                 "is not FpMath::strict, but this memory reads its pairs as stored and keeps its own products "
                 "(FpMath::bf16 is taken by KVCache and SlidingWindowCache of float over rows stored as "
-                "Eigen::bfloat16, and MultiHead over them; round with causal_softmax_attention or the multi-head "
-                "kernel)");
+                "Eigen::bfloat16, Fp8E4M3 or Fp8E5M2, and MultiHead over them; round with causal_softmax_attention "
+                "or the multi-head kernel)");
         if (!window_allowed) {
             require(options.window == 0, memory, "options.window", "is ", options.window,
                     ", expected 0: a window is SlidingWindowCache's (or this memory's own argument)");
@@ -76,7 +79,8 @@ public:
         base.softcap = softcap_;
         base.alibi_slopes = slopes_;
         base.sink_logits = sinks_;
-        base.fpmath = fpmath_;
+        if (fpmath_ != FpMath::strict)  // a latent cache holds its own (without_fpmath)
+            base.fpmath = fpmath_;
         return base;
     }
     /// The options of query m of an attend of queries() queries (its own slope and sink).
