@@ -385,69 +385,61 @@ TEMPLATE_TEST_CASE("SparseKVCache: reserved decode steps, grouped attends and tr
     CHECK(out.allFinite());
 }
 
-TEMPLATE_TEST_CASE("MultiHead<KVCache>: split decode steps allocate nothing once reserved, at 1 and 2 threads",
-                   "[memory][allocation][layer]", float, double) {
-    using T = TestType;
-    // 8 query heads over 2 KV heads, 9000 pairs each: five pieces per head (split_keys
-    // 2048), and enough work per step to be spread over the threads.
+/// MultiHead of 8 query heads over 2 KV heads of d = 16, each made by make(h), with 9000
+/// pairs (five pieces a head at split_keys 2048, and work enough to be spread over the
+/// threads), reserved: 20 decode steps on `threads` threads allocate nothing.
+template <class T, class Make>
+void check_split_steps(const Make& make, int threads) {
+    using M = std::invoke_result_t<const Make&, Index>;
     const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 16};
     const Index n = 9000, steps = 20;
     const Matrix<T> K = random_matrix<T>(n + steps, 32, 2), V = random_matrix<T>(n + steps, 32, 3),
                     Q = random_matrix<T>(steps, 128, 1);
+    MultiHead<M> mem(layout, make);
+    mem.reserve(n + steps);
+    mem.extend(K.topRows(n), V.topRows(n));
+    const OpenMPExecutor executor{.threads = threads};
+    mem.set_executor(executor);
+    Vector<T> out(128);
+    HeapWatch watch;
+    for (Index i = 0; i < steps; ++i) {
+        mem.update(K.row(n + i), V.row(n + i));
+        mem.attend(Q.row(i), out);
+    }
+    const auto counts = watch.stop();
+    CHECK(counts.operator_news == 0);
+    CHECK(counts.eigen_mallocs == 0);
+    CHECK(out.allFinite());
+}
+
+TEMPLATE_TEST_CASE("MultiHead<KVCache>: split decode steps allocate nothing once reserved, at 1 and 2 threads",
+                   "[memory][allocation][layer]", float, double) {
+    using T = TestType;
     const double values[4] = {0.5, -0.25, 1, 0};
     const SoftmaxOptions options{.softcap = 4, .sink_logits = values, .alibi_slopes = values};
     for (const auto& [threads, logits] : {std::pair{1, false}, {2, false}, {1, true}, {2, true}}) {
         INFO(threads << " threads" << (logits ? ", with logit options and RoPE" : ""));
         const bool with = logits;  // for the lambda (clang 14 cannot capture a binding)
-        MultiHead<KVCache<T>> mem(layout, [&](Index) {
-            return with ? KVCache<T>(16, 16, options, Rope{.head_dim = 16}) : KVCache<T>(16, 16);
-        });
-        mem.reserve(n + steps);
-        mem.extend(K.topRows(n), V.topRows(n));
-        const OpenMPExecutor executor{.threads = threads};
-        mem.set_executor(executor);
-        Vector<T> out(128);
-        HeapWatch watch;
-        for (Index i = 0; i < steps; ++i) {
-            mem.update(K.row(n + i), V.row(n + i));
-            mem.attend(Q.row(i), out);
-        }
-        const auto counts = watch.stop();
-        CHECK(counts.operator_news == 0);
-        CHECK(counts.eigen_mallocs == 0);
-        CHECK(out.allFinite());
+        check_split_steps<T>(
+            [&](Index) { return with ? KVCache<T>(16, 16, options, Rope{.head_dim = 16}) : KVCache<T>(16, 16); },
+            threads);
     }
 }
 
-TEST_CASE("MultiHead<KVCache<float, bfloat16>> with FpMath::bf16: split decode steps allocate nothing once reserved, "
-          "at 1 and 2 threads",
-          "[memory][allocation][layer]") {
-    using E = Eigen::bfloat16;
-    const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 16};
-    const Index n = 9000, steps = 20;
-    const Matrix<float> K = random_matrix<float>(n + steps, 32, 2), V = random_matrix<float>(n + steps, 32, 3),
-                        Q = random_matrix<float>(steps, 128, 1);
+TEMPLATE_TEST_CASE("MultiHead<KVCache<float, S>> with FpMath::bf16 (bfloat16 and FP8 rows): split decode steps "
+                   "allocate nothing once reserved, at 1 and 2 threads",
+                   "[memory][allocation][layer]", Eigen::bfloat16, Fp8E4M3) {
+    using S = TestType;
+    const SoftmaxOptions options{.fpmath = FpMath::bf16};
     for (const bool rope : {false, true})
         for (const int threads : {1, 2}) {
             INFO(threads << " threads" << (rope ? ", RoPE" : ""));
-            MultiHead<KVCache<float, E>> mem(layout, [&](Index) {
-                const SoftmaxOptions options{.fpmath = FpMath::bf16};
-                return rope ? KVCache<float, E>(16, 16, options, Rope{.head_dim = 16}) : KVCache<float, E>(16, 16, options);
-            });
-            mem.reserve(n + steps);
-            mem.extend(K.topRows(n), V.topRows(n));
-            const OpenMPExecutor executor{.threads = threads};
-            mem.set_executor(executor);
-            Vector<float> out(128);
-            HeapWatch watch;
-            for (Index i = 0; i < steps; ++i) {
-                mem.update(K.row(n + i), V.row(n + i));
-                mem.attend(Q.row(i), out);
-            }
-            const auto counts = watch.stop();
-            CHECK(counts.operator_news == 0);
-            CHECK(counts.eigen_mallocs == 0);
-            CHECK(out.allFinite());
+            check_split_steps<float>(
+                [&](Index) {
+                    return rope ? KVCache<float, S>(16, 16, options, Rope{.head_dim = 16})
+                                : KVCache<float, S>(16, 16, options);
+                },
+                threads);
         }
 }
 
