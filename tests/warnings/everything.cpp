@@ -6,8 +6,8 @@
 // memattn's headers (or Eigen's) cause in a user's optimised build on any of them fails
 // the build. The layers, the paged pool and the model cache (MEMATTN_WARNINGS_LAYERS)
 // compose the kernels and memories, adding no code of an instruction set's own: the
-// default and sapphirerapids units compile them, x86-64-v3's does not (tests/CMakeLists.txt);
-// so does multi-head latent attention (float only).
+// sapphirerapids unit compiles them, the default and x86-64-v3 units do not
+// (tests/CMakeLists.txt); so does multi-head latent attention (float only).
 // It is compiled, not run: it needs only to instantiate, so it works on any CPU.
 #include <memattn/memattn.hpp>
 
@@ -165,7 +165,7 @@ void everything(memattn::Index n, memattn::Index d) {
 #if defined(MEMATTN_WARNINGS_LAYERS)
     // Multi-head latent attention, in float: the cache (compactly too), the absorbed step and
     // both prefills compose the tile kernels and products, adding no code of an instruction
-    // set's own (as the layers: the default and AVX-512 units).
+    // set's own (as the layers: the AVX-512 unit).
     if constexpr (std::is_same_v<T, float>) {
         const double sink[1] = {0.5};
         memattn::LatentKVCache<T> latent(d, 2, T(0.1), {.softcap = 3, .sink_logits = sink});

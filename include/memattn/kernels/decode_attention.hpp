@@ -15,8 +15,9 @@
 //                       registers; a whole packet of queries: the tiled kernel's products;
 //                       IntegerDot<Q8> keys with AVX-512 VNNI: the logits in integers,
 //                       sixteen keys at a time (StoredRows<T, Q8>::integer_logits);
-//                       FpMath::bf16 over bfloat16 rows with AVX512-BF16: the stored
-//                       rows multiplied as they are by vdpbf16ps (fold_bf16)
+//                       FpMath::bf16 over bfloat16 or FP8 rows with AVX512-BF16: the
+//                       stored values multiplied as bfloat16 words by vdpbf16ps
+//                       (fold_bf16; an FP8 byte read as its exact word)
 //   MemoryAttention     a group of a memory's queries over its runs, with its options
 //   attend_memory_group every query of a memory's attend_group
 //

@@ -1,0 +1,38 @@
+# Every test case runs under ctest (tests/CMakeLists.txt, every_test_case_runs):
+#   - each test file that memattn_tests holds (its tag [#<file>] under --filenames-as-tags)
+#     has an entry of its own, FILES (comma-separated names, without _test);
+#   - the executables registered case by case by catch_discover_tests, BY_CASE
+#     (comma-separated paths), have no ';' in a test case's name: catch_discover_tests
+#     would cut the name into a list, and ctest would run a name that matches nothing.
+# Catch2 2.x exits with the number of items a --list option printed, so only the output counts.
+cmake_minimum_required(VERSION 3.21)
+string(REPLACE "," ";" files "${FILES}")
+execute_process(COMMAND "${MAIN}" --filenames-as-tags --list-tags OUTPUT_VARIABLE out ERROR_VARIABLE err)
+string(REGEX MATCHALL "\\[#[A-Za-z0-9_]+\\]" tags "${out}")
+if(NOT tags)
+  message(FATAL_ERROR "${MAIN} --filenames-as-tags --list-tags listed no file tags:\n${out}\n${err}")
+endif()
+set(missing "")
+foreach(tag IN LISTS tags)
+  string(REGEX REPLACE "^\\[#(.*)_test\\]$" "\\1" name "${tag}")
+  if(NOT name IN_LIST files)
+    list(APPEND missing "${tag}")
+  endif()
+endforeach()
+if(missing)
+  message(FATAL_ERROR "test files of ${MAIN} without a ctest entry (add them to memattn_test_groups): ${missing}")
+endif()
+list(LENGTH tags count)
+message(STATUS "${MAIN}: ${count} test files, each an entry")
+string(REPLACE "," ";" by_case "${BY_CASE}")
+foreach(binary IN LISTS by_case)
+  execute_process(COMMAND "${binary}" --list-test-names-only OUTPUT_VARIABLE names ERROR_VARIABLE err)
+  if(names STREQUAL "")
+    message(FATAL_ERROR "${binary} --list-test-names-only listed nothing:\n${err}")
+  endif()
+  string(REGEX MATCHALL "[^\n]*;[^\n]*" cut "${names}")
+  if(cut)
+    string(REPLACE ";" "<;>" cut "${cut}")
+    message(FATAL_ERROR "test cases of ${binary} whose names hold a ';', which ctest would not run: ${cut}")
+  endif()
+endforeach()
