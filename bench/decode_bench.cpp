@@ -913,6 +913,7 @@ void cells(benchmark::internal::Benchmark* b) {
 //   BM_BatchedDecode<S>/block:B/t:T    batched_decode over one PagedKVCache<float, S> of
 //       blocks of B tokens; counters as above (bytes: the pairs of every sequence, as
 //       stored) and wasted_MiB, the bytes of the blocks held past the tokens
+//   BM_BatchedDecodeFpMathBf16<S>/...  the same with FpMath::bf16 (S bfloat16 or Fp8E4M3)
 //   BM_SeparateDecode<S>/t:T           the same steps as 32 MultiHead<KVCache<float, S>>,
 //       one update and attend each
 //   BM_PrefixSharing<S>/block:B        16 sequences forked from one 2048-token prompt, one
@@ -944,7 +945,7 @@ std::size_t token_bytes() {
            2 * memattn::detail::StoredRows<float, S>::row_bytes(head_dim);
 }
 
-template <class S>
+template <class S, bool bf16 = false>
 void BM_BatchedDecode(benchmark::State& state) {
     const Index block = state.range(0);
     const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(1))};
@@ -960,11 +961,13 @@ void BM_BatchedDecode(benchmark::State& state) {
     static std::string kept_name;
     static std::shared_ptr<Pool> kept;
     static std::vector<Index> ids;
-    const std::string name = std::string(typeid(S).name()) + "/" + std::to_string(block);
+    const std::string name = std::string(typeid(S).name()) + "/" + std::to_string(block) + (bf16 ? "/bf16" : "");
     if (name != kept_name || !kept) {
         kept.reset();
         kept_name.clear();
-        kept = std::make_shared<Pool>(serving_layout, blocks, block);
+        kept = std::make_shared<Pool>(serving_layout, blocks, block,
+                                      memattn::SoftmaxOptions{.fpmath = bf16 ? memattn::FpMath::bf16
+                                                                             : memattn::FpMath::strict});
         ids.clear();
         for (Index i = 0; i < serving_batch; ++i) {
             ids.push_back(kept->add_sequence());
@@ -1304,6 +1307,13 @@ BENCHMARK(BM_DecodeVariants)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_BatchedDecode<float>)->Name("BM_BatchedDecode<float>")->Apply(serving_cells);
 BENCHMARK(BM_BatchedDecode<Eigen::bfloat16>)->Name("BM_BatchedDecode<bfloat16>")->Apply(serving_cells);
+BENCHMARK(BM_BatchedDecode<memattn::Fp8E4M3>)->Name("BM_BatchedDecode<Fp8E4M3>")->Apply(serving_cells);
+BENCHMARK(BM_BatchedDecode<Eigen::bfloat16, true>)
+    ->Name("BM_BatchedDecodeFpMathBf16<bfloat16>")
+    ->Apply(serving_cells);
+BENCHMARK(BM_BatchedDecode<memattn::Fp8E4M3, true>)
+    ->Name("BM_BatchedDecodeFpMathBf16<Fp8E4M3>")
+    ->Apply(serving_cells);
 BENCHMARK(BM_SeparateDecode<float>)->Name("BM_SeparateDecode<float>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SeparateDecode<Eigen::bfloat16>)->Name("BM_SeparateDecode<bfloat16>")->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MixedBatch)->ArgName("t")->Arg(1)->Arg(2)->UseRealTime()->Unit(benchmark::kMillisecond);

@@ -13,11 +13,15 @@
 //   BM_Decode/threads/q_heads/kv_heads/position   one MultiHead<KVCache> attend, d = 128
 //   BM_Varlen/threads/batched                     16 sequences of 64..4096 tokens (batched
 //                                                 = 1) or one sequence of the same work
-//   BM_PromptLayer/threads/n                      4 prompts of n tokens, 32/8 heads × 128: the
+//   BM_PromptLayer/threads/n/bf16                 4 prompts of n tokens, 32/8 heads × 128: the
 //                                                 multi-head kernel on them as a varlen batch
-//   BM_PoolPrefill/threads/n                      the same prompts through batched_prefill into
-//                                                 an empty PagedKVCache<float> (blocks of 128):
-//                                                 the ratio to BM_PromptLayer is the pool's cost
+//                                                 (bf16 = 1: with FpMath::bf16)
+//   BM_PoolPrefill/threads/n/rows                 the same prompts through batched_prefill into
+//                                                 an empty PagedKVCache (blocks of 128): rows 0
+//                                                 float, 1 bfloat16 rows, 2 bfloat16 rows with
+//                                                 FpMath::bf16, 3 Fp8E4M3 rows with it; the
+//                                                 ratio to BM_PromptLayer (of the same
+//                                                 arithmetic) is the pool's cost
 //
 // GFLOPS counts 2·(d + dv) per visible (query, key) pair per query head for softmax,
 // 4·d·dv per token per query head for linear attention, and 2·(d + dv) per stored pair
@@ -71,7 +75,7 @@ void time_layer(benchmark::State& state, const HeadLayout& layout, double flops,
     const Matrix<T> Q = random_matrix<T>(n, layout.q_heads * d, 1 + seed),
                     K = random_matrix<T>(n, layout.kv_heads * d, 2 + seed),
                     V = random_matrix<T>(n, layout.kv_heads * d, 3 + seed);
-    Matrix<T> O(n, layout.q_heads * d);
+    Matrix<T> O = Matrix<T>::Zero(n, layout.q_heads * d);  // its pages touched before the timing
     for (auto _ : state) {
         call(Q, K, V, O);
         benchmark::DoNotOptimize(O.data());
@@ -206,30 +210,47 @@ void BM_PromptLayer(benchmark::State& state) {
     Prompts p(state.range(1));
     const memattn::VarLen batch{p.offsets, p.offsets};
     const memattn::OpenMPExecutor executor{.threads = static_cast<int>(threads)};
+    const memattn::SoftmaxOptions options{.fpmath = state.range(2) == 1 ? memattn::FpMath::bf16
+                                                                        : memattn::FpMath::strict};
+    // One call untimed: O's pages touched first (~10 µs each here, 8 to 130 ms of them;
+    // a cell of this size runs one iteration per repetition).
+    memattn::multi_head_causal_softmax_attention(p.Q, p.K, p.V, p.O, p.layout, options, batch, executor);
     for (auto _ : state) {
-        memattn::multi_head_causal_softmax_attention(p.Q, p.K, p.V, p.O, p.layout, {}, batch, executor);
+        memattn::multi_head_causal_softmax_attention(p.Q, p.K, p.V, p.O, p.layout, options, batch, executor);
         benchmark::DoNotOptimize(p.O.data());
         benchmark::ClobberMemory();
     }
     set_gflops(state, p.flops());
 }
 
-void BM_PoolPrefill(benchmark::State& state) {
-    const Index threads = state.range(0);
-    use_threads(state, threads);
-    Prompts p(state.range(1));
+template <class S>
+void pool_prefill(benchmark::State& state, Prompts& p, const memattn::SoftmaxOptions& options) {
     const Index block = memattn::PagedKVCache<float>::default_block_size;
-    memattn::PagedKVCache<float> pool(p.layout, Prompts::count * ((p.n + block - 1) / block), block);
+    memattn::PagedKVCache<float, S> pool(p.layout, Prompts::count * ((p.n + block - 1) / block), block, options);
     std::vector<Index> seqs;
     for (Index i = 0; i < Prompts::count; ++i)
         seqs.push_back(pool.add_sequence());
-    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(threads)};
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(0))};
+    // One call untimed, as BM_PromptLayer's: O's pages and the pool's blocks touched first.
+    memattn::batched_prefill(pool, seqs, p.offsets, p.Q, p.K, p.V, p.O, executor);
     for (auto _ : state) {
         for (const Index seq : seqs)  // empty again: a few counts, no data touched
             pool.truncate(seq, 0);
         memattn::batched_prefill(pool, seqs, p.offsets, p.Q, p.K, p.V, p.O, executor);
         benchmark::DoNotOptimize(p.O.data());
         benchmark::ClobberMemory();
+    }
+}
+
+void BM_PoolPrefill(benchmark::State& state) {
+    use_threads(state, state.range(0));
+    Prompts p(state.range(1));
+    const memattn::SoftmaxOptions bf16{.fpmath = memattn::FpMath::bf16};
+    switch (state.range(2)) {
+    case 0: pool_prefill<float>(state, p, {}); break;
+    case 1: pool_prefill<Eigen::bfloat16>(state, p, {}); break;
+    case 2: pool_prefill<Eigen::bfloat16>(state, p, bf16); break;
+    default: pool_prefill<memattn::Fp8E4M3>(state, p, bf16); break;
     }
     set_gflops(state, p.flops());
 }
@@ -267,7 +288,7 @@ BENCHMARK(BM_Decode)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Varlen)->ArgsProduct({{1, 2}, {0, 1}})->UseRealTime()->Unit(benchmark::kMillisecond);
 
-BENCHMARK(BM_PromptLayer)->ArgsProduct({{1, 2}, {512, 2048}})->UseRealTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_PoolPrefill)->ArgsProduct({{1, 2}, {512, 2048}})->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PromptLayer)->ArgsProduct({{1, 2}, {512, 2048}, {0, 1}})->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_PoolPrefill)->ArgsProduct({{1, 2}, {512, 2048}, {0, 1, 2, 3}})->UseRealTime()->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

@@ -3174,3 +3174,194 @@ TEST_CASE("StatePool: accept keeps the checkpoints its path crosses (of more tha
     }
 }
 
+
+// ---- FpMath::bf16 in the pool: bfloat16 products over bfloat16 and FP8 blocks ----------
+
+TEMPLATE_TEST_CASE("PagedKVCache with FpMath::bf16: a decode step is a KVCache's grouped attend with the option, a "
+                   "prompt or a tree the multi-head kernel's with it, bit for bit on any thread count",
+                   "[serving][batched][bf16]", Eigen::bfloat16, Fp8E4M3, Fp8E5M2) {
+    using S = TestType;
+    using E = Eigen::bfloat16;
+    const SoftmaxOptions bf16{.fpmath = FpMath::bf16};
+    // Decode over blocks of 128 tokens (GroupAttention's blocks, so a cache's bits); a head
+    // of 300 is past fold_bf16's depth: the pool rounds the queries itself, as the cache.
+    for (const Index d : {24, 300}) {
+        INFO(detail::storage_name<S> << ", d = " << d);
+        const HeadLayout layout{4, 2, d, 0};
+        PagedKVCache<float, S> pool(layout, 8, 128, bf16), strict(layout, 8, 128);
+        CHECK(pool.options().fpmath == FpMath::bf16);
+        CHECK(strict.options().fpmath == FpMath::strict);
+        const Matrix<float> K = random_matrix<float>(300, 2 * d, 61), V = random_matrix<float>(300, 2 * d, 62);
+        const Index seq = pool.add_sequence(), plain = strict.add_sequence();
+        pool.extend(seq, K, V);
+        strict.extend(plain, K, V);
+        const Matrix<float> q = random_matrix<float>(1, 4 * d, 63, 2.0);
+        Matrix<float> o(1, 4 * d), unrounded(1, 4 * d);
+        pool.attend(seq, q.row(0), o.row(0));
+        strict.attend(plain, q.row(0), unrounded.row(0));
+        CHECK((o.array() != unrounded.array()).any());  // the option acts
+        for (Index kv = 0; kv < 2; ++kv) {
+            KVCache<float, S> cache(d, d, bf16);
+            memattn::extend(cache, Matrix<float>(K.middleCols(kv * d, d)), Matrix<float>(V.middleCols(kv * d, d)));
+            const Matrix<float> group = Eigen::Map<const Matrix<float>>(q.data() + kv * 2 * d, 2, d);
+            Matrix<float> expected(2, d);
+            cache.attend_group(group, expected);
+            const Matrix<float> got = Eigen::Map<const Matrix<float>>(o.data() + kv * 2 * d, 2, d);
+            CHECK((got.array() == expected.array()).all());
+        }
+    }
+    // A batch of forks of one prompt (their shared blocks read together: serving/cascade.hpp)
+    // and two sequences of their own; with a window, sinks and the logit options too. The
+    // same bits on 1–3 threads; each row near the double reference on its rounded query
+    // (the weights' rounding, docs/design.md §4.7c).
+    const HeadLayout layout{8, 2, 16, 0};
+    const std::vector<double> slopes{0.5, 0.25, 0.125, 0.0625, 0.03, 0.02, 0.01, 0.005},
+        sink_logits{0.3, -1.0, 2.0, 0.0, 0.5, 1.0, -0.5, 0.25};
+    const Matrix<float> K0 = random_matrix<float>(130, 32, 64), V0 = random_matrix<float>(130, 32, 65);
+    const Matrix<float> Qb = random_matrix<float>(5, 128, 66, 2.0), Kb = random_matrix<float>(5, 32, 67),
+                        Vb = random_matrix<float>(5, 32, 68);
+    for (const bool logits : {false, true}) {
+        SoftmaxOptions options = bf16;
+        if (logits) {
+            options.window = 40;
+            options.sink_tokens = 3;
+            options.softcap = 3.0;
+            options.alibi_slopes = slopes;
+            options.sink_logits = sink_logits;
+        }
+        const std::vector<Index> cached{100, 100, 100, 7, 130};
+        std::optional<Matrix<float>> first;
+        for (const int threads : {1, 2, 3}) {
+            INFO(detail::storage_name<S> << (logits ? ", window and logit options" : "") << ", " << threads
+                                         << " threads");
+            PagedKVCache<float, S> pool(layout, 64, 16, options, PoolOptions{.rollback_tokens = 4});
+            std::vector<Index> seqs{pool.add_sequence()};
+            pool.extend(seqs[0], K0.topRows(100), V0.topRows(100));
+            seqs.push_back(pool.fork(seqs[0]));
+            seqs.push_back(pool.fork(seqs[0]));
+            for (const Index n : {7, 130}) {
+                seqs.push_back(pool.add_sequence());
+                pool.extend(seqs.back(), K0.topRows(n), V0.topRows(n));
+            }
+            Matrix<float> O(5, 128);
+            batched_decode(pool, seqs, Qb, Kb, Vb, O, OpenMPExecutor{.threads = threads});
+            if (first) {
+                CHECK((O.array() == first->array()).all());
+                continue;
+            }
+            first = O;
+            for (Index r = 0; r < 5; ++r) {
+                const Index n = cached[static_cast<std::size_t>(r)];
+                Matrix<float> Ks(n + 1, 32), Vs(n + 1, 32);
+                Ks << K0.topRows(n), Kb.row(r);
+                Vs << V0.topRows(n), Vb.row(r);
+                const MatrixD Kd = stored_heads<float, S>(Ks, 2).template cast<double>(),
+                              Vd = stored_heads<float, S>(Vs, 2).template cast<double>();
+                const MatrixD q = Qb.row(r).template cast<E>().template cast<double>();
+                for (Index h = 0; h < 8; ++h) {
+                    reference::Logits rule{.window = options.window, .sink_tokens = options.sink_tokens,
+                                           .softcap = options.softcap};
+                    if (logits) {
+                        rule.slope = slopes[static_cast<std::size_t>(h)];
+                        rule.sink = sink_logits[static_cast<std::size_t>(h)];
+                    }
+                    const MatrixD exact = reference::softmax_attention(q.middleCols(h * 16, 16),
+                                                                       Kd.middleCols(h / 4 * 16, 16),
+                                                                       Vd.middleCols(h / 4 * 16, 16), rule)
+                                              .out;
+                    INFO("row " << r << ", head " << h);
+                    check_close(O.row(r).middleCols(h * 16, 16), exact, 1e-2);
+                }
+            }
+        }
+    }
+    // Prompts off every tile and block, after cached prefixes, with windows and the logit
+    // options, and a tree of drafts: the multi-head kernel with FpMath::bf16 on the pairs
+    // as stored, bit for bit (it rounds the queries as the pool does, and the stored
+    // values are bfloat16 ones already).
+    const HeadLayout wide{4, 2, 16, 12};  // g = 2, dv ≠ d
+    struct Case {
+        Index block, window, sinks;
+        bool logits, tree;
+    };
+    for (const Case c : {Case{16, 0, 0, false, false}, Case{1, 0, 0, true, false}, Case{7, 0, 0, false, true},
+                         Case{128, 0, 0, true, false}, Case{16, 40, 3, true, false}, Case{5, 1000, 2, false, false}}) {
+        SoftmaxOptions options = bf16;
+        options.window = c.window;
+        options.sink_tokens = c.sinks;
+        if (c.logits) {
+            options.softcap = 3.0;
+            options.alibi_slopes = std::span<const double>(slopes).first(4);
+            options.sink_logits = std::span<const double>(sink_logits).first(4);
+        }
+        const std::vector<Index> cached_counts = memattn::test::memory_only ? std::vector<Index>{3 * c.block + 2}
+                                                                            : std::vector<Index>{0, 1, 3 * c.block + 2};
+        for (const Index cached : cached_counts) {
+            for (const Index rows : memattn::test::memory_only ? std::vector<Index>{47} : std::vector<Index>{2, 47, 145}) {
+                INFO(detail::storage_name<S> << ": block " << c.block << ", window " << c.window << ", sinks "
+                                             << c.sinks << (c.logits ? ", logit options" : "")
+                                             << (c.tree ? ", a tree" : "") << "; " << cached << " cached, " << rows
+                                             << " rows");
+                const Index n = cached + rows;
+                const auto seed = static_cast<std::uint64_t>(2000 * c.block + 10 * cached + rows);
+                const Matrix<float> K = random_matrix<float>(n, 32, seed), V = random_matrix<float>(n, 24, seed + 1),
+                                    Q = random_matrix<float>(rows, 64, seed + 2, 2.0);
+                const std::vector<Index> parents = c.tree ? tree_parents(rows, 9) : std::vector<Index>{};
+                SoftmaxOptions kernel = options;
+                kernel.parents = parents;
+                const Matrix<float> Ks = stored_heads<float, S>(K, 2), Vs = stored_heads<float, S>(V, 2);
+                const Matrix<float> expected = layer_rows(wide, Q, Ks, Vs, kernel);
+                kernel.fpmath = FpMath::strict;
+                if (!c.tree || cached > 0)  // (two roots see themselves alone: their values exactly)
+                    CHECK((expected.array() != layer_rows(wide, Q, Ks, Vs, kernel).array()).any());  // the option acts
+                for (const int threads : {1, 2}) {
+                    PagedKVCache<float, S> pool(wide, n / c.block + 4, c.block, options,
+                                                PoolOptions{.rollback_tokens = c.window > 0 ? rows : 0});
+                    const Index a = pool.add_sequence();
+                    pool.extend(a, K.topRows(cached), V.topRows(cached));
+                    Matrix<float> O(rows, 48);
+                    const std::vector<Index> seqs{a}, offsets{0, rows};
+                    const OpenMPExecutor executor{.threads = threads};
+                    if (c.tree)
+                        pool.prefill(seqs, offsets, Q, K.bottomRows(rows), V.bottomRows(rows), O, executor, parents);
+                    else
+                        pool.prefill(seqs, offsets, Q, K.bottomRows(rows), V.bottomRows(rows), O, executor);
+                    CHECK((O.array() == expected.array()).all());
+                }
+            }
+        }
+    }
+    // A model cache's layers take it from their options: a prompt, then a decode step, in
+    // a layer with it and one without, each bit for bit its own pool's.
+    {
+        const std::vector<ModelLayer> specs{{.layout = wide, .blocks = 20, .block_size = 16, .options = bf16},
+                                            {.layout = wide, .blocks = 20, .block_size = 16}};
+        ModelCache<float, S> cache(specs);
+        std::vector<PagedKVCache<float, S>> pools;
+        for (const ModelLayer& l : specs)
+            pools.emplace_back(l.layout, l.blocks, l.block_size, l.options);
+        const Index a = cache.add_sequence();
+        for (auto& p : pools)
+            CHECK(p.add_sequence() == cache.slot_of(a));
+        for (const Index rows : {Index{50}, Index{1}}) {
+            const std::vector<Index> ids{a}, offsets{0, rows};
+            const auto& step = cache.plan(ids, offsets);
+            for (Index l = 0; l < 2; ++l) {
+                INFO(detail::storage_name<S> << ": layer " << l << ", " << rows << " rows");
+                const auto seed = static_cast<std::uint64_t>(400 + 10 * l + rows);
+                const Matrix<float> Q = random_matrix<float>(rows, 64, seed), K = random_matrix<float>(rows, 32, seed + 1),
+                                    V = random_matrix<float>(rows, 24, seed + 2);
+                Matrix<float> O(rows, 48), expected(rows, 48);
+                cache.prefill(l, step, Q, K, V, O);
+                batched_prefill(pools[static_cast<std::size_t>(l)], step.slots(), step.q_offsets(), Q, K, V, expected);
+                CHECK((O.array() == expected.array()).all());
+            }
+        }
+    }
+    // Other rows and scalars refuse it, by name.
+    CHECK_THROWS_WITH((PagedKVCache<float, Q8>(wide, 4, 16, bf16)),
+                      Catch::Contains("options.fpmath") && Catch::Contains("Q8"));
+    CHECK_THROWS_WITH((PagedKVCache<float, PerTokenScale<Fp8E4M3>>(wide, 4, 16, bf16)),
+                      Catch::Contains("options.fpmath"));
+    CHECK_THROWS_WITH((PagedKVCache<double, S>(wide, 4, 16, bf16)), Catch::Contains("options.fpmath"));
+}

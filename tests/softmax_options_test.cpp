@@ -700,7 +700,8 @@ TEST_CASE("FpMath::bf16: float inputs rounded to bfloat16 for the products, bit 
                       Catch::Contains("SparseKVCache") && Catch::Contains("options.fpmath"));
     CHECK_THROWS_WITH(SlidingWindowCache<float>(8, 8, SoftmaxOptions{.window = 4, .fpmath = FpMath::bf16}),
                       Catch::Contains("options.fpmath"));
-    // double computes in double; a pool keeps its own products.
+    // double computes in double; a pool of float rows keeps its own products (a pool of
+    // bfloat16 or FP8 rows takes it: tests/serving_test.cpp).
     const Matrix<double> Qd = random_matrix<double>(4, 8, 67);
     Matrix<double> Od(4, 8);
     CHECK_THROWS_WITH(causal_softmax_attention(Qd, Qd, Qd, Od, SoftmaxOptions{.fpmath = FpMath::bf16}),

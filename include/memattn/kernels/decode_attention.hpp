@@ -92,6 +92,38 @@ concept TurnsQueries = requires(const M& m, typename M::Scalar* row, Index i) {
     m.turn_query(row, i, i);
 };
 
+/// A grouped attend's queries rewritten for GroupAttention (requery): g × d values on the
+/// stack up to group_rows × max_depth, else on the heap (a head wider than max_depth: the
+/// one allocation). rounded() gives them rounded to bfloat16 (nearest even, Eigen's
+/// cast): FpMath::bf16 where GroupAttention does not round them itself (rounds_queries).
+template <class T>
+class QueryBuffer {
+public:
+    QueryBuffer() noexcept {}  // (not value-initialised: the stack's values are written before they are read)
+
+    /// Room for g × d values, row-major (its contents are the last ones written).
+    Eigen::Map<Matrix<T>> rows(Index g, Index d) {
+        T* rows = stack_;
+        if (g * d > stack_values) {
+            heap_.resize(static_cast<std::size_t>(g * d));
+            rows = heap_.data();
+        }
+        return {rows, g, d};
+    }
+    /// `queries` rounded to bfloat16, as float, in the buffer.
+    template <class QB>
+    Eigen::Map<Matrix<T>> rounded(const QB& queries) {
+        Eigen::Map<Matrix<T>> out = rows(queries.rows(), queries.cols());
+        out = queries.template cast<Eigen::bfloat16>().template cast<T>();
+        return out;
+    }
+
+private:
+    static constexpr Index stack_values = group_rows * GroupAttention<T>::max_depth;
+    alignas(64) T stack_[stack_values];
+    std::vector<T> heap_;
+};
+
 /// What GroupAttention does with a memory's logit options for its queries from r0 on, at
 /// its newest token (none for a memory without them).
 template <class M>
@@ -117,7 +149,7 @@ public:
         : m_(m), queries_(queries.data(), queries.rows(), queries.cols(), Eigen::OuterStride<>(queries.outerStride())),
           logits_(decode_logits(m, r0)), group_(queries, static_cast<T>(m.scale()), ahead, logits_) {
         if (logits_.bf16_products && !group_.rounds_queries())
-            group_.requery(rounded(queries_));
+            group_.requery(buffer_.rounded(queries_));
     }
 
     /// Folds the pairs [begin, end) of the ones attend reads (for_each_stored_run's
@@ -150,13 +182,12 @@ public:
 
 private:
     using QueryMap = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
-    static constexpr Index stack_values = group_rows * GroupAttention<T>::max_depth;
 
     /// The queries turned to position p (from the memory's own, each time anew).
     void turn_to(Index p) {
         if (p == turned_at_)
             return;
-        Eigen::Map<Matrix<T>> rows = buffer();
+        Eigen::Map<Matrix<T>> rows = buffer_.rows(queries_.rows(), queries_.cols());
         rows = queries_;
         m_.turn_query(rows.data(), rows.size(), p);  // one packed row of g heads: the angles once
         if (logits_.bf16_products && !group_.rounds_queries())
@@ -165,32 +196,12 @@ private:
         turned_at_ = p;
     }
 
-    /// `queries` rounded to bfloat16 (nearest even), in the buffer.
-    template <class QB>
-    Eigen::Map<Matrix<T>> rounded(const QB& queries) {
-        Eigen::Map<Matrix<T>> rows = buffer();
-        rows = queries.template cast<Eigen::bfloat16>().template cast<T>();
-        return rows;
-    }
-
-    /// The buffer of the queries turned or rounded: g × d.
-    Eigen::Map<Matrix<T>> buffer() {
-        const Index g = queries_.rows(), d = queries_.cols();
-        T* rows = turned_;
-        if (g * d > stack_values) {  // a head wider than max_depth: the one allocation
-            heap_.resize(static_cast<std::size_t>(g * d));
-            rows = heap_.data();
-        }
-        return {rows, g, d};
-    }
-
     const M& m_;
     QueryMap queries_;
     DecodeLogits logits_;
     GroupAttention<T> group_;
     Index turned_at_ = std::numeric_limits<Index>::min();
-    alignas(64) T turned_[stack_values];
-    std::vector<T> heap_;
+    QueryBuffer<T> buffer_;  // the queries turned or rounded
 };
 
 /// Pairs a memory's attend reads: the sum of its runs.

@@ -37,7 +37,8 @@
 //                                        careful(values, ldv) on the tile's values in T
 //
 // Q, K and V are row sources (kernels/softmax_rows.hpp): tile(j0, n) gives rows of T, and
-// sources whose `pairs` is true also give their bfloat16 bits in place (bits(j)).
+// sources whose `pairs` is true also give their bfloat16 bits (bits(j0, n): rows [j0, j0 + n)
+// at the stride it returns, in place or put together by the source).
 // TileProductsFor picks the class from the sources. A new arithmetic (AMX tiles) is a
 // new class here, or in a file of its own that this one includes, plus its line in
 // TileProductsFor: the tile loop does not change.
@@ -181,7 +182,7 @@ public:
 
     template <class KRows, class Band>
     void scores(KRows& k, Index j0, Index n, Index cols, float* s, const Band& band, PrefetchQueue* ahead) {
-        const auto [keys, ldk] = k.bits(j0);
+        const auto [keys, ldk] = k.bits(j0, n);
         bf16_product<B>(n, cols, k.cols(), keys, ldk, 2, query_pairs_, lanes_, s, lanes_, nullptr, factor_, band,
                         ahead);
     }
@@ -190,7 +191,7 @@ public:
     void accumulate(VRows& v, Index j0, Index n, Index cols, const float* p, float* acc, const float* alpha, bool,
                     const Band& band, PrefetchQueue* ahead, Careful&& careful) {
         const Index dv = v.cols();
-        const auto [values, ldv] = v.bits(j0);
+        const auto [values, ldv] = v.bits(j0, n);
         if (!pack_row_pairs(values, n, dv, ldv, value_pairs_, value_stride_)) {
             const auto [converted, ldc] = v.tile(j0, n);
             careful(converted, ldc);
@@ -253,7 +254,7 @@ public:
             fallback_scores(k, j0, n, cols, s, band, ahead);
             return;
         }
-        const auto [keys, ldk] = k.bits(j0);
+        const auto [keys, ldk] = k.bits(j0, n);
         amx_product<Tiles>(n, cols, k.cols() / 2, keys, ldk, this->query_pairs_, this->lanes_, s, this->lanes_, false);
         Eigen::Map<Matrix<float>, 0, Eigen::OuterStride<>>(s, n, cols, Eigen::OuterStride<>(this->lanes_)) *=
             this->factor_;
@@ -268,7 +269,7 @@ public:
             return;
         }
         const Index dv = v.cols();
-        const auto [values, ldv] = v.bits(j0);
+        const auto [values, ldv] = v.bits(j0, n);
         if (!pack_row_pairs(values, n, dv, ldv, this->value_pairs_, this->value_stride_)) {
             const auto [converted, ldc] = v.tile(j0, n);
             careful(converted, ldc);

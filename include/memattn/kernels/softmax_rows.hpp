@@ -59,8 +59,8 @@ public:
     [[nodiscard]] Index cols() const noexcept { return m_.cols(); }
     [[nodiscard]] const E* row(Index j) const noexcept { return m_.data() + j * m_.outerStride(); }
     [[nodiscard]] Index stride() const noexcept { return m_.outerStride(); }
-    /// Row j's bits and the row stride (in elements).
-    [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j) const noexcept {
+    /// Row j's bits and the row stride (in elements): rows [j, j + n) at that stride.
+    [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j, Index = 1) const noexcept {
         return {reinterpret_cast<const std::uint16_t*>(row(j)), m_.outerStride()};
     }
     /// Rows [j0, j0 + n) as float.

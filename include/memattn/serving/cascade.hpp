@@ -62,6 +62,7 @@ template <class T>
 struct CascadeScratch {
     Matrix<T> queries, acc;
     std::array<std::optional<GroupAttention<T>>, cascade_rows / group_rows> groups;  // made per item
+    QueryBuffer<T> rounded;  // FpMath::bf16 without fold_bf16: a sequence's own queries rounded
 
     CascadeScratch() = default;
     CascadeScratch(const CascadeScratch& other) : queries(other.queries), acc(other.acc) {}

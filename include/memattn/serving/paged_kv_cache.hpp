@@ -46,6 +46,7 @@
 #include "memattn/execution/executor.hpp"
 #include "memattn/kernels/softmax_options.hpp"
 #include "memattn/layer/head_layout.hpp"
+#include "memattn/memory/detail/held_logits.hpp"
 #include "memattn/memory/detail/memory_checks.hpp"
 #include "memattn/persistence/stream.hpp"
 #include "memattn/serving/detail/paged_pairs.hpp"
@@ -96,6 +97,11 @@ public:
     /// a window), `options.scale` as the scale above, and the logit options (softcap,
     /// alibi_slopes and sink_logits, one per query head, copied) as
     /// causal_softmax_attention takes them. `options.causal` must be true.
+    /// `options.fpmath = FpMath::bf16` (T float, S bfloat16, Fp8E4M3 or Fp8E5M2; refused
+    /// otherwise): the queries and the weights rounded to bfloat16 and the stored rows
+    /// multiplied as bfloat16 words, in decode steps (a KVCache's attend_group with the
+    /// option) and in prompts (the multi-head kernel's with it on the pairs as stored),
+    /// docs/design.md §4.7c.
     PagedKVCache(const HeadLayout& layout, Index blocks, Index block_size, const SoftmaxOptions& options)
         : PagedKVCache(layout, blocks, block_size, options, PoolOptions{}) {}
 
@@ -212,7 +218,8 @@ public:
                 .sink_tokens = sinks_,
                 .softcap = softcap_,
                 .sink_logits = sink_logits_,
-                .alibi_slopes = slopes_};
+                .alibi_slopes = slopes_,
+                .fpmath = bf16_ ? FpMath::bf16 : FpMath::strict};
     }
     /// Width of a packed key row: kv_heads·head_dim.
     [[nodiscard]] Index key_dim() const noexcept { return layout_.kv_heads * layout_.head_dim; }
@@ -542,6 +549,7 @@ private:
     using Pairs::softcap_;
     using Pairs::slopes_;
     using Pairs::sink_logits_;
+    using Pairs::bf16_;
     using Pairs::keys_;
     using Pairs::values_;
     using Pairs::fresh_id;
@@ -584,8 +592,10 @@ private:
         detail::check_layout(function, layout);
         detail::at_least(blocks, 1, function, "blocks");
         detail::at_least(block_size, 1, function, "block_size");
-        detail::require(options.fpmath == FpMath::strict, function, "options.fpmath",
-                        "is not FpMath::strict, but a pool reads its blocks as stored and keeps its own products");
+        detail::require(options.fpmath == FpMath::strict || detail::bf16_products<T, S>, function, "options.fpmath",
+                        "is FpMath::bf16, which multiplies the stored rows as bfloat16 words with the queries "
+                        "rounded: a pool of float over rows stored as Eigen::bfloat16, Fp8E4M3 or Fp8E5M2 takes it, "
+                        "this one stores ", detail::storage_name<S>, " and computes in ", detail::storage_name<T>);
         detail::checked_scale(static_cast<T>(options.scale), layout.head_dim, function);
         detail::check_logit_options<T>(function, options, layout.q_heads);
         detail::require(options.causal, function, "options.causal", "is false, but a pool's queries come after "

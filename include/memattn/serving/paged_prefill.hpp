@@ -30,14 +30,19 @@
 
 #include "memattn/execution/executor.hpp"
 #include "memattn/kernels/causal_softmax.hpp"
+#include "memattn/kernels/group_attention.hpp"
 #include "memattn/kernels/softmax_options.hpp"
 #include "memattn/layer/head_layout.hpp"
+#include "memattn/memory/detail/held_logits.hpp"
 #include "memattn/execution/parallel.hpp"
 #include "memattn/storage/compact.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <utility>
@@ -98,11 +103,80 @@ public:
             }
     }
 
-private:
+protected:
     const StoredRows<T, S>& stored_;
     BlockTableView table_;
     Index rows_;
     Matrix<T>& buffer_;
+};
+
+/// Columns [0, cols) of an FP8 row as their bfloat16 words, exactly (every E4M3 and E5M2
+/// value is a bfloat16 one): Bf16Words' 32 at a time where the grouped decode has them,
+/// else by the table of values.
+template <Fp8Storage S>
+void fp8_words(const std::uint8_t* row, Index cols, std::uint16_t* out) noexcept {
+#if defined(MEMATTN_GROUP_BF16)
+    for (Index c = 0; c < cols; c += 32) {
+        const Index m = std::min<Index>(32, cols - c);
+        const auto mask = static_cast<__mmask32>(m == 32 ? ~std::uint32_t(0) : (std::uint32_t(1) << m) - 1);
+        _mm512_mask_storeu_epi16(out + c, mask, Bf16Words<S>::load(row, c, mask));
+    }
+#else
+    for (Index c = 0; c < cols; ++c)
+        out[c] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(fp8_values<S>[row[c]]) >> 16);
+#endif
+}
+
+/// FpMath::bf16 (a pool of float over rows stored as bfloat16 or FP8, bf16_products):
+/// keys or values of one KV head as the bfloat16 kernel reads them, with the pairs exactly
+/// where ConvertedRows<Eigen::bfloat16> has them (bf16_dot), so the pool's tiles are the
+/// multi-head kernel's on the same values. bits(): a tile within one block of bfloat16
+/// rows in place; one across blocks, or of FP8, put together as bfloat16 words in `words`
+/// (one tile's rows). tile(): the values as float, as PagedRows gives them (the float
+/// products where vdpbf16ps is missing; a value tile that is not all finite).
+template <class S>
+class PagedPairRows : public PagedRows<float, S> {
+    using Base = PagedRows<float, S>;
+
+public:
+    static constexpr bool pairs = bf16_dot;
+    PagedPairRows(const StoredRows<float, S>& stored, BlockTableView table, Index rows, Matrix<float>& buffer,
+                  Matrix<Eigen::bfloat16>& words)
+        : Base(stored, table, rows, buffer), words_(words) {}
+    /// Rows [j0, j0 + n) as bfloat16 words: their first and the row stride.
+    [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j0, Index n) {
+        const Index cols = this->cols();
+        if constexpr (std::is_same_v<S, Eigen::bfloat16>)
+            if (this->table_.run(j0) >= n)
+                return {reinterpret_cast<const std::uint16_t*>(this->stored_.stored_row(this->table_.row(j0))), cols};
+        MEMATTN_DASSERT(n <= words_.rows() && words_.cols() == cols);
+        auto* out = reinterpret_cast<std::uint16_t*>(words_.data());
+        for (Index r = 0; r < n;) {
+            const Index m = std::min(n - r, this->table_.run(j0 + r)), first = this->table_.row(j0 + r);
+            if constexpr (std::is_same_v<S, Eigen::bfloat16>)
+                std::memcpy(out + r * cols, this->stored_.stored_row(first),
+                            sizeof(std::uint16_t) * static_cast<std::size_t>(m * cols));
+            else
+                for (Index i = 0; i < m; ++i)
+                    fp8_words<S>(this->stored_.row_data(first + i), cols, out + (r + i) * cols);
+            r += m;
+        }
+        return {out, cols};
+    }
+    /// Rows [j0, j1) towards L2 while the current tile computes.
+    void prefetch(Index j0, Index j1) const {
+        for (Index j = j0; j < j1;) {
+            const Index m = std::min(j1 - j, this->table_.run(j)), row = this->table_.row(j);
+            if constexpr (std::is_same_v<S, Eigen::bfloat16>)
+                prefetch_rows(this->stored_.stored_row(row), m, this->cols(), this->cols());
+            else
+                prefetch_rows(this->stored_.row_data(row), m, this->cols(), this->cols());
+            j += m;
+        }
+    }
+
+private:
+    Matrix<Eigen::bfloat16>& words_;
 };
 
 /// One sequence's chunk of a mixed batch (see the top of the file): `sequence` the
@@ -127,6 +201,7 @@ template <class T>
 struct PagedRangeScratch {
     std::optional<SoftmaxScratch<T>> full, windowed;  // one per tile shape, made on first use
     Matrix<T> keys, values;                           // a tile of each
+    Matrix<Eigen::bfloat16> queries, key_words, value_words;  // FpMath::bf16: a tile of each, as bfloat16
 };
 
 /// What the tiled prefill keeps between calls: its items and each range's scratch.
@@ -144,6 +219,7 @@ struct PagedOptions {
     Index window = 0, sinks = 0;
     double softcap = 0;
     std::span<const double> slopes, sink_logits;
+    bool bf16 = false;  ///< FpMath::bf16: the products in bfloat16 (PagedPairRows)
 
     /// Query head h's options, as SoftmaxOptions (the pool's queries follow its keys).
     [[nodiscard]] SoftmaxOptions head(Index h) const {
@@ -206,6 +282,14 @@ inline double paged_item_cost(const PagedItem& item, const PagedChunk& chunk, In
     return (item.decode ? decode_key : static_cast<double>(item.rows)) * static_cast<double>(keys + 64);
 }
 
+/// `m` with at least `rows` rows of `cols` columns (resized to that when not: a pool's
+/// widths never change, so once per tile shape).
+template <class E>
+void sized(Matrix<E>& m, Index rows, Index cols) {
+    if (m.rows() < rows || m.cols() != cols)
+        m.resize(rows, cols);
+}
+
 /// The tiled prefill of `chunks` (see the top of the file) after the checks, the chunks'
 /// tokens stored in K and V: rows of `q` (stride ldq) into rows of `out` (stride ldo).
 /// `decode(chunk, kv)` attends a one-row chunk's KV head kv (the pool's grouped attend).
@@ -242,10 +326,8 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                 std::optional<SoftmaxScratch<T>>& tiled = tiles == SoftmaxTiles{} ? scratch.full : scratch.windowed;
                 if (!tiled)  // a pool's d and dv never change: made once per tile shape
                     tiled.emplace(d, dv, tiles);
-                if (scratch.keys.rows() < tiles.keys || scratch.keys.cols() != d)
-                    scratch.keys.resize(std::max(tiles.keys, SoftmaxTiles{}.keys), d);
-                if (scratch.values.rows() < tiles.keys || scratch.values.cols() != dv)
-                    scratch.values.resize(std::max(tiles.keys, SoftmaxTiles{}.keys), dv);
+                sized(scratch.keys, std::max(tiles.keys, SoftmaxTiles{}.keys), d);
+                sized(scratch.values, std::max(tiles.keys, SoftmaxTiles{}.keys), dv);
                 // Keys up to the item's last query; its queries bottom-right aligned.
                 const Index visible = chunk.length - chunk.rows + item.q_begin + item.rows;
                 BlockTableView blocks = chunk.blocks;
@@ -258,6 +340,25 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                 SoftmaxOptions head = options.head(item.head);
                 if (!chunk.parents.empty())  // the drafts up to the item's last: their tree's rows
                     head.parents = chunk.parents.first(static_cast<std::size_t>(item.q_begin + item.rows));
+                if constexpr (bf16_products<T, S>) {
+                    if (options.bf16) {  // the queries rounded, the stored rows as bfloat16 words
+                        using E = Eigen::bfloat16;
+                        const Index most = std::max(tiles.queries, SoftmaxTiles{}.queries);
+                        const Index keys = std::max(tiles.keys, SoftmaxTiles{}.keys);
+                        sized(scratch.queries, most, d);
+                        sized(scratch.key_words, keys, d);
+                        sized(scratch.value_words, keys, dv);
+                        auto rounded = scratch.queries.topRows(item.rows);
+                        rounded = queries.template cast<E>();
+                        causal_softmax_rows<T>(ConvertedRows<E>(rounded, tiles.queries, tiled->converted_q),
+                                               PagedPairRows<S>(K, blocks, visible, scratch.keys, scratch.key_words),
+                                               PagedPairRows<S>(V, blocks, visible, scratch.values,
+                                                                scratch.value_words),
+                                               MatrixRef<T>(outputs), [](Index, T) {}, head, *tiled, trailing_queries,
+                                               TileBias<T>{});
+                        continue;
+                    }
+                }
                 causal_softmax_rows<T>(PlainRows<T>(queries), PagedRows<T, S>(K, blocks, visible, scratch.keys),
                                        PagedRows<T, S>(V, blocks, visible, scratch.values), MatrixRef<T>(outputs),
                                        [](Index, T) {}, head, *tiled, trailing_queries, TileBias<T>{});

@@ -200,7 +200,7 @@ public:
         : tile_(&tile), rows_(rows), cols_(cols), tile_rows_(tile_rows), converted_(&converted) {}
     [[nodiscard]] Index rows() const noexcept { return rows_; }
     [[nodiscard]] Index cols() const noexcept { return cols_; }
-    [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j) {
+    [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j, Index = 1) {
         const auto [row, ld] = tile_->rows(j);
         return {reinterpret_cast<const std::uint16_t*>(row), ld};
     }

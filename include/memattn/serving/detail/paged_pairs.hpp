@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -49,6 +50,7 @@ protected:
           softcap_(options.softcap),
           slopes_(options.alibi_slopes.begin(), options.alibi_slopes.end()),
           sink_logits_(options.sink_logits.begin(), options.sink_logits.end()),
+          bf16_(options.fpmath == FpMath::bf16),
           keys_(pool_rows(), layout_.head_dim),
           values_(pool_rows(), layout_.values()) {}
 
@@ -213,7 +215,7 @@ protected:
         }
         work *= static_cast<double>(layout_.q_heads) * static_cast<double>(d + dv);
         const PagedOptions options{layout_, static_cast<double>(scale_), window_, sinks_, softcap_, slopes_,
-                                           sink_logits_};
+                                   sink_logits_, bf16_};
         const Index ldq = queries.outerStride(), ldo = out.outerStride();
         paged_prefill<T, S>(
             options, keys_, values_, std::span<const PagedChunk>(chunks_), queries.data(), ldq, out.data(),
@@ -323,9 +325,14 @@ protected:
         };
         for (Index c = 0; c < groups; ++c) {
             const auto [r0, n] = group_of(c);
-            scratch.groups[static_cast<std::size_t>(c)].emplace(
+            GroupAttention<T>& group = scratch.groups[static_cast<std::size_t>(c)].emplace(
                 Rows(scratch.queries.data() + r0 * d, n, d, Eigen::OuterStride<>(d)), scale_, ahead,
-                DecodeLogits{.softcap = softcap_});
+                DecodeLogits{.softcap = softcap_, .bf16_products = bf16_});
+            if (bf16_ && !group.rounds_queries()) {  // rounded here (the scratch's own copy)
+                auto rows = scratch.queries.middleRows(r0, n);
+                rows = rows.template cast<Eigen::bfloat16>().template cast<T>();
+                group.requery(rows);
+            }
         }
         const State& lead = sequences_[static_cast<std::size_t>(seqs[static_cast<std::size_t>(members[0])])];
         for (Index j = 0; j < shared; ++j) {  // a table's blocks need not be adjacent: one at a time
@@ -343,13 +350,15 @@ protected:
             const DecodeLogits own{
                 .softcap = softcap_,
                 .sinks = sink_logits_.empty() ? nullptr : sink_logits_.data() + h * g,
-                .position = s.length - 1};
+                .position = s.length - 1,
+                .bf16_products = bf16_};
             const Index begin = shared * block_size_;
-            GroupAttention<T> alone(Rows(q + members[m] * ldq + h * g * d, g, d, Eigen::OuterStride<>(d)),
-                                            scale_,
-                                            static_cast<std::size_t>(s.length - begin) * pair_bytes >=
-                                                group_prefetch_bytes,
-                                            own);
+            const Rows queries(q + members[m] * ldq + h * g * d, g, d, Eigen::OuterStride<>(d));
+            GroupAttention<T> alone(queries, scale_,
+                                    static_cast<std::size_t>(s.length - begin) * pair_bytes >= group_prefetch_bytes,
+                                    own);
+            if (bf16_ && !alone.rounds_queries())
+                alone.requery(scratch.rounded.rounded(queries));
             for_each_run(s, begin, s.length, [&](Index block, Index offset, Index count, Index token) {
                 alone.fold_stored(keys_, values_, first_row(block, h) + offset, count, outputs, token);
             });
@@ -405,6 +414,7 @@ protected:
                            group_prefetch_bytes;
         const Index window_begin = length - window_;
         const bool whole = window_ == 0 || window_begin <= sinks_;
+        std::optional<QueryBuffer<T>> rounded;
         for (Index r0 = 0; r0 < g; r0 += group_rows) {
             const Index rows = std::min(group_rows, g - r0);
             auto acc = outputs.middleRows(r0, rows);
@@ -413,8 +423,11 @@ protected:
                 .softcap = softcap_,
                 .slopes = slopes_.empty() ? nullptr : slopes_.data() + h * g + r0,
                 .sinks = sink_logits_.empty() ? nullptr : sink_logits_.data() + h * g + r0,
-                .position = length - 1};
+                .position = length - 1,
+                .bf16_products = bf16_};
             GroupAttention<T> group(queries.middleRows(r0, rows), scale_, ahead, logits);
+            if (bf16_ && !group.rounds_queries())  // FpMath::bf16 without fold_bf16: rounded here, as a cache's
+                group.requery((rounded ? *rounded : rounded.emplace()).rounded(queries.middleRows(r0, rows)));
             const auto fold = [&](Index block, Index offset, Index count, Index token) {
                 group.fold_stored(keys_, values_, first_row(block, h) + offset, count, acc, token);
             };
@@ -433,6 +446,7 @@ protected:
     T scale_;
     double softcap_;
     std::vector<double> slopes_, sink_logits_;  // per query head, or none
+    bool bf16_;                                 // FpMath::bf16 (bf16_products<T, S>)
     StoredRows<T, S> keys_, values_;
     std::vector<PagedChunk> chunks_;    // prefill's chunks, kept for the next call
     PagedPrefillWork<T> prefill_work_;  // prefill's items and scratch, likewise
