@@ -31,7 +31,7 @@ struct AmxTestRows {
             }
     }
     [[nodiscard]] Index cols() const noexcept { return values.cols(); }
-    [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j) const noexcept {
+    [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j, Index = 1) const noexcept {
         return {raw.data() + j * cols(), cols()};
     }
     [[nodiscard]] std::pair<const float*, Index> tile(Index j0, Index) const noexcept {
