@@ -238,6 +238,22 @@ template <Fp8Storage S>
 inline Packet<float> fp8_packet(const std::uint8_t* p) {
     // E4M3: the half holds the value times 2^−8; times 2^8 back is exact (a power of two,
     // subnormal halves included, and no product past 448).
+#if defined(MEMATTN_FP8_F16C) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if constexpr (std::same_as<S, Fp8E4M3>) {
+        // Seven instructions where fp8_half_bits takes nine: each byte sign-extended to a
+        // word and shifted left by 7 puts its sign in bit 15 and its exponent and mantissa
+        // in the half's (bit 14, a copy of the sign, cleared); the NaN bytes (S.1111.111)
+        // found by a byte compare into a mask that keeps them out of the rescale, as the
+        // NaN fp8_half_bits gives (a half of all ones, to float: 0xFFFFE000).
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7),
+                                              _mm256_set1_epi16(static_cast<short>(~0x4000)));
+        const __mmask16 number = _mm_cmpneq_epi8_mask(_mm_or_si128(raw, _mm_set1_epi8(static_cast<char>(0x80))),
+                                                      _mm_set1_epi8(static_cast<char>(0xFF)));
+        return _mm512_mask_mul_ps(_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xFFFFE000u))), number,
+                                  _mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+    }
+#endif
 #if defined(MEMATTN_FP8_F16C) && defined(__AVX512F__)
     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m512 x = _mm512_cvtph_ps(fp8_half_bits<S>(bytes));
