@@ -346,8 +346,10 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                         const Index most = std::max(tiles.queries, SoftmaxTiles{}.queries);
                         const Index keys = std::max(tiles.keys, SoftmaxTiles{}.keys);
                         sized(scratch.queries, most, d);
-                        sized(scratch.key_words, keys, d);
-                        sized(scratch.value_words, keys, dv);
+                        if constexpr (PagedPairRows<S>::pairs) {  // else the tiles are read as float only
+                            sized(scratch.key_words, keys, d);
+                            sized(scratch.value_words, keys, dv);
+                        }
                         auto rounded = scratch.queries.topRows(item.rows);
                         rounded = queries.template cast<E>();
                         causal_softmax_rows<T>(ConvertedRows<E>(rounded, tiles.queries, tiled->converted_q),
