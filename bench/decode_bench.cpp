@@ -41,8 +41,9 @@
 //
 //   BM_GroupAttend/g:G/length:L/fpmath:F       one KV head's attend_group of G queries
 //       (d = dv = 128) over a KVCache<float, bfloat16> of L = 512 tokens (in L2), strict
-//       (F = 0) or FpMath::bf16 (F = 1): the two routes' arithmetic; ns_per_key besides
-//       the roofline counters
+//       (F = 0) or FpMath::bf16 (F = 1: in AMX tiles where the CPU runs them, else by
+//       vdpbf16ps; F = 2: the same route kept off the tiles, by vdpbf16ps wherever it
+//       is compiled): the routes' arithmetic; ns_per_key besides the roofline counters
 //
 //   BM_DecodeVariants/length:L/variant:V      the step of BM_DecodeStep<float> (32/8 × 128,
 //       one thread) with the attention variants of the memories: V = 0 plain, 1 the
@@ -447,16 +448,35 @@ void BM_DecodeStepFpMathBf16(benchmark::State& state) {
 /// KVCache<float, bfloat16> of L tokens, strict (fpmath:0) or FpMath::bf16 (fpmath:1):
 /// at L = 512 its 256 KiB of pairs sit in L2, so the cell shows the arithmetic of the
 /// two routes (ns_per_key, and the fraction of the roofline, FMA-bound there).
+/// The AMX instructions, reported as not there: GroupAttention<float, NoTiles> keeps
+/// FpMath::bf16 on vdpbf16ps (BM_GroupAttend's fpmath:2).
+struct NoTiles : memattn::detail::AmxHardware {
+    static constexpr bool available = false;
+};
+
 void BM_GroupAttend(benchmark::State& state) {
-    const Index g = state.range(0), length = state.range(1);
-    const memattn::FpMath fpmath = state.range(2) == 1 ? memattn::FpMath::bf16 : memattn::FpMath::strict;
+    const Index g = state.range(0), length = state.range(1), mode = state.range(2);
+    const memattn::FpMath fpmath = mode >= 1 ? memattn::FpMath::bf16 : memattn::FpMath::strict;
     const memattn::OpenMPExecutor executor{.threads = 1};
     memattn::KVCache<float, Eigen::bfloat16> cache(head_dim, head_dim, memattn::SoftmaxOptions{.fpmath = fpmath});
     cache.extend(pool(head_dim, 2).topRows(length), pool(head_dim, 3).topRows(length));
     const Matrix<float> queries = pool(head_dim, 1).topRows(g);
     Matrix<float> out(g, head_dim);
+    const auto without_tiles = [&] {  // the cache's attend_group, its group kept off the tiles
+        memattn::detail::GroupAttention<float, NoTiles> group(queries, static_cast<float>(cache.scale()), false,
+                                                              {.bf16_products = true});
+        out.setZero();
+        cache.for_each_stored_run([&](const auto& keys, const auto& values, Index first, Index n) {
+            group.fold_stored(keys, values, first, n, out);
+        });
+        for (Index r = 0; r < g; ++r)
+            group.finish(r, out.row(r));
+    };
     const double step_seconds = median_step_seconds(state, [&] {
-        cache.attend_group(queries, out);
+        if (mode == 2)
+            without_tiles();
+        else
+            cache.attend_group(queries, out);
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
     });
@@ -1297,7 +1317,7 @@ BENCHMARK(BM_SparseDecode)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_GroupAttend)
     ->ArgNames({"g", "length", "fpmath"})
-    ->ArgsProduct({{1, 4, 8}, {512}, {0, 1}})
+    ->ArgsProduct({{1, 4, 8}, {512}, {0, 1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeVariants)

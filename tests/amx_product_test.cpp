@@ -1,5 +1,7 @@
 #include "support.hpp"
 
+#include <memattn/cpu_features.hpp>
+#include <memattn/kernels/group_attention.hpp>
 #include <memattn/kernels/softmax_products.hpp>
 #include <memattn/kernels/softmax_tiles.hpp>
 
@@ -12,6 +14,7 @@
 
 using namespace memattn;
 using memattn::test::random_matrix;
+using memattn::reference::MatrixD;
 
 namespace {
 
@@ -208,4 +211,195 @@ TEST_CASE("AMX tile product on the CPU's tiles, where they run: the emulation's 
     if (differences[0] > 0)
         WARN(differences[0] << " elements differ from the emulation in their last bits: the hardware adds in another "
                                "order than the SDM's pseudo-code");
+}
+
+namespace {
+
+/// Rows of S holding x, and their values in double.
+template <class S>
+std::pair<detail::StoredRows<float, S>, MatrixD> amx_stored(const Matrix<float>& x) {
+    detail::StoredRows<float, S> rows(x.rows(), x.cols());
+    Matrix<float> back(x.rows(), x.cols());
+    if (x.rows() > 0) {
+        rows.put_rows(0, x);
+        rows.decode_rows(0, x.rows(), back.data(), x.cols());
+    }
+    return {std::move(rows), back.cast<double>()};
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("AMX grouped decode tiles, emulated: the logits and the weighted values are tdpbf16ps's sums in "
+                   "their order, for keys, head dims and groups off every tile",
+                   "[amx][decode]", Eigen::bfloat16, Fp8E4M3, Fp8E5M2) {
+#if defined(MEMATTN_GROUP_BF16)
+    using S = TestType;
+    using Tiles = detail::AmxGroupTiles<detail::AmxEmulated>;
+    std::uint64_t seed = 1200;
+    for (const Index d : {1, 2, 31, 32, 33, 64, 100, 128, 256})
+        for (const Index m : {1, 2, 15, 16, 17, 31, 33, 64, 127, 128})
+            for (const Index g : {1, 3, 4, 16}) {
+                INFO("d = " << d << ", m = " << m << ", g = " << g);
+                const Index first = 5, depth = (d + 31) / 32 * 32;
+                const Matrix<float> x = random_matrix<float>(first + m + 3, d, ++seed);
+                const auto [keys, kd] = amx_stored<S>(x);
+                // The queries rounded to bfloat16, zero-padded to whole 32s, and their pairs.
+                const Matrix<float> q = random_matrix<float>(g, d, ++seed);
+                std::vector<std::uint16_t> qb(static_cast<std::size_t>(g * depth), 0);
+                for (Index r = 0; r < g; ++r)
+                    for (Index c = 0; c < d; ++c)
+                        qb[static_cast<std::size_t>(r * depth + c)] = amx_bf16_bits(q(r, c));
+                std::vector<std::uint32_t> pairs(static_cast<std::size_t>(depth / 2 * 16));
+                Tiles::pack_query_pairs(qb.data(), depth, g, depth, pairs.data());
+                const float scale = 0.3f;
+                std::vector<float> s(static_cast<std::size_t>(g * 130), -7.0f);
+                Index asked = 0;
+                {
+                    Tiles tiles(g);
+                    tiles.logits(keys, first, m, d, pairs.data(), scale, s.data(), 130, [&](Index j, Index n) {
+                        CHECK(j == asked);
+                        asked += n;
+                    });
+                }
+                CHECK(asked == m);
+                for (Index r = 0; r < g; ++r) {
+                    for (Index j = 0; j < m; ++j) {
+                        float acc = 0;  // pairs ascending, the low term first
+                        for (Index k = 0; k < d; ++k)
+                            acc = std::fma(amx_widen(qb[static_cast<std::size_t>(r * depth + k)]),
+                                           static_cast<float>(kd(first + j, k)), acc);
+                        CHECK(std::bit_cast<std::uint32_t>(s[static_cast<std::size_t>(r * 130 + j)]) ==
+                              std::bit_cast<std::uint32_t>(scale * acc));
+                    }
+                    CHECK(s[static_cast<std::size_t>(r * 130 + m)] == -7.0f);  // nothing past the keys
+                }
+                // The values: g × dv from a random start, columns past dv zero.
+                const Index dv = d, ldo = depth;
+                const auto [values, vd] = amx_stored<S>(random_matrix<float>(first + m + 3, dv, ++seed));
+                const Matrix<float> w = random_matrix<float>(g, m, ++seed).cwiseAbs();
+                std::vector<std::uint16_t> wb(static_cast<std::size_t>(g * 130), 0);
+                for (Index r = 0; r < g; ++r)
+                    for (Index j = 0; j < m; ++j)
+                        wb[static_cast<std::size_t>(r * 130 + j)] = amx_bf16_bits(w(r, j));
+                const Matrix<float> start = random_matrix<float>(g, dv, ++seed);
+                std::vector<float> o(static_cast<std::size_t>(g * ldo), 0.0f);
+                for (Index r = 0; r < g; ++r)
+                    for (Index c = 0; c < dv; ++c)
+                        o[static_cast<std::size_t>(r * ldo + c)] = start(r, c);
+                {
+                    Tiles tiles(g);
+                    tiles.values(values, first, m, dv, wb.data(), 130, o.data(), ldo);
+                }
+                for (Index r = 0; r < g; ++r)
+                    for (Index c = 0; c < ldo; ++c) {
+                        float acc = c < dv ? start(r, c) : 0.0f;
+                        for (Index j = 0; j < m && c < dv; ++j)
+                            acc = std::fma(amx_widen(wb[static_cast<std::size_t>(r * 130 + j)]),
+                                           static_cast<float>(vd(first + j, c)), acc);
+                        CHECK(std::bit_cast<std::uint32_t>(o[static_cast<std::size_t>(r * ldo + c)]) ==
+                              std::bit_cast<std::uint32_t>(acc));
+                    }
+            }
+#else
+    SUCCEED("the grouped decode's bfloat16 routes are not compiled for this target (no AVX512-BF16)");
+#endif
+}
+
+namespace {
+
+/// out (g × dv) = the grouped decode of q over the rows [0, n) of keys and values, folded
+/// in two runs cut at `cut`, by GroupAttention<float, Tiles> with FpMath::bf16.
+template <class Tiles, class Rows, class ValueRows>
+Matrix<float> amx_group_decode(const Matrix<float>& q, const Rows& keys, const ValueRows& values, Index n, Index cut,
+                               detail::DecodeLogits logits) {
+    logits.bf16_products = true;
+    detail::GroupAttention<float, Tiles> group(q, 1.0f / std::sqrt(static_cast<float>(q.cols())), false, logits);
+    Matrix<float> acc = Matrix<float>::Zero(q.rows(), values.cols());
+    group.fold_stored(keys, values, 0, cut, acc, 0);
+    group.fold_stored(keys, values, cut, n - cut, acc, cut);
+    for (Index r = 0; r < q.rows(); ++r)
+        group.finish(r, acc.row(r));
+    return acc;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("AMX grouped decode, emulated: FpMath::bf16 over bfloat16 and FP8 rows in tiles, within the "
+                   "weights' bound of the double reference on the rounded queries, with the logit options; a "
+                   "query's output the same in any group",
+                   "[amx][decode]", Eigen::bfloat16, Fp8E4M3, Fp8E5M2) {
+#if defined(MEMATTN_GROUP_BF16)
+    using S = TestType;
+    using detail::AmxEmulated;
+    const double slope = 0.05, sink = 0.5, bound = std::ldexp(1.0, -8) / (1 - std::ldexp(1.0, -8));
+    const std::vector<double> slopes(16, slope), sinks(16, sink);
+    for (const auto& [d, dv] : {std::pair<Index, Index>{1, 1}, {31, 40}, {64, 24}, {128, 128}, {200, 33}, {256, 64}})
+        for (const Index n : {1, 2, 37, 129, 300})
+            for (const int variant : {0, 1}) {
+                INFO("d = " << d << ", dv = " << dv << ", n = " << n << ", variant " << variant);
+                const Matrix<float> Q = random_matrix<float>(16, d, 81);
+                const auto [keys, Kd] = amx_stored<S>(random_matrix<float>(n, d, 82));
+                const auto [values, Vd] = amx_stored<S>(random_matrix<float>(n, dv, 83));
+                detail::DecodeLogits logits{.position = n - 1};
+                if (variant == 1)
+                    logits = {.softcap = 6, .slopes = slopes.data(), .sinks = sinks.data(), .position = n - 1};
+                const Index cut = n / 3;
+                const Matrix<float> out = amx_group_decode<AmxEmulated>(Q, keys, values, n,
+                                                                        cut, logits);
+                // The reference: the rounded queries against the stored rows, in double.
+                const MatrixD Qd = Q.cast<Eigen::bfloat16>().cast<double>();
+                for (Index r = 0; r < 16; ++r) {
+                    reference::Logits o{.offset = n - 1};
+                    if (variant == 1) {
+                        o.softcap = 6;
+                        o.slope = slope;
+                        o.sink = sink;
+                    }
+                    const MatrixD expected = reference::softmax_attention(Qd.row(r), Kd, Vd, o).out;
+                    for (Index c = 0; c < dv; ++c) {
+                        const double lo = std::min(variant == 1 ? 0.0 : Vd.col(c).minCoeff(), Vd.col(c).minCoeff());
+                        const double hi = std::max(variant == 1 ? 0.0 : Vd.col(c).maxCoeff(), Vd.col(c).maxCoeff());
+                        INFO("query " << r << ", column " << c);
+                        CHECK(std::abs(out(r, c) - expected(0, c)) <=
+                              bound * (hi - lo) + 2e-5 * (1 + std::abs(expected(0, c))));
+                    }
+                }
+                // One order of terms for every group: a group of 3 and a query alone.
+                const Matrix<float> three =
+                    amx_group_decode<AmxEmulated>(Q.middleRows(5, 3), keys, values, n, cut, logits.from(5));
+                CHECK((three.array() == out.middleRows(5, 3).array()).all());
+                const Matrix<float> one = amx_group_decode<AmxEmulated>(Q.middleRows(9, 1), keys, values, n, cut,
+                                                                        logits.from(9));
+                CHECK((one.array() == out.middleRows(9, 1).array()).all());
+            }
+#else
+    SUCCEED("the grouped decode's bfloat16 routes are not compiled for this target (no AVX512-BF16)");
+#endif
+}
+
+TEST_CASE("AMX grouped decode on the CPU's tiles, where they run: the emulation's outputs", "[amx][decode]") {
+#if defined(MEMATTN_GROUP_BF16)
+    if (!detail::AmxGroupTiles<detail::AmxHardware>::runs()) {
+        SUCCEED("no AMX tiles here (" << describe(cpu_features()) << "): the emulated tests stand for them");
+        return;
+    }
+    Index differences = 0;
+    for (const auto& [d, dv] : {std::pair<Index, Index>{31, 40}, {128, 128}, {256, 64}})
+        for (const Index n : {1, 37, 300})
+            for (const Index g : {1, 4, 16}) {
+                INFO("d = " << d << ", dv = " << dv << ", n = " << n << ", g = " << g);
+                const Matrix<float> Q = random_matrix<float>(g, d, 91);
+                const auto [keys, Kd] = amx_stored<Eigen::bfloat16>(random_matrix<float>(n, d, 92));
+                const auto [values, Vd] = amx_stored<Fp8E4M3>(random_matrix<float>(n, dv, 93));
+                const Matrix<float> hw = amx_group_decode<detail::AmxHardware>(Q, keys, values, n, n / 2, {});
+                const Matrix<float> em = amx_group_decode<detail::AmxEmulated>(Q, keys, values, n, n / 2, {});
+                CHECK((hw - em).cwiseAbs().maxCoeff() <= 1e-5);
+                differences += (hw.array() != em.array()).count();
+            }
+    if (differences > 0)
+        WARN(differences << " outputs differ from the emulation's in their last bits: the hardware adds in another "
+                            "order than the SDM's pseudo-code");
+#else
+    SUCCEED("the grouped decode's bfloat16 routes are not compiled for this target (no AVX512-BF16)");
+#endif
 }

@@ -17,7 +17,8 @@
 //                       sixteen keys at a time (StoredRows<T, Q8>::integer_logits);
 //                       FpMath::bf16 over bfloat16 or FP8 rows with AVX512-BF16: the
 //                       stored values multiplied as bfloat16 words by vdpbf16ps
-//                       (fold_bf16; an FP8 byte read as its exact word)
+//                       (fold_bf16; an FP8 byte read as its exact word), or in AMX
+//                       tiles where the CPU runs them (fold_amx, kernels/group_amx.hpp)
 //   MemoryAttention     a group of a memory's queries over its runs, with its options
 //   attend_memory_group every query of a memory's attend_group
 //
@@ -48,8 +49,8 @@
 //   prefetches stall on them); two threads reach 0.7.
 //
 // The parts: kernels/query_attention.hpp (one query), kernels/group_attention.hpp (a
-// group, GroupAttention); this header the memories' side (MemoryAttention,
-// attend_memory_group).
+// group, GroupAttention), kernels/group_amx.hpp (its FpMath::bf16 products in AMX
+// tiles); this header the memories' side (MemoryAttention, attend_memory_group).
 
 #include "memattn/kernels/group_attention.hpp"
 #include "memattn/kernels/query_attention.hpp"

@@ -4,8 +4,11 @@
 // their measurements): the tiles of a few queries (logit_tiles, value_tiles), the logit
 // options of a decode step (DecodeLogits), and GroupAttention.
 
+#include "memattn/detail/amx_product.hpp"
 #include "memattn/detail/bf16_product.hpp"
+#include "memattn/kernels/group_amx.hpp"
 #include "memattn/kernels/query_attention.hpp"
+#include "memattn/storage/bf16_words.hpp"
 
 #include <array>
 #include <bit>
@@ -80,23 +83,6 @@ inline constexpr bool decode_tiles = false;
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
 #endif
-
-/// The grouped decode's bfloat16 route (fold_bf16) is compiled: vdpbf16ps (AVX512-BF16),
-/// AVX-512 VL, and Eigen's 16-lane packets, whose tiles and lane sums it shares.
-#if defined(MEMATTN_BF16_DOT) && defined(EIGEN_VECTORIZE_AVX512) && defined(__AVX512VL__)
-#define MEMATTN_GROUP_BF16 1
-inline constexpr bool group_bf16 = true;
-#else
-inline constexpr bool group_bf16 = false;
-#endif
-
-/// The format S of StoredRows<T, S>.
-template <class Rows>
-struct stored_format;
-template <class T, class S>
-struct stored_format<StoredRows<T, S>> {
-    using type = S;
-};
 
 /// Rows of float read in place (a run of a cache's own rows), with the interface of
 /// StoredRows' stored_packet and stored_value.
@@ -233,62 +219,6 @@ void value_tiles(const Values& values, Index first, Index m, Index dv, const flo
 // bfloat16 once, the weights rounded before P·V, the stored values multiplied as they
 // are (an FP8 value is a bfloat16 one: Bf16Words), two terms per float lane and
 // instruction.
-
-/// How the bfloat16 tiles read rows of format S: row(rows, r), the first byte of row r,
-/// and load(row, c, mask), the values of columns [c, c + 32) as 32 bfloat16 words, the
-/// lanes off `mask` zero (their bytes not read). Defined for the formats fold_bf16 takes
-/// (bf16_dot_rows<S>).
-template <class S>
-struct Bf16Words;
-
-/// bfloat16 rows: the words as stored.
-template <>
-struct Bf16Words<Eigen::bfloat16> {
-    template <class Rows>
-    static const void* row(const Rows& rows, Index r) noexcept {
-        return rows.stored_row(r);
-    }
-    static __m512i load(const void* row, Index c, __mmask32 mask) noexcept {
-        return _mm512_maskz_loadu_epi16(mask, static_cast<const std::uint16_t*>(row) + c);
-    }
-};
-
-/// FP8 rows: every E4M3 and E5M2 value is a bfloat16 one (3 or 2 bits of mantissa,
-/// exponents within bfloat16's; NaN and E5M2's ±∞ as bfloat16's), so a byte becomes its
-/// word exactly: its magnitude from a 128-word table (two vpermt2w and a blend), its sign
-/// bit moved to bit 15 (vpternlogd). Seven instructions for 32 values.
-template <Fp8Storage S>
-struct Bf16Words<S> {
-    /// The bfloat16 bits of the magnitudes 0–127, by their byte.
-    static constexpr std::array<std::uint16_t, 128> table = [] {
-        std::array<std::uint16_t, 128> words{};
-        for (std::size_t m = 0; m < words.size(); ++m)
-            words[m] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(fp8_values<S>[m]) >> 16);
-        return words;
-    }();
-    template <class Rows>
-    static const void* row(const Rows& rows, Index r) noexcept {
-        return rows.row_data(r);
-    }
-    static __m512i load(const void* row, Index c, __mmask32 mask) noexcept {
-        // 32 bytes, masked only where the row ends: a 64-byte masked load of them made the
-        // FP8 steps 1.3–2.1x slower on a Zen 5
-        const auto* p = static_cast<const std::uint8_t*>(row) + c;
-        const __m512i bytes = _mm512_cvtepu8_epi16(mask == ~__mmask32(0)
-                                                       ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                                       : _mm256_maskz_loadu_epi8(mask, p));
-        // vpermt2w picks from two registers of 32 words by the index's bits 0–5: the
-        // magnitudes 0–63 and 64–127 separately, then bit 6 chooses
-        const auto part = [](const std::uint16_t* words) { return _mm512_loadu_si512(words); };
-        const __m512i low = _mm512_permutex2var_epi16(part(table.data()), bytes, part(table.data() + 32));
-        const __m512i high = _mm512_permutex2var_epi16(part(table.data() + 64), bytes, part(table.data() + 96));
-        const __m512i magnitude =
-            _mm512_mask_blend_epi16(_mm512_test_epi16_mask(bytes, _mm512_set1_epi16(0x40)), low, high);
-        // magnitude | (bytes << 8 & 0x8000): the sign, bit 7 of the byte
-        return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(bytes, 8), _mm512_set1_epi16(-0x8000), 0xF8);
-    }
-};
-
 
 /// s (GQ rows, stride lds) = scale · (q · K_jᵀ) for the keys j ∈ [first, first + m) of
 /// `keys` (bfloat16 or FP8 rows, read by Bf16Words): q is GQ rows of bfloat16 bits
@@ -430,16 +360,6 @@ void value_tiles_bf16(const Values& values, Index first, Index m, Index dv, cons
 #undef MEMATTN_UNROLL
 #endif
 
-/// S is a format fold_bf16 reads as bfloat16 words (Bf16Words<S>, AVX512-BF16): bfloat16
-/// and FP8.
-#if defined(MEMATTN_GROUP_BF16)
-template <class S>
-inline constexpr bool bf16_dot_rows = std::is_same_v<S, Eigen::bfloat16> || Fp8Storage<S>;
-#else
-template <class S>
-inline constexpr bool bf16_dot_rows = false;
-#endif
-
 /// f.template operator()<GQ>(r0) over the rows [0, g) in chunks of powers of two below
 /// the lanes, largest first.
 template <class F>
@@ -557,12 +477,15 @@ struct DecodeLogits {
 ///   with AVX512-BF16 (bf16_dot_rows), any g, d ≤ max_depth: fold_bf16, the tiles route in
 ///   bfloat16 arithmetic (logit_tiles_bf16 on the queries rounded once, the weights
 ///   rounded for value_tiles_bf16), each stored value read as bfloat16 (Bf16Words);
+///   where the CPU runs AMX tiles (Tiles: AmxHardware where AmxGroupTiles::runs(), or
+///   AmxEmulated, the tests' stand-in), the same route's two products in tiles
+///   (fold_amx, kernels/group_amx.hpp);
 /// - elsewhere: S = scale · Q_g K_bᵀ as dot products vectorised along the head dim and
 ///   one SoftmaxState per query, since a key-major product would fill only g of a
 ///   packet's lanes (g = 4: 1.6× faster than the tiled route with AVX2).
 /// Then acc = α ⊙ acc + P · V_b, one register-blocked product with α fused into its load.
 /// One query goes through attend_contiguous, which is exactly `attend`.
-template <class T>
+template <class T, class Tiles = AmxHardware>
 class GroupAttention {
 public:
     static constexpr Index max_depth = 256;
@@ -577,7 +500,8 @@ public:
           tiled_(g_ >= packet_lanes<T> && queries.cols() <= max_depth),
           tiles_(std::is_same_v<T, float> && decode_tiles && g_ >= 2 && !tiled_ && queries.cols() <= max_depth),
           depth_(round_up(queries.cols(), packet_lanes<T>)), block_(tiled_ ? lanes_ : 1),
-          dot_(group_bf16 && std::is_same_v<T, float> && logits.bf16_products && queries.cols() <= max_depth) {
+          dot_(group_bf16 && std::is_same_v<T, float> && logits.bf16_products && queries.cols() <= max_depth),
+          amx_(dot_ && amx_runs()) {
         MEMATTN_DASSERT(g_ <= group_rows && lanes_ <= group_rows);
         load_queries();
     }
@@ -712,6 +636,15 @@ private:
 
     static constexpr Index round_up(Index n, Index m) { return (n + m - 1) / m * m; }
 
+    /// Whether fold_bf16 runs in AMX tiles here (AmxGroupTiles::runs).
+    static bool amx_runs() noexcept {
+#if defined(MEMATTN_GROUP_BF16)
+        return AmxGroupTiles<Tiles>::runs();
+#else
+        return false;
+#endif
+    }
+
     /// The queries as the routes read them: scale·Q_g (tiles route), log2(e)·scale·Q_gᵀ
     /// (tiled route), rows zero-padded to whole packets.
     void load_queries() noexcept {
@@ -727,6 +660,9 @@ private:
                         const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, q));
                         _mm256_store_si256(reinterpret_cast<__m256i*>(bf16_.q + r * depth + k), std::bit_cast<__m256i>(b));
                     }
+                if (amx_)  // as B pairs for fold_amx's tiles
+                    AmxGroupTiles<Tiles>::pack_query_pairs(reinterpret_cast<const std::uint16_t*>(bf16_.q), depth, g_,
+                                                           depth, bf16_.pairs);
                 return;  // the other routes' layouts are not read
             }
         }
@@ -821,12 +757,15 @@ private:
     template <class Keys, class Values, class Acc>
     void fold_tiles(const Keys& keys, const Values& values, Index first, Index n, Index d, Index dv,
                     Index key_row_bytes, Index prefetch_end, Acc& acc) {
-        fold_blocks(values, first, n, dv, key_row_bytes, acc, [&](Index j0, Index block, Index ahead) {
-            for_query_tiles(g_, [&]<int GQ>(Index r0) {
-                logit_tiles<GQ>(keys, values, first + j0, block, d, qt_ + r0 * depth_, depth_, s_ + r0 * group_keys,
-                                group_keys, r0 == 0 ? ahead : 0, prefetch_end);
-            });
-        });
+        fold_blocks(
+            n, key_row_bytes,
+            [&](Index j0, Index block, Index ahead) {
+                for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                    logit_tiles<GQ>(keys, values, first + j0, block, d, qt_ + r0 * depth_, depth_,
+                                    s_ + r0 * group_keys, group_keys, r0 == 0 ? ahead : 0, prefetch_end);
+                });
+            },
+            float_products(values, first, dv, acc));
     }
 
     /// The route of IntegerDot<Q8> keys (integer_group): fold_tiles with the logits of
@@ -840,50 +779,117 @@ private:
                 integer_.round(queries_.data(), queries_.outerStride(), g_, queries_.cols());
                 rounded_ = states_folds_ = true;
             }
-            fold_blocks(values, first, n, values.cols(), static_cast<Index>(StoredRows<T, SK>::row_bytes(keys.cols())),
-                        acc, [&](Index j0, Index block, Index ahead) {
-                            keys.integer_logits(first + j0, block, integer_, scale_, s_, group_keys, values, ahead,
-                                                keys.rows());
-                        });
+            fold_blocks(
+                n, static_cast<Index>(StoredRows<T, SK>::row_bytes(keys.cols())),
+                [&](Index j0, Index block, Index ahead) {
+                    keys.integer_logits(first + j0, block, integer_, scale_, s_, group_keys, values, ahead, keys.rows());
+                },
+                float_products(values, first, values.cols(), acc));
         }
     }
 
     /// The route of FpMath::bf16 over rows stored as bfloat16 or FP8 (dot_ and
-    /// bf16_dot_rows), any g:
-    /// fold_blocks with the logits of the queries rounded once (load_queries) by
-    /// logit_tiles_bf16 and the weights rounded to bfloat16 for value_tiles_bf16. A
-    /// query's logits and output do not depend on the group it is in (the tiles' sums
-    /// have one tree, the value tiles one order).
+    /// bf16_dot_rows), any g: fold_blocks with the logits of the queries rounded once
+    /// (load_queries) by logit_tiles_bf16 and the weights rounded to bfloat16 for
+    /// value_tiles_bf16; in AMX tiles instead where they run (fold_amx). A query's logits
+    /// and output do not depend on the group it is in (the tiles' sums have one tree, the
+    /// value tiles one order).
     template <class SK, class SV, class Acc>
     void fold_bf16(const StoredRows<T, SK>& keys, const StoredRows<T, SV>& values, Index first, Index n, Acc& acc) {
 #if defined(MEMATTN_GROUP_BF16)
         if constexpr (std::is_same_v<T, float>) {
             states_folds_ = true;
-            const Index d = keys.cols(), depth = round_up(d, 32);
-            fold_blocks<true>(values, first, n, values.cols(), static_cast<Index>(StoredRows<T, SK>::row_bytes(d)), acc,
-                              [&](Index j0, Index block, Index ahead) {
-                                  for_query_tiles(g_, [&]<int GQ>(Index r0) {
-                                      logit_tiles_bf16<GQ>(keys, values, first + j0, block, d,
-                                                           reinterpret_cast<const std::uint16_t*>(bf16_.q + r0 * depth),
-                                                           depth, scale_, s_ + r0 * group_keys, group_keys,
-                                                           r0 == 0 ? ahead : 0, keys.rows());
-                                  });
-                              });
+            if (amx_) {
+                fold_amx(keys, values, first, n, acc);
+                return;
+            }
+            const Index d = keys.cols(), depth = round_up(d, 32), dv = values.cols();
+            float* out = acc.data();
+            const Index ldo = acc.outerStride();
+            fold_blocks<true>(
+                n, static_cast<Index>(StoredRows<T, SK>::row_bytes(d)),
+                [&](Index j0, Index block, Index ahead) {
+                    for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                        logit_tiles_bf16<GQ>(keys, values, first + j0, block, d,
+                                             reinterpret_cast<const std::uint16_t*>(bf16_.q + r0 * depth), depth,
+                                             scale_, s_ + r0 * group_keys, group_keys, r0 == 0 ? ahead : 0,
+                                             keys.rows());
+                    });
+                },
+                [&](Index j0, Index block) {
+                    for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                        value_tiles_bf16<GQ>(values, first + j0, block, dv, bf16_.w + r0 * bf16_weights,
+                                             bf16_weights, alpha_ + r0, out + r0 * ldo, ldo);
+                    });
+                });
         }
 #else
         (void)keys, (void)values, (void)first, (void)n, (void)acc;
 #endif
     }
 
-    /// The loop of fold_tiles, fold_integer and fold_bf16: per block of group_keys keys, the
-    /// logits (logits(j0, block, ahead): into s_, one row of group_keys per query), the
-    /// options, one SoftmaxState per query, then α ⊙ acc + P·V by value_tiles (Bf16: the
-    /// weights rounded to bfloat16, and value_tiles_bf16).
-    template <bool Bf16 = false, class Values, class Acc, class Logits>
-    void fold_blocks(const Values& values, Index first, Index n, Index dv, Index key_row_bytes, Acc& acc,
-                     const Logits& logits) {
-        float* out = acc.data();
-        const Index ldo = acc.outerStride();
+#if defined(MEMATTN_GROUP_BF16)
+    /// fold_bf16's route in AMX tiles (kernels/group_amx.hpp): the logits Sᵀ = K·Qᵀ of 32
+    /// keys at a time on the query pairs packed once (load_queries), the same softmax and
+    /// rounded weights, then acc = α ⊙ acc + W·V with acc kept for the fold in qt_ (rows
+    /// of whole 32-column chunks, zero past dv; qt_ is not read by this route otherwise).
+    template <class SK, class SV, class Acc>
+    void fold_amx(const StoredRows<T, SK>& keys, const StoredRows<T, SV>& values, Index first, Index n, Acc& acc) {
+        const Index d = keys.cols(), dv = values.cols(), ldo = round_up(dv, 32);
+        float* o = qt_;
+        for (Index r = 0; r < g_; ++r) {
+            std::copy_n(acc.data() + r * acc.outerStride(), dv, o + r * ldo);
+            std::fill(o + r * ldo + dv, o + (r + 1) * ldo, 0.0f);
+        }
+        AmxGroupTiles<Tiles> tiles(g_);
+        fold_blocks<true>(
+            n, static_cast<Index>(StoredRows<T, SK>::row_bytes(d)),
+            [&](Index j0, Index block, Index ahead) {
+                tiles.logits(keys, first + j0, block, d, bf16_.pairs, scale_, s_, group_keys, [&](Index j, Index m) {
+                    prefetch_tile(keys, values, first + j0 + j, first + j0 + j + m, ahead, keys.rows());
+                });
+            },
+            [&](Index j0, Index block) {
+                for (Index r = 0; r < g_; ++r)
+                    Eigen::Map<Eigen::ArrayXf>(o + r * ldo, ldo) *= alpha_[r];
+                tiles.values(values, first + j0, block, dv, reinterpret_cast<const std::uint16_t*>(bf16_.w),
+                             bf16_weights, o, ldo);
+            });
+        for (Index r = 0; r < g_; ++r)
+            std::copy_n(o + r * ldo, dv, acc.data() + r * acc.outerStride());
+    }
+#endif
+
+    /// P·V of the float routes (fold_tiles, fold_integer) for fold_blocks: acc = α ⊙ acc
+    /// + P·V by value_tiles, or without AVX2 (fold_integer only) value_tiles' sums, one
+    /// value at a time.
+    template <class Values, class Acc>
+    auto float_products(const Values& values, Index first, Index dv, Acc& acc) {
+        return [this, &values, first, dv, out = acc.data(), ldo = acc.outerStride()](Index j0, Index block) {
+            if constexpr (decode_tiles) {
+                for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                    value_tiles<GQ>(values, first + j0, block, dv, s_ + r0 * group_keys, group_keys, alpha_ + r0,
+                                    out + r0 * ldo, ldo);
+                });
+            } else {
+                for (Index r = 0; r < g_; ++r)
+                    for (Index c = 0; c < dv; ++c) {
+                        float x = alpha_[r] * out[r * ldo + c];
+                        for (Index j = 0; j < block; ++j)
+                            x = fused_add(s_[r * group_keys + j], values.stored_value(first + j0 + j, c), x);
+                        out[r * ldo + c] = x;
+                    }
+            }
+        };
+    }
+
+    /// The loop of fold_tiles, fold_integer, fold_bf16 and fold_amx: per block of
+    /// group_keys keys, the logits (logits(j0, block, ahead): into s_, one row of
+    /// group_keys per query), the options, one SoftmaxState per query (Bf16: the weights
+    /// rounded to bfloat16 into bf16_.w, summed as rounded, zero from the block's end to
+    /// its whole 32), then acc = α ⊙ acc + P·V by products(j0, block).
+    template <bool Bf16 = false, class Logits, class Products>
+    void fold_blocks(Index n, Index key_row_bytes, const Logits& logits, const Products& products) {
         const Index ahead = ahead_ ? std::max<Index>(1, Index(4096) / std::max<Index>(1, key_row_bytes)) : 0;
         for (Index j0 = 0; j0 < n; j0 += group_keys) {
             const Index block = std::min(group_keys, n - j0);
@@ -893,36 +899,18 @@ private:
                     logits_.apply(s_ + r * group_keys, block, 1, r, key_position_ + j0, 1.0f);
             if constexpr (Bf16) {
 #if defined(MEMATTN_GROUP_BF16)
-                // The weights rounded to bfloat16, summed as rounded, and kept for P·V.
                 for (Index r = 0; r < g_; ++r) {
                     Eigen::bfloat16* w = bf16_.w + r * bf16_weights;
                     alpha_[r] = states_[r].absorb(s_ + r * group_keys, block,
                                                   [w](auto& p) { round_weights_bf16(p.data(), p.size(), w); });
-                    w[block] = Eigen::bfloat16(0.0f);
+                    std::fill(w + block, w + round_up(block, 32), Eigen::bfloat16(0.0f));
                 }
-                for_query_tiles(g_, [&]<int GQ>(Index r0) {
-                    value_tiles_bf16<GQ>(values, first + j0, block, dv, bf16_.w + r0 * bf16_weights, bf16_weights,
-                                         alpha_ + r0, out + r0 * ldo, ldo);
-                });
 #endif
-                continue;
-            }
-            for (Index r = 0; r < g_; ++r)
-                alpha_[r] = states_[r].absorb(s_ + r * group_keys, block);
-            if constexpr (decode_tiles) {
-                for_query_tiles(g_, [&]<int GQ>(Index r0) {
-                    value_tiles<GQ>(values, first + j0, block, dv, s_ + r0 * group_keys, group_keys, alpha_ + r0,
-                                    out + r0 * ldo, ldo);
-                });
-            } else {  // without AVX2 (fold_integer only): value_tiles' sums, one value at a time
+            } else {
                 for (Index r = 0; r < g_; ++r)
-                    for (Index c = 0; c < dv; ++c) {
-                        float x = alpha_[r] * out[r * ldo + c];
-                        for (Index j = 0; j < block; ++j)
-                            x = fused_add(s_[r * group_keys + j], values.stored_value(first + j0 + j, c), x);
-                        out[r * ldo + c] = x;
-                    }
+                    alpha_[r] = states_[r].absorb(s_ + r * group_keys, block);
             }
+            products(j0, block);
         }
     }
 
@@ -943,10 +931,12 @@ private:
     std::conditional_t<std::is_same_v<T, float>, IntegerGroup, NoIntegerGroup> integer_;  // the queries rounded (fold_integer)
     bool rounded_ = false;                       // integer_ holds queries_
     bool dot_;                                   // fold_bf16 takes rows stored as bfloat16
+    bool amx_;                                   // and runs them in AMX tiles (fold_amx)
     static constexpr Index bf16_weights = group_keys + 2;  // a query's weights in bf16_.w (even)
     struct Bf16Operands {
         alignas(64) Eigen::bfloat16 q[group_rows * max_depth];     // the queries rounded (fold_bf16)
         alignas(64) Eigen::bfloat16 w[group_rows * bf16_weights];  // a block's weights rounded
+        alignas(64) std::uint32_t pairs[max_depth / 2 * 16];       // the queries as B pairs (fold_amx)
     };
     struct NoBf16Operands {};
     std::conditional_t<group_bf16 && std::is_same_v<T, float>, Bf16Operands, NoBf16Operands> bf16_;

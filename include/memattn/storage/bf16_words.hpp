@@ -1,0 +1,106 @@
+#pragma once
+// Stored rows read as bfloat16 words, 32 at a time (AVX-512): what the grouped decode's
+// bfloat16 routes (kernels/group_attention.hpp: vdpbf16ps; kernels/group_amx.hpp: AMX
+// tiles) and the pool's gathered prompt tiles (serving/paged_prefill.hpp) multiply.
+// bfloat16 rows are their words; an FP8 byte becomes its bfloat16 word exactly.
+
+#include "memattn/detail/bf16_product.hpp"
+#include "memattn/storage/fp8.hpp"
+#include "memattn/storage/rows_16bit.hpp"
+#include "memattn/storage/stored_rows.hpp"
+#include "memattn/types.hpp"
+
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace memattn::detail {
+
+/// The grouped decode's bfloat16 routes (fold_bf16, fold_amx) are compiled: vdpbf16ps
+/// (AVX512-BF16), AVX-512 VL, and Eigen's 16-lane packets, whose tiles and lane sums
+/// they share.
+#if defined(MEMATTN_BF16_DOT) && defined(EIGEN_VECTORIZE_AVX512) && defined(__AVX512VL__)
+#define MEMATTN_GROUP_BF16 1
+inline constexpr bool group_bf16 = true;
+#else
+inline constexpr bool group_bf16 = false;
+#endif
+
+/// The format S of StoredRows<T, S>.
+template <class Rows>
+struct stored_format;
+template <class T, class S>
+struct stored_format<StoredRows<T, S>> {
+    using type = S;
+};
+
+#if defined(MEMATTN_GROUP_BF16)
+/// How the bfloat16 tiles read rows of format S: row(rows, r), the first byte of row r,
+/// and load(row, c, mask), the values of columns [c, c + 32) as 32 bfloat16 words, the
+/// lanes off `mask` zero (their bytes not read). Defined for the formats fold_bf16 takes
+/// (bf16_dot_rows<S>).
+template <class S>
+struct Bf16Words;
+
+/// bfloat16 rows: the words as stored.
+template <>
+struct Bf16Words<Eigen::bfloat16> {
+    template <class Rows>
+    static const void* row(const Rows& rows, Index r) noexcept {
+        return rows.stored_row(r);
+    }
+    static __m512i load(const void* row, Index c, __mmask32 mask) noexcept {
+        return _mm512_maskz_loadu_epi16(mask, static_cast<const std::uint16_t*>(row) + c);
+    }
+};
+
+/// FP8 rows: every E4M3 and E5M2 value is a bfloat16 one (3 or 2 bits of mantissa,
+/// exponents within bfloat16's; NaN and E5M2's ±∞ as bfloat16's), so a byte becomes its
+/// word exactly: its magnitude from a 128-word table (two vpermt2w and a blend), its sign
+/// bit moved to bit 15 (vpternlogd). Seven instructions for 32 values.
+template <Fp8Storage S>
+struct Bf16Words<S> {
+    /// The bfloat16 bits of the magnitudes 0–127, by their byte.
+    static constexpr std::array<std::uint16_t, 128> table = [] {
+        std::array<std::uint16_t, 128> words{};
+        for (std::size_t m = 0; m < words.size(); ++m)
+            words[m] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(fp8_values<S>[m]) >> 16);
+        return words;
+    }();
+    template <class Rows>
+    static const void* row(const Rows& rows, Index r) noexcept {
+        return rows.row_data(r);
+    }
+    static __m512i load(const void* row, Index c, __mmask32 mask) noexcept {
+        // 32 bytes, masked only where the row ends: a 64-byte masked load of them made the
+        // FP8 steps 1.3–2.1x slower on a Zen 5
+        const auto* p = static_cast<const std::uint8_t*>(row) + c;
+        const __m512i bytes = _mm512_cvtepu8_epi16(mask == ~__mmask32(0)
+                                                       ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                                       : _mm256_maskz_loadu_epi8(mask, p));
+        // vpermt2w picks from two registers of 32 words by the index's bits 0–5: the
+        // magnitudes 0–63 and 64–127 separately, then bit 6 chooses
+        const auto part = [](const std::uint16_t* words) { return _mm512_loadu_si512(words); };
+        const __m512i low = _mm512_permutex2var_epi16(part(table.data()), bytes, part(table.data() + 32));
+        const __m512i high = _mm512_permutex2var_epi16(part(table.data() + 64), bytes, part(table.data() + 96));
+        const __m512i magnitude =
+            _mm512_mask_blend_epi16(_mm512_test_epi16_mask(bytes, _mm512_set1_epi16(0x40)), low, high);
+        // magnitude | (bytes << 8 & 0x8000): the sign, bit 7 of the byte
+        return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(bytes, 8), _mm512_set1_epi16(-0x8000), 0xF8);
+    }
+};
+#endif
+
+/// S is a format fold_bf16 reads as bfloat16 words (Bf16Words<S>, AVX512-BF16): bfloat16
+/// and FP8.
+#if defined(MEMATTN_GROUP_BF16)
+template <class S>
+inline constexpr bool bf16_dot_rows = std::is_same_v<S, Eigen::bfloat16> || Fp8Storage<S>;
+#else
+template <class S>
+inline constexpr bool bf16_dot_rows = false;
+#endif
+
+}  // namespace memattn::detail
