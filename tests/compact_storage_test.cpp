@@ -16,6 +16,7 @@
 
 using namespace memattn;
 using memattn::test::check_close;
+using memattn::test::long_tokens;
 using memattn::test::random_matrix;
 using memattn::test::tolerance;
 using reference::MatrixD;
@@ -196,7 +197,7 @@ TEMPLATE_TEST_CASE("Compact storage: every cache equals the plain one fed the st
     using T = typename TestType::first_type;
     using S = typename TestType::second_type;
     const double tol = tolerance<T>();
-    for (const auto& shape : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {37, 5, 7}, {300, 40, 33}}) {
+    for (const auto& shape : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {37, 5, 7}, {long_tokens, 40, 33}}) {
         const Index n = std::get<0>(shape), d = std::get<1>(shape), dv = std::get<2>(shape);  // lambdas capture these
         INFO(detail::storage_name<S> << ": n = " << n << ", d = " << d << ", dv = " << dv);
         const Matrix<T> Q = random_matrix<T>(n, d, 1), K = random_matrix<T>(n, d, 2), V = random_matrix<T>(n, dv, 3);
@@ -917,7 +918,7 @@ TEMPLATE_TEST_CASE("Rotated storage: a rotated cache equals the plain one fed th
     using S = typename TestType::second_type;
     using Inner = typename S::storage;
     const double tol = tolerance<T>();
-    for (const auto& shape : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {37, 5, 7}, {300, 40, 33},
+    for (const auto& shape : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {37, 5, 7}, {long_tokens, 40, 33},
                               {130, 128, 64}}) {
         const Index n = std::get<0>(shape), d = std::get<1>(shape), dv = std::get<2>(shape);
         INFO(detail::storage_name<S> << ": n = " << n << ", d = " << d << ", dv = " << dv);
@@ -1070,7 +1071,7 @@ TEMPLATE_TEST_CASE("Integer Q·K: a cache's attend is the double reference of th
     using Inner = typename S::storage;
     static_assert(detail::storage_code<float, S>() == detail::storage_code<float, Inner>());
     static_assert(!StorageFor<S, double>, "the integer dot is for caches of float");
-    for (const auto& shape : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {37, 5, 7}, {300, 40, 33},
+    for (const auto& shape : {std::tuple<Index, Index, Index>{0, 4, 3}, {1, 1, 1}, {37, 5, 7}, {long_tokens, 40, 33},
                               {130, 128, 64}, {70, 200, 16}, {33, 31, 2}}) {
         const Index n = std::get<0>(shape), d = std::get<1>(shape), dv = std::get<2>(shape);
         INFO(detail::storage_name<S> << ": n = " << n << ", d = " << d << ", dv = " << dv);
@@ -1255,7 +1256,7 @@ TEMPLATE_TEST_CASE("Integer Q·K in a group: attend_group over IntegerDot<Q8> ke
                    "[storage][integer]", IntegerDot<Q8>, IntegerDot<Rotated<Q8>>) {
     using S = TestType;
     static_assert(detail::integer_group<S>, "every build takes a group's Q8 logits in integers");
-    for (const auto& shape : {std::tuple<Index, Index, Index>{1, 32, 8}, {37, 5, 7}, {300, 128, 64},
+    for (const auto& shape : {std::tuple<Index, Index, Index>{1, 32, 8}, {37, 5, 7}, {long_tokens, 128, 64},
                               {130, 200, 16}, {129, 256, 33}, {20, 33, 1}}) {
         const Index n = std::get<0>(shape), d = std::get<1>(shape), dv = std::get<2>(shape);  // captured below
         const Index most = detail::group_rows;

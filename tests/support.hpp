@@ -36,6 +36,11 @@ inline constexpr bool memory_only = true;
 inline constexpr bool memory_only = false;
 #endif
 
+/// The long sequence of the shapes that attend token by token against a reference:
+/// 300 tokens (past two blocks of the grouped attend's 128 keys), 150 in the sanitize
+/// build (past one; a quarter of the quadratic work).
+inline constexpr Index long_tokens = memory_only ? 150 : 300;
+
 /// Relative tolerance for results computed in T from inputs of unit scale.
 template <class T>
 constexpr double tolerance() {
