@@ -333,7 +333,9 @@ TEMPLATE_TEST_CASE("AMX grouped decode, emulated: FpMath::bf16 over bfloat16 and
     using detail::AmxEmulated;
     const double slope = 0.05, sink = 0.5, bound = std::ldexp(1.0, -8) / (1 - std::ldexp(1.0, -8));
     const std::vector<double> slopes(16, slope), sinks(16, sink);
-    for (const auto& [d, dv] : {std::pair<Index, Index>{1, 1}, {31, 40}, {64, 24}, {128, 128}, {200, 33}, {256, 64}})
+    // dv = 300: past the tiles' output rows (max_depth), the values take vdpbf16ps.
+    for (const auto& [d, dv] :
+         {std::pair<Index, Index>{1, 1}, {31, 40}, {64, 24}, {128, 128}, {200, 33}, {256, 64}, {64, 300}})
         for (const Index n : {1, 2, 37, 129, 300})
             for (const int variant : {0, 1}) {
                 INFO("d = " << d << ", dv = " << dv << ", n = " << n << ", variant " << variant);

@@ -799,7 +799,7 @@ private:
 #if defined(MEMATTN_GROUP_BF16)
         if constexpr (std::is_same_v<T, float>) {
             states_folds_ = true;
-            if (amx_) {
+            if (amx_ && values.cols() <= max_depth) {
                 fold_amx(keys, values, first, n, acc);
                 return;
             }
@@ -832,7 +832,8 @@ private:
     /// fold_bf16's route in AMX tiles (kernels/group_amx.hpp): the logits Sᵀ = K·Qᵀ of 32
     /// keys at a time on the query pairs packed once (load_queries), the same softmax and
     /// rounded weights, then acc = α ⊙ acc + W·V with acc kept for the fold in qt_ (rows
-    /// of whole 32-column chunks, zero past dv; qt_ is not read by this route otherwise).
+    /// of whole 32-column chunks, zero past dv; qt_ is not read by this route otherwise),
+    /// so for dv ≤ max_depth (wider values take vdpbf16ps).
     template <class SK, class SV, class Acc>
     void fold_amx(const StoredRows<T, SK>& keys, const StoredRows<T, SV>& values, Index first, Index n, Acc& acc) {
         const Index d = keys.cols(), dv = values.cols(), ldo = round_up(dv, 32);
