@@ -7,7 +7,8 @@
 //   - load throws SnapshotError: the target's own snapshot is byte for byte what it was;
 //   - load returns: saving the target gives exactly the bytes load consumed (the format
 //     is canonical), and the loaded memory decodes a token (a latent cache: two heads
-//     attend it);
+//     attend it), or, holding max_length tokens already, refuses it with
+//     std::length_error and stays as it was;
 //   - loading the same bytes from a buffer (load(memory, span)) has the same outcome, and
 //     returns the size the stream load consumed, which is snapshot_size of the result.
 // Seeds (fuzz/corpus/snapshot) are valid snapshots of every target, written by this file
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <span>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -138,6 +140,17 @@ void use_loaded(M& target) {
         const Matrix<T> q = Matrix<T>::Ones(1, qd), k = Matrix<T>::Ones(1, target.key_dim()),
                         v = Matrix<T>::Ones(1, target.value_dim());
         Matrix<T> o(1, od);
+        if (target.length() > max_length - 1) {  // full (a stream may say max_length): the step refused, unchanged
+            const std::string before = saved(target);
+            try {
+                decode(target, q, k, v, o);
+            } catch (const std::length_error&) {
+                if (saved(target) != before)
+                    std::abort();  // a refused step changed the memory
+                return;
+            }
+            std::abort();  // a step past max_length was taken
+        }
         decode(target, q, k, v, o);
     }
 }
