@@ -25,7 +25,7 @@ float amx_widen(std::uint16_t h) { return std::bit_cast<float>(std::uint32_t{h} 
 /// A row source of bfloat16 rows (the kernel's ConvertedRows<Eigen::bfloat16> where it
 /// holds pairs), on any CPU: bits in place, and the rows as floats.
 struct AmxTestRows {
-    static constexpr bool pairs = true;
+    [[maybe_unused]] static constexpr bool pairs = true;  // what the kernel asks of a row source
     explicit AmxTestRows(const Matrix<float>& x) : values(x.rows(), x.cols()), raw(static_cast<std::size_t>(x.size())) {
         for (Index j = 0; j < x.rows(); ++j)
             for (Index c = 0; c < x.cols(); ++c) {
