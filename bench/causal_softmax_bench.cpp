@@ -119,10 +119,7 @@ void BM_CausalSoftmax(benchmark::State& state) {
     state.counters["scratch_KiB"] =
         static_cast<double>(Kernel<T>::scratch_bytes(c.d, c.d, memattn::detail::default_tiles(c.window))) / 1024.0;
     if constexpr (std::is_same_v<T, Eigen::bfloat16> || F == memattn::FpMath::bf16)
-        state.counters["amx"] = memattn::detail::bf16_dot && c.d % 2 == 0 &&
-                                        memattn::detail::AmxTileProducts<memattn::detail::DefaultBlocking>::runs()
-                                    ? 1
-                                    : 0;
+        state.counters["amx"] = memattn::bf16_products() == memattn::Bf16Products::amx_tiles && c.d % 2 == 0 ? 1 : 0;
 }
 
 /// Scores for all N² pairs, masked, softmax by rows, times V.

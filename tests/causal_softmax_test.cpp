@@ -512,7 +512,7 @@ void check_low_precision(const Matrix<E>& Q, const Matrix<E>& K, const Matrix<E>
     Matrix<Out> O(Q.rows(), V.cols());
     causal_softmax_attention(Q, K, V, O, options);
     const reference::MatrixD Vd = reference::to_double(V.template cast<float>());
-    const double u = std::is_same_v<E, Eigen::bfloat16> && detail::bf16_dot ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+    const double u = std::is_same_v<E, Eigen::bfloat16> && detail::avx512_bf16_runs() ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
     const double out_u = std::is_same_v<Out, float> ? 0.0 : std::is_same_v<Out, Eigen::half> ? 0x1p-11 : 0x1p-8;
     const double scale = expected.size() > 0 ? std::max(1.0, expected.cwiseAbs().maxCoeff()) : 1.0;
     for (Index c = 0; c < V.cols(); ++c) {
@@ -556,7 +556,7 @@ TEMPLATE_TEST_CASE("causal softmax on bfloat16 and float16: within the bound of 
     Matrix<float> O(n, dv);
     Vector<float> lse(n);
     causal_softmax_attention(Q, K, V, O, lse, options);
-    const double u = std::is_same_v<E, Eigen::bfloat16> && detail::bf16_dot ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+    const double u = std::is_same_v<E, Eigen::bfloat16> && detail::avx512_bf16_runs() ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
     for (Index i = 0; i < n; ++i) {
         const double e = expected.lse[static_cast<std::size_t>(i)];
         CAPTURE(i);
@@ -606,7 +606,7 @@ TEMPLATE_TEST_CASE("causal softmax on bfloat16 and float16: the logit options, n
     causal_softmax_attention(Q, K, V, O, options, bias);
     logits.bias = &bias_d;
     const reference::MatrixD with_bias = reference::softmax_attention(Qd, Kd, Vd, logits).out;
-    const double u = std::is_same_v<E, Eigen::bfloat16> && detail::bf16_dot ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+    const double u = std::is_same_v<E, Eigen::bfloat16> && detail::avx512_bf16_runs() ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
     const double range = Vd.maxCoeff() - Vd.minCoeff();
     REQUIRE((O.cast<double>() - with_bias).cwiseAbs().maxCoeff() <= u * range + 1e-4);
     causal_softmax_attention(Q, K, V, O, options, mask);
@@ -644,7 +644,7 @@ TEST_CASE("causal softmax on bfloat16: a long sequence against the float kernel 
     Matrix<float> twin(n, d), O(n, d);
     causal_softmax_attention(Qf, Kf, Vf, twin, options);
     causal_softmax_attention(Q, K, V, O, options);
-    const double u = detail::bf16_dot ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+    const double u = detail::avx512_bf16_runs() ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
     const double range = static_cast<double>(Vf.maxCoeff() - Vf.minCoeff());
     REQUIRE((O - twin).cwiseAbs().maxCoeff() <= u * range + 1e-5);
     // Measured, not bounded: the weights' rounding errors average out over many keys.
@@ -733,10 +733,7 @@ namespace {
 
 /// bfloat16 rows that never take the bfloat16 products: the kernel on them is the float
 /// path the vdpbf16ps path replaces (tiles converted to float), on any CPU.
-struct ConvertedOnly : detail::ConvertedRows<Eigen::bfloat16> {
-    using detail::ConvertedRows<Eigen::bfloat16>::ConvertedRows;
-    static constexpr bool pairs = false;
-};
+using ConvertedOnly = detail::ConvertedRows<Eigen::bfloat16, false>;
 
 }  // namespace
 
@@ -768,12 +765,12 @@ TEST_CASE("causal softmax on bfloat16: the bfloat16 products against the convert
             [&](Index i, float x) { plain_lse(i) = x; }, options, scratch, detail::trailing_queries,
             detail::TileBias<float>{});
     }
-    const double u = detail::bf16_dot ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+    const double u = detail::avx512_bf16_runs() ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
     const Matrix<float> Vf = V.cast<float>();
     const double range = static_cast<double>(Vf.maxCoeff() - Vf.minCoeff());
     CHECK((fast - plain).cwiseAbs().maxCoeff() <= u * range + 1e-5);
     CHECK((fast_lse - plain_lse).cwiseAbs().maxCoeff() <= u + 1e-5);
-    if (!detail::bf16_dot) {  // the same path: the same bits
+    if (!detail::avx512_bf16_runs()) {  // the same path: the same bits (the other: isa_regions_test)
         CHECK((fast.array() == plain.array()).all());
     }
 }

@@ -1,6 +1,7 @@
 #include "support.hpp"
 
 #include <memattn/cpu_features.hpp>
+#include <memattn/detail/isa_regions.hpp>
 
 #include <fstream>
 #include <set>
@@ -19,6 +20,16 @@ TEST_CASE("cpu_features: CPUID's features are the kernel's /proc/cpuinfo flags, 
         CHECK(f.avx512_usable());
     if (compiled.avx512_bf16)
         CHECK(f.avx512_bf16_usable());
+    CHECK_FALSE((compiled.avx512_bf16 && compiled.avx512_bf16_by_target));  // by target only where not in place
+    // The bfloat16 kernel's arithmetic: on bfloat16 pairs wherever the CPU has AVX512-BF16
+    // and GCC or Clang built this for x86-64, whatever its -march; what the kernel takes.
+    const memattn::Bf16Products products = memattn::bf16_products();
+    INFO("bf16_products " << static_cast<int>(products));
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MEMATTN_NO_DISPATCH)
+    CHECK((products != memattn::Bf16Products::converted_float) == f.avx512_bf16_usable());
+#endif
+    CHECK((products != memattn::Bf16Products::converted_float) == memattn::detail::avx512_bf16_runs());
+    CHECK((products == memattn::Bf16Products::amx_tiles) == (f.amx_usable() && memattn::request_amx()));
     const std::string text = memattn::describe(f);
     CHECK(text.find("(os: ") != std::string::npos);
     CHECK((text.find("avx2") != std::string::npos) == f.avx2);

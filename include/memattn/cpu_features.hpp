@@ -20,7 +20,9 @@
 //
 // The first call finds them (thread-safe, once); later calls return the same object.
 // compiled_paths() says what this translation unit was compiled to use: a path runs
-// where it was compiled and the CPU has it.
+// where it was compiled and the CPU has it. bf16_products() says which arithmetic the
+// bfloat16 softmax kernel takes here: a portable build (-march=x86-64-v3, say) compiles
+// vdpbf16ps and the AMX tiles by target and takes them where the CPU has them.
 
 #include <cstdlib>
 #include <string>
@@ -166,7 +168,11 @@ inline CpuFeatures find_cpu_features() noexcept {
 struct CompiledPaths {
     bool avx2 = false;         ///< AVX2 and FMA packets (x86-64-v3)
     bool avx512 = false;       ///< AVX-512 packets (x86-64-v4)
-    bool avx512_bf16 = false;  ///< vdpbf16ps for bfloat16 products
+    bool avx512_bf16 = false;  ///< vdpbf16ps for bfloat16 products, everywhere (the build targets AVX512-BF16)
+    /// vdpbf16ps and AMX for the bfloat16 softmax kernel compiled by target in a build
+    /// that does not target AVX512-BF16 (GCC or Clang on x86-64, MEMATTN_NO_DISPATCH not
+    /// defined), taken where the CPU runs them (detail/isa_regions.hpp)
+    bool avx512_bf16_by_target = false;
 };
 
 /// The paths this translation unit was compiled with (see CompiledPaths).
@@ -180,8 +186,29 @@ struct CompiledPaths {
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
     p.avx512_bf16 = true;
+#elif defined(MEMATTN_X86_CPUID) && !defined(MEMATTN_NO_DISPATCH)
+    p.avx512_bf16_by_target = true;
 #endif
     return p;
+}
+
+/// The arithmetic of the bfloat16 softmax kernel (causal_softmax_attention and the
+/// multi-head layer on bfloat16, the pool's FpMath::bf16 prompts).
+enum class Bf16Products {
+    converted_float,  ///< each tile converted to float, the float products (exact inputs)
+    vdpbf16ps,        ///< AVX512-BF16's pair products, the weights rounded to bfloat16
+    amx_tiles,        ///< the same arithmetic in AMX tiles (an odd head dimension: vdpbf16ps)
+};
+
+/// Which Bf16Products this translation unit takes on this CPU: vdpbf16ps where it was
+/// compiled (compiled_paths(): in place or by target) and the CPU runs it, AMX tiles where
+/// besides the CPU has AMX-BF16 and Linux grants the tile state (request_amx(), asked here
+/// as the kernel asks on its first call), else converted_float.
+[[nodiscard]] inline Bf16Products bf16_products() noexcept {
+    const CompiledPaths p = compiled_paths();
+    if (!p.avx512_bf16 && !(p.avx512_bf16_by_target && cpu_features().avx512_bf16_usable()))
+        return Bf16Products::converted_float;
+    return request_amx() ? Bf16Products::amx_tiles : Bf16Products::vdpbf16ps;
 }
 
 /// The features present, by their Linux /proc/cpuinfo names, then the registers the OS
@@ -189,8 +216,11 @@ struct CompiledPaths {
 /// amx_bf16 (os: avx avx512 amx)".
 [[nodiscard]] inline std::string describe(const CpuFeatures& f) {
     const auto add = [](std::string& to, bool on, const char* name) {
-        if (on)
-            to += (to.empty() ? "" : " ") + std::string(name);
+        if (!on)
+            return;
+        if (!to.empty())  // appended in place: GCC 12 at -O3 reports a false -Wrestrict for a temporary's +
+            to.push_back(' ');
+        to.append(name);
     };
     std::string s, os;
     add(s, f.avx2, "avx2");

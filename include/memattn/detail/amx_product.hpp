@@ -38,6 +38,7 @@
 // so nothing is left configured between calls.
 
 #include "memattn/detail/assert.hpp"
+#include "memattn/detail/isa_regions.hpp"
 #include "memattn/types.hpp"
 
 #include <algorithm>
@@ -47,10 +48,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace memattn::detail {
 
@@ -345,7 +342,8 @@ void amx_product(Index rows, Index cols, Index pairs, const std::uint16_t* a, In
     Tiles::release();
 }
 
-#if defined(__AVX512F__)
+#if defined(MEMATTN_AVX512_CODE)
+MEMATTN_AVX512_BEGIN
 /// Transposes 16 × 16 32-bit words in place: r[i] lane j becomes r[j] lane i.
 inline void transpose_words(__m512i r[16]) noexcept {
     __m512i t[16];
@@ -368,17 +366,26 @@ inline void transpose_words(__m512i r[16]) noexcept {
         r[8 + h] = _mm512_shuffle_i32x4(t[h], t[8 + h], 0xDD);
     }
 }
-#endif
 
-/// The weights of a tile as A rows for amx_product: out[i·ldo + j/2] holds p(j, i) low
-/// and p(j + 1, i) high as bfloat16 (0 past the n keys), for lanes i < cols and keys j <
-/// n; p row-major (keys × lanes), row stride `lanes`, already bfloat16 values (the
-/// products' Rounding: absorb rounded them), so their high halves are exact, NaN included.
-/// Words of a row past (n + 1)/2 are not written. With AVX-512, 16 lanes × 16 pairs at a
-/// time: two key rows' halves merged into words, then the words transposed.
-inline void pack_weight_rows(const float* p, Index n, Index cols, Index lanes, std::uint32_t* out, Index ldo) {
+/// Sixteen rows of bfloat16 (row r from rows[r]) as pair words along 16 lanes:
+/// out[k·ldo + r] holds the row's pair k, for whole blocks of 16 of the `pairs` pairs.
+/// The pairs written (a multiple of 16).
+inline Index transpose_pairs(const std::uint16_t* const rows[16], Index pairs, std::uint32_t* out, Index ldo) noexcept {
+    Index k0 = 0;
+    for (; k0 + 16 <= pairs; k0 += 16) {
+        __m512i w[16];
+        for (Index r = 0; r < 16; ++r)
+            w[r] = _mm512_loadu_si512(rows[r] + 2 * k0);
+        transpose_words(w);
+        for (Index k = 0; k < 16; ++k)
+            _mm512_storeu_si512(out + (k0 + k) * ldo, w[k]);
+    }
+    return k0;
+}
+
+/// pack_weight_rows' blocks of 16 lanes: the lanes done (a multiple of 16).
+inline Index pack_weight_rows_wide(const float* p, Index n, Index cols, Index lanes, std::uint32_t* out, Index ldo) {
     Index i0 = 0;
-#if defined(__AVX512F__)
     const Index pairs = (n + 1) / 2;
     const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (; i0 + 16 <= cols; i0 += 16)
@@ -396,6 +403,24 @@ inline void pack_weight_rows(const float* p, Index n, Index cols, Index lanes, s
             for (Index r = 0; r < 16; ++r)
                 _mm512_mask_storeu_epi32(out + (i0 + r) * ldo + k0, mask, w[r]);
         }
+    return i0;
+}
+MEMATTN_AVX512_END
+#endif
+
+/// The weights of a tile as A rows for amx_product: out[i·ldo + j/2] holds p(j, i) low
+/// and p(j + 1, i) high as bfloat16 (0 past the n keys), for lanes i < cols and keys j <
+/// n; p row-major (keys × lanes), row stride `lanes`, already bfloat16 values (the
+/// products' Rounding: absorb rounded them), so their high halves are exact, NaN included.
+/// Words of a row past (n + 1)/2 are not written. Where `wide` (only where avx512_runs()),
+/// 16 lanes × 16 pairs at a time by AVX-512: two key rows' halves merged into words, then
+/// the words transposed.
+inline void pack_weight_rows(const float* p, Index n, Index cols, Index lanes, std::uint32_t* out, Index ldo,
+                             [[maybe_unused]] bool wide) {
+    Index i0 = 0;
+#if defined(MEMATTN_AVX512_CODE)
+    if (wide)
+        i0 = pack_weight_rows_wide(p, n, cols, lanes, out, ldo);
 #endif
     const auto bits = [](float x) {
         const auto u = std::bit_cast<std::uint32_t>(x);

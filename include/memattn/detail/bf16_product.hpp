@@ -38,7 +38,13 @@
 // stay whole). A band's depth range is rounded out to whole pairs: the terms it adds
 // that way have A = 0 (the weights of keys no query of the strip sees), and x + 0·b is x
 // for every finite b.
+//
+// A build that does not target AVX512-BF16 compiles these products by target
+// (detail/isa_regions.hpp: MEMATTN_BF16_DISPATCH) and runs them where the CPU has it
+// (avx512_bf16_runs()): a portable build's bfloat16 kernel takes them on Zen 4/5 and on
+// Xeons, and converts to float elsewhere.
 
+#include "memattn/detail/isa_regions.hpp"
 #include "memattn/detail/tile_product.hpp"
 #include "memattn/types.hpp"
 
@@ -46,21 +52,34 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define MEMATTN_BF16_DOT 1
-#endif
-
 namespace memattn::detail {
 
-/// This target multiplies bfloat16 pairs in hardware (AVX512-BF16): bfloat16 inputs of
-/// the softmax kernel then run its products by vdpbf16ps; elsewhere they are converted to
-/// float tile by tile and run the float products.
+/// This build targets AVX512-BF16: bfloat16 inputs of the softmax kernel always run its
+/// products by vdpbf16ps. Elsewhere they do where avx512_bf16_runs() (the products
+/// compiled by target, avx512_bf16_code), and are converted to float tile by tile and run
+/// the float products where it does not.
 #if defined(MEMATTN_BF16_DOT)
 inline constexpr bool bf16_dot = true;
 #else
 inline constexpr bool bf16_dot = false;
 #endif
+
+/// f.template operator()<true>() where the bfloat16 products run here, else
+/// f.template operator()<false>(): a kernel's instantiation on bfloat16 pairs is chosen at
+/// compile time where the build targets AVX512-BF16 (the other is not compiled), at run
+/// time where the products are compiled by target (avx512_bf16_runs()), and never where
+/// they are not compiled at all.
+template <class F>
+decltype(auto) with_bf16_products(F&& f) {
+    if constexpr (bf16_dot)
+        return f.template operator()<true>();
+    else if constexpr (avx512_bf16_code) {
+        if (avx512_bf16_runs())
+            return f.template operator()<true>();
+        return f.template operator()<false>();
+    } else
+        return f.template operator()<false>();
+}
 
 /// The two bfloat16 at p (bits), lower address in the low half: one 32-bit word.
 inline std::uint32_t load_pair(const std::uint16_t* p) noexcept {
@@ -72,15 +91,29 @@ inline std::uint32_t load_pair(const std::uint16_t* p) noexcept {
 /// Weights rounded to bfloat16 (nearest even) and widened back: SoftmaxBlockState::absorb's
 /// `round`, so the denominator sums the weights P·V multiplies. A scalar lane takes
 /// Eigen's conversion, also nearest even (no weight is denormal: exp2_nonpositive gives 0
-/// below 2⁻¹²⁵).
+/// below 2⁻¹²⁵); a packet of the build's width vcvtneps2bf16 where the build has it, else
+/// the same rounding in integer lanes (the bits plus 0x7FFF plus the lowest kept bit, the
+/// low half cleared; a NaN kept as it is), so a portable build's weights are the same.
 struct RoundToBf16 {
 #if defined(MEMATTN_BF16_DOT)
     __m512 operator()(__m512 x) const noexcept { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
 #endif
     float operator()(float x) const noexcept { return static_cast<float>(Eigen::bfloat16(x)); }
+    template <class P>
+        requires(!std::is_same_v<P, float>)
+    P operator()(const P& x) const noexcept {
+        namespace ei = Eigen::internal;
+        using I = typename ei::unpacket_traits<P>::integer_packet;
+        const I bits = ei::preinterpret<I>(x);
+        const I lowest_kept = ei::pand(ei::plogical_shift_right<16>(bits), ei::pset1<I>(1));
+        const I rounded = ei::pand(ei::padd(ei::padd(bits, ei::pset1<I>(0x7FFF)), lowest_kept),
+                                   ei::pset1<I>(static_cast<int>(0xFFFF0000u)));
+        return ei::pselect(ei::pcmp_eq(x, x), ei::preinterpret<P>(rounded), x);
+    }
 };
 
-#if defined(MEMATTN_BF16_DOT)
+#if defined(MEMATTN_AVX512_BF16_CODE)
+MEMATTN_AVX512_BF16_BEGIN
 
 /// Floats per packet of the bfloat16 products (one 512-bit register).
 inline constexpr Index bf16_lanes = 16;
@@ -99,20 +132,24 @@ inline void bf16_micro_tile(Index pairs, bool single, const std::uint16_t* a, In
                                                   _mm512_maskz_loadu_ps(m, c + r * ldc + p * bf16_lanes))
                                   : _mm512_setzero_ps();
         }
-    const auto step = [&](Index k, auto broadcast) {
+    // No lambda here passes a vector, nor std::bit_cast: where this is compiled by
+    // target, a function defined outside the region may not (detail/isa_regions.hpp).
+    const auto step = [&](Index k, bool alone) {
         __m512bh bk[Packets];
         for (int p = 0; p < Packets; ++p)
-            bk[p] = std::bit_cast<__m512bh>(_mm512_loadu_si512(b + k * ldb + p * bf16_lanes));
+            bk[p] = (__m512bh)_mm512_loadu_si512(b + k * ldb + p * bf16_lanes);
         for (int r = 0; r < Rows; ++r) {
-            const __m512bh ark = std::bit_cast<__m512bh>(broadcast(a + r * a_row + k * a_pair));
+            const std::uint16_t* at = a + r * a_row + k * a_pair;
+            const auto word = static_cast<int>(alone ? std::uint32_t{*at} : load_pair(at));
+            const __m512bh ark = (__m512bh)_mm512_set1_epi32(word);
             for (int p = 0; p < Packets; ++p)
                 acc[r][p] = _mm512_dpbf16_ps(acc[r][p], ark, bk[p]);  // C(r, :) += A(r, k..k+1) · B(k..k+1, :)
         }
     };
     for (Index k = 0; k < pairs; ++k)
-        step(k, [](const std::uint16_t* p) { return _mm512_set1_epi32(static_cast<int>(load_pair(p))); });
+        step(k, false);
     if (single)
-        step(pairs, [](const std::uint16_t* p) { return _mm512_set1_epi32(static_cast<int>(*p)); });
+        step(pairs, true);
     const __m512 scale = _mm512_set1_ps(post);
     for (int r = 0; r < Rows; ++r)
         for (int p = 0; p < Packets; ++p) {
@@ -190,7 +227,7 @@ void bf16_product(Index rows, Index cols, Index depth, const std::uint16_t* a, I
 /// Sixteen floats rounded to bfloat16 (nearest even; vcvtneps2bf16), each in the low half
 /// of a 32-bit lane.
 inline __m512i bf16_words(__m512 x) noexcept {
-    return _mm512_cvtepu16_epi32(std::bit_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+    return _mm512_maskz_cvtepu16_epi32(0xFFFF, (__m256i)_mm512_cvtneps_pbh(x));
 }
 
 /// The weights of a tile as A pairs along the keys: out[(j/2)·lanes + i] holds
@@ -210,36 +247,51 @@ inline void pack_weight_pairs(const float* p, Index n, Index cols, Index lanes, 
     }
 }
 
+/// pack_row_pairs' whole packets of 16 columns, from column c on: the column it stopped at.
+inline Index pack_row_pairs_wide(const std::uint16_t* lo, const std::uint16_t* hi, Index cols, std::uint32_t* row,
+                                 std::uint32_t& bad) {
+    const __m512i exponent = _mm512_set1_epi32(0x7F807F80);
+    Index c = 0;
+    for (; c + bf16_lanes <= cols; c += bf16_lanes) {
+        const __m512i low =
+            _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + c)));
+        const __m512i high =
+            hi ? _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + c)))
+               : _mm512_setzero_si512();
+        const __m512i word = _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+        bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(word, exponent), exponent) != 0;
+        _mm512_storeu_si512(row + c, word);
+    }
+    return c;
+}
+
+MEMATTN_AVX512_BF16_END
 #else
-// Declared only, for code that names them where bf16_dot is false (never called).
+// Declared only, for code that names them where the products are not compiled (never
+// called).
 template <class B = DefaultBlocking, bool APadded = false, class Band = WholeStrip>
 void bf16_product(Index rows, Index cols, Index depth, const std::uint16_t* a, Index a_row, Index a_pair,
                   const std::uint32_t* b, Index ldb, float* c, Index ldc, const float* row_scale, float post,
                   const Band& band = {}, PrefetchQueue* ahead = nullptr);
 void pack_weight_pairs(const float* p, Index n, Index cols, Index lanes, std::uint32_t* out);
-#endif  // MEMATTN_BF16_DOT
+#endif  // MEMATTN_AVX512_BF16_CODE
 
 /// Rows of bfloat16 bits as B pairs: out[(j/2)·ldo + c] holds x(j, c) in its low half and
 /// x(j + 1, c) in its high half, for j < n (0 past n) and c < cols; columns [cols, ldo)
 /// are 0. x row-major with row stride ldx. Returns false when a value is not finite (an
-/// exponent of all ones): the caller keeps a masked weight of 0 from meeting it.
-inline bool pack_row_pairs(const std::uint16_t* x, Index n, Index cols, Index ldx, std::uint32_t* out, Index ldo) {
+/// exponent of all ones): the caller keeps a masked weight of 0 from meeting it. `wide`:
+/// whole packets of 16 columns by AVX-512 (only where avx512_bf16_runs()).
+inline bool pack_row_pairs(const std::uint16_t* x, Index n, Index cols, Index ldx, std::uint32_t* out, Index ldo,
+                           [[maybe_unused]] bool wide = bf16_dot) {
     std::uint32_t bad = 0;
     for (Index j = 0; j < n; j += 2) {
         const std::uint16_t* lo = x + j * ldx;
         const std::uint16_t* hi = j + 1 < n ? lo + ldx : nullptr;
         std::uint32_t* row = out + (j / 2) * ldo;
         Index c = 0;
-#if defined(MEMATTN_BF16_DOT)
-        const __m512i exponent = _mm512_set1_epi32(0x7F807F80);
-        for (; c + bf16_lanes <= cols; c += bf16_lanes) {
-            const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + c)));
-            const __m512i high = hi ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + c)))
-                                    : _mm512_setzero_si512();
-            const __m512i word = _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
-            bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(word, exponent), exponent) != 0;
-            _mm512_storeu_si512(row + c, word);
-        }
+#if defined(MEMATTN_AVX512_BF16_CODE)
+        if (wide)
+            c = pack_row_pairs_wide(lo, hi, cols, row, bad);
 #endif
         for (; c < cols; ++c) {
             const std::uint32_t word = lo[c] | (hi ? std::uint32_t{hi[c]} << 16 : 0u);

@@ -234,17 +234,26 @@ void causal_softmax_views(const ConstMatrixRef<T>& Q, const ConstMatrixRef<T>& K
 }
 
 /// The kernel on bfloat16 or float16 views and a scratch, O of E or float, after the
-/// checks: Q, K and V read in place through ConvertedRows (bfloat16 products on
-/// AVX512-BF16, tiles converted to float elsewhere), the softmax and the accumulators in
-/// float. Query row i sits at position query_offset + i (trailing_queries: Nk − Nq + i).
+/// checks: Q, K and V read in place through ConvertedRows (bfloat16 products where the
+/// CPU has AVX512-BF16 — in a build that does not target it, compiled by target and chosen
+/// here at run time, a second instantiation of the kernel — tiles converted to float
+/// elsewhere), the softmax and the accumulators in float. Query row i sits at position
+/// query_offset + i (trailing_queries: Nk − Nq + i).
 template <LowPrecision E, class Out, class LseSink>
 void causal_softmax_converted(const ConstMatrixRef<E>& Q, const ConstMatrixRef<E>& K, const ConstMatrixRef<E>& V,
                               MatrixRef<Out> O, LseSink&& lse, const SoftmaxOptions& options,
                               SoftmaxScratch<float>& scratch, Index query_offset, TileBias<float> bias) {
-    causal_softmax_rows<float>(ConvertedRows<E>(Q, scratch.tiles.queries, scratch.converted_q),
-                               ConvertedRows<E>(K, scratch.tiles.keys, scratch.converted_k),
-                               ConvertedRows<E>(V, scratch.tiles.keys, scratch.converted_v), O, lse, options, scratch,
-                               query_offset, bias);
+    const auto run = [&]<bool Pairs>() {
+        using Rows = ConvertedRows<E, Pairs>;
+        causal_softmax_rows<float>(Rows(Q, scratch.tiles.queries, scratch.converted_q),
+                                   Rows(K, scratch.tiles.keys, scratch.converted_k),
+                                   Rows(V, scratch.tiles.keys, scratch.converted_v), O, lse, options, scratch,
+                                   query_offset, bias);
+    };
+    if constexpr (std::is_same_v<E, Eigen::bfloat16>)
+        with_bf16_products(run);
+    else
+        run.template operator()<false>();
 }
 
 /// The same with a scratch of the measured tiles for the call.

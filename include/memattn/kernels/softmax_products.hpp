@@ -14,7 +14,9 @@
 //   Bf16TileProducts<B>       bfloat16 Q, K and V on AVX512-BF16: vdpbf16ps on the bits
 //                             of K in place, Q_tileᵀ and each V tile packed as pairs along
 //                             the depth, the weights rounded to bfloat16
-//                             (detail/bf16_product.hpp).
+//                             (detail/bf16_product.hpp; in a build without AVX512-BF16,
+//                             compiled by target and run where the CPU has it);
+//   AmxTileProducts<B>        the same layouts in AMX tiles where the CPU runs them.
 //
 // A product class P for the kernel's scalar T and register blocking B offers
 //
@@ -124,7 +126,7 @@ public:
 
     template <class Scratch>
     Bf16TileProducts(Scratch& scratch, Index d, Index dv)
-        : lanes_(scratch.lanes), value_stride_(round_up(dv, 16)) {
+        : lanes_(scratch.lanes), value_stride_(round_up(dv, 16)), avx512_(avx512_runs()), bf16_(avx512_bf16_runs()) {
         const Index half_keys = (scratch.tiles.keys + 1) / 2;
         query_pairs_ = sized(scratch.query_pairs, (d + 1) / 2 * lanes_);
         weight_pairs_ = sized(scratch.weight_pairs, half_keys * lanes_);
@@ -144,19 +146,14 @@ public:
         factor_ = factor;
         const Index d = q.cols(), whole = d / 2;
         Index first = 0;  // lanes below it written by whole blocks of 16
-#if defined(__AVX512F__)
+#if defined(MEMATTN_AVX512_CODE)
         // 16 queries × 16 pairs at a time, the words transposed in registers (the scalar
         // loop's stores, a lane apart, were 8% of a latent attend of 128 heads).
-        for (; first + 16 <= rows; first += 16) {
-            Index k0 = 0;
-            for (; k0 + 16 <= whole; k0 += 16) {
-                __m512i w[16];
-                for (Index r = 0; r < 16; ++r)
-                    w[r] = _mm512_loadu_si512(q.bits(i0 + first + r).first + 2 * k0);
-                transpose_words(w);
-                for (Index k = 0; k < 16; ++k)
-                    _mm512_storeu_si512(query_pairs_ + (k0 + k) * lanes_ + first, w[k]);
-            }
+        for (; avx512_ && first + 16 <= rows; first += 16) {
+            const std::uint16_t* from[16];
+            for (Index r = 0; r < 16; ++r)
+                from[r] = q.bits(i0 + first + r).first;
+            const Index k0 = transpose_pairs(from, whole, query_pairs_ + first, lanes_);
             for (Index i = first; i < first + 16; ++i) {
                 const std::uint16_t* row = q.bits(i0 + i).first;
                 for (Index k = k0; k < whole; ++k)
@@ -192,7 +189,7 @@ public:
                     const Band& band, PrefetchQueue* ahead, Careful&& careful) {
         const Index dv = v.cols();
         const auto [values, ldv] = v.bits(j0, n);
-        if (!pack_row_pairs(values, n, dv, ldv, value_pairs_, value_stride_)) {
+        if (!pack_row_pairs(values, n, dv, ldv, value_pairs_, value_stride_, bf16_)) {
             const auto [converted, ldc] = v.tile(j0, n);
             careful(converted, ldc);
             return;
@@ -216,6 +213,7 @@ protected:
     std::uint32_t* query_pairs_ = nullptr;
     std::uint32_t* weight_pairs_ = nullptr;
     std::uint32_t* value_pairs_ = nullptr;
+    bool avx512_, bf16_;  // avx512_runs(), avx512_bf16_runs()
 };
 
 /// The products in AMX tiles (tdpbf16ps, detail/amx_product.hpp) where they run, else
@@ -270,12 +268,12 @@ public:
         }
         const Index dv = v.cols();
         const auto [values, ldv] = v.bits(j0, n);
-        if (!pack_row_pairs(values, n, dv, ldv, this->value_pairs_, this->value_stride_)) {
+        if (!pack_row_pairs(values, n, dv, ldv, this->value_pairs_, this->value_stride_, this->bf16_)) {
             const auto [converted, ldc] = v.tile(j0, n);
             careful(converted, ldc);
             return;
         }
-        pack_weight_rows(p, n, cols, this->lanes_, this->weight_pairs_, half_keys_);
+        pack_weight_rows(p, n, cols, this->lanes_, this->weight_pairs_, half_keys_, this->avx512_);
         if (alpha != nullptr)  // a lane whose maximum stayed (α = 1, most of them past the first tiles) as it is
             for (Index i = 0; i < cols; ++i)
                 if (alpha[i] != 1.0f)
@@ -295,14 +293,14 @@ private:
     }
     template <class... Args>
     void fallback_scores(Args&&... args) {
-        if constexpr (bf16_dot)
+        if constexpr (avx512_bf16_code)
             Base::scores(std::forward<Args>(args)...);
         else
             MEMATTN_DASSERT(false);  // tiles_ is true wherever vdpbf16ps is missing and this runs
     }
     template <class... Args>
     void fallback_accumulate(Args&&... args) {
-        if constexpr (bf16_dot)
+        if constexpr (avx512_bf16_code)
             Base::accumulate(std::forward<Args>(args)...);
         else
             MEMATTN_DASSERT(false);

@@ -45,14 +45,16 @@ private:
 };
 
 /// Q, K or V of bfloat16 or float16 read in place by a float kernel. With pairs (bfloat16
-/// where the target has AVX512-BF16) the kernel multiplies the bits themselves (bits());
+/// where the target has AVX512-BF16; Pairs, where a kernel chose the bfloat16 products at
+/// run time: avx512_bf16_runs()) the kernel multiplies the bits themselves (bits());
 /// otherwise, and for the values where a tile holds a value that is not finite, a tile is
 /// converted to float into `buffer` (one tile's rows of the scratch, sized on first use:
 /// the bfloat16 products may need none), exactly: every bfloat16 and float16 is a float.
-template <class E>
+template <class E, bool Pairs = bf16_dot && std::is_same_v<E, Eigen::bfloat16>>
 class ConvertedRows {
 public:
-    static constexpr bool pairs = bf16_dot && std::is_same_v<E, Eigen::bfloat16>;
+    static_assert(!Pairs || std::is_same_v<E, Eigen::bfloat16>, "ConvertedRows: pairs of bfloat16 only");
+    static constexpr bool pairs = Pairs;
     ConvertedRows(const ConstMatrixRef<E>& m, Index tile_rows, Matrix<float>& buffer)
         : m_(m), tile_rows_(tile_rows), buffer_(buffer) {}
     [[nodiscard]] Index rows() const noexcept { return m_.rows(); }

@@ -129,17 +129,18 @@ void fp8_words(const std::uint8_t* row, Index cols, std::uint16_t* out) noexcept
 
 /// FpMath::bf16 (a pool of float over rows stored as bfloat16 or FP8, bf16_products):
 /// keys or values of one KV head as the bfloat16 kernel reads them, with the pairs exactly
-/// where ConvertedRows<Eigen::bfloat16> has them (bf16_dot), so the pool's tiles are the
-/// multi-head kernel's on the same values. bits(): a tile within one block of bfloat16
+/// where ConvertedRows<Eigen::bfloat16> has them (Pairs: chosen by with_bf16_products as
+/// the multi-head kernel chooses them), so the pool's tiles are that kernel's on the same
+/// values. bits(): a tile within one block of bfloat16
 /// rows in place; one across blocks, or of FP8, put together as bfloat16 words in `words`
 /// (one tile's rows). tile(): the values as float, as PagedRows gives them (the float
 /// products where vdpbf16ps is missing; a value tile that is not all finite).
-template <class S>
+template <class S, bool Pairs = bf16_dot>
 class PagedPairRows : public PagedRows<float, S> {
     using Base = PagedRows<float, S>;
 
 public:
-    static constexpr bool pairs = bf16_dot;
+    static constexpr bool pairs = Pairs;
     PagedPairRows(const StoredRows<float, S>& stored, BlockTableView table, Index rows, Matrix<float>& buffer,
                   Matrix<Eigen::bfloat16>& words)
         : Base(stored, table, rows, buffer), words_(words) {}
@@ -346,18 +347,20 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                         const Index most = std::max(tiles.queries, SoftmaxTiles{}.queries);
                         const Index keys = std::max(tiles.keys, SoftmaxTiles{}.keys);
                         sized(scratch.queries, most, d);
-                        if constexpr (PagedPairRows<S>::pairs) {  // else the tiles are read as float only
-                            sized(scratch.key_words, keys, d);
-                            sized(scratch.value_words, keys, dv);
-                        }
                         auto rounded = scratch.queries.topRows(item.rows);
                         rounded = queries.template cast<E>();
-                        causal_softmax_rows<T>(ConvertedRows<E>(rounded, tiles.queries, tiled->converted_q),
-                                               PagedPairRows<S>(K, blocks, visible, scratch.keys, scratch.key_words),
-                                               PagedPairRows<S>(V, blocks, visible, scratch.values,
-                                                                scratch.value_words),
-                                               MatrixRef<T>(outputs), [](Index, T) {}, head, *tiled, trailing_queries,
-                                               TileBias<T>{});
+                        with_bf16_products([&]<bool Pairs>() {
+                            if constexpr (Pairs) {  // else the tiles are read as float only
+                                sized(scratch.key_words, keys, d);
+                                sized(scratch.value_words, keys, dv);
+                            }
+                            using Rows = PagedPairRows<S, Pairs>;
+                            causal_softmax_rows<T>(ConvertedRows<E, Pairs>(rounded, tiles.queries, tiled->converted_q),
+                                                   Rows(K, blocks, visible, scratch.keys, scratch.key_words),
+                                                   Rows(V, blocks, visible, scratch.values, scratch.value_words),
+                                                   MatrixRef<T>(outputs), [](Index, T) {}, head, *tiled,
+                                                   trailing_queries, TileBias<T>{});
+                        });
                         continue;
                     }
                 }

@@ -1,0 +1,164 @@
+#include "support.hpp"
+
+#include <memattn/cpu_features.hpp>
+#include <memattn/detail/isa_regions.hpp>
+#include <memattn/detail/packet.hpp>
+#include <memattn/kernels/causal_softmax.hpp>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+// Code compiled by target (detail/isa_regions.hpp): in a build that does not target
+// AVX512-BF16 — the sanitize preset's, a distribution's -march=x86-64-v3 — the bfloat16
+// kernel still takes vdpbf16ps (and AMX) where the CPU has them. These tests run in every
+// preset, so on a CPU with AVX512-BF16 they check the products compiled in place (native)
+// and by target (sanitize, under ASan and UBSan with Clang), and elsewhere that the
+// kernel keeps to the float products.
+
+using namespace memattn;
+using memattn::test::random_matrix;
+
+namespace {
+
+/// A well-mixed word from i (splitmix64's finaliser), for bit patterns of every kind.
+std::uint64_t isa_random_word(int i) {
+    std::uint64_t z = static_cast<std::uint64_t>(i) * 0x9E3779B97F4A7C15ull + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+}  // namespace
+
+TEST_CASE("isa regions: the bfloat16 kernel's arithmetic is what bf16_products() says, wherever the CPU has "
+          "AVX512-BF16 and whatever the build targets",
+          "[isa_regions]") {
+    const CpuFeatures& f = cpu_features();
+    const Bf16Products products = bf16_products();
+    INFO(describe(f) << "; bf16_products " << static_cast<int>(products));
+    CHECK((products != Bf16Products::converted_float) == detail::avx512_bf16_runs());
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MEMATTN_NO_DISPATCH)
+    CHECK(detail::avx512_bf16_code);
+    CHECK(detail::avx512_bf16_runs() == f.avx512_bf16_usable());
+    CHECK(detail::avx512_runs() == f.avx512_usable());
+#endif
+    if (detail::avx512_bf16_runs())
+        WARN("bfloat16 products here: " << (detail::bf16_dot ? "compiled in place" : "compiled by target"));
+    else
+        WARN("no AVX512-BF16 here: the bfloat16 kernel converts its tiles to float");
+}
+
+TEST_CASE("isa regions: the bfloat16 kernel takes the pairs instantiation exactly where the products run, within "
+          "the bound of the double reference",
+          "[isa_regions][low_precision]") {
+    using E = Eigen::bfloat16;
+    struct Shape {
+        Index n, d, dv, window, sinks;
+    };
+    for (const Shape s : {Shape{1, 7, 5, 0, 0}, Shape{70, 64, 33, 0, 0}, Shape{150, 3, 17, 17, 2},
+                          Shape{200, 64, 16, 1000, 3}}) {
+        INFO("n " << s.n << ", d " << s.d << ", dv " << s.dv << ", window " << s.window << ", sinks " << s.sinks);
+        const Matrix<E> Q = random_matrix<float>(s.n, s.d, 11, 2.0).cast<E>(),
+                        K = random_matrix<float>(s.n, s.d, 12, 2.0).cast<E>(),
+                        V = random_matrix<float>(s.n, s.dv, 13).cast<E>();
+        const SoftmaxOptions options{.scale = 0, .window = s.window, .sink_tokens = s.sinks};
+        Matrix<float> O(s.n, s.dv);
+        causal_softmax_attention(Q, K, V, O, options);
+        // Each instantiation run directly on the same scratch shape.
+        const detail::SoftmaxTiles tiles = detail::default_tiles(detail::effective_window(s.window, s.n));
+        const auto direct = [&]<bool Pairs>() {
+            using Rows = detail::ConvertedRows<E, Pairs>;
+            detail::SoftmaxScratch<float> scratch(s.d, s.dv, tiles);
+            Matrix<float> out(s.n, s.dv);
+            detail::causal_softmax_rows<float>(Rows(Q, tiles.queries, scratch.converted_q),
+                                               Rows(K, tiles.keys, scratch.converted_k),
+                                               Rows(V, tiles.keys, scratch.converted_v), MatrixRef<float>(out),
+                                               [](Index, float) {}, options, scratch, detail::trailing_queries,
+                                               detail::TileBias<float>{});
+            return out;
+        };
+        const Matrix<float> converted = direct.template operator()<false>();
+        if constexpr (detail::avx512_bf16_code) {
+            if (detail::avx512_bf16_runs()) {
+                const Matrix<float> pairs = direct.template operator()<true>();
+                CHECK((O.array() == pairs.array()).all());
+                if (s.n > 1)  // the weights' rounding shows
+                    CHECK((O.array() != converted.array()).any());
+            } else {
+                CHECK((O.array() == converted.array()).all());
+            }
+        } else {
+            CHECK((O.array() == converted.array()).all());
+        }
+        // §4.7c's bound against the double reference on the same inputs.
+        const auto expected = reference::softmax_attention(reference::to_double(Q.cast<float>()),
+                                                           reference::to_double(K.cast<float>()),
+                                                           reference::to_double(V.cast<float>()), 0, s.window, s.sinks);
+        const double u = detail::avx512_bf16_runs() ? 0x1p-8 / (1 - 0x1p-8) : 0.0;
+        const reference::MatrixD Vd = reference::to_double(V.cast<float>());
+        const double scale = std::max(1.0, expected.out.cwiseAbs().maxCoeff());
+        int outside = 0;
+        for (Index c = 0; c < s.dv; ++c) {
+            const double range = Vd.col(c).maxCoeff() - Vd.col(c).minCoeff();
+            for (Index i = 0; i < s.n; ++i)
+                outside += std::abs(static_cast<double>(O(i, c)) - expected.out(i, c)) > u * range + 2e-5 * scale;
+        }
+        CHECK(outside == 0);
+    }
+}
+
+TEST_CASE("bfloat16 products' packing and rounding: value pairs by AVX-512 where it runs against the scalar loop, "
+          "the weights' rounding of a packet against the scalar one",
+          "[isa_regions][low_precision]") {
+    // A portable build rounds the softmax's weights in integer lanes of its own packets;
+    // a build with AVX512-BF16 by vcvtneps2bf16: both are the scalar rounding (nearest
+    // even), ties, overflow to infinity and a NaN included.
+    using P = detail::Packet<float>;
+    constexpr auto width = static_cast<Index>(sizeof(P) / sizeof(float));
+    std::vector<std::uint32_t> bits{0x3F808000u, 0x3F818000u, 0x3F807FFFu, 0x7F7FFFFFu, 0x80000000u, 0x00000001u,
+                                    0x007FFFFFu, 0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7FFFFFFFu, 0x3F800000u};
+    for (int i = 0; i < 200; ++i)
+        bits.push_back(static_cast<std::uint32_t>(isa_random_word(i)));
+    while (bits.size() % static_cast<std::size_t>(width) != 0)
+        bits.push_back(0x40490FDBu);
+    const detail::RoundToBf16 round;
+    for (std::size_t i = 0; i < bits.size(); i += static_cast<std::size_t>(width)) {
+        alignas(64) float x[64], y[64];
+        for (Index l = 0; l < width; ++l)
+            x[l] = std::bit_cast<float>(bits[i + static_cast<std::size_t>(l)]);
+        if constexpr (width > 1)
+            Eigen::internal::pstoreu(y, round(Eigen::internal::ploadu<P>(x)));
+        else
+            y[0] = round(x[0]);
+        for (Index l = 0; l < width; ++l) {
+            const float expected = round(x[l]);
+            INFO(std::hex << bits[i + static_cast<std::size_t>(l)]);
+            if (std::isnan(expected))
+                CHECK(std::isnan(y[l]));
+            else if (std::fpclassify(x[l]) != FP_SUBNORMAL || !detail::bf16_dot)  // vcvtneps2bf16 flushes them
+                CHECK(std::bit_cast<std::uint32_t>(y[l]) == std::bit_cast<std::uint32_t>(expected));
+        }
+    }
+    // Value pairs: the AVX-512 packets (by target in a portable build) and the scalar loop.
+    if (!detail::avx512_bf16_runs()) {
+        WARN("no AVX512-BF16 here: the value pairs' packets skipped");
+        return;
+    }
+    for (const Index n : {1, 2, 7, 64})
+        for (const Index cols : {1, 16, 33, 128}) {
+            INFO("n = " << n << ", cols = " << cols);
+            const Index ldx = cols + 3, ldo = detail::round_up(cols, 16);
+            std::vector<std::uint16_t> x(static_cast<std::size_t>(n * ldx));
+            for (std::size_t i = 0; i < x.size(); ++i)
+                x[i] = static_cast<std::uint16_t>(isa_random_word(static_cast<int>(i) + 7) & 0xBFFFu);  // finite
+            std::vector<std::uint32_t> wide(static_cast<std::size_t>((n + 1) / 2 * ldo), 1u), plain = wide;
+            CHECK(detail::pack_row_pairs(x.data(), n, cols, ldx, wide.data(), ldo, true));
+            CHECK(detail::pack_row_pairs(x.data(), n, cols, ldx, plain.data(), ldo, false));
+            CHECK(wide == plain);
+            x[static_cast<std::size_t>((n - 1) * ldx + cols - 1)] = 0x7F80;  // +∞ in the last value
+            CHECK_FALSE(detail::pack_row_pairs(x.data(), n, cols, ldx, wide.data(), ldo, true));
+            CHECK_FALSE(detail::pack_row_pairs(x.data(), n, cols, ldx, plain.data(), ldo, false));
+        }
+}
