@@ -618,10 +618,7 @@ void latent_decode_cell(benchmark::State& state, memattn::FpMath fpmath) {
     state.counters["token_bytes"] = static_cast<double>(memattn::LatentKVCache<float, S>::token_bytes(r, dr));
     if (fpmath == memattn::FpMath::bf16)
         state.counters["amx"] =  // the tiles ran: pairs, the CPU's and the OS's consent, an even row
-            memattn::detail::bf16_dot && memattn::detail::AmxTileProducts<memattn::detail::DefaultBlocking>::runs() &&
-                    (r + dr) % 2 == 0
-                ? 1
-                : 0;
+            memattn::bf16_products() == memattn::Bf16Products::amx_tiles && (r + dr) % 2 == 0 ? 1 : 0;
 }
 
 template <class S>

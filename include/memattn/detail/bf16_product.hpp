@@ -247,7 +247,8 @@ inline void pack_weight_pairs(const float* p, Index n, Index cols, Index lanes, 
     }
 }
 
-/// pack_row_pairs' whole packets of 16 columns, from column c on: the column it stopped at.
+/// pack_row_pairs' whole packets of 16 columns of one pair row, from column 0: the columns
+/// packed (a multiple of 16); `bad` set where a value is not finite.
 inline Index pack_row_pairs_wide(const std::uint16_t* lo, const std::uint16_t* hi, Index cols, std::uint32_t* row,
                                  std::uint32_t& bad) {
     const __m512i exponent = _mm512_set1_epi32(0x7F807F80);

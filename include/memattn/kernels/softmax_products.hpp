@@ -23,6 +23,8 @@
 //   P(scratch, d, dv)                    binds the buffers it keeps in the kernel's
 //                                        SoftmaxScratch (sized on first use, reused)
 //   P::extra_bytes(d, dv, lanes, keys)   the bytes of those buffers past SoftmaxScratch's
+//   P::lane_multiple                     the query lanes it computes (cols below) are a
+//                                        multiple of this (and of two of T's packets)
 //   P::Rounding                          what SoftmaxBlockState::absorb does to a weight
 //                                        before it sums it: the weights P·V multiplies
 //   load_queries(Q, i0, rows, cols, f)   query rows [i0, i0 + rows), times f; lanes
@@ -75,6 +77,7 @@ template <class T, class B>
 class FloatTileProducts {
 public:
     using Rounding = std::identity;
+    static constexpr Index lane_multiple = 1;
 
     template <class Scratch>
     FloatTileProducts(Scratch& scratch, Index, Index) : qt_(scratch.qt), lanes_(scratch.lanes) {}
@@ -123,6 +126,9 @@ template <class B>
 class Bf16TileProducts {
 public:
     using Rounding = RoundToBf16;
+    /// vdpbf16ps's packets are 16 lanes, loaded and stored whole along a lane row (the
+    /// query pairs, the weights): wider than a portable build's float packets.
+    static constexpr Index lane_multiple = 16;
 
     template <class Scratch>
     Bf16TileProducts(Scratch& scratch, Index d, Index dv)

@@ -51,17 +51,24 @@ constexpr SoftmaxTiles default_tiles(Index window) {
 /// window near the largest Index.
 constexpr Index effective_window(Index window, Index keys) { return window >= keys ? 0 : window; }
 
+/// The query lanes of a tile's buffers are a multiple of this: two of T's packets, and for
+/// float at least the 16 lanes the bfloat16 products load and store whole (a portable
+/// build's packets are narrower than theirs: 4 floats on plain x86-64).
+template <class T>
+inline constexpr Index lane_multiple =
+    std::is_same_v<T, float> ? std::max<Index>(2 * packet_lanes<T>, 16) : 2 * packet_lanes<T>;
+
 /// The scratch of the tiled kernel (see the top of kernels/causal_softmax.hpp), allocated once and reused
 /// by every call on the same d, dv and tiles: a multi-head call keeps one per thread.
 template <class T>
 struct SoftmaxScratch {
     SoftmaxScratch(Index d, Index dv, SoftmaxTiles tiles)
-        : tiles(tiles), lanes(round_up(tiles.queries, 2 * packet_lanes<T>)), qt(d, lanes), s(tiles.keys, lanes),
+        : tiles(tiles), lanes(round_up(tiles.queries, lane_multiple<T>)), qt(d, lanes), s(tiles.keys, lanes),
           acc(lanes, dv), state(lanes) {}
 
     /// Bytes of scratch: all the extra memory a call needs, whatever Nq and Nk.
     static std::size_t bytes(Index d, Index dv, SoftmaxTiles tiles) {
-        const Index lanes = round_up(tiles.queries, 2 * packet_lanes<T>);
+        const Index lanes = round_up(tiles.queries, lane_multiple<T>);
         return sizeof(T) * static_cast<std::size_t>(lanes * (d + tiles.keys + dv + 3));
     }
 
@@ -140,7 +147,7 @@ public:
     /// Bytes of scratch one call allocates: all the extra memory it needs, whatever Nq and Nk
     /// (with the Products' own buffers, such as the bfloat16 products' pairs).
     static std::size_t scratch_bytes(Index d, Index dv, SoftmaxTiles tiles) {
-        const Index lanes = round_up(tiles.queries, 2 * packet_lanes<T>);
+        const Index lanes = round_up(tiles.queries, lane_multiple<T>);
         return SoftmaxScratch<T>::bytes(d, dv, tiles) + Products::extra_bytes(d, dv, lanes, tiles.keys);
     }
 
@@ -188,7 +195,7 @@ private:
     void start_query_tile(Index i0, Index rows) {
         i0_ = i0;
         rows_ = rows;
-        cols_ = std::min(lanes_, round_up(rows, 2 * packet_lanes<T>));
+        cols_ = std::min(lanes_, round_up(rows, std::max(2 * packet_lanes<T>, Products::lane_multiple)));
         p0_ = query_offset_ + i0;
         p1_ = p0_ + rows - 1;
         products_.load_queries(q_, i0, rows, cols_, scale_ * T(log2e));

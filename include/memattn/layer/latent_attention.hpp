@@ -294,12 +294,15 @@ void mla_prefill_absorbed(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
             size_rows(scratch.rounded_queries, p.tokens, width);
             scratch.rounded_queries.topRows(p.tokens) = queries.template cast<E>();
             LatentPairTile<S> tile(rows, 0, keys, softmax.tiles.keys, scratch.gathered);
-            using Source = LatentPairColumns<S>;
-            TiledCausalSoftmax<float, DefaultBlocking, Source, Source, ConvertedRows<E>> kernel(
-                ConvertedRows<E>(scratch.rounded_queries.topRows(p.tokens), softmax.tiles.queries, softmax.converted_q),
-                Source(tile, keys, width, softmax.tiles.keys, softmax.converted_k),
-                Source(tile, keys, p.r, softmax.tiles.keys, softmax.converted_v), p.scale, 0, 0, softmax, rule);
-            kernel.run(latent, no_lse);
+            with_bf16_products([&]<bool Pairs>() {
+                using Source = LatentPairColumns<S, Pairs>;
+                using Queries = ConvertedRows<E, Pairs>;
+                TiledCausalSoftmax<float, DefaultBlocking, Source, Source, Queries> kernel(
+                    Queries(scratch.rounded_queries.topRows(p.tokens), softmax.tiles.queries, softmax.converted_q),
+                    Source(tile, keys, width, softmax.tiles.keys, softmax.converted_k),
+                    Source(tile, keys, p.r, softmax.tiles.keys, softmax.converted_v), p.scale, 0, 0, softmax, rule);
+                kernel.run(latent, no_lse);
+            });
             p.project_out(h, scratch.latent, scratch);
             return;
         }
@@ -414,7 +417,6 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
         if constexpr (latent_bf16_products<T, S>) {
             if (p.fpmath == FpMath::bf16) {  // the queries and the chunk's keys and values rounded
                 using E = Eigen::bfloat16;
-                using C = ConvertedRows<E>;
                 if (j0 == 0) {
                     size_rows(scratch.rounded_queries, n, qk);
                     scratch.rounded_queries.topRows(n) = scratch.queries.topRows(n).template cast<E>();
@@ -424,11 +426,14 @@ void mla_prefill_expanded(const MlaPrompt<T>& p, Index h, const LatentRowsView<T
                 scratch.rounded_keys.topRows(m) = scratch.keys.topRows(m).template cast<E>();
                 scratch.rounded_values.topRows(m) = scratch.values.topRows(m).template cast<E>();
                 const SoftmaxTiles kernel_tiles = softmax.tiles;
-                attend(TiledCausalSoftmax<float, DefaultBlocking, C, C, C>(
-                    C(scratch.rounded_queries.middleRows(t0, n - t0), kernel_tiles.queries, softmax.converted_q),
-                    C(scratch.rounded_keys.topRows(m), kernel_tiles.keys, softmax.converted_k),
-                    C(scratch.rounded_values.topRows(m), kernel_tiles.keys, softmax.converted_v), p.scale, 0, 0,
-                    softmax, rule));
+                with_bf16_products([&]<bool Pairs>() {
+                    using C = ConvertedRows<E, Pairs>;
+                    attend(TiledCausalSoftmax<float, DefaultBlocking, C, C, C>(
+                        C(scratch.rounded_queries.middleRows(t0, n - t0), kernel_tiles.queries, softmax.converted_q),
+                        C(scratch.rounded_keys.topRows(m), kernel_tiles.keys, softmax.converted_k),
+                        C(scratch.rounded_values.topRows(m), kernel_tiles.keys, softmax.converted_v), p.scale, 0, 0,
+                        softmax, rule));
+                });
                 rounded = true;
             }
         }

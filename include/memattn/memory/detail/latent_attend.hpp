@@ -190,12 +190,13 @@ private:
 };
 
 /// A row source of the tiled kernel over a LatentPairTile: `cols` columns of each row as
-/// bfloat16 pairs in place where the target multiplies them (bits()), and as float
+/// bfloat16 pairs in place where the kernel multiplies them (Pairs: with_bf16_products'
+/// choice; bits()), and as float
 /// (tile(): the float products elsewhere, and a value tile that is not all finite).
-template <class S>
+template <class S, bool Pairs = bf16_dot>
 class LatentPairColumns {
 public:
-    static constexpr bool pairs = bf16_dot;
+    static constexpr bool pairs = Pairs;
     LatentPairColumns(LatentPairTile<S>& tile, Index rows, Index cols, Index tile_rows, Matrix<float>& converted)
         : tile_(&tile), rows_(rows), cols_(cols), tile_rows_(tile_rows), converted_(&converted) {}
     [[nodiscard]] Index rows() const noexcept { return rows_; }
@@ -329,7 +330,7 @@ SoftmaxTiles latent_worker(Worker& worker, Index heads, Index r, Index width, Fp
         size(worker.rounded, heads, width);
         size(worker.gathered, tiles.keys, width);
         size(scratch.converted_v, tiles.keys, r);
-        if constexpr (bf16_dot) {
+        if (avx512_bf16_runs()) {  // the kernel takes the pairs (with_bf16_products)
             [[maybe_unused]] const Bf16TileProducts<DefaultBlocking> sizing(scratch, width, r);  // sizes its operands
         } else {
             size(scratch.converted_q, tiles.queries, width);
@@ -357,13 +358,16 @@ void latent_piece(const LatentJob<T, S>& job, const LatentParams<T>& params, Ind
             SoftmaxScratch<float>& scratch = *worker.softmax;
             worker.rounded.topRows(job.heads) = queries.template cast<E>();  // sized by latent_worker
             LatentPairTile<S> tile(job.view, j0, n, tiles.keys, worker.gathered);
-            using Source = LatentPairColumns<S>;
-            TiledCausalSoftmax<float, DefaultBlocking, Source, Source, ConvertedRows<E>> kernel(
-                ConvertedRows<E>(worker.rounded.topRows(job.heads), tiles.queries, scratch.converted_q),
-                Source(tile, n, width, tiles.keys, scratch.converted_k),
-                Source(tile, n, params.latent_dim, tiles.keys, scratch.converted_v), params.scale, 0, 0, scratch,
-                rule);
-            kernel.run(partial, sink);
+            with_bf16_products([&]<bool Pairs>() {
+                using Source = LatentPairColumns<S, Pairs>;
+                using Queries = ConvertedRows<E, Pairs>;
+                TiledCausalSoftmax<float, DefaultBlocking, Source, Source, Queries> kernel(
+                    Queries(worker.rounded.topRows(job.heads), tiles.queries, scratch.converted_q),
+                    Source(tile, n, width, tiles.keys, scratch.converted_k),
+                    Source(tile, n, params.latent_dim, tiles.keys, scratch.converted_v), params.scale, 0, 0, scratch,
+                    rule);
+                kernel.run(partial, sink);
+            });
             return;
         }
     }
