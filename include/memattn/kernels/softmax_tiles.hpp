@@ -195,7 +195,7 @@ private:
     void start_query_tile(Index i0, Index rows) {
         i0_ = i0;
         rows_ = rows;
-        cols_ = std::min(lanes_, round_up(rows, std::max(2 * packet_lanes<T>, Products::lane_multiple)));
+        cols_ = std::min(lanes_, round_up(rows, std::max(packet_lanes<T>, Products::lane_multiple)));
         p0_ = query_offset_ + i0;
         p1_ = p0_ + rows - 1;
         products_.load_queries(q_, i0, rows, cols_, scale_ * T(log2e));
