@@ -24,7 +24,7 @@
 //                                        SoftmaxScratch (sized on first use, reused)
 //   P::extra_bytes(d, dv, lanes, keys)   the bytes of those buffers past SoftmaxScratch's
 //   P::lane_multiple                     the query lanes it computes (cols below) are a
-//                                        multiple of this (and of two of T's packets)
+//                                        multiple of this (and of one of T's packets)
 //   P::Rounding                          what SoftmaxBlockState::absorb does to a weight
 //                                        before it sums it: the weights P·V multiplies
 //   load_queries(Q, i0, rows, cols, f)   query rows [i0, i0 + rows), times f; lanes
