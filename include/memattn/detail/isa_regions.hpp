@@ -13,10 +13,11 @@
 // which are constant true where the build targets the set and read cpu_features() (once)
 // elsewhere. What such code must not do, because a function defined outside the region
 // has the build's target: pass or return a 512-bit vector through one (std::bit_cast of a
-// vector, a lambda returning one: each is a function of its own), or call an intrinsic
-// whose header spells an undefined vector as a self-initialised variable (GCC 12 warns
-// of it as uninitialised when it is inlined into a target region: `_mm512_cvtepu16_epi32`;
-// take its masked `maskz` form).
+// vector, a lambda returning one: each is a function of its own). GCC 12 reports its
+// intrinsics headers' self-initialised "undefined" vectors (`_mm512_cvtepu16_epi32`'s,
+// `_mm512_slli_epi32`'s) as uninitialised once they are inlined into a target region, so
+// GCC's regions turn -Wuninitialized and -Wmaybe-uninitialized off between them; the
+// native builds, which compile the same code with both on, keep them checked.
 //
 //   MEMATTN_BF16_DOT       the build targets AVX512-BF16 (and F, BW): the bfloat16
 //                          products are compiled in place and always run
