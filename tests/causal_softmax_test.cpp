@@ -683,7 +683,7 @@ TEST_CASE("bf16_product: every leftover of rows, packets, lanes and depth, bande
     const Index ldb = detail::round_up(cols, 16);
     std::vector<std::uint32_t> packed(static_cast<std::size_t>((depth + 1) / 2 * ldb));
     REQUIRE(detail::pack_row_pairs(reinterpret_cast<const std::uint16_t*>(Bm.data()), depth, cols, cols, packed.data(),
-                                   ldb));
+                                   ldb, detail::bf16_dot));
     const reference::MatrixD exact = A.cast<double>() * Bm.cast<double>();
     const reference::MatrixD magnitude = A.cast<double>().cwiseAbs() * Bm.cast<double>().cwiseAbs();
     const Matrix<float> C0 = random_matrix<float>(rows, cols, 32);

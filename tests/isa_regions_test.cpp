@@ -66,37 +66,21 @@ TEST_CASE("isa regions: the bfloat16 kernel takes the pairs instantiation exactl
         const SoftmaxOptions options{.scale = 0, .window = s.window, .sink_tokens = s.sinks};
         Matrix<float> O(s.n, s.dv);
         causal_softmax_attention(Q, K, V, O, options);
-        // Each instantiation run directly on the same scratch shape.
+        // Each instantiation run directly, on the call's tiles or on others.
         const detail::SoftmaxTiles tiles = detail::default_tiles(detail::effective_window(s.window, s.n));
-        const auto direct = [&]<bool Pairs>() {
+        const auto direct = [&]<bool Pairs>(detail::SoftmaxTiles t) {
             using Rows = detail::ConvertedRows<E, Pairs>;
-            detail::SoftmaxScratch<float> scratch(s.d, s.dv, tiles);
+            detail::SoftmaxScratch<float> scratch(s.d, s.dv, t);
+            CHECK(scratch.lanes % 16 == 0);
             Matrix<float> out(s.n, s.dv);
-            detail::causal_softmax_rows<float>(Rows(Q, tiles.queries, scratch.converted_q),
-                                               Rows(K, tiles.keys, scratch.converted_k),
-                                               Rows(V, tiles.keys, scratch.converted_v), MatrixRef<float>(out),
+            detail::causal_softmax_rows<float>(Rows(Q, t.queries, scratch.converted_q),
+                                               Rows(K, t.keys, scratch.converted_k),
+                                               Rows(V, t.keys, scratch.converted_v), MatrixRef<float>(out),
                                                [](Index, float) {}, options, scratch, detail::trailing_queries,
                                                detail::TileBias<float>{});
             return out;
         };
-        const Matrix<float> converted = direct.template operator()<false>();
-        if constexpr (detail::avx512_bf16_code) {
-            if (detail::avx512_bf16_runs()) {
-                const Matrix<float> pairs = direct.template operator()<true>();
-                CHECK((O.array() == pairs.array()).all());
-                if (s.n > 1)  // the weights' rounding shows
-                    CHECK((O.array() != converted.array()).any());
-            } else {
-                CHECK((O.array() == converted.array()).all());
-            }
-        } else {
-            CHECK((O.array() == converted.array()).all());
-        }
-        // §4.7c's bound against the double reference on the same inputs, for the call and
-        // for the pairs instantiation on query tiles of 5 rows (a latent decode's tiles are
-        // its heads): the bfloat16 products load and store 16 lanes whole, past a portable
-        // build's packets (4 floats on plain x86-64), so the tiles' lanes must be padded
-        // to 16 (under ASan: no read past them).
+        // §4.7c's bound against the double reference on the same inputs.
         const auto expected = reference::softmax_attention(reference::to_double(Q.cast<float>()),
                                                            reference::to_double(K.cast<float>()),
                                                            reference::to_double(V.cast<float>()), 0, s.window, s.sinks);
@@ -113,20 +97,20 @@ TEST_CASE("isa regions: the bfloat16 kernel takes the pairs instantiation exactl
             return count;
         };
         CHECK(outside(O) == 0);
+        const Matrix<float> converted = direct.template operator()<false>(tiles);
+        if (!detail::avx512_bf16_runs()) {
+            CHECK((O.array() == converted.array()).all());
+            continue;
+        }
         if constexpr (detail::avx512_bf16_code) {
-            if (detail::avx512_bf16_runs()) {
-                using Rows = detail::ConvertedRows<E, true>;
-                const detail::SoftmaxTiles narrow{5, 40};
-                detail::SoftmaxScratch<float> scratch(s.d, s.dv, narrow);
-                CHECK(scratch.lanes % 16 == 0);
-                Matrix<float> out(s.n, s.dv);
-                detail::causal_softmax_rows<float>(Rows(Q, narrow.queries, scratch.converted_q),
-                                                   Rows(K, narrow.keys, scratch.converted_k),
-                                                   Rows(V, narrow.keys, scratch.converted_v), MatrixRef<float>(out),
-                                                   [](Index, float) {}, options, scratch, detail::trailing_queries,
-                                                   detail::TileBias<float>{});
-                CHECK(outside(out) == 0);
-            }
+            CHECK((O.array() == direct.template operator()<true>(tiles).array()).all());
+            if (s.n > 1)  // the weights' rounding shows
+                CHECK((O.array() != converted.array()).any());
+            // Query tiles of 5 rows (a latent decode's tiles are its heads): the bfloat16
+            // products load and store 16 lanes whole, past a portable build's packets (4
+            // floats on plain x86-64), so the tiles' lanes must be padded to 16 (under
+            // ASan: no read past them).
+            CHECK(outside(direct.template operator()<true>(detail::SoftmaxTiles{5, 40})) == 0);
         }
     }
 }

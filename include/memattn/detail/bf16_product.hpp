@@ -283,7 +283,7 @@ void pack_weight_pairs(const float* p, Index n, Index cols, Index lanes, std::ui
 /// exponent of all ones): the caller keeps a masked weight of 0 from meeting it. `wide`:
 /// whole packets of 16 columns by AVX-512 (only where avx512_bf16_runs()).
 inline bool pack_row_pairs(const std::uint16_t* x, Index n, Index cols, Index ldx, std::uint32_t* out, Index ldo,
-                           [[maybe_unused]] bool wide = bf16_dot) {
+                           [[maybe_unused]] bool wide) {
     std::uint32_t bad = 0;
     for (Index j = 0; j < n; j += 2) {
         const std::uint16_t* lo = x + j * ldx;
