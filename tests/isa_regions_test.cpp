@@ -4,7 +4,10 @@
 #include <memattn/detail/isa_regions.hpp>
 #include <memattn/detail/packet.hpp>
 #include <memattn/kernels/causal_softmax.hpp>
+#include <memattn/memory/kv_cache.hpp>
+#include <memattn/serving/paged_prefill.hpp>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -167,4 +170,83 @@ TEST_CASE("bfloat16 products' packing and rounding: value pairs by AVX-512 where
             CHECK_FALSE(detail::pack_row_pairs(x.data(), n, cols, ldx, wide.data(), ldo, true));
             CHECK_FALSE(detail::pack_row_pairs(x.data(), n, cols, ldx, plain.data(), ldo, false));
         }
+}
+
+TEMPLATE_TEST_CASE("isa regions: the grouped decode takes its bfloat16 route (fold_bf16) exactly where the products "
+                   "run, within the weights' bound of the double reference; a query's output the same in any group",
+                   "[isa_regions][decode]", Eigen::bfloat16, Fp8E4M3) {
+    // FpMath::bf16 decode over bfloat16 or FP8 rows: vdpbf16ps tiles (compiled by target in
+    // a portable build) where the CPU has AVX512-BF16, else the float tiles on the queries
+    // rounded to bfloat16, which a strict cache given the rounded queries computes bit for
+    // bit. Groups of 1, 5 (tiles of 4 and 1) and 16 (two tiles of 8); head dims off 32. A
+    // query's output is then the same in a group of 3 (the float routes' is not: their
+    // tiles follow the group's size).
+    using S = TestType;
+    const bool runs = detail::avx512_bf16_runs();
+    const double bound = std::ldexp(1.0, -8) / (1 - std::ldexp(1.0, -8));
+    Index differences = 0;
+    for (const auto& [d, dv] : {std::pair<Index, Index>{1, 1}, {31, 40}, {128, 128}, {200, 33}})
+        for (const Index n : {1, 37, 300})
+            for (const Index g : {1, 5, 16}) {
+                INFO("d = " << d << ", dv = " << dv << ", n = " << n << ", g = " << g);
+                const Matrix<float> Q = random_matrix<float>(g, d, 61), K = random_matrix<float>(n, d, 62),
+                                    V = random_matrix<float>(n, dv, 63);
+                KVCache<float, S> cache(d, dv, SoftmaxOptions{.fpmath = FpMath::bf16}), strict(d, dv);
+                cache.extend(K, V);
+                strict.extend(K, V);
+                Matrix<float> out(g, dv), converted(g, dv);
+                cache.attend_group(Q, out);
+                const Matrix<float> rounded = Q.cast<Eigen::bfloat16>().cast<float>();
+                strict.attend_group(rounded, converted);
+                const detail::GroupAttention<float> group(Q, 1.0f, false, detail::DecodeLogits{.bf16_products = true});
+                CHECK(group.rounds_queries() == runs);
+                if (runs)
+                    differences += (out.array() != converted.array()).count();
+                else
+                    CHECK((out.array() == converted.array()).all());
+                // The reference: the rounded queries against the stored rows, in double.
+                Matrix<float> Ks(n, d), Vs(n, dv);
+                detail::round_trip<float, S>(K, Ks.data(), d);
+                detail::round_trip<float, S>(V, Vs.data(), dv);
+                const reference::MatrixD Kd = Ks.cast<double>(), Vd = Vs.cast<double>();
+                for (Index r = 0; r < g; ++r) {
+                    const reference::MatrixD expected = reference::softmax_attention(rounded.row(r).cast<double>(), Kd, Vd,
+                                                                          reference::Logits{.offset = n - 1})
+                                                 .out;
+                    for (Index c = 0; c < dv; ++c) {
+                        INFO("query " << r << ", column " << c);
+                        const double range = Vd.col(c).maxCoeff() - Vd.col(c).minCoeff();
+                        CHECK(std::abs(out(r, c) - expected(0, c)) <= bound * range + 2e-5 * (1 + std::abs(expected(0, c))));
+                    }
+                }
+                if (runs && g == 16) {  // fold_bf16: one tiling and one order of terms for any group
+                    Matrix<float> three(3, dv);
+                    cache.attend_group(Q.middleRows(5, 3), three);
+                    CHECK((three.array() == out.middleRows(5, 3).array()).all());
+                }
+            }
+    if (runs)
+        CHECK(differences > 0);  // the weights' rounding shows
+    else
+        WARN("no AVX512-BF16 here: the grouped decode takes the float tiles on the rounded queries");
+}
+
+TEMPLATE_TEST_CASE("isa regions: FP8 rows as bfloat16 words, by AVX-512 where it runs, as the table of values",
+                   "[isa_regions][low_precision]", Fp8E4M3, Fp8E5M2) {
+    using S = TestType;
+    std::vector<std::uint8_t> row(300);
+    for (std::size_t i = 0; i < row.size(); ++i)
+        row[i] = static_cast<std::uint8_t>(i < 256 ? i : isa_random_word(static_cast<int>(i)));  // every byte
+    for (const Index cols : {1, 31, 32, 33, 300}) {
+        INFO("cols = " << cols);
+        std::vector<std::uint16_t> words(static_cast<std::size_t>(cols) + 1, 0xABCD);
+        detail::fp8_words<S>(row.data(), cols, words.data());
+        for (Index c = 0; c < cols; ++c) {
+            const auto expected = static_cast<std::uint16_t>(
+                std::bit_cast<std::uint32_t>(detail::fp8_values<S>[row[static_cast<std::size_t>(c)]]) >> 16);
+            INFO("byte " << int(row[static_cast<std::size_t>(c)]));
+            CHECK(words[static_cast<std::size_t>(c)] == expected);
+        }
+        CHECK(words.back() == 0xABCD);  // nothing written past the row
+    }
 }

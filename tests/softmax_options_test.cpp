@@ -782,7 +782,7 @@ TEMPLATE_TEST_CASE("FpMath::bf16 in the memories of bfloat16 and FP8 rows: queri
                                       : reference::softmax_attention(Qd.row(r), Kd, Vd, logits).out;
                 }
                 check_weights_bound(out, expected, Vd, variant == 1);
-                if (detail::bf16_dot_rows<S> && d <= 256 && g == 16) {  // fold_bf16 runs
+                if (detail::bf16_dot_rows<S> && detail::avx512_bf16_runs() && d <= 256 && g == 16) {  // fold_bf16 runs
                     // One tiling and one order of terms for every group: the same bits for a
                     // query alone (variant 0: attend; with per-query options, a group of 1
                     // is not an attend of this cache) and in a group of 3.

@@ -45,6 +45,7 @@
 namespace memattn::detail {
 
 #if defined(MEMATTN_GROUP_BF16)
+MEMATTN_AVX512_BF16_BEGIN  // its tiles are converted by AVX-512 (Bf16Words)
 /// A fold's AMX tiles for g queries (1 ≤ g ≤ 16): the configuration, loaded while the
 /// object lives, and the scratch of the tiles converted on the way (6 KiB).
 template <class Tiles>
@@ -182,6 +183,7 @@ private:
     alignas(64) float logits_[32 * 16];           // Sᵀ of 32 keys, rows of 16 lanes
     alignas(64) std::uint32_t pairs_[16 * 32];    // V pairs: 16 pair rows × 32 columns
 };
+MEMATTN_AVX512_BF16_END
 #endif
 
 }  // namespace memattn::detail

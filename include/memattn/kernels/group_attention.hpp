@@ -28,10 +28,13 @@ namespace memattn::detail {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wignored-attributes"  // packets as template arguments (see packet.hpp)
 #endif
-#if defined(EIGEN_VECTORIZE_AVX512)
-/// Lane ℓ of the result is the sum of the lanes of a[tile_slot(ℓ)]. Inlined always: a call
-/// would take the sixteen accumulators through memory.
-[[gnu::always_inline]] inline Packet<float> sum_lanes(const Packet<float> (&a)[16]) {
+#if defined(MEMATTN_AVX512_CODE)
+MEMATTN_AVX512_BEGIN
+/// Lane ℓ of the result is the sum of the lanes of a[tile_slot_16(ℓ)]: the tiles of 16
+/// lanes (AVX-512 builds' float tiles, and the bfloat16 tiles in every build that
+/// compiles them). Inlined always: a call would take the sixteen accumulators through
+/// memory.
+[[gnu::always_inline]] inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
     __m512 b[8], c[4], d[2];
     for (int i = 0; i < 8; ++i)  // 256-bit halves: lanes e + e+8 of a[2i], then of a[2i+1]
         b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
@@ -44,10 +47,17 @@ namespace memattn::detail {
                              _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));  // + e+1
 }
-/// The accumulator whose sum lands in lane ℓ: lane 4q + m holds a[4m + q].
-constexpr int tile_slot(int lane) { return lane % 4 * 4 + lane / 4; }
+MEMATTN_AVX512_END
+#endif
+/// The accumulator whose sum lands in lane ℓ of sum_lanes_16: lane 4q + m holds a[4m + q].
+constexpr int tile_slot_16(int lane) { return lane % 4 * 4 + lane / 4; }
+
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(MEMATTN_AVX512_NATIVE)
+/// Lane ℓ of the result is the sum of the lanes of a[tile_slot(ℓ)].
+[[gnu::always_inline]] inline Packet<float> sum_lanes(const Packet<float> (&a)[16]) { return sum_lanes_16(a); }
+constexpr int tile_slot(int lane) { return tile_slot_16(lane); }
 inline constexpr bool decode_tiles = fused_storage;
-#elif defined(EIGEN_VECTORIZE_AVX2) && defined(EIGEN_VECTORIZE_FMA)
+#elif !defined(EIGEN_VECTORIZE_AVX512) && defined(EIGEN_VECTORIZE_AVX2) && defined(EIGEN_VECTORIZE_FMA)
 inline Packet<float> sum_lanes(const Packet<float> (&a)[8]) {
     __m256 b[4], c[2];
     for (int i = 0; i < 4; ++i)  // 128-bit halves: lanes e + e+4 of a[2i], then of a[2i+1]
@@ -218,7 +228,21 @@ void value_tiles(const Values& values, Index first, Index m, Index dv, const flo
 // or FP8; detail/bf16_product.hpp has vdpbf16ps's arithmetic): the queries rounded to
 // bfloat16 once, the weights rounded before P·V, the stored values multiplied as they
 // are (an FP8 value is a bfloat16 one: Bf16Words), two terms per float lane and
-// instruction.
+// instruction. Tiles of 16 lanes in every build: compiled by target where the build
+// does not have AVX512-BF16 (detail/isa_regions.hpp), so nothing here passes a vector
+// through a function defined outside the region (no std::bit_cast of one).
+MEMATTN_AVX512_BF16_BEGIN
+
+/// out (g rows of `depth` bfloat16 bits, a multiple of 32) = the rows of q (g × d, row
+/// stride ldq) rounded to bfloat16 (nearest even), zero from d on.
+inline void round_queries_bf16(const float* q, Index ldq, Index g, Index d, Index depth, std::uint16_t* out) noexcept {
+    for (Index r = 0; r < g; ++r)
+        for (Index k = 0; k < depth; k += 16) {
+            const auto mask = static_cast<__mmask16>(k + 16 <= d ? 0xFFFF : k < d ? (1u << (d - k)) - 1 : 0);
+            const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, q + r * ldq + k));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * depth + k), (__m256i)b);
+        }
+}
 
 /// s (GQ rows, stride lds) = scale · (q · K_jᵀ) for the keys j ∈ [first, first + m) of
 /// `keys` (bfloat16 or FP8 rows, read by Bf16Words): q is GQ rows of bfloat16 bits
@@ -232,9 +256,6 @@ void logit_tiles_bf16(const Keys& keys, const Values& values, Index first, Index
     static_assert(GQ * GK == lanes);
     const Index whole = d / 32 * 32;
     const auto rest = static_cast<__mmask32>((std::uint64_t(1) << (d - whole)) - 1);
-    const auto query = [q, ldq](int r, Index c) {
-        return std::bit_cast<__m512bh>(_mm512_load_si512(q + r * ldq + c));
-    };
     using Words = Bf16Words<typename stored_format<Keys>::type>;
     for (Index j = 0; j < m; j += GK) {
         const void* row[GK];  // a tile past the end repeats the last key, and drops its sums
@@ -246,18 +267,20 @@ void logit_tiles_bf16(const Keys& keys, const Values& values, Index first, Index
             acc[i] = _mm512_setzero_ps();
         for (Index c = 0; c < whole; c += 32)
             for (int k = 0; k < GK; ++k) {
-                const auto kp = std::bit_cast<__m512bh>(Words::load(row[k], c, ~__mmask32(0)));
+                const auto kp = (__m512bh)Words::load(row[k], c, ~__mmask32(0));
                 for (int r = 0; r < GQ; ++r)
-                    acc[tile_slot(r * GK + k)] = _mm512_dpbf16_ps(acc[tile_slot(r * GK + k)], query(r, c), kp);
+                    acc[tile_slot_16(r * GK + k)] = _mm512_dpbf16_ps(
+                        acc[tile_slot_16(r * GK + k)], (__m512bh)_mm512_load_si512(q + r * ldq + c), kp);
             }
         if (rest != 0)
             for (int k = 0; k < GK; ++k) {
-                const auto kp = std::bit_cast<__m512bh>(Words::load(row[k], whole, rest));
+                const auto kp = (__m512bh)Words::load(row[k], whole, rest);
                 for (int r = 0; r < GQ; ++r)
-                    acc[tile_slot(r * GK + k)] = _mm512_dpbf16_ps(acc[tile_slot(r * GK + k)], query(r, whole), kp);
+                    acc[tile_slot_16(r * GK + k)] = _mm512_dpbf16_ps(
+                        acc[tile_slot_16(r * GK + k)], (__m512bh)_mm512_load_si512(q + r * ldq + whole), kp);
             }
         // Lanes r·GK .. r·GK + n − 1 hold query r's logits: one masked store per query.
-        const __m512 sums = _mm512_mul_ps(sum_lanes(acc), _mm512_set1_ps(scale));
+        const __m512 sums = _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale));
         const auto n = static_cast<int>(std::min<Index>(GK, m - j));
         for (int r = 0; r < GQ; ++r)
             _mm512_mask_storeu_ps(s + r * lds + j - r * GK, static_cast<__mmask16>(((1u << n) - 1) << (r * GK)), sums);
@@ -270,13 +293,13 @@ inline void round_weights_bf16(float* x, Index n, Eigen::bfloat16* w) noexcept {
     Index i = 0;
     for (; i + 16 <= n; i += 16) {
         const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i), std::bit_cast<__m256i>(b));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i), (__m256i)b);
         _mm512_storeu_ps(x + i, _mm512_cvtpbh_ps(b));
     }
     if (i < n) {
         const auto mask = static_cast<__mmask16>((1u << (n - i)) - 1);
         const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + i));
-        _mm256_mask_storeu_epi16(w + i, mask, std::bit_cast<__m256i>(b));
+        _mm256_mask_storeu_epi16(w + i, mask, (__m256i)b);
         _mm512_mask_storeu_ps(x + i, mask, _mm512_cvtpbh_ps(b));
     }
 }
@@ -330,14 +353,14 @@ void value_tiles_bf16(const Values& values, Index first, Index m, Index dv, cons
                     const __mmask32 mask = row_mask(c);
                     const __m512i a = Words::load(x, c, mask);
                     const __m512i b = y != nullptr ? Words::load(y, c, mask) : _mm512_setzero_si512();
-                    va[k] = std::bit_cast<__m512bh>(_mm512_unpacklo_epi16(a, b));
-                    vb[k] = std::bit_cast<__m512bh>(_mm512_unpackhi_epi16(a, b));
+                    va[k] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                    vb[k] = (__m512bh)_mm512_unpackhi_epi16(a, b);
                 }
                 MEMATTN_UNROLL
                 for (int r = 0; r < GQ; ++r) {
                     std::uint32_t pair;
                     std::memcpy(&pair, w + r * ldw + j, sizeof pair);
-                    const auto p = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+                    const auto p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
                     MEMATTN_UNROLL
                     for (int k = 0; k < Chunks; ++k) {
                         lo[r][k] = _mm512_dpbf16_ps(lo[r][k], va[k], p);
@@ -357,17 +380,19 @@ void value_tiles_bf16(const Values& values, Index first, Index m, Index dv, cons
         });
     }
 }
+
+MEMATTN_AVX512_BF16_END
 #undef MEMATTN_UNROLL
 #endif
 
 /// f.template operator()<GQ>(r0) over the rows [0, g) in chunks of powers of two below
-/// the lanes, largest first.
-template <class F>
+/// `Lanes` (the float tiles': a packet's; the bfloat16 tiles': 16), largest first.
+template <int Lanes = packet_lanes<float>, class F>
 void for_query_tiles(Index g, F&& f) {
     Index r0 = 0;
     [&]<int... I>(std::integer_sequence<int, I...>) {
         const auto chunks = [&]<int GQ>() {
-            if constexpr (GQ < packet_lanes<float>)
+            if constexpr (GQ < Lanes)
                 for (; g - r0 >= GQ; r0 += GQ)
                     f.template operator()<GQ>(r0);
         };
@@ -474,7 +499,8 @@ struct DecodeLogits {
 ///   a query's output is the same in any group; then the tiles route's softmax and
 ///   value_tiles;
 /// - FpMath::bf16 (DecodeLogits::bf16_products) over rows stored as bfloat16 or FP8
-///   with AVX512-BF16 (bf16_dot_rows), any g, d ≤ max_depth: fold_bf16, the tiles route in
+///   (bf16_dot_rows) where the CPU has AVX512-BF16 (avx512_bf16_runs: compiled in place,
+///   or by target in a portable build), any g, d ≤ max_depth: fold_bf16, the tiles route in
 ///   bfloat16 arithmetic (logit_tiles_bf16 on the queries rounded once, the weights
 ///   rounded for value_tiles_bf16), each stored value read as bfloat16 (Bf16Words);
 ///   where the CPU runs AMX tiles (Tiles: AmxHardware where AmxGroupTiles::runs(), or
@@ -500,7 +526,8 @@ public:
           tiled_(g_ >= packet_lanes<T> && queries.cols() <= max_depth),
           tiles_(std::is_same_v<T, float> && decode_tiles && g_ >= 2 && !tiled_ && queries.cols() <= max_depth),
           depth_(round_up(queries.cols(), packet_lanes<T>)), block_(tiled_ ? lanes_ : 1),
-          dot_(group_bf16 && std::is_same_v<T, float> && logits.bf16_products && queries.cols() <= max_depth),
+          dot_(group_bf16 && std::is_same_v<T, float> && logits.bf16_products && queries.cols() <= max_depth &&
+               avx512_bf16_runs()),
           amx_(dot_ && amx_runs()) {
         MEMATTN_DASSERT(g_ <= group_rows && lanes_ <= group_rows);
         load_queries();
@@ -653,13 +680,8 @@ private:
         if constexpr (std::is_same_v<T, float>) {
             if (dot_) {  // fold_bf16's queries rounded to bfloat16, rows of whole 32-value packets
                 const Index depth = round_up(d, 32);
-                for (Index r = 0; r < g_; ++r)
-                    for (Index k = 0; k < depth; k += 16) {
-                        const auto mask = static_cast<__mmask16>(k + 16 <= d ? 0xFFFF : k < d ? (1u << (d - k)) - 1 : 0);
-                        const float* q = queries_.data() + r * queries_.outerStride() + k;
-                        const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, q));
-                        _mm256_store_si256(reinterpret_cast<__m256i*>(bf16_.q + r * depth + k), std::bit_cast<__m256i>(b));
-                    }
+                round_queries_bf16(queries_.data(), queries_.outerStride(), g_, d, depth,
+                                   reinterpret_cast<std::uint16_t*>(bf16_.q));
                 if (amx_)  // as B pairs for fold_amx's tiles
                     AmxGroupTiles<Tiles>::pack_query_pairs(reinterpret_cast<const std::uint16_t*>(bf16_.q), depth, g_,
                                                            depth, bf16_.pairs);
@@ -809,7 +831,7 @@ private:
             fold_blocks<true>(
                 n, static_cast<Index>(StoredRows<T, SK>::row_bytes(d)),
                 [&](Index j0, Index block, Index ahead) {
-                    for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                    for_query_tiles<16>(g_, [&]<int GQ>(Index r0) {
                         logit_tiles_bf16<GQ>(keys, values, first + j0, block, d,
                                              reinterpret_cast<const std::uint16_t*>(bf16_.q + r0 * depth), depth,
                                              scale_, s_ + r0 * group_keys, group_keys, r0 == 0 ? ahead : 0,
@@ -817,7 +839,7 @@ private:
                     });
                 },
                 [&](Index j0, Index block) {
-                    for_query_tiles(g_, [&]<int GQ>(Index r0) {
+                    for_query_tiles<16>(g_, [&]<int GQ>(Index r0) {
                         value_tiles_bf16<GQ>(values, first + j0, block, dv, bf16_.w + r0 * bf16_weights,
                                              bf16_weights, alpha_ + r0, out + r0 * ldo, ldo);
                     });

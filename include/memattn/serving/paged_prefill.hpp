@@ -111,20 +111,18 @@ protected:
 };
 
 /// Columns [0, cols) of an FP8 row as their bfloat16 words, exactly (every E4M3 and E5M2
-/// value is a bfloat16 one): Bf16Words' 32 at a time where the grouped decode has them,
-/// else by the table of values.
+/// value is a bfloat16 one): Bf16Words' 32 at a time where the grouped decode's routes
+/// run, else by the table of values.
 template <Fp8Storage S>
 void fp8_words(const std::uint8_t* row, Index cols, std::uint16_t* out) noexcept {
 #if defined(MEMATTN_GROUP_BF16)
-    for (Index c = 0; c < cols; c += 32) {
-        const Index m = std::min<Index>(32, cols - c);
-        const auto mask = static_cast<__mmask32>(m == 32 ? ~std::uint32_t(0) : (std::uint32_t(1) << m) - 1);
-        _mm512_mask_storeu_epi16(out + c, mask, Bf16Words<S>::load(row, c, mask));
+    if (avx512_bf16_runs()) {
+        Bf16Words<S>::copy(row, cols, out);
+        return;
     }
-#else
+#endif
     for (Index c = 0; c < cols; ++c)
         out[c] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(fp8_values<S>[row[c]]) >> 16);
-#endif
 }
 
 /// FpMath::bf16 (a pool of float over rows stored as bfloat16 or FP8, bf16_products):

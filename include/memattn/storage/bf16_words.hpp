@@ -5,11 +5,13 @@
 // bfloat16 rows are their words; an FP8 byte becomes its bfloat16 word exactly.
 
 #include "memattn/detail/bf16_product.hpp"
+#include "memattn/detail/isa_regions.hpp"
 #include "memattn/storage/fp8.hpp"
 #include "memattn/storage/rows_16bit.hpp"
 #include "memattn/storage/stored_rows.hpp"
 #include "memattn/types.hpp"
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstddef>
@@ -18,10 +20,10 @@
 
 namespace memattn::detail {
 
-/// The grouped decode's bfloat16 routes (fold_bf16, fold_amx) are compiled: vdpbf16ps
-/// (AVX512-BF16), AVX-512 VL, and Eigen's 16-lane packets, whose tiles and lane sums
-/// they share.
-#if defined(MEMATTN_BF16_DOT) && defined(EIGEN_VECTORIZE_AVX512) && defined(__AVX512VL__)
+/// The grouped decode's bfloat16 routes (fold_bf16, fold_amx) are compiled: in place
+/// where the build targets AVX512-BF16 and VL, by target (detail/isa_regions.hpp) where
+/// it does not. They run where avx512_bf16_runs().
+#if (defined(MEMATTN_BF16_DOT) && defined(__AVX512VL__)) || defined(MEMATTN_BF16_DISPATCH)
 #define MEMATTN_GROUP_BF16 1
 inline constexpr bool group_bf16 = true;
 #else
@@ -37,6 +39,7 @@ struct stored_format<StoredRows<T, S>> {
 };
 
 #if defined(MEMATTN_GROUP_BF16)
+MEMATTN_AVX512_BF16_BEGIN
 /// How the bfloat16 tiles read rows of format S: row(rows, r), the first byte of row r,
 /// and load(row, c, mask), the values of columns [c, c + 32) as 32 bfloat16 words, the
 /// lanes off `mask` zero (their bytes not read). Defined for the formats fold_bf16 takes
@@ -82,19 +85,29 @@ struct Bf16Words<S> {
                                                        : _mm256_maskz_loadu_epi8(mask, p));
         // vpermt2w picks from two registers of 32 words by the index's bits 0–5: the
         // magnitudes 0–63 and 64–127 separately, then bit 6 chooses
-        const auto part = [](const std::uint16_t* words) { return _mm512_loadu_si512(words); };
-        const __m512i low = _mm512_permutex2var_epi16(part(table.data()), bytes, part(table.data() + 32));
-        const __m512i high = _mm512_permutex2var_epi16(part(table.data() + 64), bytes, part(table.data() + 96));
+        const std::uint16_t* words = table.data();
+        const __m512i low = _mm512_permutex2var_epi16(_mm512_loadu_si512(words), bytes, _mm512_loadu_si512(words + 32));
+        const __m512i high =
+            _mm512_permutex2var_epi16(_mm512_loadu_si512(words + 64), bytes, _mm512_loadu_si512(words + 96));
         const __m512i magnitude =
             _mm512_mask_blend_epi16(_mm512_test_epi16_mask(bytes, _mm512_set1_epi16(0x40)), low, high);
         // magnitude | (bytes << 8 & 0x8000): the sign, bit 7 of the byte
         return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(bytes, 8), _mm512_set1_epi16(-0x8000), 0xF8);
     }
+    /// Columns [0, cols) of `row` as their bfloat16 words into out[0, cols).
+    static void copy(const std::uint8_t* row, Index cols, std::uint16_t* out) noexcept {
+        for (Index c = 0; c < cols; c += 32) {
+            const Index m = std::min<Index>(32, cols - c);
+            const auto mask = static_cast<__mmask32>(m == 32 ? ~std::uint32_t(0) : (std::uint32_t(1) << m) - 1);
+            _mm512_mask_storeu_epi16(out + c, mask, load(row, c, mask));
+        }
+    }
 };
+MEMATTN_AVX512_BF16_END
 #endif
 
 /// S is a format fold_bf16 reads as bfloat16 words (Bf16Words<S>, AVX512-BF16): bfloat16
-/// and FP8.
+/// and FP8, where the route is compiled (it runs where avx512_bf16_runs()).
 #if defined(MEMATTN_GROUP_BF16)
 template <class S>
 inline constexpr bool bf16_dot_rows = std::is_same_v<S, Eigen::bfloat16> || Fp8Storage<S>;
