@@ -111,6 +111,7 @@
 // and read the medians; record the load (scripts/lib/measure_load.py).
 #include "bench_common.hpp"
 
+#include <memattn/detail/huge_pages.hpp>
 #include <memattn/execution/executor.hpp>
 #include <memattn/layer/latent_attention.hpp>
 #include <memattn/layer/multi_head_memory.hpp>
@@ -181,6 +182,9 @@ const float* stream_buffer(std::size_t bytes) {
         buffer.reset();
         const std::size_t floats = bytes / sizeof(float) + 64;
         buffer.reset(new float[floats]);
+        // the pages the caches and pools ask for (detail/huge_pages.hpp), so that the read
+        // is of the same bytes under the same pages
+        memattn::detail::advise_huge_pages(buffer.get(), floats * sizeof(float));
         for (std::size_t i = 0; i < floats; ++i)
             buffer[i] = static_cast<float>(i & 1023) * 1e-3f;
         size = bytes;

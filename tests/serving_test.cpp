@@ -7,6 +7,8 @@
 #include <memattn/memattn.hpp>
 #include <memattn/serving/state_pool.hpp>
 
+#include <cstdint>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -3364,4 +3366,66 @@ TEMPLATE_TEST_CASE("PagedKVCache with FpMath::bf16: a decode step is a KVCache's
     CHECK_THROWS_WITH((PagedKVCache<float, PerTokenScale<Fp8E4M3>>(wide, 4, 16, bf16)),
                       Catch::Contains("options.fpmath"));
     CHECK_THROWS_WITH((PagedKVCache<double, S>(wide, 4, 16, bf16)), Catch::Contains("options.fpmath"));
+}
+
+namespace {
+
+/// The system's transparent huge page mode ("always", "madvise", "never"), or "" where
+/// there is none to read.
+std::string huge_page_mode() {
+    std::ifstream file("/sys/kernel/mm/transparent_hugepage/enabled");
+    std::string line;
+    std::getline(file, line);
+    const auto open = line.find('['), close = line.find(']');
+    return open == std::string::npos || close == std::string::npos ? "" : line.substr(open + 1, close - open - 1);
+}
+
+/// This process's anonymous memory in transparent huge pages, in kB (smaps_rollup).
+long anon_huge_kb() {
+    std::ifstream file("/proc/self/smaps_rollup");
+    std::string key;
+    long kb = 0;
+    while (file >> key) {
+        if (key == "AnonHugePages:") {
+            file >> kb;
+            return kb;
+        }
+        file.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+    }
+    return -1;
+}
+
+}  // namespace
+
+TEST_CASE("Huge pages: the whole 2 MiB pages of a range; a pool's stores get them where Linux grants them",
+          "[serving][huge_pages]") {
+    // The range: whole pages only, none for a short or overflowing range.
+    constexpr std::uintptr_t page = detail::huge_page_bytes;
+    const auto at = [](std::uintptr_t a) { return reinterpret_cast<const void*>(a); };
+    const detail::HugePageRange inside = detail::huge_page_range(at(5 * page + 8), 3 * page);
+    CHECK(inside.first == 6 * page);
+    CHECK(inside.end == 8 * page);
+    const detail::HugePageRange exact = detail::huge_page_range(at(4 * page), 2 * page);
+    CHECK((exact.first == 4 * page && exact.end == 6 * page));
+    CHECK(detail::huge_page_range(at(4 * page + 1), 2 * page - 2).first == 0);  // no whole page
+    CHECK(detail::huge_page_range(at(4 * page), page - 1).end == 0);
+    CHECK(detail::huge_page_range(nullptr, 4 * page).end == 0);
+    CHECK(detail::huge_page_range(at(UINTPTR_MAX - page), 3 * page).end == 0);
+    // The pool: 8 MiB of bfloat16 keys and as many values, written by one long sequence.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    WARN("under a sanitizer the allocator is the sanitizer's: the pool's pages are not checked");
+#else
+    const std::string mode = huge_page_mode();
+    if (test::memory_only || mode.empty() || mode == "never" || !detail::huge_pages_allowed() || anon_huge_kb() < 0) {
+        WARN("no transparent huge pages to check here (mode '" << mode << "')");
+        return;
+    }
+    const Index tokens = 32768;
+    const Matrix<float> keys = random_matrix<float>(tokens, 128, 91), values = random_matrix<float>(tokens, 128, 92);
+    const long before = anon_huge_kb();
+    PagedKVCache<float, Eigen::bfloat16> pool(HeadLayout{1, 1, 128, 0}, tokens / 128, 128);
+    pool.extend(pool.add_sequence(), keys, values);
+    INFO("mode " << mode << ", AnonHugePages " << before << " -> " << anon_huge_kb() << " kB");
+    CHECK(anon_huge_kb() - before >= 2 * 2048);  // at least one whole page in each store
+#endif
 }

@@ -382,6 +382,8 @@ private:
     Storage grown_with(const K& keys, const V& values) const {
         const Index rows = grown_rows(keys.rows());
         Storage grown{KeyRows(rows, key_dim_), ValueRows(rows, value_dim_)};  // may throw: nothing changed yet
+        grown.keys.advise_huge_pages();  // read end to end by every attend (detail/huge_pages.hpp)
+        grown.values.advise_huge_pages();
         grown.keys.copy_rows_from(keys_, length_);
         grown.values.copy_rows_from(values_, length_);
         grown.keys.put_rows(length_, keys);
@@ -408,6 +410,8 @@ private:
             return;
         KeyRows keys(rows, key_dim_);  // may throw: nothing changed yet
         ValueRows values(rows, value_dim_);
+        keys.advise_huge_pages();
+        values.advise_huge_pages();
         keys.copy_rows_from(keys_, length_);
         values.copy_rows_from(values_, length_);
         keys_.swap(keys);

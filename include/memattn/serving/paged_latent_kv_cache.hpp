@@ -103,7 +103,9 @@ public:
           reject_nonfinite_(pool.reject_nonfinite),
           rows_(detail::checked_product("PagedLatentKVCache", "blocks", blocks, block_size, "blocks x block_size"),
                 latent_dim + rope_dim),
-          joined_(join_rows, latent_dim + rope_dim) {}
+          joined_(join_rows, latent_dim + rope_dim) {
+        rows_.advise_huge_pages();  // read end to end by every step (detail/huge_pages.hpp)
+    }
 
     /// A new, empty sequence; returns its id (the smallest id not in use).
     Index add_sequence() { return new_sequence(); }

@@ -353,6 +353,9 @@ class StoredRows<T, S> {
 public:
     static constexpr bool compact = true;
     StoredRows(Index rows, Index cols) : m_(rows, cols), cols_(cols) {}  // Eigen checks rows × cols
+    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
+    /// store that lives as long as a pool, before its rows are first written.
+    void advise_huge_pages() const noexcept { advise_huge_pages_of(m_); }
 
     [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return cols_; }
@@ -453,6 +456,12 @@ class StoredRows<T, PerTokenScale<S>> {
 public:
     static constexpr bool compact = true;
     StoredRows(Index rows, Index cols) : codes_(rows, cols), scales_(rows) {}
+    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
+    /// store that lives as long as a pool, before its rows are first written.
+    void advise_huge_pages() const noexcept {
+        codes_.advise_huge_pages();
+        advise_huge_pages_of(scales_);
+    }
 
     [[nodiscard]] Index rows() const noexcept { return codes_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return codes_.cols(); }

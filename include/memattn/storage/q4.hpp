@@ -122,6 +122,13 @@ public:
           u_(rows, block_bytes * q8_blocks(cols)),
           scales_(rows, q8_blocks(cols)),
           zeros_(rows, S::zero_point ? q8_blocks(cols) : 0) {}
+    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
+    /// store that lives as long as a pool, before its rows are first written.
+    void advise_huge_pages() const noexcept {
+        advise_huge_pages_of(u_);
+        advise_huge_pages_of(scales_);
+        advise_huge_pages_of(zeros_);
+    }
 
     [[nodiscard]] Index rows() const noexcept { return u_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return cols_; }

@@ -40,6 +40,12 @@ class StoredRows<T, Q8> {
 public:
     static constexpr bool compact = true;
     StoredRows(Index rows, Index cols) : q_(rows, cols), scales_(rows, q8_blocks(cols)) {}
+    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
+    /// store that lives as long as a pool, before its rows are first written.
+    void advise_huge_pages() const noexcept {
+        advise_huge_pages_of(q_);
+        advise_huge_pages_of(scales_);
+    }
 
     [[nodiscard]] Index rows() const noexcept { return q_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return q_.cols(); }

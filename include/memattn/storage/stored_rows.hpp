@@ -3,13 +3,15 @@
 // rows offer (put_rows, decode_rows, bytes, raw copies, snapshots), and S = T, the values
 // themselves. Each compact format specializes it in a header of its own.
 
+#include "memattn/detail/huge_pages.hpp"
 #include "memattn/storage/formats.hpp"
 
 namespace memattn::detail {
 
 /// Rows × cols values of T stored as S: a plain row-major matrix when S is T, else the
 /// encoded rows. Both sides have one interface: put_rows (encode), decode_rows (into a
-/// buffer of T), bytes, raw copies for growth, and the snapshot payload.
+/// buffer of T), bytes, raw copies for growth, the snapshot payload, and
+/// advise_huge_pages for a store that lives as long as a pool.
 template <class T, class S>
 class StoredRows;
 
@@ -19,6 +21,11 @@ class StoredRows<T, T> {
 public:
     static constexpr bool compact = false;
     StoredRows(Index rows, Index cols) : m_(rows, cols) {}
+    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
+    /// store that lives as long as a pool, before its rows are first written.
+    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
+    /// store that lives as long as a pool, before its rows are first written.
+    void advise_huge_pages() const noexcept { advise_huge_pages_of(m_); }
 
     [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return m_.cols(); }

@@ -52,7 +52,10 @@ protected:
           sink_logits_(options.sink_logits.begin(), options.sink_logits.end()),
           bf16_(options.fpmath == FpMath::bf16),
           keys_(pool_rows(), layout_.head_dim),
-          values_(pool_rows(), layout_.values()) {}
+          values_(pool_rows(), layout_.values()) {
+        keys_.advise_huge_pages();  // read end to end by every step (detail/huge_pages.hpp)
+        values_.advise_huge_pages();
+    }
 
     /// Rows of each of the two stores: blocks × kv_heads × block_size, checked.
     [[nodiscard]] Index pool_rows() const {
