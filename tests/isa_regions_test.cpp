@@ -210,9 +210,9 @@ TEMPLATE_TEST_CASE("isa regions: the grouped decode takes its bfloat16 route (fo
                 detail::round_trip<float, S>(V, Vs.data(), dv);
                 const reference::MatrixD Kd = Ks.cast<double>(), Vd = Vs.cast<double>();
                 for (Index r = 0; r < g; ++r) {
-                    const reference::MatrixD expected = reference::softmax_attention(rounded.row(r).cast<double>(), Kd, Vd,
-                                                                          reference::Logits{.offset = n - 1})
-                                                 .out;
+                    const reference::MatrixD qd = rounded.row(r).cast<double>();
+                    const reference::MatrixD expected =
+                        reference::softmax_attention(qd, Kd, Vd, reference::Logits{.offset = n - 1}).out;
                     for (Index c = 0; c < dv; ++c) {
                         INFO("query " << r << ", column " << c);
                         const double range = Vd.col(c).maxCoeff() - Vd.col(c).minCoeff();

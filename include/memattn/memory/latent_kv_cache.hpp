@@ -285,6 +285,7 @@ private:
         if (length_ + n > rows_.rows()) {
             const Index needed = length_ + n;
             Rows grown(std::max<Index>({2 * rows_.rows(), needed + needed / 2, 16}), width());  // may throw
+            grown.advise_huge_pages();  // read end to end by every attend (detail/huge_pages.hpp)
             grown.copy_rows_from(rows_, length_);
             put(grown, length_);
             rows_.swap(grown);
@@ -296,6 +297,7 @@ private:
 
     void regrow(Index tokens) {
         Rows grown(tokens, width());  // may throw: nothing changed
+        grown.advise_huge_pages();
         grown.copy_rows_from(rows_, length_);
         rows_.swap(grown);
     }
