@@ -1,13 +1,14 @@
 #pragma once
-// Transparent huge pages for the large stores that live as long as a pool: its blocks of
-// pairs are read end to end by every decode step, and with 4 KiB pages such a step misses
-// the TLB once per 4 KiB of each row stream it reads (in a virtual machine each miss walks
-// two page tables). Linux backs a range by 2 MiB pages where the system's setting is
-// "always", or "madvise" and the range was advised (MADV_HUGEPAGE): most distributions'
-// default is "madvise", so the stores ask for them. Measured on an AMD EPYC Zen 4 VM
-// (docs/performance.md, "Huge pages"): the batched decode step of 32 paged bfloat16
-// sequences 1.2–1.3x faster. A hint: where it is refused, or not Linux, nothing changes.
-// MEMATTN_HUGE_PAGES=0 in the environment turns it off.
+// Transparent huge pages for the large stores read end to end by every decode step (a
+// pool's blocks, a cache's rows): with 4 KiB pages such a step misses the TLB once per
+// 4 KiB of each row stream it reads (in a virtual machine each miss walks two page
+// tables). Linux backs a range by 2 MiB pages where the system's setting is "always", or
+// "madvise" and the range was advised (MADV_HUGEPAGE); under "madvise" (a common
+// default) only what asks gets them, so the stores ask. Measured on an AMD EPYC Zen 4
+// VM, the batched decode step of 32 paged bfloat16 sequences ran 1.2–1.3x faster
+// (docs/performance.md, "Where a decode step's time goes from DRAM, and huge pages"). A
+// hint: where it is refused, or not Linux, nothing changes. MEMATTN_HUGE_PAGES=0 in the
+// environment turns it off.
 
 #include <cstddef>
 #include <cstdint>
