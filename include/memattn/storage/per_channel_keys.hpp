@@ -45,8 +45,7 @@ public:
           scales_((rows + group - 1) / group, cols),
           zeros_(zero_point ? (rows + group - 1) / group : 0, cols),
           tail_(group, cols) {}
-    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
-    /// store that lives as long as a pool, before its rows are first written.
+    /// StoredRows<T, T>::advise_huge_pages, over each of the format's buffers.
     void advise_huge_pages() const noexcept {
         advise_huge_pages_of(codes_);
         advise_huge_pages_of(scales_);

@@ -122,8 +122,7 @@ public:
           u_(rows, block_bytes * q8_blocks(cols)),
           scales_(rows, q8_blocks(cols)),
           zeros_(rows, S::zero_point ? q8_blocks(cols) : 0) {}
-    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
-    /// store that lives as long as a pool, before its rows are first written.
+    /// StoredRows<T, T>::advise_huge_pages, over each of the format's buffers.
     void advise_huge_pages() const noexcept {
         advise_huge_pages_of(u_);
         advise_huge_pages_of(scales_);

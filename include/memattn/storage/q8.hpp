@@ -40,8 +40,7 @@ class StoredRows<T, Q8> {
 public:
     static constexpr bool compact = true;
     StoredRows(Index rows, Index cols) : q_(rows, cols), scales_(rows, q8_blocks(cols)) {}
-    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
-    /// store that lives as long as a pool, before its rows are first written.
+    /// StoredRows<T, T>::advise_huge_pages, over each of the format's buffers.
     void advise_huge_pages() const noexcept {
         advise_huge_pages_of(q_);
         advise_huge_pages_of(scales_);

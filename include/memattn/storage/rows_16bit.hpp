@@ -14,8 +14,7 @@ class StoredRows<T, S> {
 public:
     static constexpr bool compact = true;
     StoredRows(Index rows, Index cols) : m_(rows, cols) {}
-    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
-    /// store that lives as long as a pool, before its rows are first written.
+    /// StoredRows<T, T>::advise_huge_pages, over each of the format's buffers.
     void advise_huge_pages() const noexcept { advise_huge_pages_of(m_); }
 
     [[nodiscard]] Index rows() const noexcept { return m_.rows(); }

@@ -11,7 +11,7 @@ namespace memattn::detail {
 /// Rows × cols values of T stored as S: a plain row-major matrix when S is T, else the
 /// encoded rows. Both sides have one interface: put_rows (encode), decode_rows (into a
 /// buffer of T), bytes, raw copies for growth, the snapshot payload, and
-/// advise_huge_pages for a store that lives as long as a pool.
+/// advise_huge_pages.
 template <class T, class S>
 class StoredRows;
 
@@ -21,10 +21,9 @@ class StoredRows<T, T> {
 public:
     static constexpr bool compact = false;
     StoredRows(Index rows, Index cols) : m_(rows, cols) {}
-    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
-    /// store that lives as long as a pool, before its rows are first written.
-    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): a
-    /// store that lives as long as a pool, before its rows are first written.
+    /// Asks for transparent huge pages under the stored rows (detail/huge_pages.hpp): for
+    /// a store every decode step reads end to end (a pool's when it is built, a cache's as
+    /// it grows), before its rows are first written.
     void advise_huge_pages() const noexcept { advise_huge_pages_of(m_); }
 
     [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
