@@ -121,6 +121,41 @@ TEST_CASE("SoftmaxState::absorb's round: the weights mapped before they are summ
     CHECK(rounded.max == exact.max);
 }
 
+TEMPLATE_TEST_CASE("max_or_nan: the largest value, NaN when any is NaN, at every length and position",
+                   "[softmax][state]", float, double) {
+    using T = TestType;
+    const T inf = std::numeric_limits<T>::infinity(), nan = std::numeric_limits<T>::quiet_NaN();
+    CHECK(detail::max_or_nan<T>(nullptr, 0) == -inf);
+    std::mt19937 rng(7);
+    std::normal_distribution<T> normal;
+    for (Index n = 1; n <= 70 || n == 128 || n == 129; n = n == 70 ? 128 : n + 1) {
+        std::vector<T> x(static_cast<std::size_t>(n));
+        for (T& v : x) v = normal(rng);
+        for (Index at = 0; at < n; ++at) {  // the largest at every position, among −∞ or random values
+            std::vector<T> y = x;
+            if (at % 3 == 0) std::fill(y.begin(), y.end(), -inf);
+            y[static_cast<std::size_t>(at)] = T(5) + T(at);
+            INFO("n = " << n << ", largest at " << at);
+            CHECK(detail::max_or_nan(y.data(), n) == T(5) + T(at));
+            std::fill(y.begin(), y.end(), -inf);  // all masked: −∞
+            CHECK(detail::max_or_nan(y.data(), n) == -inf);
+            y[static_cast<std::size_t>(at)] = at % 2 ? nan : -nan;  // one NaN anywhere, of either sign
+            CHECK(std::isnan(detail::max_or_nan(y.data(), n)));
+            y = x;
+            y[static_cast<std::size_t>(at)] = nan;
+            CHECK(std::isnan(detail::max_or_nan(y.data(), n)));
+        }
+        CHECK(detail::max_or_nan(x.data(), n) == *std::max_element(x.begin(), x.end()));
+    }
+    // Through absorb: a NaN in a whole block of 128 logits poisons the state.
+    std::vector<T> block(128, -inf);
+    block[77] = nan;
+    SoftmaxState<T> state;
+    state.absorb(block.data(), 128);
+    CHECK(std::isnan(state.max));
+    CHECK(!state.empty());
+}
+
 TEMPLATE_TEST_CASE("exp2_nonpositive: packets and lone lanes within 3.5 (float) and 1.25 (double) ulps of 2^x, exact at integers",
                    "[softmax][exp2]", float, double) {
     using T = TestType;

@@ -48,12 +48,12 @@ struct SoftmaxState {
     template <class Round = std::identity>
     T absorb(T* s, Index n, Round round = {}) {
         Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>> a(s, n);
-        // PropagateNaN: a NaN logit makes the maximum NaN, so it poisons the state even
-        // when every other logit is −∞ (std::max and plain maxCoeff may drop it).
-        const T block_max = n > 0 ? a.template maxCoeff<Eigen::PropagateNaN>() : minus_inf;
+        // A NaN logit makes the maximum NaN, so it poisons the state even when every
+        // other logit is −∞ (std::max and plain maxCoeff may drop it).
+        const T block_max = detail::max_or_nan(s, n);
         const T new_max = std::isnan(block_max) ? block_max : std::max(max, block_max);
         if (new_max == minus_inf) {
-            a.setZero();
+            std::fill_n(s, n, T(0));
             if constexpr (!std::is_same_v<Round, std::identity>)
                 round(a);  // the caller's copy of the weights too
             return T(1);
