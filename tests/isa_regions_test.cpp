@@ -178,9 +178,9 @@ TEMPLATE_TEST_CASE("isa regions: the grouped decode takes its bfloat16 route (fo
     // FpMath::bf16 decode over bfloat16 or FP8 rows: vdpbf16ps tiles (compiled by target in
     // a portable build) where the CPU has AVX512-BF16, else the float tiles on the queries
     // rounded to bfloat16, which a strict cache given the rounded queries computes bit for
-    // bit. Groups of 1, 5 (tiles of 4 and 1) and 16 (two tiles of 8); head dims off 32. A
-    // query's output is then the same in a group of 3 (the float routes' is not: their
-    // tiles follow the group's size).
+    // bit. Groups of 1, 5 (tiles of 4 and 1) and 16 (tiles of 4 over bfloat16 rows, of 8
+    // over FP8 ones); head dims off 32. A query's output is then the same in a group of 3
+    // (the float routes' is not: their tiles follow the group's size).
     using S = TestType;
     const bool runs = detail::avx512_bf16_runs();
     const double bound = std::ldexp(1.0, -8) / (1 - std::ldexp(1.0, -8));
