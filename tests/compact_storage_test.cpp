@@ -1210,7 +1210,9 @@ TEST_CASE("Integer Q·K: snapshots are the storage's; rotated keys; MultiHead's 
 
 TEST_CASE("Integer Q·K in a group: the grouped logits of Q8 keys are the single query's integer_dot, bit for bit",
           "[storage][integer]") {
-    INFO((detail::integer_group_logits ? "sixteen keys per vpdpbusd (AVX-512 VNNI)" : "key by key (no AVX-512 VNNI)"));
+    INFO((detail::integer_group_keys == 16  ? "sixteen keys per vpdpbusd (AVX-512 VNNI)"
+          : detail::integer_group_keys == 8 ? "eight keys per vpmaddubsw (AVX2)"
+                                            : "key by key (no AVX2)"));
     {
         for (const Index cols : {1, 15, 31, 32, 33, 64, 100, 128, 200, 256}) {
             const Index n = 150;

@@ -13,8 +13,9 @@
 //                       Fewer queries than a packet's lanes (float, AVX2/AVX-512): tiles of
 //                       GQ queries × GK keys (logit_tiles, value_tiles), rows converted in
 //                       registers; a whole packet of queries: the tiled kernel's products;
-//                       IntegerDot<Q8> keys with AVX-512 VNNI: the logits in integers,
-//                       sixteen keys at a time (StoredRows<T, Q8>::integer_logits);
+//                       IntegerDot<Q8> keys: the logits in integers, sixteen keys at a
+//                       time with AVX-512 VNNI, eight with AVX2 (StoredRows<T,
+//                       Q8>::integer_logits);
 //                       FpMath::bf16 over bfloat16 or FP8 rows with AVX512-BF16: the
 //                       stored values multiplied as bfloat16 words by vdpbf16ps
 //                       (fold_bf16; an FP8 byte read as its exact word), or in AMX

@@ -495,7 +495,7 @@ struct DecodeLogits {
 ///   10.5 ms per step on one thread, float 23 → 19 ms);
 /// - IntegerDot<Q8> keys (integer_group), any g ≥ 2 or one query with logit options,
 ///   d ≤ 256: the logits in integers on the queries rounded once (fold_integer; sixteen
-///   keys per vpdpbusd with AVX-512 VNNI), the bits of the single query's integer_dot, so
+///   keys per vpdpbusd with AVX-512 VNNI, eight per vpmaddubsw with AVX2), the bits of the single query's integer_dot, so
 ///   a query's output is the same in any group; then the tiles route's softmax and
 ///   value_tiles;
 /// - FpMath::bf16 (DecodeLogits::bf16_products) over rows stored as bfloat16 or FP8
@@ -791,7 +791,7 @@ private:
     }
 
     /// The route of IntegerDot<Q8> keys (integer_group): fold_tiles with the logits of
-    /// every query taken in integers, sixteen keys at a time, on the queries rounded once
+    /// every query taken in integers, integer_group_keys at a time, on the queries rounded once
     /// per attend (StoredRows<float, Q8>::integer_logits: the bits of the single-query
     /// route's integer_dot, so a query's logits do not depend on its group).
     template <class SK, class Values, class Acc>

@@ -209,7 +209,8 @@ void attend_stored_rows(const Q& q, const StoredRows<T, SK>& K, const StoredRows
 /// Keys whose logits are taken in integers alone and in a group (GroupAttention::fold_integer):
 /// IntegerDot<Q8> and IntegerDot<Rotated<Q8>> in float, on every instruction set (the same
 /// bits; sixteen keys per vpdpbusd where the build targets AVX-512 VNNI,
-/// integer_group_logits, key by key elsewhere).
+/// integer_group_logits, eight per vpmaddubsw with AVX2 and FMA, key by key elsewhere:
+/// integer_group_keys).
 template <class SK>
 inline constexpr bool integer_group = integer_dot<SK> && std::is_base_of_v<StoredRows<float, Q8>, StoredRows<float, SK>>;
 

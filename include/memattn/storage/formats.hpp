@@ -72,7 +72,8 @@ struct Rotated {
 /// int8 K·Q). Stored bytes and snapshots are S's, so a snapshot loads into either. The
 /// grouped attend (a GQA group's queries, each rounded as alone, with or without the logit
 /// options) takes the same integer logits, bit for bit, for S = Q8 and Rotated<Q8> on
-/// every build (sixteen keys per vpdpbusd where the build targets AVX-512 VNNI); for the
+/// every build (sixteen keys per vpdpbusd where the build targets AVX-512 VNNI, eight per
+/// vpmaddubsw with AVX2); for the
 /// 4-bit S, and in prefill, the keys are read in float as S does. For
 /// KVCache and SlidingWindowCache of float (and of 16-bit rows, which compute in float).
 template <class S>

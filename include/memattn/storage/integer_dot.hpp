@@ -64,13 +64,15 @@ struct IntegerQuery {
 /// The queries of a group (g ≤ 16 of them, d ≤ 256), each rounded as IntegerQuery rounds
 /// one (the same codes and scales), for the grouped integer logits of Q8 keys
 /// (StoredRows<T, Q8>::integer_logits): per query its codes (with AVX-512 VNNI read as
-/// words of four, what vpdpbusd broadcasts), per block its scale and −128 · Σ codes (the
-/// keys enter vpdpbusd as unsigned bytes k + 128). Once per attend, on the grouped
+/// words of four, what vpdpbusd broadcasts; with AVX2 their magnitudes too, vpmaddubsw's
+/// unsigned operand), per block its scale and −128 · Σ codes (the keys enter vpdpbusd
+/// as unsigned bytes k + 128). Once per attend, on the grouped
 /// attend's stack.
 struct IntegerGroup {
     static constexpr Index block = 32;
     static constexpr Index max_queries = 16, max_depth = 256, max_blocks = max_depth / block;
     alignas(64) std::int8_t code[max_queries][max_depth];
+    alignas(64) std::int8_t magnitude[max_queries][max_depth];  // |code| (the AVX2 products' unsigned operand)
     std::int32_t offset[max_queries][max_blocks];
     float scale[max_queries][max_blocks];
     Index queries = 0;
@@ -84,8 +86,10 @@ struct IntegerGroup {
                 const Index c0 = b * block;
                 scale[r][b] = round_query_block(q + r * ldq + c0, std::min(block, d - c0), code[r] + c0);
                 int sum = 0;
-                for (Index c = c0; c < c0 + block; ++c)
+                for (Index c = c0; c < c0 + block; ++c) {
                     sum += code[r][c];
+                    magnitude[r][c] = static_cast<std::int8_t>(std::abs(code[r][c]));
+                }
                 offset[r][b] = -128 * sum;
             }
     }
@@ -93,6 +97,12 @@ struct IntegerGroup {
     [[nodiscard]] std::int32_t word(Index r, Index c) const noexcept {
         std::int32_t w;
         std::memcpy(&w, code[r] + 4 * c, sizeof w);
+        return w;
+    }
+    /// Their magnitudes as one word.
+    [[nodiscard]] std::int32_t magnitude_word(Index r, Index c) const noexcept {
+        std::int32_t w;
+        std::memcpy(&w, magnitude[r] + 4 * c, sizeof w);
         return w;
     }
 };
@@ -153,6 +163,28 @@ inline std::int32_t q8_block_dot(const std::int8_t* x, const std::int8_t* q) {
     __m128i h = _mm_add_epi32(_mm256_castsi256_si128(e), _mm256_extracti128_si256(e, 1));
     h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
     return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+}
+/// Eight rows' words (row k's 32 bytes from p[k] + offset) transposed: lane k of t[c] is
+/// row k's bytes 4c … 4c + 3. An 8 × 8 transpose of int32: unpacks of words, then of
+/// pairs, then one exchange of 128-bit halves per output.
+inline void transposed_words8(const std::int8_t* const (&p)[8], Index offset, __m256i (&t)[8]) {
+    __m256i z[8], u[8];
+    for (int i = 0; i < 8; ++i)
+        z[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[i] + offset));
+    for (int i = 0; i < 8; i += 2) {  // per half: words (0 1) of rows i, i+1; then (2 3)
+        u[i] = _mm256_unpacklo_epi32(z[i], z[i + 1]);
+        u[i + 1] = _mm256_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {  // z[i + c]: word c (low half) and c + 4 (high half) of rows i … i+3
+        z[i] = _mm256_unpacklo_epi64(u[i], u[i + 2]);
+        z[i + 1] = _mm256_unpackhi_epi64(u[i], u[i + 2]);
+        z[i + 2] = _mm256_unpacklo_epi64(u[i + 1], u[i + 3]);
+        z[i + 3] = _mm256_unpackhi_epi64(u[i + 1], u[i + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {
+        t[c] = _mm256_permute2x128_si256(z[c], z[c + 4], 0x20);
+        t[c + 4] = _mm256_permute2x128_si256(z[c], z[c + 4], 0x31);
+    }
 }
 /// Σ_b (s[b]·s_q,b)·D_b over the first `whole` Q8 blocks of a row (codes x, scales s),
 /// D_b the block's exact Σ code·k, one fused multiply-add per block in order of b from
@@ -245,6 +277,17 @@ inline void transposed_scales(const float* s, Index rows, Index blocks, __m512 (
 }
 #else
 inline constexpr bool integer_group_logits = false;
+#endif
+
+/// Keys a group's Q8 integer logits take at once (StoredRows<T, Q8>::integer_logits):
+/// sixteen per vpdpbusd with AVX-512 VNNI, eight per vpmaddubsw with AVX2 and FMA, else
+/// one.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+inline constexpr int integer_group_keys = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+inline constexpr int integer_group_keys = 8;
+#else
+inline constexpr int integer_group_keys = 1;
 #endif
 
 /// `IntegerDot<S>`: the rows of S, whose integer_dot the single-query attend reads.

