@@ -495,9 +495,9 @@ struct DecodeLogits {
 ///   10.5 ms per step on one thread, float 23 → 19 ms);
 /// - IntegerDot<Q8> keys (integer_group), any g ≥ 2 or one query with logit options,
 ///   d ≤ 256: the logits in integers on the queries rounded once (fold_integer; sixteen
-///   keys per vpdpbusd with AVX-512 VNNI, eight per vpmaddubsw with AVX2), the bits of the single query's integer_dot, so
-///   a query's output is the same in any group; then the tiles route's softmax and
-///   value_tiles;
+///   keys per vpdpbusd with AVX-512 VNNI, eight per vpmaddubsw with AVX2), the bits of
+///   the single query's integer_dot, so a query's output is the same in any group; then
+///   the tiles route's softmax and value_tiles;
 /// - FpMath::bf16 (DecodeLogits::bf16_products) over rows stored as bfloat16 or FP8
 ///   (bf16_dot_rows) where the CPU has AVX512-BF16 (avx512_bf16_runs: compiled in place,
 ///   or by target in a portable build), any g, d ≤ max_depth: fold_bf16, the tiles route in
@@ -791,8 +791,8 @@ private:
     }
 
     /// The route of IntegerDot<Q8> keys (integer_group): fold_tiles with the logits of
-    /// every query taken in integers, integer_group_keys at a time, on the queries rounded once
-    /// per attend (StoredRows<float, Q8>::integer_logits: the bits of the single-query
+    /// every query taken in integers, integer_group_keys at a time, on the queries rounded
+    /// once per attend (StoredRows<float, Q8>::integer_logits: the bits of the single-query
     /// route's integer_dot, so a query's logits do not depend on its group).
     template <class SK, class Values, class Acc>
     void fold_integer(const StoredRows<T, SK>& keys, const Values& values, Index first, Index n, Acc& acc) {

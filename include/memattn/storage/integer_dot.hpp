@@ -61,6 +61,17 @@ struct IntegerQuery {
     }
 };
 
+/// Keys a group's Q8 integer logits take at once (StoredRows<T, Q8>::integer_logits):
+/// sixteen per vpdpbusd with AVX-512 VNNI, eight per vpmaddubsw with AVX2 and FMA, else
+/// one.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+inline constexpr int integer_group_keys = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+inline constexpr int integer_group_keys = 8;
+#else
+inline constexpr int integer_group_keys = 1;
+#endif
+
 /// The queries of a group (g ≤ 16 of them, d ≤ 256), each rounded as IntegerQuery rounds
 /// one (the same codes and scales), for the grouped integer logits of Q8 keys
 /// (StoredRows<T, Q8>::integer_logits): per query its codes (with AVX-512 VNNI read as
@@ -72,7 +83,8 @@ struct IntegerGroup {
     static constexpr Index block = 32;
     static constexpr Index max_queries = 16, max_depth = 256, max_blocks = max_depth / block;
     alignas(64) std::int8_t code[max_queries][max_depth];
-    alignas(64) std::int8_t magnitude[max_queries][max_depth];  // |code| (the AVX2 products' unsigned operand)
+    // |code|, the unsigned operand of the AVX2 products (integer_group_keys = 8 only)
+    alignas(64) std::int8_t magnitude[integer_group_keys == 8 ? max_queries : 1][max_depth];
     std::int32_t offset[max_queries][max_blocks];
     float scale[max_queries][max_blocks];
     Index queries = 0;
@@ -88,7 +100,8 @@ struct IntegerGroup {
                 int sum = 0;
                 for (Index c = c0; c < c0 + block; ++c) {
                     sum += code[r][c];
-                    magnitude[r][c] = static_cast<std::int8_t>(std::abs(code[r][c]));
+                    if constexpr (integer_group_keys == 8)
+                        magnitude[r][c] = static_cast<std::int8_t>(std::abs(code[r][c]));
                 }
                 offset[r][b] = -128 * sum;
             }
@@ -99,7 +112,7 @@ struct IntegerGroup {
         std::memcpy(&w, code[r] + 4 * c, sizeof w);
         return w;
     }
-    /// Their magnitudes as one word.
+    /// Their magnitudes as one word (integer_group_keys = 8).
     [[nodiscard]] std::int32_t magnitude_word(Index r, Index c) const noexcept {
         std::int32_t w;
         std::memcpy(&w, magnitude[r] + 4 * c, sizeof w);
@@ -277,17 +290,6 @@ inline void transposed_scales(const float* s, Index rows, Index blocks, __m512 (
 }
 #else
 inline constexpr bool integer_group_logits = false;
-#endif
-
-/// Keys a group's Q8 integer logits take at once (StoredRows<T, Q8>::integer_logits):
-/// sixteen per vpdpbusd with AVX-512 VNNI, eight per vpmaddubsw with AVX2 and FMA, else
-/// one.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-inline constexpr int integer_group_keys = 16;
-#elif defined(__AVX2__) && defined(__FMA__)
-inline constexpr int integer_group_keys = 8;
-#else
-inline constexpr int integer_group_keys = 1;
 #endif
 
 /// `IntegerDot<S>`: the rows of S, whose integer_dot the single-query attend reads.
