@@ -167,16 +167,8 @@ public:
         const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         for (Index j = 0; j < m; j += 16) {
             const Index n = std::min<Index>(16, m - j);
-            const std::int8_t* p[16];  // a tile past the end repeats the last key
-            for (Index k = 0; k < 16; ++k)
-                p[k] = &q_(first + j + std::min(k, n - 1), 0);
-            if (ahead > 0) {
-                for (Index r = first + j; r < first + j + n; ++r) {
-                    if (r + ahead < end)
-                        prefetch_row(r + ahead);
-                    values.prefetch_row(r);
-                }
-            }
+            const std::int8_t* p[16];
+            tile_rows(first + j, n, p, values, ahead, end);
             const float* row_scales = &scales_(first + j, 0);
             __m512 by_block[4] = {};  // the rows' scales of each block (four blocks or fewer)
             if (blocks <= 4)
@@ -227,16 +219,8 @@ public:
         alignas(32) std::int8_t tail[8][Q8::block];  // a short last block's codes, zero past them
         for (Index j = 0; j < m; j += 8) {
             const Index n = std::min<Index>(8, m - j);
-            const std::int8_t* p[8];  // a tile past the end repeats the last key
-            for (Index k = 0; k < 8; ++k)
-                p[k] = &q_(first + j + std::min(k, n - 1), 0);
-            if (ahead > 0) {
-                for (Index r = first + j; r < first + j + n; ++r) {
-                    if (r + ahead < end)
-                        prefetch_row(r + ahead);
-                    values.prefetch_row(r);
-                }
-            }
+            const std::int8_t* p[8];
+            tile_rows(first + j, n, p, values, ahead, end);
             const float* row_scales = &scales_(first + j, 0);
             const __m256i at = _mm256_mullo_epi32(_mm256_min_epi32(lane, _mm256_set1_epi32(static_cast<int>(n - 1))),
                                                   _mm256_set1_epi32(static_cast<int>(blocks)));
@@ -362,6 +346,23 @@ public:
     }
 
 private:
+    /// A tile of the grouped integer logits (integer_logits): the codes of its n ≤ K rows
+    /// from `first` into p (a tile past the end repeats the last key), and its requests:
+    /// the key rows `ahead` on (below `end`) and its own value rows (towards L2).
+    template <int K, class Values>
+    void tile_rows(Index first, Index n, const std::int8_t* (&p)[K], const Values& values, Index ahead,
+                   Index end) const {
+        for (Index k = 0; k < K; ++k)
+            p[k] = &q_(first + std::min<Index>(k, n - 1), 0);
+        if (ahead > 0) {
+            for (Index r = first; r < first + n; ++r) {
+                if (r + ahead < end)
+                    prefetch_row(r + ahead);
+                values.prefetch_row(r);
+            }
+        }
+    }
+
     Eigen::Matrix<std::int8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> q_;
     Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> scales_;
 };
