@@ -182,9 +182,22 @@ private:
         T* max = &lanes_(max_row, first);
         T* sum = &lanes_(sum_row, first);
         const P m_old = ploadu<P>(max);
-        P m_new = m_old;
-        for (Index j = 0; j < keys; ++j)
-            m_new = pmax(m_new, ploadu<P>(s + j * ld));  // m₂ = max(m_old, max_j s_j)
+        // m₂ = max(m_old, max_j s_j), in four chains: one chain waits a max's latency per
+        // key (a tenth of a bfloat16 call in AMX tiles). The same maximum in any order:
+        // pmax keeps its first argument when either is NaN, so a NaN logit is dropped
+        // and a NaN m_old kept in every chain; only the sign of a zero maximum may differ,
+        // which no weight, α or sum sees (x − 0 and x + 0 are x, or ±0 for x = ∓0 alike).
+        P m0 = m_old, m1 = m_old, m2 = m_old, m3 = m_old;
+        Index j = 0;
+        for (; j + 4 <= keys; j += 4) {
+            m0 = pmax(m0, ploadu<P>(s + j * ld));
+            m1 = pmax(m1, ploadu<P>(s + (j + 1) * ld));
+            m2 = pmax(m2, ploadu<P>(s + (j + 2) * ld));
+            m3 = pmax(m3, ploadu<P>(s + (j + 3) * ld));
+        }
+        for (; j < keys; ++j)
+            m0 = pmax(m0, ploadu<P>(s + j * ld));
+        const P m_new = pmax(pmax(m0, m1), pmax(m2, m3));
         // Subtract 0 instead of −∞ in lanes that saw nothing, so no −∞ − (−∞) = NaN.
         const P shift = pselect(pcmp_eq(m_new, minus_inf), pset1<P>(T(0)), m_new);
         // α = 2^(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
