@@ -88,6 +88,9 @@
 //       the same 64 rows as a causal chunk (prefill without parents, then truncate); M = 5
 //       the verify step and M = 6 its 64 decode steps in a sliding-window pool of 1024
 //       tokens with ALiBi (rollback room 64: the drafts at their depths' positions)
+//   BM_PoolTreeVerifyFpMathBf16<bfloat16>/past:P/mode:M   the same in a pool of bfloat16
+//       rows with FpMath::bf16: the verify's products in AMX tiles where the CPU has
+//       them (else vdpbf16ps), the steps through the grouped bfloat16 decode
 //
 //   BM_StatePoolDecode/t:T/mode:M   one decode step of 32 sequences of a hybrid model's
 //       recurrent layer, MultiHead<DeltaRuleMemory<float>> of 8 heads, d = dv = 128 (key
@@ -728,6 +731,7 @@ double median_timed_seconds(benchmark::State& state, Before&& before, Timed&& ti
     return median(times);
 }
 
+template <class S = float, memattn::FpMath Arithmetic = memattn::FpMath::strict>
 void BM_PoolTreeVerify(benchmark::State& state) {
     const Index past = state.range(0), mode = state.range(1), drafts = 64;
     const HeadLayout layout{32, 8, head_dim};
@@ -737,9 +741,10 @@ void BM_PoolTreeVerify(benchmark::State& state) {
     for (std::size_t h = 0; h < slopes.size(); ++h)
         slopes[h] = std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(layout.q_heads));  // ALiBi's
     const memattn::SoftmaxOptions options =
-        windowed ? memattn::SoftmaxOptions{.window = 1024, .alibi_slopes = slopes} : memattn::SoftmaxOptions{};
-    memattn::PagedKVCache<float> paged(layout, past / 128 + 4, 128, options,
-                                       memattn::PoolOptions{.rollback_tokens = windowed ? 64 : 0});
+        windowed ? memattn::SoftmaxOptions{.window = 1024, .alibi_slopes = slopes, .fpmath = Arithmetic}
+                 : memattn::SoftmaxOptions{.fpmath = Arithmetic};
+    memattn::PagedKVCache<float, S> paged(layout, past / 128 + 4, 128, options,
+                                          memattn::PoolOptions{.rollback_tokens = windowed ? 64 : 0});
     const Index seq = paged.add_sequence();
     const Matrix<float>& keys = pool(kw, 2);
     const Matrix<float>& values = pool(kw, 3);
@@ -1280,7 +1285,10 @@ BENCHMARK(BM_LatentDecode<Eigen::bfloat16>)->Name("BM_LatentDecode<bfloat16>")->
 BENCHMARK(BM_LatentDecodeFpMathBf16)->Apply(latent_cells);
 BENCHMARK(BM_LatentPrefill)->Apply(latent_prefill_cells);
 BENCHMARK(BM_LatentPrefillFpMathBf16)->Apply(latent_prefill_cells);
-BENCHMARK(BM_PoolTreeVerify)->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {0, 1, 2, 3, 4, 5, 6}})->UseRealTime()
+BENCHMARK(BM_PoolTreeVerify<>)->Name("BM_PoolTreeVerify")->ArgNames({"past", "mode"})
+    ->ArgsProduct({{4096}, {0, 1, 2, 3, 4, 5, 6}})->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PoolTreeVerify<Eigen::bfloat16, memattn::FpMath::bf16>)->Name("BM_PoolTreeVerifyFpMathBf16<bfloat16>")
+    ->ArgNames({"past", "mode"})->ArgsProduct({{4096}, {0, 1, 2, 3, 4, 5, 6}})->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_StatePoolDecode)->ArgNames({"t", "mode"})->ArgsProduct({{1, 2}, {0, 1}})->UseRealTime()
     ->Unit(benchmark::kMicrosecond);

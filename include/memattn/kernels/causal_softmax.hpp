@@ -12,7 +12,9 @@
 //
 // Algorithm. Queries are cut into tiles of `queries` rows and, for each, the visible
 // keys into tiles of `keys` rows, walked from the diagonal down to the window's start
-// (then the sink tokens below the window). Per (query tile, key tile):
+// (then the sink tokens below the window); where the walk reaches key 0 (no window's
+// edge) they start at multiples of `keys` (the diagonal's may be shorter), else they
+// end at the diagonal. Per (query tile, key tile):
 //   Sᵀ = K_tile · (log2(e)·scale·Q_tile)ᵀ              keys × queries, key-major
 //   mask the tile with −∞ where it crosses the diagonal or the window's edge
 //   per query lane:  m_new = max(m_old, max_j s_j),  α = 2^(m_old − m_new),

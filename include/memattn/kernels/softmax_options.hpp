@@ -59,8 +59,11 @@ struct SoftmaxOptions {
     /// The products' arithmetic on float inputs of causal_softmax_attention and
     /// multi_head_causal_softmax_attention (a single-head call rounds copies of Q, K and V; the
     /// multi-head kernel each KV head once per thread and each item's queries); 16-bit
-    /// inputs keep their own. The memories, the pools and ring attention refuse anything
-    /// but FpMath::strict (they read their pairs as stored), and so do double inputs.
+    /// inputs keep their own. KVCache, SlidingWindowCache, PagedKVCache and LatentKVCache
+    /// of float over bfloat16 or FP8 rows (and MultiHead and the model cache over them)
+    /// take FpMath::bf16 for their steps and prompts on the rows as stored; the other
+    /// memories, ring attention and double inputs refuse anything but FpMath::strict
+    /// (docs/design.md §4.7c).
     FpMath fpmath = FpMath::strict;
 };
 
