@@ -186,7 +186,7 @@ private:
         // key (a tenth of a bfloat16 call in AMX tiles). The same maximum in any order:
         // pmax keeps its first argument when either is NaN, so a NaN logit is dropped
         // and a NaN m_old kept in every chain; only the sign of a zero maximum may differ,
-        // which no weight, α or sum sees (x − 0 and x + 0 are x, or ±0 for x = ∓0 alike).
+        // and a shift by +0 or −0 gives the same weights, α and sums.
         P m0 = m_old, m1 = m_old, m2 = m_old, m3 = m_old;
         Index j = 0;
         for (; j + 4 <= keys; j += 4) {

@@ -178,8 +178,7 @@ public:
             // tokens) gives every tile from one block, in place: tiles walked down from
             // hi crossed a block's edge whenever hi was not a multiple, and were copied.
             // Above a window's edge aligned tiles would add one there (and a window's
-            // tiles, 96 keys, match no block: 4-10% slower in a windowed verify), so
-            // those end at the diagonal.
+            // tiles, 96 keys, match no block), so those end at the diagonal.
             for (Index j1 = hi; j1 > lo;) {
                 const Index j0 = lo == 0 ? (j1 - 1) / tiles_.keys * tiles_.keys : std::max(lo, j1 - tiles_.keys);
                 prefetch_key_tile(std::max(lo, j0 - tiles_.keys), j0);     // the next one
