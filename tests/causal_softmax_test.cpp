@@ -774,3 +774,70 @@ TEST_CASE("causal softmax on bfloat16: the bfloat16 products against the convert
         CHECK((fast.array() == plain.array()).all());
     }
 }
+
+namespace {
+
+/// Rows in place, as PlainRows, that record each key tile the kernel reads: (j0, n).
+struct RecordingRows : detail::PlainRows<float> {
+    RecordingRows(const ConstMatrixRef<float>& m, std::vector<std::pair<Index, Index>>& tiles)
+        : detail::PlainRows<float>(m), read(&tiles) {}
+    [[nodiscard]] std::pair<const float*, Index> tile(Index j0, Index n) const {
+        read->emplace_back(j0, n);
+        return detail::PlainRows<float>::tile(j0, n);
+    }
+    std::vector<std::pair<Index, Index>>* read;
+};
+
+}  // namespace
+
+TEST_CASE("causal softmax: where the walk reaches key 0, each key tile lies within one aligned run of the tile's "
+          "length (a pool's block), and the tiles cover each query tile's keys once",
+          "[softmax][kernel]") {
+    // Keys n ≥ queries (a chunk after a past); a window of 50 (its edge: tiles end at the
+    // diagonal, no alignment asked) checks only the coverage. The outputs are the plain
+    // call's bit for bit: recording changes nothing.
+    const Index past = GENERATE(Index(0), Index(1), Index(64), Index(127), Index(200));
+    const Index rows = GENERATE(Index(1), Index(5), Index(130), Index(260));
+    const Index window = GENERATE(Index(0), Index(50));
+    const Index n = past + rows, d = 8;
+    CAPTURE(past, rows, window);
+    const Matrix<float> Q = random_matrix<float>(rows, d, 61), K = random_matrix<float>(n, d, 62),
+                        V = random_matrix<float>(n, d, 63);
+    const detail::SoftmaxTiles tiles = detail::default_tiles(detail::effective_window(window, n));
+    const SoftmaxOptions options{.window = window};
+    std::vector<std::pair<Index, Index>> read;
+    Matrix<float> recorded(rows, d), plain(rows, d);
+    {
+        detail::SoftmaxScratch<float> scratch(d, d, tiles);
+        detail::causal_softmax_rows<float>(detail::PlainRows<float>(Q), RecordingRows(K, read),
+                                           detail::PlainRows<float>(V), MatrixRef<float>(recorded), [](Index, float) {},
+                                           options, scratch, detail::trailing_queries, detail::TileBias<float>{});
+    }
+    {
+        detail::SoftmaxScratch<float> scratch(d, d, tiles);
+        detail::causal_softmax_views<float>(Q, K, V, plain, [](Index, float) {}, options, scratch);
+    }
+    CHECK((recorded.array() == plain.array()).all());
+    REQUIRE(!read.empty());
+    // Per query tile, the tiles walk down from its last key without gap or overlap.
+    Index walked = 0, query_tiles = 0, expected_end = -1;
+    for (const auto& [j0, m] : read) {
+        REQUIRE(m >= 1);
+        REQUIRE(m <= tiles.keys);
+        if (expected_end < 0 || j0 + m != expected_end)  // a new query tile's diagonal tile
+            ++query_tiles;
+        expected_end = j0;
+        walked += m;
+        if (window == 0 || n <= window) {
+            INFO("tile [" << j0 << ", " << j0 + m << ")");
+            CHECK(j0 / tiles.keys == (j0 + m - 1) / tiles.keys);
+        }
+    }
+    CHECK(query_tiles == (rows + tiles.queries - 1) / tiles.queries);
+    if (window == 0) {  // every query tile's keys: [0, its last position]
+        Index keys = 0;
+        for (Index i0 = 0; i0 < rows; i0 += tiles.queries)
+            keys += past + std::min(rows, i0 + tiles.queries);
+        CHECK(walked == keys);
+    }
+}
