@@ -106,20 +106,6 @@ struct InPlaceRows {
     [[nodiscard]] float stored_value(Index r, Index c) const { return data[r * stride + c]; }
 };
 
-/// A logit tile's requests: the key rows `ahead` rows past [r0, r1) (below `end`), and
-/// the value rows [r0, r1) towards L2, where the value tiles read them next; none when
-/// `ahead` is 0.
-template <class Keys, class Values>
-void prefetch_tile(const Keys& keys, const Values& values, Index r0, Index r1, Index ahead, Index end) {
-    if (ahead <= 0)
-        return;
-    for (Index r = r0; r < r1; ++r) {
-        if (r + ahead < end)
-            keys.prefetch_row(r + ahead);
-        values.prefetch_row(r);
-    }
-}
-
 /// s (GQ rows, stride lds) = q (GQ rows of d values, stride ldq, zero-padded to whole
 /// packets, aligned) · K_jᵀ for the keys j ∈ [first, first + m) of `keys`
 /// (stored_packet/stored_value), GK = lanes / GQ keys per tile. Each tile asks for the

@@ -354,13 +354,7 @@ private:
                    Index end) const {
         for (Index k = 0; k < K; ++k)
             p[k] = &q_(first + std::min<Index>(k, n - 1), 0);
-        if (ahead > 0) {
-            for (Index r = first; r < first + n; ++r) {
-                if (r + ahead < end)
-                    prefetch_row(r + ahead);
-                values.prefetch_row(r);
-            }
-        }
+        prefetch_tile(*this, values, first, first + n, ahead, end);
     }
 
     Eigen::Matrix<std::int8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> q_;

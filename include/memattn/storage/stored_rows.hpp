@@ -8,6 +8,21 @@
 
 namespace memattn::detail {
 
+/// A logit tile's requests in a grouped decode (kernels/group_attention.hpp, and the
+/// grouped integer logits of Q8 keys): the key rows `ahead` rows past [r0, r1) (below
+/// `end`), and the value rows [r0, r1) towards L2, where the value tiles read them next;
+/// none when `ahead` is 0. Keys and Values: rows with prefetch_row (StoredRows).
+template <class Keys, class Values>
+void prefetch_tile(const Keys& keys, const Values& values, Index r0, Index r1, Index ahead, Index end) {
+    if (ahead <= 0)
+        return;
+    for (Index r = r0; r < r1; ++r) {
+        if (r + ahead < end)
+            keys.prefetch_row(r + ahead);
+        values.prefetch_row(r);
+    }
+}
+
 /// Rows × cols values of T stored as S: a plain row-major matrix when S is T, else the
 /// encoded rows. Both sides have one interface: put_rows (encode), decode_rows (into a
 /// buffer of T), bytes, raw copies for growth, the snapshot payload, and
