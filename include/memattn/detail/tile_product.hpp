@@ -60,6 +60,13 @@ namespace memattn::detail {
 /// V, which the hardware prefetchers do not foresee (the kernel walks key tiles from the
 /// diagonal down).
 /// Write: the rows will be written (an output's next rows), asked for with write intent.
+///
+/// The empty volatile asm keeps the requests: GCC counts __builtin_prefetch as free of
+/// side effects, so it may infer that a function which only asks for lines (prefetch_tile,
+/// or a caller's lambda around it, while still a call of its own) is `const` and delete
+/// its calls; the grouped decode's logit tiles (float, vdpbf16ps and AMX) lost every
+/// request that way (tests/codegen/prefetch_kept.cpp). A volatile asm is a side effect,
+/// so no function that reaches one is `const`; it emits no instruction.
 template <class T, bool Write = false>
 inline void prefetch_rows([[maybe_unused]] const T* p, Index rows, Index stride, Index cols) {
 #if defined(__GNUC__)
@@ -67,6 +74,7 @@ inline void prefetch_rows([[maybe_unused]] const T* p, Index rows, Index stride,
     for (Index r = 0; r < rows; ++r)
         for (Index k = 0; k < cols; k += line)
             __builtin_prefetch(p + r * stride + k, Write ? 1 : 0, 2);
+    __asm__ __volatile__("");
 #else
     (void)rows, (void)stride, (void)cols;
 #endif
