@@ -34,6 +34,13 @@
 // over step_ms). Step, read and FMA passes all run in real time on the cell's threads, so
 // on a shared machine each gets the same share of the cores. (That a step allocates nothing is tests/allocation_test.cpp's.)
 //
+//   BM_DecodeLayers<S>/layers:N/length:L/fpmath:F/t:T   the attend of one token in each of
+//       N layers in turn (a model's decode step: MultiHead<KVCache<float, S>> 32/8 × 128,
+//       L tokens each; F = 1 FpMath::bf16), so each layer's pairs come back from DRAM
+//       after the others' evicted them, as in a model; BM_DecodeAttend steps one layer
+//       over and over, whose pairs a last-level cache may keep. The roofline's bytes are
+//       every layer's footprint
+//
 //   BM_SparseDecode/length:L/block:B/g:G       one KV head (d = dv = 128, float, G query
 //       heads) at L tokens: KVCache (B = 0) against SparseKVCache with blocks of B tokens,
 //       top_k_blocks · B = 2048, a window of 64 and 4 sinks; the bytes of its roofline
@@ -449,6 +456,58 @@ void BM_DecodeStepBf16Rows(benchmark::State& state) {
 template <class S>
 void BM_DecodeStepFpMathBf16(benchmark::State& state) {
     decode_cell<S>(state, true, memattn::FpMath::bf16);
+}
+
+/// A model's decode step over N layers (see the top of the file): each layer's attend of
+/// one token in turn. The layers are built once per (S, N, L, F) and kept, as
+/// decode_cell's one.
+template <class S>
+void BM_DecodeLayers(benchmark::State& state) {
+    const Index layers = state.range(0), length = state.range(1);
+    const memattn::FpMath fpmath = state.range(2) == 1 ? memattn::FpMath::bf16 : memattn::FpMath::strict;
+    const memattn::OpenMPExecutor executor{.threads = static_cast<int>(state.range(3))};
+    if (!threads_available(state, state.range(3)))
+        return;
+    const HeadLayout layout{32, 8, head_dim};
+    using Cache = memattn::KVCache<float, S>;
+    using Layer = memattn::MultiHead<Cache>;
+    const Index kv_cols = layout.kv_heads * head_dim, q_cols = layout.q_heads * head_dim;
+    static std::string kept_name;
+    static std::vector<Layer> kept;
+    const std::string name = std::string(typeid(Cache).name()) + "/" + std::to_string(layers) + "/" +
+                             std::to_string(length) + "/" + std::to_string(static_cast<int>(fpmath));
+    if (name != kept_name) {
+        kept.clear();  // at most one model at a time
+        kept_name.clear();
+        for (Index l = 0; l < layers; ++l) {
+            Layer& layer = kept.emplace_back(
+                layout, [fpmath](Index) { return Cache(head_dim, head_dim, memattn::SoftmaxOptions{.fpmath = fpmath}); });
+            layer.reserve(length);
+            for (Index filled = 0; filled < length; filled += pool_tokens) {
+                const Index n = std::min(pool_tokens, length - filled);
+                layer.extend(pool(kv_cols, 2).topRows(n), pool(kv_cols, 3).topRows(n));  // stores of its own
+            }
+        }
+        kept_name = name;
+    }
+    std::size_t bytes = 0;
+    for (Layer& layer : kept) {
+        layer.set_executor(executor);
+        bytes += layer.footprint();
+    }
+    const Matrix<float>& queries = pool(q_cols, 1);
+    Matrix<float> out(1, q_cols);
+    Index t = 0;
+    const double step_seconds = median_step_seconds(state, [&] {
+        const Index row = t++ % pool_tokens;
+        for (Layer& layer : kept)
+            layer.attend(queries.row(row), out.row(0));
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+    });
+    const double flops = 2.0 * static_cast<double>(layers) * static_cast<double>(layout.q_heads) *
+                         static_cast<double>(length) * static_cast<double>(head_dim + head_dim);
+    report_roofline(state, step_seconds, bytes, flops, executor);
 }
 
 /// One KV head's grouped attend (attend_group of g queries, d = dv = 128) over a
@@ -1310,6 +1369,18 @@ BENCHMARK(BM_DecodeStep<memattn::Fp8E5M2>)->Name("BM_DecodeStep<Fp8E5M2>")->Appl
 BENCHMARK(BM_DecodeStep<memattn::PerTokenScale<memattn::Fp8E4M3>>)
     ->Name("BM_DecodeStep<PerTokenScale<Fp8E4M3>>")
     ->Apply(cells);
+BENCHMARK(BM_DecodeLayers<Eigen::bfloat16>)
+    ->Name("BM_DecodeLayers<bfloat16>")
+    ->ArgNames({"layers", "length", "fpmath", "t"})
+    ->ArgsProduct({{16}, {4096}, {0, 1}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DecodeLayers<float>)
+    ->Name("BM_DecodeLayers<float>")
+    ->ArgNames({"layers", "length", "fpmath", "t"})
+    ->ArgsProduct({{16}, {4096}, {0}, {1, 2}})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeAttend<float>)->Name("BM_DecodeAttend<float>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<Eigen::bfloat16>)->Name("BM_DecodeAttend<bfloat16>")->Apply(cells);
 BENCHMARK(BM_DecodeAttend<Eigen::half>)->Name("BM_DecodeAttend<half>")->Apply(cells);
