@@ -478,8 +478,13 @@ TEMPLATE_TEST_CASE("PagedKVCache: steps allocate nothing, through new blocks, co
 }
 
 TEMPLATE_TEST_CASE("PagedKVCache::prefill: chunks of a prompt beside decodes allocate nothing once a call has run",
-                   "[serving][allocation][prefill]", float, Q8) {
+                   "[serving][allocation][prefill]", float, Q8, Eigen::bfloat16) {
     using S = TestType;
+    // bfloat16 rows also with FpMath::bf16: the value tiles' pairs a walk keeps for the
+    // other heads of its group (PackedValueTiles), for a prompt longer at every call.
+    const FpMath fpmath =
+        std::is_same_v<S, Eigen::bfloat16> ? GENERATE(FpMath::strict, FpMath::bf16) : FpMath::strict;
+    CAPTURE(static_cast<int>(fpmath));
     const HeadLayout layout{.q_heads = 8, .kv_heads = 2, .head_dim = 64};
     const Index chunk = 100, calls = 4, rows = calls * (chunk + 1);
     const Matrix<float> K = random_matrix<float>(500 + rows, 128, 7), V = random_matrix<float>(500 + rows, 128, 8),
@@ -487,7 +492,8 @@ TEMPLATE_TEST_CASE("PagedKVCache::prefill: chunks of a prompt beside decodes all
     for (const Index window : {0, 300}) {
         for (const int threads : {1, 2}) {
             INFO("window " << window << ", " << threads << " threads");
-            PagedKVCache<float, S> pool(layout, 80, 32, SoftmaxOptions{.window = window, .sink_tokens = 4});
+            PagedKVCache<float, S> pool(layout, 80, 32,
+                                        SoftmaxOptions{.window = window, .sink_tokens = 4, .fpmath = fpmath});
             const OpenMPExecutor executor{.threads = threads};
             pool.set_executor(executor);
             const Index a = pool.add_sequence(), b = pool.add_sequence();

@@ -3333,6 +3333,57 @@ TEMPLATE_TEST_CASE("PagedKVCache with FpMath::bf16: a decode step is a KVCache's
             }
         }
     }
+    // The query heads of a KV head share the pairs of their value tiles within one walk
+    // (serving/paged_prefill.hpp, PackedValueTiles), never across chunks or calls: two
+    // sequences of the same length and chunk shape in one call, then one of them in a call
+    // whose first chunk has the other's shape, each bit for bit its own pool's. One KV
+    // head, so consecutive chunks' walks differ only in their chunk.
+    {
+        const HeadLayout one{4, 1, 16, 12};
+        const Index cached = 300, rows = 47;
+        PagedKVCache<float, S> shared(one, 16, 128, bf16);
+        const Index a = shared.add_sequence(), b = shared.add_sequence();
+        std::vector<PagedKVCache<float, S>> alone;
+        std::vector<Index> own;
+        std::vector<Matrix<float>> Ks, Vs;
+        for (int i = 0; i < 2; ++i) {
+            Ks.push_back(random_matrix<float>(cached + 2 * rows, 16, 70 + static_cast<std::uint64_t>(i)));
+            Vs.push_back(random_matrix<float>(cached + 2 * rows, 12, 80 + static_cast<std::uint64_t>(i)));
+            alone.emplace_back(one, 16, 128, bf16);
+            own.push_back(alone.back().add_sequence());
+            alone.back().extend(own.back(), Ks.back().topRows(cached), Vs.back().topRows(cached));
+        }
+        shared.extend(a, Ks[0].topRows(cached), Vs[0].topRows(cached));
+        shared.extend(b, Ks[1].topRows(cached), Vs[1].topRows(cached));
+        const Matrix<float> Q = random_matrix<float>(2 * rows, 64, 90, 2.0);
+        const auto rows_of = [&](const Matrix<float>& m, Index call) {
+            return Matrix<float>(m.middleRows(cached + call * rows, rows));
+        };
+        Matrix<float> both(2 * rows, 48);
+        Matrix<float> QQ(2 * rows, 64), KK(2 * rows, 16), VV(2 * rows, 12);
+        QQ << Q.topRows(rows), Q.topRows(rows);  // the same queries: only the values differ
+        KK << rows_of(Ks[0], 0), rows_of(Ks[1], 0);
+        VV << rows_of(Vs[0], 0), rows_of(Vs[1], 0);
+        const std::vector<Index> pair{a, b}, pair_offsets{0, rows, 2 * rows};
+        const OpenMPExecutor executor{.threads = 1};
+        shared.prefill(pair, pair_offsets, QQ, KK, VV, both, executor);
+        const std::vector<Index> one_offsets{0, rows};
+        for (std::size_t i = 0; i < 2; ++i) {
+            Matrix<float> expected(rows, 48);
+            const std::vector<Index> seq{own[i]};
+            alone[i].prefill(seq, one_offsets, Q.topRows(rows), rows_of(Ks[i], 0), rows_of(Vs[i], 0), expected,
+                             executor);
+            CHECK((both.middleRows(static_cast<Index>(i) * rows, rows).array() == expected.array()).all());
+        }
+        CHECK((both.topRows(rows).array() != both.bottomRows(rows).array()).any());  // the values differ
+        Matrix<float> next(rows, 48), expected(rows, 48);
+        const std::vector<Index> second{b}, second_own{own[1]};
+        shared.prefill(second, one_offsets, Q.bottomRows(rows), rows_of(Ks[1], 1), rows_of(Vs[1], 1), next,
+                       executor);
+        alone[1].prefill(second_own, one_offsets, Q.bottomRows(rows), rows_of(Ks[1], 1), rows_of(Vs[1], 1),
+                         expected, executor);
+        CHECK((next.array() == expected.array()).all());
+    }
     // A model cache's layers take it from their options: a prompt, then a decode step, in
     // a layer with it and one without, each bit for bit its own pool's.
     {

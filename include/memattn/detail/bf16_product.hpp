@@ -277,6 +277,16 @@ void bf16_product(Index rows, Index cols, Index depth, const std::uint16_t* a, I
 void pack_weight_pairs(const float* p, Index n, Index cols, Index lanes, std::uint32_t* out);
 #endif  // MEMATTN_AVX512_BF16_CODE
 
+/// A value tile's pairs kept by a row source for the tiled kernel (PagedPairRows: the
+/// query heads of one KV head walk the same value tiles, so the first packs and the
+/// others read): `words` where they go (pack_row_pairs' layout), `state` 0 while not yet
+/// packed, 1 packed, 2 packed and not all finite. None (`words` null): pack into the
+/// kernel's own scratch.
+struct PackedValueTile {
+    std::uint32_t* words = nullptr;
+    std::uint8_t* state = nullptr;
+};
+
 /// Rows of bfloat16 bits as B pairs: out[(j/2)·ldo + c] holds x(j, c) in its low half and
 /// x(j + 1, c) in its high half, for j < n (0 past n) and c < cols; columns [cols, ldo)
 /// are 0. x row-major with row stride ldx. Returns false when a value is not finite (an

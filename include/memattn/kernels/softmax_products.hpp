@@ -194,19 +194,42 @@ public:
     void accumulate(VRows& v, Index j0, Index n, Index cols, const float* p, float* acc, const float* alpha, bool,
                     const Band& band, PrefetchQueue* ahead, Careful&& careful) {
         const Index dv = v.cols();
-        const auto [values, ldv] = v.bits(j0, n);
-        if (!pack_row_pairs(values, n, dv, ldv, value_pairs_, value_stride_, bf16_)) {
+        const std::uint32_t* pairs = pack_values(v, j0, n);
+        if (pairs == nullptr) {
             const auto [converted, ldc] = v.tile(j0, n);
             careful(converted, ldc);
             return;
         }
         pack_weight_pairs(p, n, cols, lanes_, weight_pairs_);
         const auto* weights = reinterpret_cast<const std::uint16_t*>(weight_pairs_);
-        bf16_product<B, true>(cols, dv, n, weights, 2, 2 * lanes_, value_pairs_, value_stride_, acc, dv, alpha, 1.0f,
-                              band, ahead);
+        bf16_product<B, true>(cols, dv, n, weights, 2, 2 * lanes_, pairs, value_stride_, acc, dv, alpha, 1.0f, band,
+                              ahead);
     }
 
 protected:
+    /// Value tile [j0, j0 + n) as pairs along the keys: those the row source keeps
+    /// (packed_tile: packed by the first product that asks), else packed into the scratch;
+    /// null where a value is not finite.
+    template <class VRows>
+    const std::uint32_t* pack_values(VRows& v, Index j0, Index n) {
+        std::uint32_t* out = value_pairs_;
+        std::uint8_t* state = nullptr;
+        if constexpr (requires { v.packed_tile(j0, n); }) {
+            const PackedValueTile kept = v.packed_tile(j0, n);
+            if (kept.words != nullptr) {
+                if (*kept.state != 0)
+                    return *kept.state == 1 ? kept.words : nullptr;
+                out = kept.words;
+                state = kept.state;
+            }
+        }
+        const auto [values, ldv] = v.bits(j0, n);
+        const bool finite = pack_row_pairs(values, n, v.cols(), ldv, out, value_stride_, bf16_);
+        if (state != nullptr)
+            *state = finite ? 1 : 2;
+        return finite ? out : nullptr;
+    }
+
     /// A scratch vector of at least n words: its data.
     static std::uint32_t* sized(std::vector<std::uint32_t>& v, Index n) {
         if (static_cast<Index>(v.size()) < n)
@@ -273,8 +296,8 @@ public:
             return;
         }
         const Index dv = v.cols();
-        const auto [values, ldv] = v.bits(j0, n);
-        if (!pack_row_pairs(values, n, dv, ldv, this->value_pairs_, this->value_stride_, this->bf16_)) {
+        const std::uint32_t* pairs = this->pack_values(v, j0, n);
+        if (pairs == nullptr) {
             const auto [converted, ldc] = v.tile(j0, n);
             careful(converted, ldc);
             return;
@@ -285,7 +308,7 @@ public:
                 if (alpha[i] != 1.0f)
                     Eigen::Map<Eigen::ArrayXf>(acc + i * dv, dv) *= alpha[i];
         amx_product<Tiles>(cols, dv, (n + 1) / 2, reinterpret_cast<const std::uint16_t*>(this->weight_pairs_),
-                           2 * half_keys_, this->value_pairs_, this->value_stride_, acc, dv, alpha != nullptr);
+                           2 * half_keys_, pairs, this->value_stride_, acc, dv, alpha != nullptr);
         issue(ahead);
     }
 

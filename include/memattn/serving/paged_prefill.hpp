@@ -24,9 +24,11 @@
 // group in one pass over the blocks), bitwise batched_decode's.
 //
 // Scratch, kept by the pool (PagedPrefillWork) and reused by every call: the item list,
-// and per range of the executor one SoftmaxScratch per tile shape and one tile of keys
-// and of values (a tile that crosses a block, or is stored compactly, is put together
-// there). Once a call of the same shape has run, a call allocates nothing.
+// and per range of the executor one SoftmaxScratch per tile shape, one tile of keys and
+// of values (a tile that crosses a block, or is stored compactly, is put together there)
+// and, with bfloat16 products, the current walk's value tiles as pairs for the other
+// query heads of its KV head (PackedValueTiles). Once a call of the same shape has run, a
+// call allocates nothing.
 
 #include "memattn/execution/executor.hpp"
 #include "memattn/kernels/causal_softmax.hpp"
@@ -125,6 +127,59 @@ void fp8_words(const std::uint8_t* row, Index cols, std::uint16_t* out) noexcept
         out[c] = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(fp8_values<S>[row[c]]) >> 16);
 }
 
+/// The value tiles one walk of the tiled kernel packed as pairs (PackedValueTile), kept
+/// for the other query heads of its KV head: a pool's prompt items are per query head,
+/// and the g heads of a group walk the same value tiles of the same chunk (the same
+/// aligned tiles, from key 0 to the same last query), so each tile is packed once per
+/// group instead of g times. A slot per aligned tile (j0 a multiple of the tile's keys,
+/// below max_slots); a walk that differs (`owner`) empties them.
+struct PackedValueTiles {
+    static constexpr Index max_slots = 256;  // 8 MiB at 128 keys and dv = 128: past it, packed each time
+    struct Owner {
+        Index chunk = -1, head = -1, q_begin = -1, rows = -1;
+        friend bool operator==(const Owner&, const Owner&) = default;
+    };
+    Owner owner;
+    Index keys = 0, slot_words = 0;          // a tile's keys, a slot's words
+    std::vector<std::uint32_t> words;        // slots × slot_words
+    std::vector<std::uint8_t> state;         // per slot: PackedValueTile's state
+    std::vector<Index> count;                // per slot: the keys it holds
+
+    /// Starts a walk: `owner`'s tiles of `keys` keys, `slots` of them (at most max_slots),
+    /// each `slot_words` words; the slots are kept where the walk is the one before. Room
+    /// for max_slots of a tile shape is reserved at its first walk (address space: a page
+    /// is first touched when a walk reaches it), so a longer walk later allocates nothing.
+    void start(const Owner& walk, Index tile_keys, Index slots, Index words_per_slot) {
+        slots = std::min(slots, max_slots);
+        if (walk == owner && tile_keys == keys && words_per_slot == slot_words)
+            return;
+        if (words.capacity() < static_cast<std::size_t>(max_slots * words_per_slot))
+            words.reserve(static_cast<std::size_t>(max_slots * words_per_slot));
+        state.reserve(static_cast<std::size_t>(max_slots));
+        count.reserve(static_cast<std::size_t>(max_slots));
+        owner = walk;
+        keys = tile_keys;
+        slot_words = words_per_slot;
+        if (static_cast<Index>(words.size()) < slots * slot_words)
+            words.resize(static_cast<std::size_t>(slots * slot_words));  // within the reserved room
+        state.assign(static_cast<std::size_t>(slots), 0);
+        count.resize(static_cast<std::size_t>(slots));
+    }
+    /// Forgets every slot (a new call: the stored rows may have changed).
+    void clear() { owner = Owner{}; }
+
+    /// The slot of tile [j0, j0 + n), or none.
+    [[nodiscard]] PackedValueTile slot(Index j0, Index n) {
+        if (keys == 0 || j0 % keys != 0 || j0 / keys >= static_cast<Index>(state.size()))
+            return {};
+        const auto i = static_cast<std::size_t>(j0 / keys);
+        if (state[i] != 0 && count[i] != n)
+            return {};  // another tile's length there (a walk of another shape)
+        count[i] = n;
+        return {words.data() + static_cast<Index>(i) * slot_words, state.data() + i};
+    }
+};
+
 /// FpMath::bf16 (a pool of float over rows stored as bfloat16 or FP8, bf16_products):
 /// keys or values of one KV head as the bfloat16 kernel reads them, with the pairs exactly
 /// where ConvertedRows<Eigen::bfloat16> has them (Pairs: chosen by with_bf16_products as
@@ -140,8 +195,12 @@ class PagedPairRows : public PagedRows<float, S> {
 public:
     static constexpr bool pairs = Pairs;
     PagedPairRows(const StoredRows<float, S>& stored, BlockTableView table, Index rows, Matrix<float>& buffer,
-                  Matrix<Eigen::bfloat16>& words)
-        : Base(stored, table, rows, buffer), words_(words) {}
+                  Matrix<Eigen::bfloat16>& words, PackedValueTiles* packed = nullptr)
+        : Base(stored, table, rows, buffer), words_(words), packed_(packed) {}
+    /// Value tile [j0, j0 + n) as pairs, where the walk keeps them (PackedValueTiles).
+    [[nodiscard]] PackedValueTile packed_tile(Index j0, Index n) {
+        return packed_ != nullptr ? packed_->slot(j0, n) : PackedValueTile{};
+    }
     /// Rows [j0, j0 + n) as bfloat16 words: their first and the row stride.
     [[nodiscard]] std::pair<const std::uint16_t*, Index> bits(Index j0, Index n) {
         const Index cols = this->cols();
@@ -176,6 +235,7 @@ public:
 
 private:
     Matrix<Eigen::bfloat16>& words_;
+    PackedValueTiles* packed_;
 };
 
 /// One sequence's chunk of a mixed batch (see the top of the file): `sequence` the
@@ -201,6 +261,7 @@ struct PagedRangeScratch {
     std::optional<SoftmaxScratch<T>> full, windowed;  // one per tile shape, made on first use
     Matrix<T> keys, values;                           // a tile of each
     Matrix<Eigen::bfloat16> queries, key_words, value_words;  // FpMath::bf16: a tile of each, as bfloat16
+    PackedValueTiles value_tiles;  // FpMath::bf16: the current walk's value tiles as pairs
 };
 
 /// What the tiled prefill keeps between calls: its items and each range's scratch.
@@ -314,6 +375,7 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
         },
         [&](Index first, Index last, int range) {
             PagedRangeScratch<T>& scratch = work.ranges[static_cast<std::size_t>(range)];
+            scratch.value_tiles.clear();  // the stored rows may have changed since the last call
             for (Index i = first; i < last; ++i) {
                 const PagedItem& item = work.items[static_cast<std::size_t>(i)];
                 const PagedChunk& chunk = chunks[static_cast<std::size_t>(item.chunk)];
@@ -353,9 +415,17 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                                 sized(scratch.value_words, keys, dv);
                             }
                             using Rows = PagedPairRows<S, Pairs>;
+                            PackedValueTiles* packed = nullptr;
+                            if constexpr (Pairs) {  // the group's heads walk the same value tiles
+                                const Index half_keys = (tiles.keys + 1) / 2;
+                                scratch.value_tiles.start({item.chunk, blocks.head, item.q_begin, item.rows},
+                                                          tiles.keys, (visible + tiles.keys - 1) / tiles.keys,
+                                                          half_keys * round_up(dv, 16));
+                                packed = &scratch.value_tiles;
+                            }
                             causal_softmax_rows<T>(ConvertedRows<E, Pairs>(rounded, tiles.queries, tiled->converted_q),
                                                    Rows(K, blocks, visible, scratch.keys, scratch.key_words),
-                                                   Rows(V, blocks, visible, scratch.values, scratch.value_words),
+                                                   Rows(V, blocks, visible, scratch.values, scratch.value_words, packed),
                                                    MatrixRef<T>(outputs), [](Index, T) {}, head, *tiled,
                                                    trailing_queries, TileBias<T>{});
                         });
