@@ -131,8 +131,10 @@ void fp8_words(const std::uint8_t* row, Index cols, std::uint16_t* out) noexcept
 /// for the other query heads of its KV head: a pool's prompt items are per query head,
 /// and the g heads of a group walk the same value tiles of the same chunk (the same
 /// aligned tiles, from key 0 to the same last query), so each tile is packed once per
-/// group instead of g times. A slot per aligned tile (j0 a multiple of the tile's keys,
-/// below max_slots); a walk that differs (`owner`) empties them.
+/// group instead of g times. A slot per tile, at j0 / keys (a walk's tiles are `keys`
+/// apart, aligned or ending at the diagonal), below max_slots; a slot holding another
+/// tile (a sink's below a window) is passed over, and a walk that differs (`owner`)
+/// empties them.
 struct PackedValueTiles {
     static constexpr Index max_slots = 256;  // 8 MiB at 128 keys and dv = 128: past it, packed each time
     struct Owner {
@@ -143,7 +145,7 @@ struct PackedValueTiles {
     Index keys = 0, slot_words = 0;          // a tile's keys, a slot's words
     std::vector<std::uint32_t> words;        // slots × slot_words
     std::vector<std::uint8_t> state;         // per slot: PackedValueTile's state
-    std::vector<Index> count;                // per slot: the keys it holds
+    std::vector<Index> first, count;         // per slot: the tile it holds
 
     /// Starts a walk: `owner`'s tiles of `keys` keys, `slots` of them (at most max_slots),
     /// each `slot_words` words; the slots are kept where the walk is the one before. Room
@@ -156,6 +158,7 @@ struct PackedValueTiles {
         if (words.capacity() < static_cast<std::size_t>(max_slots * words_per_slot))
             words.reserve(static_cast<std::size_t>(max_slots * words_per_slot));
         state.reserve(static_cast<std::size_t>(max_slots));
+        first.reserve(static_cast<std::size_t>(max_slots));
         count.reserve(static_cast<std::size_t>(max_slots));
         owner = walk;
         keys = tile_keys;
@@ -163,6 +166,7 @@ struct PackedValueTiles {
         if (static_cast<Index>(words.size()) < slots * slot_words)
             words.resize(static_cast<std::size_t>(slots * slot_words));  // within the reserved room
         state.assign(static_cast<std::size_t>(slots), 0);
+        first.resize(static_cast<std::size_t>(slots));
         count.resize(static_cast<std::size_t>(slots));
     }
     /// Forgets every slot (a new call: the stored rows may have changed).
@@ -170,11 +174,12 @@ struct PackedValueTiles {
 
     /// The slot of tile [j0, j0 + n), or none.
     [[nodiscard]] PackedValueTile slot(Index j0, Index n) {
-        if (keys == 0 || j0 % keys != 0 || j0 / keys >= static_cast<Index>(state.size()))
+        if (keys == 0 || j0 / keys >= static_cast<Index>(state.size()))
             return {};
         const auto i = static_cast<std::size_t>(j0 / keys);
-        if (state[i] != 0 && count[i] != n)
-            return {};  // another tile's length there (a walk of another shape)
+        if (state[i] != 0 && (first[i] != j0 || count[i] != n))
+            return {};  // another tile there
+        first[i] = j0;
         count[i] = n;
         return {words.data() + static_cast<Index>(i) * slot_words, state.data() + i};
     }
