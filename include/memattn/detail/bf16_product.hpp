@@ -287,6 +287,11 @@ struct PackedValueTile {
     std::uint8_t* state = nullptr;
 };
 
+/// A packed value row's words (pack_row_pairs' ldo as the tiled kernel packs them: dv
+/// rounded up to a 16-lane packet), and the words of a packed tile of `keys` values.
+constexpr Index packed_value_stride(Index dv) { return round_up(dv, 16); }
+constexpr Index packed_value_words(Index keys, Index dv) { return (keys + 1) / 2 * packed_value_stride(dv); }
+
 /// Rows of bfloat16 bits as B pairs: out[(j/2)·ldo + c] holds x(j, c) in its low half and
 /// x(j + 1, c) in its high half, for j < n (0 past n) and c < cols; columns [cols, ldo)
 /// are 0. x row-major with row stride ldx. Returns false when a value is not finite (an

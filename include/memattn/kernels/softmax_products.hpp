@@ -132,17 +132,18 @@ public:
 
     template <class Scratch>
     Bf16TileProducts(Scratch& scratch, Index d, Index dv)
-        : lanes_(scratch.lanes), value_stride_(round_up(dv, 16)), avx512_(avx512_runs()), bf16_(avx512_bf16_runs()) {
+        : lanes_(scratch.lanes), value_stride_(packed_value_stride(dv)), avx512_(avx512_runs()),
+          bf16_(avx512_bf16_runs()) {
         const Index half_keys = (scratch.tiles.keys + 1) / 2;
         query_pairs_ = sized(scratch.query_pairs, (d + 1) / 2 * lanes_);
         weight_pairs_ = sized(scratch.weight_pairs, half_keys * lanes_);
-        value_pairs_ = sized(scratch.value_pairs, half_keys * value_stride_);
+        value_pairs_ = sized(scratch.value_pairs, packed_value_words(scratch.tiles.keys, dv));
     }
 
     static std::size_t extra_bytes(Index d, Index dv, Index lanes, Index keys) {
         const Index half_keys = (keys + 1) / 2;
         return sizeof(std::uint32_t) *
-               static_cast<std::size_t>((d + 1) / 2 * lanes + half_keys * lanes + half_keys * round_up(dv, 16));
+               static_cast<std::size_t>((d + 1) / 2 * lanes + half_keys * lanes + packed_value_words(keys, dv));
     }
 
     /// Q_tileᵀ as pairs along d, as the rows hold them; f multiplies the logits as the

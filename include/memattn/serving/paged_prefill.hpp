@@ -129,59 +129,58 @@ void fp8_words(const std::uint8_t* row, Index cols, std::uint16_t* out) noexcept
 
 /// The value tiles one walk of the tiled kernel packed as pairs (PackedValueTile), kept
 /// for the other query heads of its KV head: a pool's prompt items are per query head,
-/// and the g heads of a group walk the same value tiles of the same chunk (the same
-/// aligned tiles, from key 0 to the same last query), so each tile is packed once per
-/// group instead of g times. A slot per tile, at j0 / keys (a walk's tiles are `keys`
-/// apart, aligned or ending at the diagonal), below max_slots; a slot holding another
-/// tile (a sink's below a window) is passed over, and a walk that differs (`owner`)
-/// empties them.
+/// and the g heads of a group walk the same value tiles of the same chunk (the same key
+/// tiles, down to the same first key), so each tile is packed once per group instead of
+/// g times. A slot per tile, at j0 / keys (a walk's tiles are `keys` apart, aligned or
+/// ending at the diagonal), below max_slots; a slot holding another tile (a sink's below
+/// a window) is passed over, and a walk that differs (`owner`) empties them.
 struct PackedValueTiles {
     static constexpr Index max_slots = 256;  // 8 MiB at 128 keys and dv = 128: past it, packed each time
     struct Owner {
         Index chunk = -1, head = -1, q_begin = -1, rows = -1;
         friend bool operator==(const Owner&, const Owner&) = default;
     };
+    struct Slot {
+        Index first = 0, count = 0;  // the tile it holds
+        std::uint8_t state = 0;      // PackedValueTile's
+    };
     Owner owner;
-    Index keys = 0, slot_words = 0;          // a tile's keys, a slot's words
-    std::vector<std::uint32_t> words;        // slots × slot_words
-    std::vector<std::uint8_t> state;         // per slot: PackedValueTile's state
-    std::vector<Index> first, count;         // per slot: the tile it holds
+    Index keys = 0, slot_words = 0;    // a tile's keys, a slot's words
+    std::vector<std::uint32_t> words;  // slots × slot_words
+    std::vector<Slot> slots;
 
-    /// Starts a walk: `owner`'s tiles of `keys` keys, `slots` of them (at most max_slots),
+    /// Starts a walk: `owner`'s tiles of `keys` keys, `count` of them (at most max_slots),
     /// each `slot_words` words; the slots are kept where the walk is the one before. Room
     /// for max_slots of a tile shape is reserved at its first walk (address space: a page
     /// is first touched when a walk reaches it), so a longer walk later allocates nothing.
-    void start(const Owner& walk, Index tile_keys, Index slots, Index words_per_slot) {
-        slots = std::min(slots, max_slots);
+    void start(const Owner& walk, Index tile_keys, Index count, Index words_per_slot) {
+        count = std::min(count, max_slots);
         if (walk == owner && tile_keys == keys && words_per_slot == slot_words)
             return;
         if (words.capacity() < static_cast<std::size_t>(max_slots * words_per_slot))
             words.reserve(static_cast<std::size_t>(max_slots * words_per_slot));
-        state.reserve(static_cast<std::size_t>(max_slots));
-        first.reserve(static_cast<std::size_t>(max_slots));
-        count.reserve(static_cast<std::size_t>(max_slots));
+        slots.reserve(static_cast<std::size_t>(max_slots));
         owner = walk;
         keys = tile_keys;
         slot_words = words_per_slot;
-        if (static_cast<Index>(words.size()) < slots * slot_words)
-            words.resize(static_cast<std::size_t>(slots * slot_words));  // within the reserved room
-        state.assign(static_cast<std::size_t>(slots), 0);
-        first.resize(static_cast<std::size_t>(slots));
-        count.resize(static_cast<std::size_t>(slots));
+        if (static_cast<Index>(words.size()) < count * slot_words)
+            words.resize(static_cast<std::size_t>(count * slot_words));  // within the reserved room
+        slots.assign(static_cast<std::size_t>(count), Slot{});
     }
     /// Forgets every slot (a new call: the stored rows may have changed).
     void clear() { owner = Owner{}; }
 
     /// The slot of tile [j0, j0 + n), or none.
     [[nodiscard]] PackedValueTile slot(Index j0, Index n) {
-        if (keys == 0 || j0 / keys >= static_cast<Index>(state.size()))
+        if (keys == 0 || j0 / keys >= static_cast<Index>(slots.size()))
             return {};
         const auto i = static_cast<std::size_t>(j0 / keys);
-        if (state[i] != 0 && (first[i] != j0 || count[i] != n))
+        Slot& held = slots[i];
+        if (held.state != 0 && (held.first != j0 || held.count != n))
             return {};  // another tile there
-        first[i] = j0;
-        count[i] = n;
-        return {words.data() + static_cast<Index>(i) * slot_words, state.data() + i};
+        held.first = j0;
+        held.count = n;
+        return {words.data() + static_cast<Index>(i) * slot_words, &held.state};
     }
 };
 
@@ -415,19 +414,17 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                         auto rounded = scratch.queries.topRows(item.rows);
                         rounded = queries.template cast<E>();
                         with_bf16_products([&]<bool Pairs>() {
+                            PackedValueTiles* packed = nullptr;
                             if constexpr (Pairs) {  // else the tiles are read as float only
                                 sized(scratch.key_words, keys, d);
                                 sized(scratch.value_words, keys, dv);
-                            }
-                            using Rows = PagedPairRows<S, Pairs>;
-                            PackedValueTiles* packed = nullptr;
-                            if constexpr (Pairs) {  // the group's heads walk the same value tiles
-                                const Index half_keys = (tiles.keys + 1) / 2;
+                                // the group's heads walk the same value tiles
                                 scratch.value_tiles.start({item.chunk, blocks.head, item.q_begin, item.rows},
                                                           tiles.keys, (visible + tiles.keys - 1) / tiles.keys,
-                                                          half_keys * round_up(dv, 16));
+                                                          packed_value_words(tiles.keys, dv));
                                 packed = &scratch.value_tiles;
                             }
+                            using Rows = PagedPairRows<S, Pairs>;
                             causal_softmax_rows<T>(ConvertedRows<E, Pairs>(rounded, tiles.queries, tiled->converted_q),
                                                    Rows(K, blocks, visible, scratch.keys, scratch.key_words),
                                                    Rows(V, blocks, visible, scratch.values, scratch.value_words, packed),
