@@ -1836,6 +1836,53 @@ TEMPLATE_TEST_CASE("PagedKVCache: a tree of drafts verified in a batch equals th
     CHECK((na.array() == nk.array()).all());
 }
 
+TEMPLATE_TEST_CASE("PagedKVCache::prefill: a GQA group wider than the heads that walk together (6 heads: items of "
+                   "4 and 2) equals the multi-head kernel bit for bit, prompts and trees, with ALiBi and sinks per head",
+                   "[serving][batched][prefill][tree]", float, Eigen::bfloat16) {
+    using S = TestType;
+    const HeadLayout layout{12, 2, 16, 8};  // g = 6 > detail::max_heads_together
+    static_assert(detail::max_heads_together == 4);
+    const Index kw = 32, vw = 16, qw = 192, ow = 96, P = 150, n = 70, block = 16;
+    std::vector<double> slopes, sink_logits;
+    for (Index h = 0; h < 12; ++h) {
+        slopes.push_back(std::exp2(-0.5 * static_cast<double>(h + 1)));
+        sink_logits.push_back(0.25 * static_cast<double>(h) - 1.0);
+    }
+    const Matrix<float> K = random_matrix<float>(P + n, kw, 130), V = random_matrix<float>(P + n, vw, 131),
+                        Q = random_matrix<float>(n, qw, 132, 2.0);
+    const Matrix<float> Ks = stored_heads<float, S>(K, 2), Vs = stored_heads<float, S>(V, 2);
+    const std::vector<Index> parents = tree_parents(n, 11);
+    std::vector<FpMath> modes{FpMath::strict};
+    if constexpr (!std::is_same_v<S, float>)
+        modes.push_back(FpMath::bf16);
+    for (const FpMath mode : modes) {
+        for (const bool tree : {false, true}) {
+            INFO(detail::storage_name<S> << (mode == FpMath::bf16 ? ", FpMath::bf16" : "")
+                                         << (tree ? ", a tree" : ", a prompt"));
+            const SoftmaxOptions options{.softcap = 20.0, .sink_logits = sink_logits, .alibi_slopes = slopes,
+                                         .fpmath = mode};
+            SoftmaxOptions kernel = options;
+            if (tree)
+                kernel.parents = parents;
+            Matrix<float> expected(n, ow);
+            multi_head_causal_softmax_attention(Q, Ks, Vs, expected, layout, kernel, {}, SerialExecutor{});
+            for (const int threads : {1, 2}) {
+                PagedKVCache<float, S> pool(layout, (P + n) / block + 2, block, options);
+                const Index a = pool.add_sequence();
+                pool.extend(a, K.topRows(P), V.topRows(P));
+                Matrix<float> O(n, ow);
+                const std::vector<Index> seqs{a}, offsets{0, n};
+                const OpenMPExecutor executor{.threads = threads};
+                if (tree)
+                    pool.prefill(seqs, offsets, Q, K.bottomRows(n), V.bottomRows(n), O, executor, parents);
+                else
+                    pool.prefill(seqs, offsets, Q, K.bottomRows(n), V.bottomRows(n), O, executor);
+                CHECK((O.array() == expected.array()).all());
+            }
+        }
+    }
+}
+
 TEST_CASE("PagedKVCache: a verify step's bad trees, paths and pools are refused and change nothing",
           "[serving][tree][bad_input]") {
     const HeadLayout layout{2, 1, 8, 0};

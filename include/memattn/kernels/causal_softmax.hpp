@@ -193,6 +193,39 @@ void check_bias_disjoint(const char* function, const Out& out, const Eigen::Matr
         require_disjoint(function, "O", out, "bias", bias.derived());
 }
 
+/// What a call's options make of its shapes for the tiled kernel: the scale, the query
+/// offset (trailing_queries: Nk − Nq), the window and sinks it runs with, and the tile
+/// bias: `dense`, or the tree of options.parents, held here (the bias points at it, so a
+/// setup is neither copied nor moved, and outlives its kernel).
+template <class T>
+struct KernelSetup {
+    KernelSetup(const SoftmaxOptions& options, Index nq, Index nk, Index d, Index query_offset, TileBias<T> dense)
+        : scale(resolve_scale(static_cast<T>(options.scale), d)),
+          offset(query_offset == trailing_queries ? nk - nq : query_offset), bias(dense) {
+        // A window past every distance between a query and a key limits nothing (causal: Nk).
+        const Index farthest = std::max(offset + nq - 1, nk - 1 - offset);
+        window = options.causal ? effective_window(options.window, nk) : effective_window(options.window, farthest + 1);
+        sinks = options.sink_tokens;
+        if (!options.parents.empty()) {  // the draft tokens of a speculative step: the last Nq of the keys
+            const Index past = nk - static_cast<Index>(options.parents.size());
+            const double slope = options.alibi_slopes.empty() ? 0.0 : options.alibi_slopes[0];
+            tree.emplace(options.parents, past, TreeMask::Positions{window, options.sink_tokens, slope});
+            view = {&*tree, offset - past};
+            bias = TreeMask::tile<T>(view);
+            window = 0;  // the tree's fill counts it in the tree's positions (TreeMask)
+            sinks = tree->sink_rows();
+        }
+    }
+    KernelSetup(const KernelSetup&) = delete;
+    KernelSetup& operator=(const KernelSetup&) = delete;
+
+    T scale;
+    Index offset, window = 0, sinks = 0;
+    std::optional<TreeMask> tree;
+    TreeMask::View view{};
+    TileBias<T> bias;
+};
+
 /// The kernel on views and a scratch, after the checks; `lse(i, value)` receives each
 /// row's log-sum-exp. The tiles are the scratch's; B is the register blocking.
 /// Query row i sits at position query_offset + i (trailing_queries: Nk − Nq + i).
@@ -203,28 +236,47 @@ void causal_softmax_rows(QRows Q, KRows K, VRows V, MatrixRef<E> O, LseSink&& ls
                          SoftmaxScratch<T>& scratch, Index query_offset, TileBias<T> bias) {
     if (Q.rows() == 0)
         return;
-    const T scale = resolve_scale(static_cast<T>(options.scale), K.cols());
-    const Index offset = query_offset == trailing_queries ? K.rows() - Q.rows() : query_offset;
-    // A window past every distance between a query and a key limits nothing (causal: Nk).
-    const Index farthest = std::max(offset + Q.rows() - 1, K.rows() - 1 - offset);
-    Index window = options.causal ? effective_window(options.window, K.rows())
-                                  : effective_window(options.window, farthest + 1);
-    std::optional<TreeMask> tree;  // the draft tokens of a speculative step: the last Nq of the keys
-    TreeMask::View tree_view{};
-    TileBias<T> tile_bias = bias;
-    if (!options.parents.empty()) {
-        const Index past = K.rows() - static_cast<Index>(options.parents.size());
-        const double slope = options.alibi_slopes.empty() ? 0.0 : options.alibi_slopes[0];
-        tree.emplace(options.parents, past, TreeMask::Positions{window, options.sink_tokens, slope});
-        tree_view = {&*tree, offset - past};
-        tile_bias = TreeMask::tile<T>(tree_view);
-        window = 0;  // the tree's fill counts it in the tree's positions (TreeMask)
-    }
-    const Index sinks = tree ? tree->sink_rows() : options.sink_tokens;
-    TiledCausalSoftmax<T, B, KRows, VRows, QRows> kernel(std::move(Q), std::move(K), std::move(V), scale, window,
-                                                         sinks, scratch, LogitRule::of(options), tile_bias);
-    kernel.set_query_offset(offset);
+    const KernelSetup<T> setup(options, Q.rows(), K.rows(), K.cols(), query_offset, bias);
+    TiledCausalSoftmax<T, B, KRows, VRows, QRows> kernel(std::move(Q), std::move(K), std::move(V), setup.scale,
+                                                         setup.window, setup.sinks, scratch, LogitRule::of(options),
+                                                         setup.bias);
+    kernel.set_query_offset(setup.offset);
     kernel.run(O, lse);
+}
+
+/// The most query heads causal_softmax_heads takes: their scratches share L2 with the
+/// key and value tiles (four 64-row query tiles' take ~0.6 MiB at d = 128).
+inline constexpr std::size_t max_heads_together = 4;
+
+/// causal_softmax_rows for `heads` ≤ max_heads_together query heads that read the same K
+/// and V (a GQA group's) with the same query rows, offset, window, sinks and tree (their
+/// options differ in the ALiBi slope and the sink logit only): the heads walk the key
+/// tiles together (TiledCausalSoftmax::run_together), each with its own scratch. Each
+/// head's results are causal_softmax_rows' alone, bit for bit. Head h's queries are
+/// query(h) (a row source), its output output(h) (a MatrixRef<E>), its options
+/// options(h), its scratch scratch(h); lse(h, i, value) receives its row i's.
+template <class T, class E, class B = DefaultBlocking, class KRows, class VRows, class Query, class Output,
+          class Options, class Scratch, class LseSink>
+void causal_softmax_heads(std::size_t heads, Query&& query, const KRows& K, const VRows& V, Output&& output,
+                          LseSink&& lse, Options&& options, Scratch&& scratch, Index query_offset) {
+    using QRows = std::decay_t<decltype(query(std::size_t{}))>;
+    using Kernel = TiledCausalSoftmax<T, B, KRows, VRows, QRows>;
+    MEMATTN_DASSERT(heads <= max_heads_together);
+    std::array<std::optional<KernelSetup<T>>, max_heads_together> setups;
+    std::array<std::optional<Kernel>, max_heads_together> kernels;
+    std::array<Kernel*, max_heads_together> running{};
+    for (std::size_t h = 0; h < heads; ++h) {
+        QRows Q = query(h);
+        if (Q.rows() == 0)
+            return;
+        const SoftmaxOptions& head = options(h);
+        const KernelSetup<T>& setup = setups[h].emplace(head, Q.rows(), K.rows(), K.cols(), query_offset, TileBias<T>{});
+        running[h] = &kernels[h].emplace(std::move(Q), K, V, setup.scale, setup.window, setup.sinks, scratch(h),
+                                         LogitRule::of(head), setup.bias);
+        running[h]->set_query_offset(setup.offset);
+    }
+    if (heads > 0)
+        Kernel::template run_together<E>(std::span<Kernel* const>(running.data(), heads), output, lse);
 }
 
 template <class T, class B = DefaultBlocking, class LseSink>

@@ -155,23 +155,36 @@ public:
     /// every query row i.
     template <class E, class LseSink>
     void run(MatrixRef<E> O, LseSink&& lse) {
-        for (Index i0 = 0; i0 < q_.rows(); i0 += tiles_.queries) {
-            start_query_tile(i0, std::min(tiles_.queries, q_.rows() - i0));
-            // The next query tile's rows of Q and O towards L2, a few lines per strip of
-            // this tile's products: with a window, a tile's Q and O are a large share of
-            // what it reads and writes (0.1 read them as they came: 7% of a windowed call).
-            ahead_.clear();
-            if (const Index next = i0 + tiles_.queries, n = std::min(tiles_.queries, q_.rows() - next); n > 0) {
-                ahead_.add(q_.row(next), n, q_.stride(), q_.cols());
-                ahead_.template add<E, true>(O.data() + next * O.outerStride(), n, O.outerStride(), O.cols());
+        TiledCausalSoftmax* self = this;
+        run_together<E>(std::span<TiledCausalSoftmax* const>(&self, 1), [&](std::size_t) { return O; },
+                        [&](std::size_t, Index i, T value) { lse(i, value); });
+    }
+
+    /// run() for several kernels that read the same keys and values (the query heads of a
+    /// GQA group, each with its own queries, outputs, logit rule and scratch) and walk the
+    /// same key tiles: the same query rows, window, sinks, offset and tree, so the same
+    /// tiles in the same order. Each key tile is folded into every kernel's query tile
+    /// before the next, so a K/V tile read from L3 or DRAM serves them all from L1/L2
+    /// (kernel by kernel, each head's walk read the head's keys and values again, and a
+    /// group's do not fit L2). Each kernel's steps are those of its run() alone, so its
+    /// results are too, bit for bit. output(k): kernel k's O (a MatrixRef<E>); lse(k, i,
+    /// value): kernel k's row i.
+    template <class E, class Output, class LseSink>
+    static void run_together(std::span<TiledCausalSoftmax* const> kernels, Output&& output, LseSink&& lse) {
+        MEMATTN_DASSERT(!kernels.empty());
+        TiledCausalSoftmax& lead = *kernels[0];
+        for (Index i0 = 0; i0 < lead.q_.rows(); i0 += lead.tiles_.queries) {
+            const Index rows = std::min(lead.tiles_.queries, lead.q_.rows() - i0);
+            for (std::size_t k = 0; k < kernels.size(); ++k) {
+                MatrixRef<E> O = output(k);
+                kernels[k]->start_query_tile(i0, rows, O);
             }
-            // Keys [lo, hi): causal, [0, p1] within the window; else the window both ways.
-            const Index hi = rule_.causal  ? std::min(p1_ + 1, k_.rows())
-                             : window_ > 0 ? std::clamp<Index>(p1_ + window_, 0, k_.rows())
-                                           : k_.rows();
-            Index lo = window_ > 0 ? std::clamp<Index>(p0_ - window_ + 1, 0, k_.rows()) : 0;
-            if (bias_.first != nullptr)  // a tree's window, in its positions
-                lo = std::clamp<Index>(bias_.first(bias_.context, i0, rows_), lo, k_.rows());
+            const Range keys = lead.key_range();
+            const auto attend = [&](Index j0, Index n) {
+                for (TiledCausalSoftmax* kernel : kernels)
+                    kernel->attend_key_tile(j0, n);
+            };
+            const Index lo = keys.first, hi = keys.end;
             // Diagonal tile first. Where the walk goes down to key 0 (no window's edge),
             // tiles start at multiples of the tile's length, as many as walked down from
             // hi, so that a source cut into blocks of that length (a pool's, of 128
@@ -180,27 +193,35 @@ public:
             // Above a window's edge aligned tiles would add one there (and a window's
             // tiles, 96 keys, match no block), so those end at the diagonal.
             for (Index j1 = hi; j1 > lo;) {
-                const Index j0 = lo == 0 ? (j1 - 1) / tiles_.keys * tiles_.keys : std::max(lo, j1 - tiles_.keys);
-                prefetch_key_tile(std::max(lo, j0 - tiles_.keys), j0);     // the next one
-                attend_key_tile(j0, j1 - j0);
+                const Index j0 = lo == 0 ? (j1 - 1) / lead.tiles_.keys * lead.tiles_.keys
+                                         : std::max(lo, j1 - lead.tiles_.keys);
+                lead.prefetch_key_tile(std::max(lo, j0 - lead.tiles_.keys), j0);  // the next one
+                attend(j0, j1 - j0);
                 j1 = j0;
             }
-            const Index sink_end = std::min({sinks_, lo, hi});             // sinks below the window
-            for (Index j0 = 0; j0 < sink_end; j0 += tiles_.keys)
-                attend_key_tile(j0, std::min(tiles_.keys, sink_end - j0));
-            if (!rule_.causal) {  // and, both ways, sinks past the window's end
-                const Index begin = std::max(hi, lo), end = std::min(sinks_, k_.rows());
-                for (Index j0 = begin; j0 < end; j0 += tiles_.keys)
-                    attend_key_tile(j0, std::min(tiles_.keys, end - j0));
+            const Index sink_end = std::min({lead.sinks_, lo, hi});  // sinks below the window
+            for (Index j0 = 0; j0 < sink_end; j0 += lead.tiles_.keys)
+                attend(j0, std::min(lead.tiles_.keys, sink_end - j0));
+            if (!lead.rule_.causal) {  // and, both ways, sinks past the window's end
+                const Index begin = std::max(hi, lo), end = std::min(lead.sinks_, lead.k_.rows());
+                for (Index j0 = begin; j0 < end; j0 += lead.tiles_.keys)
+                    attend(j0, std::min(lead.tiles_.keys, end - j0));
             }
-            finish_query_tile(O, lse);
+            for (std::size_t k = 0; k < kernels.size(); ++k) {
+                MatrixRef<E> O = output(k);
+                kernels[k]->finish_query_tile(O, [&](Index i, T value) { lse(k, i, value); });
+            }
         }
     }
 
 private:
     /// Loads log2(e)·scale·Q_tileᵀ (base-2 logits, see SoftmaxBlockState) into the
     /// products and empties the accumulators for queries [i0, i0 + rows).
-    void start_query_tile(Index i0, Index rows) {
+    /// And asks for the next query tile's rows of Q and O (of `O`) towards L2, a few lines
+    /// per strip of this tile's products: with a window, a tile's Q and O are a large
+    /// share of what it reads and writes (0.1 read them as they came: 7% of a windowed call).
+    template <class E>
+    void start_query_tile(Index i0, Index rows, MatrixRef<E>& O) {
         i0_ = i0;
         rows_ = rows;
         cols_ = std::min(lanes_, round_up(rows, std::max(packet_lanes<T>, Products::lane_multiple)));
@@ -209,6 +230,23 @@ private:
         products_.load_queries(q_, i0, rows, cols_, scale_ * T(log2e));
         acc_.topRows(cols_).setZero();
         state_.reset();
+        ahead_.clear();
+        if (const Index next = i0 + tiles_.queries, n = std::min(tiles_.queries, q_.rows() - next); n > 0) {
+            ahead_.add(q_.row(next), n, q_.stride(), q_.cols());
+            ahead_.template add<E, true>(O.data() + next * O.outerStride(), n, O.outerStride(), O.cols());
+        }
+    }
+
+    /// The current query tile's keys [lo, hi): causal, [0, p1] within the window; else
+    /// the window both ways; a tree's window in its positions.
+    [[nodiscard]] Range key_range() const {
+        const Index hi = rule_.causal  ? std::min(p1_ + 1, k_.rows())
+                         : window_ > 0 ? std::clamp<Index>(p1_ + window_, 0, k_.rows())
+                                       : k_.rows();
+        Index lo = window_ > 0 ? std::clamp<Index>(p0_ - window_ + 1, 0, k_.rows()) : 0;
+        if (bias_.first != nullptr)
+            lo = std::clamp<Index>(bias_.first(bias_.context, i0_, rows_), lo, k_.rows());
+        return {lo, hi};
     }
 
     /// Keys and values [j0, j1) towards L2 while the current tile computes.
@@ -446,7 +484,7 @@ private:
     /// o_i = acc_i / sum_i, lse_i = m_i + log(sum_i); a query with no visible key gets 0 and −∞.
     /// An output of bfloat16 or float16 is finished in T, then rounded (nearest even).
     template <class E, class LseSink>
-    void finish_query_tile(MatrixRef<E>& O, LseSink& lse) {
+    void finish_query_tile(MatrixRef<E>& O, LseSink&& lse) {
         for (Index i = 0; i < rows_; ++i) {
             SoftmaxState<T> state = state_.state(i);
             if constexpr (std::is_same_v<E, T>) {

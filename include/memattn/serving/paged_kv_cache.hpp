@@ -347,7 +347,7 @@ public:
     /// exactly before any is taken (every member's at once: the windows free theirs only
     /// after every row has attended, since a chunk's first rows read further back than its
     /// last), and when the attends throw (an executor that fails) the rows are taken back,
-    /// every block as it was. The (chunk, query tile, query head) items spread over the
+    /// every block as it was. The (chunk, query tile, query heads) items spread over the
     /// pool's executor's threads (set_executor), the same bits on any. Allocates nothing
     /// once a call has run (the pool keeps the items and each thread's scratch), except
     /// when a batch has more chunks, or a chunk more tiles, than any before.
