@@ -309,11 +309,28 @@ void check_storable([[maybe_unused]] const PairSite& site, [[maybe_unused]] cons
         const std::string_view argument = values ? site.value_name : site.key_name;
         const float limit = storage_overflow<S>;
         bool lost = false;
-        for (Index r = 0; r < rows.rows(); ++r)
-            for (Index c = 0; c < rows.cols(); ++c) {
-                const T x = rows(r, c);
-                lost |= std::isfinite(x) && !(std::abs(static_cast<float>(x)) < limit);
+        if constexpr (std::is_same_v<T, float> && bool(D::IsRowMajor) && requires { rows.data(), rows.outerStride(); }) {
+            // On the bits, so that it vectorizes (the scalar test was 8% of a prompt into a
+            // pool of bfloat16 rows): a finite |x| ≥ limit is a magnitude's bits in
+            // [bits(limit), bits(∞)); NaN's and ∞'s are not below bits(∞).
+            const auto from = std::bit_cast<std::uint32_t>(limit);
+            constexpr std::uint32_t infinity = 0x7F800000u;
+            std::uint32_t any = 0;
+            for (Index r = 0; r < rows.rows(); ++r) {
+                const float* row = rows.data() + r * rows.outerStride();
+                for (Index c = 0; c < rows.cols(); ++c) {
+                    const std::uint32_t magnitude = std::bit_cast<std::uint32_t>(row[c]) & 0x7FFFFFFFu;
+                    any |= static_cast<std::uint32_t>(magnitude >= from) & static_cast<std::uint32_t>(magnitude < infinity);
+                }
             }
+            lost = any != 0;
+        } else {
+            for (Index r = 0; r < rows.rows(); ++r)
+                for (Index c = 0; c < rows.cols(); ++c) {
+                    const T x = rows(r, c);
+                    lost |= std::isfinite(x) && !(std::abs(static_cast<float>(x)) < limit);
+                }
+        }
         if (!lost) [[likely]]
             return;
         for (Index r = 0; r < rows.rows(); ++r)
