@@ -254,11 +254,13 @@ inline constexpr std::size_t max_heads_together = 4;
 /// tiles together (TiledCausalSoftmax::run_together), each with its own scratch. Each
 /// head's results are causal_softmax_rows' alone, bit for bit. Head h's queries are
 /// query(h) (a row source), its output output(h) (a MatrixRef<E>), its options
-/// options(h), its scratch scratch(h); lse(h, i, value) receives its row i's.
+/// options(h), its scratch scratch(h), its dense bias bias(h) (a TileBias<T>: empty for
+/// none; the tree of options.parents takes its place); lse(h, i, value) receives its row
+/// i's.
 template <class T, class E, class B = DefaultBlocking, class KRows, class VRows, class Query, class Output,
-          class Options, class Scratch, class LseSink>
+          class Options, class Scratch, class LseSink, class Bias>
 void causal_softmax_heads(std::size_t heads, Query&& query, const KRows& K, const VRows& V, Output&& output,
-                          LseSink&& lse, Options&& options, Scratch&& scratch, Index query_offset) {
+                          LseSink&& lse, Options&& options, Scratch&& scratch, Index query_offset, Bias&& bias) {
     using QRows = std::decay_t<decltype(query(std::size_t{}))>;
     using Kernel = TiledCausalSoftmax<T, B, KRows, VRows, QRows>;
     MEMATTN_DASSERT(heads <= max_heads_together);
@@ -270,7 +272,7 @@ void causal_softmax_heads(std::size_t heads, Query&& query, const KRows& K, cons
         if (Q.rows() == 0)
             return;
         const SoftmaxOptions& head = options(h);
-        const KernelSetup<T>& setup = setups[h].emplace(head, Q.rows(), K.rows(), K.cols(), query_offset, TileBias<T>{});
+        const KernelSetup<T>& setup = setups[h].emplace(head, Q.rows(), K.rows(), K.cols(), query_offset, bias(h));
         running[h] = &kernels[h].emplace(std::move(Q), K, V, setup.scale, setup.window, setup.sinks, scratch(h),
                                          LogitRule::of(head), setup.bias);
         running[h]->set_query_offset(setup.offset);
@@ -303,6 +305,32 @@ void causal_softmax_converted(const ConstMatrixRef<E>& Q, const ConstMatrixRef<E
                                    Rows(K, scratch.tiles.keys, scratch.converted_k),
                                    Rows(V, scratch.tiles.keys, scratch.converted_v), O, lse, options, scratch,
                                    query_offset, bias);
+    };
+    if constexpr (std::is_same_v<E, Eigen::bfloat16>)
+        with_bf16_products(run);
+    else
+        run.template operator()<false>();
+}
+
+/// causal_softmax_converted for `heads` query heads that read the same K and V
+/// (causal_softmax_heads): head h's queries query(h) (a ConstMatrixRef<E>), its output
+/// output(h) (a MatrixRef<Out>), its options, scratch and dense bias options(h),
+/// scratch(h), bias(h); lse(h, i, value). K's and V's tiles are converted, where they
+/// are, into the first head's scratch (each head's tile in turn).
+template <LowPrecision E, class Out, class Query, class Output, class LseSink, class Options, class Scratch, class Bias>
+void causal_softmax_converted_heads(std::size_t heads, Query&& query, const ConstMatrixRef<E>& K,
+                                    const ConstMatrixRef<E>& V, Output&& output, LseSink&& lse, Options&& options,
+                                    Scratch&& scratch, Index query_offset, Bias&& bias) {
+    const auto run = [&]<bool Pairs>() {
+        using Rows = ConvertedRows<E, Pairs>;
+        SoftmaxScratch<float>& lead = scratch(std::size_t{0});
+        const auto rows = [&](std::size_t h) {
+            SoftmaxScratch<float>& own = scratch(h);
+            return Rows(query(h), own.tiles.queries, own.converted_q);
+        };
+        causal_softmax_heads<float, Out>(heads, rows, Rows(K, lead.tiles.keys, lead.converted_k),
+                                         Rows(V, lead.tiles.keys, lead.converted_v), output, lse, options, scratch,
+                                         query_offset, bias);
     };
     if constexpr (std::is_same_v<E, Eigen::bfloat16>)
         with_bf16_products(run);

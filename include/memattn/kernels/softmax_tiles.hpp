@@ -180,6 +180,9 @@ public:
                 kernels[k]->start_query_tile(i0, rows, O);
             }
             const Range keys = lead.key_range();
+            for ([[maybe_unused]] TiledCausalSoftmax* kernel : kernels)  // the same walk for every kernel
+                MEMATTN_DASSERT(kernel->key_range().first == keys.first && kernel->key_range().end == keys.end &&
+                                kernel->sinks_ == lead.sinks_ && kernel->k_.rows() == lead.k_.rows());
             const auto attend = [&](Index j0, Index n) {
                 for (TiledCausalSoftmax* kernel : kernels)
                     kernel->attend_key_tile(j0, n);

@@ -9,11 +9,13 @@
 // Buffers and batches: layer/head_layout.hpp. A multi-head call is many single-head
 // calls plus a schedule (execution/parallel.hpp):
 //
-// - Softmax: the work items are (sequence, KV head, tile of queries, query head of the
-//   group), in that order, so the query heads of a group read the same K/V tiles one
-//   after the other while they are in cache. An item runs the single-head kernel on its
-//   queries against the keys up to its last query, with the sequence's tiles, so every
-//   output is bitwise the one of causal_softmax_attention on that head and sequence.
+// - Softmax: the work items are (sequence, KV head, tile of queries, up to
+//   max_heads_together query heads of the group), in that order. An item's heads walk
+//   the key tiles together (detail::causal_softmax_heads: each K/V tile folded into
+//   every head's query tile before the next, so it is read into cache once for them),
+//   each the single-head kernel on its queries against the keys up to its last query,
+//   with the sequence's tiles, so every output is bitwise the one of
+//   causal_softmax_attention on that head and sequence.
 //   Items cost (queries × keys they see) and are cut into equal-cost ranges per thread.
 // - Linear: the state μ/ν depends only on K and V, so it belongs to a (sequence, KV
 //   head), and the query heads of a group share it: one pass over K/V per group, the
@@ -33,6 +35,7 @@
 #include "memattn/types.hpp"
 
 #include <algorithm>
+#include <array>
 #include <optional>
 #include <span>
 #include <string>
@@ -43,24 +46,27 @@
 namespace memattn {
 namespace detail {
 
-/// One softmax work item: query rows [q_begin, q_begin + rows) of `head`, sequence `seq`.
+/// One softmax work item: query rows [q_begin, q_begin + rows) of query heads [head, head
+/// + heads) (of one KV head, walking the key tiles together: causal_softmax_heads),
+/// sequence `seq`.
 struct SoftmaxItem {
     std::size_t seq;
     Index head, q_begin, rows;
+    Index heads = 1;
 };
 
 /// The items of a softmax call, in schedule order (see the top of the file).
 inline std::vector<SoftmaxItem> softmax_items(const HeadLayout& layout, const VarLen& batch, Index q_rows,
                                               Index k_rows, const SoftmaxOptions& options) {
     std::vector<SoftmaxItem> items;
-    const Index g = layout.group_size();
+    const Index g = layout.group_size(), together = static_cast<Index>(max_heads_together);
     for (std::size_t b = 0; b < sequence_count(batch); ++b) {
         const SequenceSpan span = sequence_span(batch, b, q_rows, k_rows);
         const Index tile = default_tiles(effective_window(options.window, span.k_rows)).queries;
         for (Index kv = 0; kv < layout.kv_heads; ++kv)
             for (Index i0 = 0; i0 < span.q_rows; i0 += tile)
-                for (Index m = 0; m < g; ++m)
-                    items.push_back({b, kv * g + m, i0, std::min(tile, span.q_rows - i0)});
+                for (Index m = 0; m < g; m += together)
+                    items.push_back({b, kv * g + m, i0, std::min(tile, span.q_rows - i0), std::min(together, g - m)});
     }
     return items;
 }
@@ -73,7 +79,7 @@ inline double softmax_item_cost(const SoftmaxItem& item, const SequenceSpan& spa
     if (window > 0)
         keys = std::min(keys, options.causal ? window : 2 * window - 1) +
                std::min(options.sink_tokens, std::max<Index>(0, position + 1 - window));
-    return static_cast<double>(item.rows) * static_cast<double>(keys + 64);
+    return static_cast<double>(item.rows * item.heads) * static_cast<double>(keys + 64);
 }
 
 /// One KV head's keys and values for one sequence, and the scale its heads use.
@@ -152,19 +158,23 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<Out>& O, LseSi
             return softmax_item_cost(item, span_of(item), options);
         },
         [&](Index first, Index last) {
-            std::optional<SoftmaxScratch<A>> full, windowed;  // one per tile shape, made on first use
+            // Per tile shape, one per head of an item, made on first use.
+            std::array<std::optional<SoftmaxScratch<A>>, max_heads_together> full, windowed;
             HeadCopy<T> copy;
             // FpMath::bf16 (float inputs): the KV head rounded to bfloat16 once per sequence and
             // KV head on this thread (as it is copied), an item's queries per item.
-            [[maybe_unused]] Matrix<Eigen::bfloat16> rounded_q, rounded_k, rounded_v;
+            [[maybe_unused]] std::array<Matrix<Eigen::bfloat16>, max_heads_together> rounded_q;
+            [[maybe_unused]] Matrix<Eigen::bfloat16> rounded_k, rounded_v;
             [[maybe_unused]] Index rounded_seq = -1, rounded_kv = -1;
             for (Index i = first; i < last; ++i) {
                 const SoftmaxItem& item = items[static_cast<std::size_t>(i)];
                 const SequenceSpan span = span_of(item);
                 const SoftmaxTiles tiles = default_tiles(effective_window(options.window, span.k_rows));
-                std::optional<SoftmaxScratch<A>>& scratch = tiles == SoftmaxTiles{} ? full : windowed;
-                if (!scratch)
-                    scratch.emplace(d, dv, tiles);
+                auto& scratch = tiles == SoftmaxTiles{} ? full : windowed;
+                const auto heads = static_cast<std::size_t>(item.heads);
+                for (std::size_t h = 0; h < heads; ++h)
+                    if (!scratch[h])
+                        scratch[h].emplace(d, dv, tiles);
                 const Index kv = layout.kv_head_of(item.head);
                 const HeadKeys<T> source = head_keys(span, kv);
                 const auto [keys, values] = copy.contiguous(source, item.seq, kv);
@@ -174,22 +184,37 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<Out>& O, LseSi
                 const Index first = span.k_rows - span.q_rows + item.q_begin;
                 const bool trailing = options.causal && options.parents.empty();
                 const Index visible = trailing ? first + item.rows : span.k_rows;
-                const Index row0 = span.q_begin + item.q_begin;
-                SoftmaxOptions one = head_options(options, item.head);
-                if (source.group) {
-                    const SoftmaxOptions member = head_options(*source.group, item.head - kv * layout.group_size());
-                    one.softcap = member.softcap;
-                    one.alibi_slopes = member.alibi_slopes;
-                    one.sink_logits = member.sink_logits;
+                const Index row0 = span.q_begin + item.q_begin, offset = trailing ? trailing_queries : first;
+                std::array<SoftmaxOptions, max_heads_together> one;
+                using Bias = std::decay_t<decltype(bias_at(row0, item.head))>;
+                std::array<std::optional<Bias>, max_heads_together> bias;  // read by the kernel below
+                for (std::size_t h = 0; h < heads; ++h) {
+                    const Index head = item.head + static_cast<Index>(h);
+                    one[h] = head_options(options, head);
+                    if (source.group) {
+                        const SoftmaxOptions member = head_options(*source.group, head - kv * layout.group_size());
+                        one[h].softcap = member.softcap;
+                        one[h].alibi_slopes = member.alibi_slopes;
+                        one[h].sink_logits = member.sink_logits;
+                    }
+                    one[h].scale = source.scale;
+                    bias[h].emplace(bias_at(row0, head));
                 }
-                one.scale = source.scale;
-                const auto bias = bias_at(row0, item.head);  // read by the kernel below
-                const auto sink = [&](Index r, A value) { lse(row0 + r, item.head, value); };
+                const auto options_of = [&](std::size_t h) -> const SoftmaxOptions& { return one[h]; };
+                const auto scratch_of = [&](std::size_t h) -> SoftmaxScratch<A>& { return *scratch[h]; };
+                const auto bias_of = [&](std::size_t h) { return bias[h]->template tile<A>(); };
+                const auto sink = [&](std::size_t h, Index r, A value) {
+                    lse(row0 + r, item.head + static_cast<Index>(h), value);
+                };
+                const auto output = [&](std::size_t h) {
+                    return MatrixRef<Out>(O.block(row0, (item.head + static_cast<Index>(h)) * dv, item.rows, dv));
+                };
+                const auto query = [&](std::size_t h) {
+                    return ConstMatrixRef<T>(Q.block(row0, (item.head + static_cast<Index>(h)) * d, item.rows, d));
+                };
                 if constexpr (LowPrecision<T>)
-                    causal_softmax_converted<T, Out>(
-                        Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible), values.topRows(visible),
-                        O.block(row0, item.head * dv, item.rows, dv), sink, one, *scratch,
-                        trailing ? trailing_queries : first, bias.template tile<A>());
+                    causal_softmax_converted_heads<T, Out>(heads, query, keys.topRows(visible), values.topRows(visible),
+                                                           output, sink, options_of, scratch_of, offset, bias_of);
                 else if (rounds_to_bf16<T>(options)) {
                     if constexpr (std::is_same_v<T, float>) {
                         using E = Eigen::bfloat16;
@@ -199,18 +224,31 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<Out>& O, LseSi
                             rounded_seq = static_cast<Index>(item.seq);
                             rounded_kv = kv;
                         }
-                        rounded_q = Q.block(row0, item.head * d, item.rows, d).template cast<E>();
-                        causal_softmax_converted<E, Out>(rounded_q, rounded_k.topRows(visible),
-                                                         rounded_v.topRows(visible),
-                                                         O.block(row0, item.head * dv, item.rows, dv), sink, one,
-                                                         *scratch, trailing ? trailing_queries : first,
-                                                         bias.template tile<A>());
+                        // Row by row, every head's part of a row at once, as the pool's
+                        // prompts (serving/paged_prefill.hpp): a row of Q holds every head.
+                        for (std::size_t h = 0; h < heads; ++h)
+                            if (rounded_q[h].rows() < item.rows || rounded_q[h].cols() != d)
+                                rounded_q[h].resize(std::max(item.rows, tiles.queries), d);
+                        constexpr Index ahead = 8;
+                        for (Index r = 0; r < item.rows; ++r) {
+                            if (r + ahead < item.rows)
+                                prefetch_rows(Q.data() + (row0 + r + ahead) * Q.outerStride() + item.head * d, 1,
+                                              Q.outerStride(), item.heads * d);
+                            for (std::size_t h = 0; h < heads; ++h)
+                                rounded_q[h].row(r) = query(h).row(r).template cast<E>();
+                        }
+                        const auto rounded = [&](std::size_t h) {
+                            return ConstMatrixRef<E>(rounded_q[h].topRows(item.rows));
+                        };
+                        causal_softmax_converted_heads<E, Out>(heads, rounded, rounded_k.topRows(visible),
+                                                               rounded_v.topRows(visible), output, sink, options_of,
+                                                               scratch_of, offset, bias_of);
                     }
                 } else {
-                    causal_softmax_views<T>(Q.block(row0, item.head * d, item.rows, d), keys.topRows(visible),
-                                            values.topRows(visible), O.block(row0, item.head * dv, item.rows, dv),
-                                            sink, one, *scratch, trailing ? trailing_queries : first,
-                                            bias.template tile<T>());
+                    const auto plain = [&](std::size_t h) { return PlainRows<T>(query(h)); };
+                    causal_softmax_heads<T, Out>(heads, plain, PlainRows<T>(keys.topRows(visible)),
+                                                 PlainRows<T>(values.topRows(visible)), output, sink, options_of,
+                                                 scratch_of, offset, bias_of);
                 }
             }
         },

@@ -425,6 +425,7 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                 const auto options_of = [&](std::size_t h) -> const SoftmaxOptions& { return head_options[h]; };
                 const auto scratch_of = [&](std::size_t h) -> SoftmaxScratch<T>& { return *tiled[h]; };
                 const auto no_lse = [](std::size_t, Index, T) {};
+                const auto no_bias = [](std::size_t) { return TileBias<T>{}; };
                 if constexpr (bf16_products<T, S>) {
                     if (options.bf16) {  // the queries rounded, the stored rows as bfloat16 words
                         using E = Eigen::bfloat16;
@@ -463,7 +464,8 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                             causal_softmax_heads<T, T>(heads, rounded,
                                                        Rows(K, blocks, visible, scratch.keys, scratch.key_words),
                                                        Rows(V, blocks, visible, scratch.values, scratch.value_words, packed),
-                                                       outputs, no_lse, options_of, scratch_of, trailing_queries);
+                                                       outputs, no_lse, options_of, scratch_of, trailing_queries,
+                                                       no_bias);
                         });
                         continue;
                     }
@@ -471,7 +473,7 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                 const auto plain = [&](std::size_t h) { return PlainRows<T>(queries(h)); };
                 causal_softmax_heads<T, T>(heads, plain, PagedRows<T, S>(K, blocks, visible, scratch.keys),
                                            PagedRows<T, S>(V, blocks, visible, scratch.values), outputs, no_lse,
-                                           options_of, scratch_of, trailing_queries);
+                                           options_of, scratch_of, trailing_queries, no_bias);
             }
         },
         serial ? 1 : 0, executor);
