@@ -316,11 +316,13 @@ void causal_softmax_converted(const ConstMatrixRef<E>& Q, const ConstMatrixRef<E
 /// (causal_softmax_heads): head h's queries query(h) (a ConstMatrixRef<E>), its output
 /// output(h) (a MatrixRef<Out>), its options, scratch and dense bias options(h),
 /// scratch(h), bias(h); lse(h, i, value). K's and V's tiles are converted, where they
-/// are, into the first head's scratch (each head's tile in turn).
+/// are, into the first head's scratch (each head's tile in turn); with bfloat16 pairs the
+/// value tiles are packed once for the heads, into `shared` (emptied first).
 template <LowPrecision E, class Out, class Query, class Output, class LseSink, class Options, class Scratch, class Bias>
 void causal_softmax_converted_heads(std::size_t heads, Query&& query, const ConstMatrixRef<E>& K,
                                     const ConstMatrixRef<E>& V, Output&& output, LseSink&& lse, Options&& options,
-                                    Scratch&& scratch, Index query_offset, Bias&& bias) {
+                                    Scratch&& scratch, Index query_offset, Bias&& bias, SharedValueTile& shared) {
+    shared.clear();
     const auto run = [&]<bool Pairs>() {
         using Rows = ConvertedRows<E, Pairs>;
         SoftmaxScratch<float>& lead = scratch(std::size_t{0});
@@ -329,8 +331,8 @@ void causal_softmax_converted_heads(std::size_t heads, Query&& query, const Cons
             return Rows(query(h), own.tiles.queries, own.converted_q);
         };
         causal_softmax_heads<float, Out>(heads, rows, Rows(K, lead.tiles.keys, lead.converted_k),
-                                         Rows(V, lead.tiles.keys, lead.converted_v), output, lse, options, scratch,
-                                         query_offset, bias);
+                                         Rows(V, lead.tiles.keys, lead.converted_v, &shared), output, lse, options,
+                                         scratch, query_offset, bias);
     };
     if constexpr (std::is_same_v<E, Eigen::bfloat16>)
         with_bf16_products(run);

@@ -44,6 +44,27 @@ private:
     ConstMatrixRef<T> m_;
 };
 
+/// The value tile that the query heads walking the key tiles together share
+/// (causal_softmax_heads, a layer item's heads): the first to reach a tile packs it as
+/// pairs here, the others read it (PackedValueTile). One slot, the tile [first, first +
+/// count): the heads take each tile in turn before the next. Emptied (clear) whenever
+/// the values it was packed from may differ: another item.
+struct SharedValueTile {
+    std::vector<std::uint32_t> words;
+    Index first = -1, count = 0;
+    std::uint8_t state = 0;  // PackedValueTile's
+
+    void clear() noexcept { first = -1, count = 0, state = 0; }
+    /// The slot for tile [j0, j0 + n) of `words_needed` words (emptied if it held another).
+    [[nodiscard]] PackedValueTile slot(Index j0, Index n, Index words_needed) {
+        if (static_cast<Index>(words.size()) < words_needed)
+            words.resize(static_cast<std::size_t>(words_needed));
+        if (j0 != first || n != count)
+            first = j0, count = n, state = 0;
+        return {words.data(), &state};
+    }
+};
+
 /// Q, K or V of bfloat16 or float16 read in place by a float kernel. With pairs (bfloat16
 /// where the target has AVX512-BF16; Pairs, where a kernel chose the bfloat16 products at
 /// run time: avx512_bf16_runs()) the kernel multiplies the bits themselves (bits());
@@ -55,8 +76,10 @@ class ConvertedRows {
 public:
     static_assert(!Pairs || std::is_same_v<E, Eigen::bfloat16>, "ConvertedRows: pairs of bfloat16 only");
     static constexpr bool pairs = Pairs;
-    ConvertedRows(const ConstMatrixRef<E>& m, Index tile_rows, Matrix<float>& buffer)
-        : m_(m), tile_rows_(tile_rows), buffer_(buffer) {}
+    /// `shared`: values whose packed tiles the heads walking together share (none: each
+    /// kernel packs its own).
+    ConvertedRows(const ConstMatrixRef<E>& m, Index tile_rows, Matrix<float>& buffer, SharedValueTile* shared = nullptr)
+        : m_(m), tile_rows_(tile_rows), buffer_(buffer), shared_(shared) {}
     [[nodiscard]] Index rows() const noexcept { return m_.rows(); }
     [[nodiscard]] Index cols() const noexcept { return m_.cols(); }
     [[nodiscard]] const E* row(Index j) const noexcept { return m_.data() + j * m_.outerStride(); }
@@ -75,11 +98,19 @@ public:
         return {buffer_.data(), buffer_.cols()};
     }
     void prefetch(Index j0, Index j1) const { prefetch_rows(row(j0), j1 - j0, m_.outerStride(), m_.cols()); }
+    /// Where value tile [j0, j0 + n) is packed as pairs for the heads walking together
+    /// (Bf16TileProducts::pack_values), or none.
+    [[nodiscard]] PackedValueTile packed_tile(Index j0, Index n) const {
+        if (shared_ == nullptr)
+            return {};
+        return shared_->slot(j0, n, packed_value_words(tile_rows_, m_.cols()));
+    }
 
 private:
     ConstMatrixRef<E> m_;
     Index tile_rows_;
     Matrix<float>& buffer_;
+    SharedValueTile* shared_;
 };
 
 /// K or V in compact storage (storage/compact.hpp): each tile is converted to T into a

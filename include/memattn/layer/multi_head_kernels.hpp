@@ -166,6 +166,7 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<Out>& O, LseSi
             [[maybe_unused]] std::array<Matrix<Eigen::bfloat16>, max_heads_together> rounded_q;
             [[maybe_unused]] Matrix<Eigen::bfloat16> rounded_k, rounded_v;
             [[maybe_unused]] Index rounded_seq = -1, rounded_kv = -1;
+            SharedValueTile value_tile;  // bfloat16 pairs: an item's value tile, packed once for its heads
             for (Index i = first; i < last; ++i) {
                 const SoftmaxItem& item = items[static_cast<std::size_t>(i)];
                 const SequenceSpan span = span_of(item);
@@ -214,7 +215,8 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<Out>& O, LseSi
                 };
                 if constexpr (LowPrecision<T>)
                     causal_softmax_converted_heads<T, Out>(heads, query, keys.topRows(visible), values.topRows(visible),
-                                                           output, sink, options_of, scratch_of, offset, bias_of);
+                                                           output, sink, options_of, scratch_of, offset, bias_of,
+                                                           value_tile);
                 else if (rounds_to_bf16<T>(options)) {
                     if constexpr (std::is_same_v<T, float>) {
                         using E = Eigen::bfloat16;
@@ -242,7 +244,7 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<Out>& O, LseSi
                         };
                         causal_softmax_converted_heads<E, Out>(heads, rounded, rounded_k.topRows(visible),
                                                                rounded_v.topRows(visible), output, sink, options_of,
-                                                               scratch_of, offset, bias_of);
+                                                               scratch_of, offset, bias_of, value_tile);
                     }
                 } else {
                     const auto plain = [&](std::size_t h) { return PlainRows<T>(query(h)); };

@@ -133,9 +133,10 @@ void fp8_words(const std::uint8_t* row, Index cols, std::uint16_t* out) noexcept
 /// for the other query heads of its KV head: the g heads of a group walk the same value
 /// tiles of the same chunk (the same key tiles, down to the same first key), up to
 /// max_heads_together of them at once and the rest in the group's next items, so each
-/// tile is packed once per group instead of g times. A slot per tile, at j0 / keys (a walk's tiles are `keys` apart, aligned or
-/// ending at the diagonal), below max_slots; a slot holding another tile (a sink's below
-/// a window) is passed over, and a walk that differs (`owner`) empties them.
+/// tile is packed once per group instead of g times. A slot per tile, at j0 / keys (a
+/// walk's tiles are `keys` apart, aligned or ending at the diagonal), below max_slots; a
+/// slot holding another tile (a sink's below a window) is passed over, and a walk that
+/// differs (`owner`) empties them.
 struct PackedValueTiles {
     static constexpr Index max_slots = 256;  // 8 MiB at 128 keys and dv = 128: past it, packed each time
     struct Owner {
