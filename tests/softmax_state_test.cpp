@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
+#include <type_traits>
 #include <limits>
 #include <random>
 #include <vector>
@@ -119,6 +122,56 @@ TEST_CASE("SoftmaxState::absorb's round: the weights mapped before they are summ
     CHECK(rounded.sum == Approx(sum).epsilon(1e-6));  // the sum of the rounded weights
     CHECK(rounded.sum != exact.sum);
     CHECK(rounded.max == exact.max);
+}
+
+TEMPLATE_TEST_CASE("SoftmaxBlockState::absorb_scaled equals absorb of the tile times the factor, bit for bit",
+                   "[softmax][state]", float, double) {
+    using T = TestType;
+    constexpr T inf = std::numeric_limits<T>::infinity();
+    const T nan = std::numeric_limits<T>::quiet_NaN();
+    constexpr Index keys = 37, lanes = 40, ld = 48;  // lanes past whole packets: the lone-lane path too
+    using Round = std::conditional_t<std::is_same_v<T, float>, detail::RoundToBf16, std::identity>;
+    const auto same = [](const T* a, const T* b, Index n) {
+        return std::memcmp(a, b, sizeof(T) * static_cast<std::size_t>(n)) == 0;
+    };
+    std::mt19937 rng(7);
+    std::normal_distribution<double> normal(0.0, 4.0);
+    for (const T factor : {T(0.1803368801111204), T(1), T(3.5), T(1e-30)}) {
+        SoftmaxBlockState<T> scaled(lanes), plain(lanes);
+        scaled.reset();
+        plain.reset();
+        // Three tiles into the same states: random logits with −∞ (masked), +∞, NaN,
+        // zeros of both signs and lanes that see nothing; a lane's maximum moves.
+        for (int tile = 0; tile < 3; ++tile) {
+            std::vector<T> s(static_cast<std::size_t>(keys * ld));
+            for (Index j = 0; j < keys; ++j)
+                for (Index i = 0; i < ld; ++i) {
+                    T x = static_cast<T>(normal(rng) + 2.0 * tile);
+                    const auto pick = rng() % 64;
+                    if (pick == 0 || i == 5)
+                        x = -inf;  // lane 5 sees nothing
+                    else if (pick == 1 && i != 7)
+                        x = i == 9 ? inf : nan;
+                    else if (pick == 2)
+                        x = (rng() % 2) ? T(0) : -T(0);
+                    s[static_cast<std::size_t>(j * ld + i)] = x;
+                }
+            std::vector<T> times = s;
+            for (T& x : times)
+                x = factor * x;
+            scaled.absorb_scaled(s.data(), keys, ld, lanes, factor, Round{});
+            plain.absorb(times.data(), keys, ld, lanes, Round{});
+            INFO("factor " << factor << ", tile " << tile);
+            for (Index j = 0; j < keys; ++j)  // the weights, lanes [0, lanes)
+                CHECK(same(s.data() + j * ld, times.data() + j * ld, lanes));
+            CHECK(same(scaled.alpha(), plain.alpha(), lanes));
+            for (Index i = 0; i < lanes; ++i) {
+                const SoftmaxState<T> a = scaled.state(i), b = plain.state(i);
+                CHECK(same(&a.sum, &b.sum, 1));
+                CHECK((a.max == b.max || (std::isnan(a.max) && std::isnan(b.max))));  // a zero's sign may differ
+            }
+        }
+    }
 }
 
 TEMPLATE_TEST_CASE("max_or_nan: the largest value, NaN when any is NaN, at every length and position",

@@ -154,13 +154,18 @@ public:
     /// denominator exactly as they are used, so the output stays a convex combination.
     template <class Round = std::identity>
     void absorb(T* s, Index keys, Index ld, Index n, Round round = {}) {
-        MEMATTN_DASSERT(n <= lanes() && ld >= n);
-        constexpr Index width = detail::packet_lanes<T>;
-        Index i = 0;
-        for (; i + width <= n; i += width)
-            absorb_lanes<detail::Packet<T>>(s + i, keys, ld, i, round);
-        for (; i < n; ++i)
-            absorb_lanes<T>(s + i, keys, ld, i, round);
+        absorb_tile<false>(s, keys, ld, n, T(1), round);
+    }
+
+    /// absorb() of the logits f·s (f > 0) where the tile holds s: the same m, sum, α and
+    /// weights, bit for bit, as absorb() after the tile was multiplied by f (each f·s
+    /// rounded as that product), without that pass over the tile. The maximum of the
+    /// rounded f·s_j is f times the maximum of the s_j, rounded (rounding is monotone and
+    /// f·x increasing), and a −∞ or NaN of s stays one.
+    template <class Round = std::identity>
+    void absorb_scaled(T* s, Index keys, Index ld, Index n, T factor, Round round = {}) {
+        MEMATTN_DASSERT(factor > T(0));
+        absorb_tile<true>(s, keys, ld, n, factor, round);
     }
 
     /// α per lane from the last absorb.
@@ -174,11 +179,24 @@ public:
 private:
     static constexpr Index max_row = 0, sum_row = 1, alpha_row = 2;
 
-    /// absorb() for the lanes of one packet P starting at lane `first`.
-    template <class P, class Round>
-    void absorb_lanes(T* s, Index keys, Index ld, Index first, const Round& round) {
+    template <bool Scaled, class Round>
+    void absorb_tile(T* s, Index keys, Index ld, Index n, T factor, const Round& round) {
+        MEMATTN_DASSERT(n <= lanes() && ld >= n);
+        constexpr Index width = detail::packet_lanes<T>;
+        Index i = 0;
+        for (; i + width <= n; i += width)
+            absorb_lanes<detail::Packet<T>, Scaled>(s + i, keys, ld, i, factor, round);
+        for (; i < n; ++i)
+            absorb_lanes<T, Scaled>(s + i, keys, ld, i, factor, round);
+    }
+
+    /// absorb() for the lanes of one packet P starting at lane `first` (Scaled: of the
+    /// logits factor·s).
+    template <class P, bool Scaled, class Round>
+    void absorb_lanes(T* s, Index keys, Index ld, Index first, T factor, const Round& round) {
         using namespace Eigen::internal;
         const P minus_inf = pset1<P>(SoftmaxState<T>::minus_inf);
+        const P f = pset1<P>(factor);
         T* max = &lanes_(max_row, first);
         T* sum = &lanes_(sum_row, first);
         const P m_old = ploadu<P>(max);
@@ -187,7 +205,10 @@ private:
         // pmax keeps its first argument when either is NaN, so a NaN logit is dropped
         // and a NaN m_old kept in every chain; only the sign of a zero maximum may differ,
         // and a shift by +0 or −0 gives the same weights, α and sums.
-        P m0 = m_old, m1 = m_old, m2 = m_old, m3 = m_old;
+        // Scaled: the chains start from −∞ on the tile's s, then f times their maximum
+        // joins m_old (pmax(m_old, ·): a NaN m_old kept as before).
+        const P start = Scaled ? minus_inf : m_old;
+        P m0 = start, m1 = start, m2 = start, m3 = start;
         Index j = 0;
         for (; j + 4 <= keys; j += 4) {
             m0 = pmax(m0, ploadu<P>(s + j * ld));
@@ -197,7 +218,8 @@ private:
         }
         for (; j < keys; ++j)
             m0 = pmax(m0, ploadu<P>(s + j * ld));
-        const P m_new = pmax(pmax(m0, m1), pmax(m2, m3));
+        const P m_tile = pmax(pmax(m0, m1), pmax(m2, m3));
+        const P m_new = Scaled ? pmax(m_old, pmul(f, m_tile)) : m_tile;
         // Subtract 0 instead of −∞ in lanes that saw nothing, so no −∞ − (−∞) = NaN.
         const P shift = pselect(pcmp_eq(m_new, minus_inf), pset1<P>(T(0)), m_new);
         // α = 2^(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
@@ -206,7 +228,10 @@ private:
         for (Index j = 0; j < keys; ++j) {
             // p = 2^(s₂ − m₂): exactly 0 for a masked logit (−∞) or one too small to matter,
             // NaN for a NaN logit (pmax above may have dropped it from the maximum).
-            const P weight = round(detail::exp2_nonpositive(psub(ploadu<P>(s + j * ld), shift)));
+            P logit = ploadu<P>(s + j * ld);
+            if constexpr (Scaled)
+                logit = pmul(f, logit);
+            const P weight = round(detail::exp2_nonpositive(psub(logit, shift)));
             pstoreu(s + j * ld, weight);
             block_sum = padd(block_sum, weight);
         }

@@ -289,6 +289,21 @@ public:
         issue(ahead);
     }
 
+    /// scores() over the whole tile, leaving the factor f to the softmax where the tiles
+    /// run and f > 0 (SoftmaxBlockState::absorb_scaled: the same bits without a pass of
+    /// vector loads over the tile the tiles just stored): f, or 0 where it was applied.
+    template <class KRows>
+    float scores_leaving_factor(KRows& k, Index j0, Index n, Index cols, float* s, PrefetchQueue* ahead) {
+        if (!tiles_ || !(this->factor_ > 0.0f)) {
+            scores(k, j0, n, cols, s, WholeStrip{}, ahead);
+            return 0.0f;
+        }
+        const auto [keys, ldk] = k.bits(j0, n);
+        amx_product<Tiles>(n, cols, k.cols() / 2, keys, ldk, this->query_pairs_, this->lanes_, s, this->lanes_, false);
+        issue(ahead);
+        return this->factor_;
+    }
+
     template <class VRows, class Band, class Careful>
     void accumulate(VRows& v, Index j0, Index n, Index cols, const float* p, float* acc, const float* alpha,
                     bool zeros_matter, const Band& band, PrefetchQueue* ahead, Careful&& careful) {

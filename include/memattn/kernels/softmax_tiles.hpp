@@ -267,15 +267,30 @@ private:
         if (bias_ && !fill_bias(j0, n))
             return;  // the bias masks every key of the tile for every query
         const bool masked = !fully_visible(j0, n);
+        // The AMX tiles leave the logits' factor to the softmax where no logit option
+        // reads the scaled logits (a mask's −∞ stays −∞ times a positive factor).
+        T left = 0;
+        bool scored = false;
+        if constexpr (requires { products_.scores_leaving_factor(k_, j0, n, cols_, s_.data(), &ahead_); }) {
+            if (rule_.softcap == 0 && !rule_.alibi && !biased_) {
+                left = products_.scores_leaving_factor(k_, j0, n, cols_, s_.data(), &ahead_);
+                scored = true;
+            }
+        }
         if (masked) {
-            products_.scores(k_, j0, n, cols_, s_.data(), LanesSeeingKeys{*this, j0}, &ahead_);
+            if (!scored)
+                products_.scores(k_, j0, n, cols_, s_.data(), LanesSeeingKeys{*this, j0}, &ahead_);
             transform_logits(j0, n);
             mask(j0, n);
         } else {
-            products_.scores(k_, j0, n, cols_, s_.data(), WholeStrip{}, &ahead_);
+            if (!scored)
+                products_.scores(k_, j0, n, cols_, s_.data(), WholeStrip{}, &ahead_);
             transform_logits(j0, n);
         }
-        state_.absorb(s_.data(), n, lanes_, cols_, typename Products::Rounding{});  // m, sum, α; Sᵀ becomes Pᵀ
+        if (left > T(0))  // m, sum, α; Sᵀ becomes Pᵀ
+            state_.absorb_scaled(s_.data(), n, lanes_, cols_, left, typename Products::Rounding{});
+        else
+            state_.absorb(s_.data(), n, lanes_, cols_, typename Products::Rounding{});
         // acc = α ⊙ acc + P · V_tile. A masked weight is 0, and 0 · ∞ = NaN: where V_tile is
         // not all finite, a masked or biased tile goes query by query over the keys each
         // one sees (O(n·dv) to check, against O(lanes·n·dv) for the product), so a bad
