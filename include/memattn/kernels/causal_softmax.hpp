@@ -314,6 +314,27 @@ void causal_softmax_converted(const ConstMatrixRef<E>& Q, const ConstMatrixRef<E
         run.template operator()<false>();
 }
 
+/// Rows [0, rows) of `heads` adjacent query heads of a row-major Q (row stride ldq, head
+/// h's d columns from q + h·d), each rounded to bfloat16 (nearest even) into out[h] (at
+/// least rows × d): row by row, every head's part of a row at once (adjacent in it),
+/// eight rows asked for ahead. A row of a batch's Q holds every head (16 KiB at 32 ×
+/// 128), so head by head each head's part of a row sat in a page of its own (Intel Xeon,
+/// 4 prompts of 512 tokens into a pool of bfloat16 rows: 68 ms head by head, 59–60 row
+/// by row, 54–56 with the requests).
+inline void round_query_heads(const float* q, Index ldq, Index rows, Index d, std::size_t heads,
+                              Matrix<Eigen::bfloat16>* out) {
+    constexpr Index ahead = 8;
+    const Index width = static_cast<Index>(heads) * d;
+    for (Index r = 0; r < rows; ++r) {
+        if (r + ahead < rows)
+            prefetch_rows(q + (r + ahead) * ldq, 1, ldq, width);
+        for (std::size_t h = 0; h < heads; ++h)
+            out[h].row(r) = Eigen::Map<const Vector<float>>(q + r * ldq + static_cast<Index>(h) * d, d)
+                                .transpose()
+                                .template cast<Eigen::bfloat16>();
+    }
+}
+
 /// causal_softmax_converted for `heads` query heads that read the same K and V
 /// (causal_softmax_heads): head h's queries query(h) (a ConstMatrixRef<E>), its output
 /// output(h) (a MatrixRef<Out>), its options, scratch and dense bias options(h),

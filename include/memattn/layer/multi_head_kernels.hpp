@@ -226,19 +226,11 @@ void multi_head_softmax_run(const ConstMatrixRef<T>& Q, MatrixRef<Out>& O, LseSi
                             rounded_seq = static_cast<Index>(item.seq);
                             rounded_kv = kv;
                         }
-                        // Row by row, every head's part of a row at once, as the pool's
-                        // prompts (serving/paged_prefill.hpp): a row of Q holds every head.
                         for (std::size_t h = 0; h < heads; ++h)
                             if (rounded_q[h].rows() < item.rows || rounded_q[h].cols() != d)
                                 rounded_q[h].resize(std::max(item.rows, tiles.queries), d);
-                        constexpr Index ahead = 8;
-                        for (Index r = 0; r < item.rows; ++r) {
-                            if (r + ahead < item.rows)
-                                prefetch_rows(Q.data() + (row0 + r + ahead) * Q.outerStride() + item.head * d, 1,
-                                              Q.outerStride(), item.heads * d);
-                            for (std::size_t h = 0; h < heads; ++h)
-                                rounded_q[h].row(r) = query(h).row(r).template cast<E>();
-                        }
+                        round_query_heads(Q.data() + row0 * Q.outerStride() + item.head * d, Q.outerStride(),
+                                          item.rows, d, heads, rounded_q.data());
                         const auto rounded = [&](std::size_t h) {
                             return ConstMatrixRef<E>(rounded_q[h].topRows(item.rows));
                         };

@@ -434,18 +434,8 @@ void paged_prefill(const PagedOptions& options, const StoredRows<T, S>& K, const
                         const Index keys = std::max(tiles.keys, SoftmaxTiles{}.keys);
                         for (std::size_t h = 0; h < heads; ++h)
                             sized(scratch.queries[h], most, d);
-                        // Row by row, every head's part of a row at once (adjacent in it),
-                        // eight rows asked for ahead: a row of a batch's Q is 16 KiB at 32
-                        // heads × 128, so each head's part of it sits in a page of its own
-                        // (Intel Xeon, 4 prompts of 512 tokens into a pool of bfloat16 rows:
-                        // 68 ms head by head, 59–60 row by row, 54–56 with the requests).
-                        constexpr Index ahead = 8;
-                        for (Index r = 0; r < item.rows; ++r) {
-                            if (r + ahead < item.rows)
-                                prefetch_rows(q + (row0 + r + ahead) * ldq + item.head * d, 1, ldq, item.heads * d);
-                            for (std::size_t h = 0; h < heads; ++h)
-                                scratch.queries[h].row(r) = queries(h).row(r).template cast<E>();
-                        }
+                        round_query_heads(q + row0 * ldq + item.head * d, ldq, item.rows, d, heads,
+                                          scratch.queries.data());
                         with_bf16_products([&]<bool Pairs>() {
                             PackedValueTiles* packed = nullptr;
                             if constexpr (Pairs) {  // else the tiles are read as float only
