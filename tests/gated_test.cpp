@@ -1461,3 +1461,35 @@ TEMPLATE_TEST_CASE("Delta rule and KDA: the value columns over 2 and 3 threads g
         }
     }
 }
+
+TEMPLATE_TEST_CASE("qk_l2norm's sum of squares: sixteen partial sums within their bound of double; zero rows stay zero",
+                   "[gated][delta]", float, double) {
+    using T = TestType;
+    constexpr double u = std::numeric_limits<T>::epsilon() / 2;
+    for (const Index n : {0, 1, 2, 15, 16, 17, 31, 32, 33, 47, 64, 100, 128, 257}) {
+        INFO("n = " << n);
+        const Matrix<T> x = random_matrix<T>(1, std::max<Index>(n, 1), static_cast<unsigned>(n) + 3);
+        double exact = 0, magnitude = 0;
+        for (Index i = 0; i < n; ++i) {
+            exact += static_cast<double>(x(0, i)) * static_cast<double>(x(0, i));
+            magnitude += std::abs(static_cast<double>(x(0, i)) * static_cast<double>(x(0, i)));
+        }
+        // Each partial sum is a chain of ceil(n / 16) terms, then four levels of pairs.
+        const double depth = static_cast<double>((n + 15) / 16 + 5);
+        const T sum = detail::sum_of_squares(x.data(), n);
+        CHECK(std::abs(static_cast<double>(sum) - exact) <= depth * u * magnitude + 1e-300);
+        const T f = detail::l2norm_factor<T>(x.data(), n, T(1e-6));
+        CHECK(std::abs(static_cast<double>(f) * std::sqrt(exact + 1e-6) - 1) <= (depth + 4) * u);
+        // Each element counted once: doubling one of them adds 3 x_i² to the sum.
+        if (n > 0) {
+            Matrix<T> y = x;
+            const Index i = n - 1;
+            y(0, i) *= T(2);
+            const double grown = exact + 3 * static_cast<double>(x(0, i)) * static_cast<double>(x(0, i));
+            CHECK(std::abs(static_cast<double>(detail::sum_of_squares(y.data(), n)) - grown) <=
+                  depth * u * (magnitude + 4 * std::abs(grown - exact)) + 1e-300);
+        }
+    }
+    const Matrix<T> zero = Matrix<T>::Zero(1, 40);
+    CHECK(detail::l2norm_factor<T>(zero.data(), 40, T(0)) == T(0));
+}
