@@ -287,6 +287,14 @@ void require_disjoint(std::string_view function, std::string_view output_name, c
             "): an output must not overlap an input; write it to separate storage");
 }
 
+/// The tag of the calls whose caller has run their checks (shapes, values, aliasing: a
+/// layer for its heads, a pool or a batch for its sequences), so that a decode step
+/// checks its inputs once, not once per level: each level's checks were 5% of a
+/// recurrent layer's step.
+struct Checked {};
+/// Checked{}.
+inline constexpr Checked checked{};
+
 /// All arguments of a public function share one floating-point scalar.
 template <class First, class... Rest>
 inline constexpr bool same_scalar = (std::is_same_v<typename First::Scalar, typename Rest::Scalar> && ...);

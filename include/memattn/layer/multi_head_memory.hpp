@@ -203,11 +203,26 @@ public:
         detail::check_query("MultiHead::attend", query, out, query_dim(), output_dim());
         detail::require_disjoint("MultiHead::update", "out", out, "key", key);
         detail::require_disjoint("MultiHead::update", "out", out, "value", value);
+        update_attend(key, value, query, out, detail::checked);
+    }
+    /// The same after its checks (a pool or a batch that ran them: detail::check_sequences);
+    /// each head's step through its own checked entry where it has one, since every head's
+    /// part was checked with the layer's.
+    template <std::same_as<M> H = M>
+        requires requires(H& m, ConstRowRef<T> row, ConstMatrixRef<T> q, MatrixRef<T> o) {
+            m.update_attend_group(row, row, q, o);
+        }
+    void update_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query, RowRef<T> out,
+                       detail::Checked) {
         const Index d = key_width_, dv = layout_.values();
         for (Index h = 0; h < layout_.kv_heads; ++h) {
             GroupOut o = group_outputs(out, h);
-            heads_[static_cast<std::size_t>(h)].update_attend_group(key.segment(h * d, d),
-                                                                    value.segment(h * dv, dv), group_queries(query, h), o);
+            M& head = heads_[static_cast<std::size_t>(h)];
+            const auto k = key.segment(h * d, d), v = value.segment(h * dv, dv);
+            if constexpr (requires { head.update_attend_group(k, v, group_queries(query, h), o, detail::checked); })
+                head.update_attend_group(k, v, group_queries(query, h), o, detail::checked);
+            else
+                head.update_attend_group(k, v, group_queries(query, h), o);
         }
     }
 

@@ -147,9 +147,13 @@ void check_sequences(const char* function, const M& mem, const ConstMatrixRef<T>
 
 /// mem.update(key, value), then mem.attend(query, out): through mem.update_attend where
 /// it has one (a recurrent memory's state updated and read in one pass), the same numbers.
+/// After the caller's checks (check_sequences and validate_pairs): through the memory's
+/// checked entry where it has one.
 template <class M, class T = typename M::Scalar>
 void update_attend(M& mem, ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query, RowRef<T> out) {
-    if constexpr (requires { mem.update_attend(key, value, query, out); }) {
+    if constexpr (requires { mem.update_attend(key, value, query, out, checked); }) {
+        mem.update_attend(key, value, query, out, checked);
+    } else if constexpr (requires { mem.update_attend(key, value, query, out); }) {
         mem.update_attend(key, value, query, out);
     } else {
         mem.update(key, value);

@@ -132,6 +132,11 @@ public:
         detail::check_group_query(names_->attend_group, queries, out, d_, dv_);
         detail::require_disjoint(names_->update, "out", out, "key", key);
         detail::require_disjoint(names_->update, "out", out, "value", value);
+        update_attend_group(key, value, queries, out, detail::checked);
+    }
+    /// The same after its checks (a caller that ran them, as MultiHead for its heads).
+    void update_attend_group(ConstRowRef<T> key, ConstRowRef<T> value, ConstMatrixRef<T> queries,
+                             MatrixRef<T> out, detail::Checked) {
         if constexpr (fuses_step()) {
             if (!views_state(key) && !views_state(value) && !views_state(queries)) {
                 memory_mutable().step_attend(key, value, queries, out);
@@ -169,6 +174,14 @@ public:
         detail::check_query(names_->attend, query, out, d_, dv_);
         update_attend_group(key, value, Row(query.data(), 1, query.size(), Eigen::OuterStride<>(query.size())),
                             OutRow(out.data(), 1, out.size(), Eigen::OuterStride<>(out.size())));
+    }
+    /// The same after its checks (a pool or a batch that ran them: detail::check_sequences).
+    void update_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query, RowRef<T> out,
+                       detail::Checked) {
+        using Row = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
+        using OutRow = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
+        update_attend_group(key, value, Row(query.data(), 1, query.size(), Eigen::OuterStride<>(query.size())),
+                            OutRow(out.data(), 1, out.size(), Eigen::OuterStride<>(out.size())), detail::checked);
     }
 
     /// `source` updated by (key, value) into this memory, then attend_group(queries, out):
