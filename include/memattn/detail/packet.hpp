@@ -103,7 +103,7 @@ inline Eigen::internal::Packet16f exp2_nonpositive_16(const Eigen::internal::Pac
     const __m512 round_bias = _mm512_set1_ps(12582912.0f);  // 1.5·2^23
     const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, round_bias), round_bias);  // round(x)
     const __m512 e = exp2_fraction(_mm512_sub_ps(x, n));
-    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
+    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(exp2_lowest<float>), _CMP_NLT_UQ);
     const __m512 power = _mm512_maskz_scalef_ps(kept, e, n);
     return _mm512_mask_mov_ps(power, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
                               _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
@@ -145,10 +145,8 @@ P exp2_nonpositive(const P& x) {
         P power;
         if constexpr (std::is_same_v<T, float>) {
 #if defined(EIGEN_VECTORIZE_AVX512)
-            if constexpr (unpacket_traits<P>::size == 16) {  // Packet16f
-                static_assert(exp2_lowest<float> == -125.0f);
+            if constexpr (unpacket_traits<P>::size == 16)  // Packet16f
                 return exp2_nonpositive_16(x);
-            }
 #endif
             using IntPacket = typename unpacket_traits<P>::integer_packet;
             const P round_bias = pset1<P>(12582912.0f);  // 1.5·2^23

@@ -219,10 +219,11 @@ public:
             GroupOut o = group_outputs(out, h);
             M& head = heads_[static_cast<std::size_t>(h)];
             const auto k = key.segment(h * d, d), v = value.segment(h * dv, dv);
-            if constexpr (requires { head.update_attend_group(k, v, group_queries(query, h), o, detail::checked); })
-                head.update_attend_group(k, v, group_queries(query, h), o, detail::checked);
+            const GroupMap q = group_queries(query, h);
+            if constexpr (requires { head.update_attend_group(k, v, q, o, detail::checked); })
+                head.update_attend_group(k, v, q, o, detail::checked);
             else
-                head.update_attend_group(k, v, group_queries(query, h), o);
+                head.update_attend_group(k, v, q, o);
         }
     }
 

@@ -169,19 +169,13 @@ public:
 
     /// The same for one query: update(key, value), then attend(query, out).
     void update_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query, RowRef<T> out) {
-        using Row = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
-        using OutRow = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
         detail::check_query(names_->attend, query, out, d_, dv_);
-        update_attend_group(key, value, Row(query.data(), 1, query.size(), Eigen::OuterStride<>(query.size())),
-                            OutRow(out.data(), 1, out.size(), Eigen::OuterStride<>(out.size())));
+        update_attend_group(key, value, group_of(query), group_of(out));
     }
     /// The same after its checks (a pool or a batch that ran them: detail::check_sequences).
     void update_attend(ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query, RowRef<T> out,
                        detail::Checked) {
-        using Row = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
-        using OutRow = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
-        update_attend_group(key, value, Row(query.data(), 1, query.size(), Eigen::OuterStride<>(query.size())),
-                            OutRow(out.data(), 1, out.size(), Eigen::OuterStride<>(out.size())), detail::checked);
+        update_attend_group(key, value, group_of(query), group_of(out), detail::checked);
     }
 
     /// `source` updated by (key, value) into this memory, then attend_group(queries, out):
@@ -238,13 +232,8 @@ public:
     /// The same, the streamed stores left unfenced (the caller fences: detail::stream_fence).
     void assign_update_attend(const Memory& source, ConstRowRef<T> key, ConstRowRef<T> value, ConstRowRef<T> query,
                               RowRef<T> out, detail::Unfenced) {
-        using Row = Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>>;
-        using OutRow = Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>;
         detail::check_query(names_->attend, query, out, d_, dv_);
-        assign_update_attend_group(source, key, value,
-                                   Row(query.data(), 1, query.size(), Eigen::OuterStride<>(query.size())),
-                                   OutRow(out.data(), 1, out.size(), Eigen::OuterStride<>(out.size())),
-                                   detail::unfenced);
+        assign_update_attend_group(source, key, value, group_of(query), group_of(out), detail::unfenced);
     }
 
     /// The memory's chunked kernel over the keys' columns, from and into its state.
@@ -353,6 +342,14 @@ protected:
 private:
     [[nodiscard]] const Memory& memory() const noexcept { return static_cast<const Memory&>(*this); }
     [[nodiscard]] Memory& memory_mutable() noexcept { return static_cast<Memory&>(*this); }
+
+    /// One row as a group of one (update_attend's query and output).
+    static Eigen::Map<const Matrix<T>, 0, Eigen::OuterStride<>> group_of(ConstRowRef<T> row) {
+        return {row.data(), 1, row.size(), Eigen::OuterStride<>(row.size())};
+    }
+    static Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>> group_of(RowRef<T> row) {
+        return {row.data(), 1, row.size(), Eigen::OuterStride<>(row.size())};
+    }
 
     template <class Rows>
     [[nodiscard]] bool views_state(const Rows& rows) const {
