@@ -8,6 +8,8 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -132,6 +134,78 @@ TEST_CASE("AMX weight rows: every pair of keys per lane, for keys and lanes off 
                 }
             CHECK(wrong == 0);
         }
+}
+
+TEST_CASE("softmax weights packed as they are computed: absorb's m, sum, α and the packed words of its rounded "
+          "weights, bit for bit, in both layouts, keys off every block, scaled or not, with −∞ and NaN logits",
+          "[amx][softmax]") {
+#if !defined(MEMATTN_PACKED_WEIGHTS)
+    WARN("this build does not target AVX512-BF16: the weights are absorbed, then packed (no fused path here)");
+#else
+    const auto bits = [](float x) { return std::bit_cast<std::uint32_t>(x); };
+    const float inf = std::numeric_limits<float>::infinity();
+    for (const Index keys : {1, 2, 3, 15, 16, 17, 31, 32, 33, 64, 95, 128})
+        for (const Index cols : {16, 48})
+            for (const bool scaled : {false, true})
+                for (const bool rows : {false, true}) {
+                    INFO("keys = " << keys << ", cols = " << cols << ", scaled = " << scaled << ", rows = " << rows);
+                    const Index lanes = cols + 16, ldo = rows ? (keys + 1) / 2 + 3 : lanes;
+                    Matrix<float> s = 8.0f * random_matrix<float>(keys, lanes, 821);
+                    s(0, 7) = inf * 0.0f;  // a NaN logit
+                    s(keys - 1, 3) = -inf;  // a masked one
+                    s.col(9).setConstant(-inf);  // a lane that sees nothing here
+                    // Both states after a first tile, so that α and the sums are not trivial.
+                    SoftmaxBlockState<float> plain(lanes), packed(lanes);
+                    Matrix<float> before = 8.0f * random_matrix<float>(5, lanes, 822), before2 = before;
+                    before(2, 11) = 40.0f;  // a lane whose maximum this tile does not move
+                    before.col(9).setConstant(-inf);  // lane 9 sees nothing in either tile
+                    before2 = before;
+                    plain.absorb(before.data(), 5, lanes, cols, detail::RoundToBf16{});
+                    packed.absorb(before2.data(), 5, lanes, cols, detail::RoundToBf16{});
+                    const float f = scaled ? 0.75f : 0.0f;
+                    Matrix<float> weights = s;
+                    if (scaled)
+                        plain.absorb_scaled(weights.data(), keys, lanes, cols, f, detail::RoundToBf16{});
+                    else
+                        plain.absorb(weights.data(), keys, lanes, cols, detail::RoundToBf16{});
+                    const std::size_t words = static_cast<std::size_t>(rows ? lanes * ldo : (keys + 1) / 2 * ldo);
+                    std::vector<std::uint32_t> expected(words, 0xDEADBEEFu), got(words, 0xDEADBEEFu);
+                    Matrix<float> logits = s;
+                    if (rows) {
+                        detail::pack_weight_rows(weights.data(), keys, cols, lanes, expected.data(), ldo, true);
+                        packed.absorb_weighed(logits.data(), keys, lanes, cols, f,
+                                              detail::PackedWeights<detail::WeightLayout::rows>{
+                                                  logits.data(), keys, lanes, got.data(), ldo});
+                    } else {
+                        detail::pack_weight_pairs(weights.data(), keys, cols, lanes, expected.data());
+                        packed.absorb_weighed(logits.data(), keys, lanes, cols, f,
+                                              detail::PackedWeights<detail::WeightLayout::pairs>{
+                                                  logits.data(), keys, lanes, got.data(), ldo});
+                    }
+                    int wrong = 0;
+                    for (std::size_t w = 0; w < words; ++w)
+                        wrong += got[w] != expected[w];
+                    CHECK(wrong == 0);
+                    CHECK(std::memcmp(logits.data(), s.data(), sizeof(float) * static_cast<std::size_t>(s.size())) ==
+                          0);  // the logits left as they were
+                    for (Index i = 0; i < cols; ++i) {
+                        wrong += bits(packed.state(i).max) != bits(plain.state(i).max);
+                        wrong += bits(packed.state(i).sum) != bits(plain.state(i).sum);
+                        wrong += bits(packed.alpha()[i]) != bits(plain.alpha()[i]);
+                    }
+                    CHECK(wrong == 0);
+                    CHECK(std::isnan(packed.state(7).sum));
+                    CHECK(packed.state(9).sum == 0.0f);
+                    // And back: unpack_weights gives the rounded weights absorb stored.
+                    Matrix<float> unpacked = Matrix<float>::Zero(keys, lanes);
+                    detail::unpack_weights(rows ? detail::WeightLayout::rows : detail::WeightLayout::pairs,
+                                           got.data(), ldo, keys, cols, unpacked.data(), lanes);
+                    for (Index j = 0; j < keys; ++j)
+                        for (Index i = 0; i < cols; ++i)
+                            wrong += bits(unpacked(j, i)) != bits(weights(j, i));
+                    CHECK(wrong == 0);
+                }
+#endif
 }
 
 TEST_CASE("AMX tile products of the softmax kernel, emulated: the logits and the weighted values of the float "

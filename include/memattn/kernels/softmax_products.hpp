@@ -50,6 +50,7 @@
 #include "memattn/cpu_features.hpp"
 #include "memattn/detail/amx_product.hpp"
 #include "memattn/detail/bf16_product.hpp"
+#include "memattn/detail/bf16_weights.hpp"
 #include "memattn/detail/packet.hpp"
 #include "memattn/detail/tile_product.hpp"
 #include "memattn/types.hpp"
@@ -191,17 +192,38 @@ public:
                         ahead);
     }
 
+    /// The softmax of a tile of logits s (n keys × cols lanes, row stride ld; factor > 0:
+    /// of factor·s, absorb_scaled): its weights rounded and packed as pairs along the keys
+    /// as they are computed (detail/bf16_weights.hpp) where the build can, s left as it
+    /// is; else absorbed into s, for accumulate to pack.
+    template <class State>
+    void absorb(State& state, float* s, Index n, Index ld, Index cols, float factor) {
+        packed_in_ = nullptr;
+#if defined(MEMATTN_PACKED_WEIGHTS)
+        state.absorb_weighed(s, n, ld, cols, factor,
+                             PackedWeights<WeightLayout::pairs>{s, n, ld, weight_pairs_, lanes_});
+        packed_in_ = s;
+#else
+        if (factor > 0.0f)
+            state.absorb_scaled(s, n, ld, cols, factor, RoundToBf16{});
+        else
+            state.absorb(s, n, ld, cols, RoundToBf16{});
+#endif
+    }
+
     template <class VRows, class Band, class Careful>
     void accumulate(VRows& v, Index j0, Index n, Index cols, const float* p, float* acc, const float* alpha, bool,
                     const Band& band, PrefetchQueue* ahead, Careful&& careful) {
         const Index dv = v.cols();
         const std::uint32_t* pairs = pack_values(v, j0, n);
         if (pairs == nullptr) {
+            unpack_packed(WeightLayout::pairs, weight_pairs_, lanes_, n, cols);
             const auto [converted, ldc] = v.tile(j0, n);
             careful(converted, ldc);
             return;
         }
-        pack_weight_pairs(p, n, cols, lanes_, weight_pairs_);
+        if (packed_in_ == nullptr)
+            pack_weight_pairs(p, n, cols, lanes_, weight_pairs_);
         const auto* weights = reinterpret_cast<const std::uint16_t*>(weight_pairs_);
         bf16_product<B, true>(cols, dv, n, weights, 2, 2 * lanes_, pairs, value_stride_, acc, dv, alpha, 1.0f, band,
                               ahead);
@@ -231,6 +253,12 @@ protected:
         return finite ? out : nullptr;
     }
 
+    /// Weights that absorb packed, back as floats into their tile of logits (for careful).
+    void unpack_packed(WeightLayout layout, const std::uint32_t* words, Index ldw, Index n, Index cols) {
+        if (packed_in_ != nullptr)
+            unpack_weights(layout, words, ldw, n, cols, packed_in_, lanes_);
+    }
+
     /// A scratch vector of at least n words: its data.
     static std::uint32_t* sized(std::vector<std::uint32_t>& v, Index n) {
         if (static_cast<Index>(v.size()) < n)
@@ -244,6 +272,7 @@ protected:
     std::uint32_t* weight_pairs_ = nullptr;
     std::uint32_t* value_pairs_ = nullptr;
     bool avx512_, bf16_;  // avx512_runs(), avx512_bf16_runs()
+    float* packed_in_ = nullptr;  // the tile whose weights absorb packed, not stored into it
 };
 
 /// The products in AMX tiles (tdpbf16ps, detail/amx_product.hpp) where they run, else
@@ -304,6 +333,20 @@ public:
         return this->factor_;
     }
 
+    /// Bf16TileProducts::absorb, the weights packed as A rows where the tiles run.
+    template <class State>
+    void absorb(State& state, float* s, Index n, Index ld, Index cols, float factor) {
+#if defined(MEMATTN_PACKED_WEIGHTS)
+        if (tiles_) {
+            state.absorb_weighed(s, n, ld, cols, factor,
+                                 PackedWeights<WeightLayout::rows>{s, n, ld, this->weight_pairs_, half_keys_});
+            this->packed_in_ = s;
+            return;
+        }
+#endif
+        Base::absorb(state, s, n, ld, cols, factor);
+    }
+
     template <class VRows, class Band, class Careful>
     void accumulate(VRows& v, Index j0, Index n, Index cols, const float* p, float* acc, const float* alpha,
                     bool zeros_matter, const Band& band, PrefetchQueue* ahead, Careful&& careful) {
@@ -314,11 +357,13 @@ public:
         const Index dv = v.cols();
         const std::uint32_t* pairs = this->pack_values(v, j0, n);
         if (pairs == nullptr) {
+            this->unpack_packed(WeightLayout::rows, this->weight_pairs_, half_keys_, n, cols);
             const auto [converted, ldc] = v.tile(j0, n);
             careful(converted, ldc);
             return;
         }
-        pack_weight_rows(p, n, cols, this->lanes_, this->weight_pairs_, half_keys_, this->avx512_);
+        if (this->packed_in_ == nullptr)
+            pack_weight_rows(p, n, cols, this->lanes_, this->weight_pairs_, half_keys_, this->avx512_);
         if (alpha != nullptr)  // a lane whose maximum stayed (α = 1, most of them past the first tiles) as it is
             for (Index i = 0; i < cols; ++i)
                 if (alpha[i] != 1.0f)

@@ -287,7 +287,9 @@ private:
                 products_.scores(k_, j0, n, cols_, s_.data(), WholeStrip{}, &ahead_);
             transform_logits(j0, n);
         }
-        if (left > T(0))  // m, sum, α; Sᵀ becomes Pᵀ
+        if constexpr (requires { products_.absorb(state_, s_.data(), n, lanes_, cols_, left); })
+            products_.absorb(state_, s_.data(), n, lanes_, cols_, left);  // m, sum, α; Pᵀ where the products keep it
+        else if (left > T(0))  // m, sum, α; Sᵀ becomes Pᵀ
             state_.absorb_scaled(s_.data(), n, lanes_, cols_, left, typename Products::Rounding{});
         else
             state_.absorb(s_.data(), n, lanes_, cols_, typename Products::Rounding{});
