@@ -170,11 +170,11 @@ public:
 
     /// absorb() (factor 0) or absorb_scaled() (factor > 0) whose weights a caller computes,
     /// stores where it multiplies them and sums, leaving s as it is: for each packet of
-    /// lanes from lane `first`, weigh(first, shift, f, scaled) returns Σ_j p_j of those
-    /// lanes, in the order j = 0, 1, …, with p_j = round(2^(f·s_j − shift)) as absorb
-    /// computes it where `scaled` (a std::bool_constant; f a packet of the factor), else
-    /// round(2^(s_j − shift)). The same m, sum and α as absorb with that rounding. n a
-    /// multiple of T's packet (a bfloat16 product's lanes are).
+    /// lanes from lane `first`, weigh(lane, keys, ld, first, shift, f, scaled), lane = s +
+    /// first, returns Σ_j p_j of those lanes, in the order j = 0, 1, …, with p_j =
+    /// round(2^(f·s_j − shift)) as absorb computes it where `scaled` (a std::bool_constant;
+    /// f a packet of the factor), else round(2^(s_j − shift)). The same m, sum and α as
+    /// absorb with that rounding. n a multiple of T's packet (a bfloat16 product's lanes are).
     template <class Weigh>
     void absorb_weighed(const T* s, Index keys, Index ld, Index n, T factor, Weigh&& weigh) {
         constexpr Index width = detail::packet_lanes<T>;
@@ -202,10 +202,10 @@ private:
         MEMATTN_DASSERT(n <= lanes() && ld >= n);
         constexpr Index width = detail::packet_lanes<T>;
         // The weights into the tile, each rounded, summed down the keys.
-        const auto weigh = [&](Index first, const auto& shift, const auto& f, auto) {
+        const auto weigh = [&](const T*, Index, Index, Index first, const auto& shift, const auto& f, auto) {
             using P = std::decay_t<decltype(shift)>;
             using namespace Eigen::internal;
-            T* lane = s + first;
+            T* lane = s + first;  // (the tile itself: the weights replace its logits)
             P block_sum = pset1<P>(T(0));
             for (Index j = 0; j < keys; ++j) {
                 // p = 2^(s₂ − m₂): exactly 0 for a masked logit (−∞) or one too small to matter,
@@ -227,7 +227,7 @@ private:
     }
 
     /// absorb() for the lanes of one packet P starting at lane `first` (Scaled: of the
-    /// logits factor·s), the weights by weigh(first, shift, f) (absorb_weighed).
+    /// logits factor·s), s at that lane; the weights by weigh (absorb_weighed's).
     template <class P, bool Scaled, class Weigh>
     void absorb_lanes(const T* s, Index keys, Index ld, Index first, T factor, Weigh& weigh) {
         using namespace Eigen::internal;
@@ -260,7 +260,7 @@ private:
         const P shift = pselect(pcmp_eq(m_new, minus_inf), pset1<P>(T(0)), m_new);
         // α = 2^(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
         const P alpha = detail::exp2_nonpositive(psub(m_old, shift));
-        const P block_sum = weigh(first, shift, f, std::bool_constant<Scaled>{});
+        const P block_sum = weigh(s, keys, ld, first, shift, f, std::bool_constant<Scaled>{});
         pstoreu(max, m_new);
         pstoreu(sum, pmadd(alpha, ploadu<P>(sum), block_sum));  // sum = α·sum + Σ_j p_j
         pstoreu(&lanes_(alpha_row, first), alpha);

@@ -22,7 +22,7 @@
 // products absorb and pack as before.
 
 #include "memattn/detail/amx_product.hpp"
-#include "memattn/detail/bf16_product.hpp"
+#include "memattn/detail/isa_regions.hpp"
 #include "memattn/detail/packet.hpp"
 #include "memattn/types.hpp"
 
@@ -40,17 +40,17 @@ enum class WeightLayout { pairs, rows };
 #endif
 
 #if defined(MEMATTN_PACKED_WEIGHTS)
-/// SoftmaxBlockState::absorb_weighed's weigh for a tile of logits s (keys × lanes, row
-/// stride ld), packed into out (row stride ldo, words) in Layout.
+/// SoftmaxBlockState::absorb_weighed's weigh: the weights of the 16 lanes of the tile of
+/// logits at `lane` (keys rows, row stride ld) from lane `first`, packed into out (row
+/// stride ldo, words) in Layout.
 template <WeightLayout Layout>
 struct PackedWeights {
-    const float* s;
-    Index keys, ld;
     std::uint32_t* out;
     Index ldo;
 
     template <bool Scaled>
-    __m512 operator()(Index first, const __m512& shift, const __m512& f, std::bool_constant<Scaled>) const {
+    __m512 operator()(const float* lane, Index keys, Index ld, Index first, const __m512& shift, const __m512& f,
+                      std::bool_constant<Scaled>) const {
         // Word 2i of the permute's result is word i of its source (key j's rounded
         // weights, the low half of vcvtne2ps2bf16's result), word 2i + 1 word 16 + i.
         alignas(64) static constexpr std::uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
@@ -58,7 +58,6 @@ struct PackedWeights {
                                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
         const __m512i order = _mm512_load_si512(interleave);
         const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-        const float* lane = s + first;
         const auto weight = [&](Index j) {
             __m512 x = _mm512_loadu_ps(lane + j * ld);
             if constexpr (Scaled)
@@ -66,7 +65,7 @@ struct PackedWeights {
             return exp2_nonpositive_16(_mm512_sub_ps(x, shift));
         };
         __m512 sum = _mm512_setzero_ps();
-        __m512i block[16];
+        __m512i block[16] = {};  // (rows: 16 pair rows of words, transposed when full)
         const Index pairs = (keys + 1) / 2;
         for (Index k = 0; k < pairs; ++k) {
             const bool second = 2 * k + 1 < keys;

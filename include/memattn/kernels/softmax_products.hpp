@@ -40,6 +40,15 @@
 //                                        mask or a bias made some), nothing but
 //                                        careful(values, ldv) on the tile's values in T
 //
+// and may offer
+//
+//   absorb(state, s, n, ld, cols, factor)
+//                                        the tile's softmax in place of the kernel's
+//                                        state.absorb(_scaled) (factor > 0: of factor·s):
+//                                        its weights kept for the next accumulate, which
+//                                        then takes p = s and reads them from there
+//                                        (careful still finds the weights in s)
+//
 // Q, K and V are row sources (kernels/softmax_rows.hpp): tile(j0, n) gives rows of T, and
 // sources whose `pairs` is true also give their bfloat16 bits (bits(j0, n): rows [j0, j0 + n)
 // at the stride it returns, in place or put together by the source).
@@ -201,7 +210,7 @@ public:
         packed_in_ = nullptr;
 #if defined(MEMATTN_PACKED_WEIGHTS)
         state.absorb_weighed(s, n, ld, cols, factor,
-                             PackedWeights<WeightLayout::pairs>{s, n, ld, weight_pairs_, lanes_});
+                             PackedWeights<WeightLayout::pairs>{weight_pairs_, lanes_});
         packed_in_ = s;
 #else
         if (factor > 0.0f)
@@ -222,6 +231,7 @@ public:
             careful(converted, ldc);
             return;
         }
+        MEMATTN_DASSERT(packed_in_ == nullptr || packed_in_ == p);  // the tile absorb packed
         if (packed_in_ == nullptr)
             pack_weight_pairs(p, n, cols, lanes_, weight_pairs_);
         const auto* weights = reinterpret_cast<const std::uint16_t*>(weight_pairs_);
@@ -279,7 +289,8 @@ protected:
 /// Bf16TileProducts' vdpbf16ps: the same packing of Q_tileᵀ and each value tile as pairs
 /// along their depth, K read in place as A rows (an even d: an odd one takes vdpbf16ps),
 /// the weights rounded to bfloat16 as Bf16TileProducts rounds them and packed as A rows of
-/// pairs per query lane (pack_weight_rows). Per product: Sᵀ = K·(Q_tileᵀ pairs) into the
+/// pairs per query lane (by absorb as they are computed, detail/bf16_weights.hpp, where the
+/// build targets AVX512-BF16; else by pack_weight_rows). Per product: Sᵀ = K·(Q_tileᵀ pairs) into the
 /// logits, then times f; acc = α ⊙ acc (rows scaled first) + weights·value pairs. The
 /// tiles run where cpu_features().amx_usable() (Tiles = AmxHardware), or always (Tiles =
 /// AmxEmulated: the tests' stand-in on any CPU).
@@ -339,7 +350,7 @@ public:
 #if defined(MEMATTN_PACKED_WEIGHTS)
         if (tiles_) {
             state.absorb_weighed(s, n, ld, cols, factor,
-                                 PackedWeights<WeightLayout::rows>{s, n, ld, this->weight_pairs_, half_keys_});
+                                 PackedWeights<WeightLayout::rows>{this->weight_pairs_, half_keys_});
             this->packed_in_ = s;
             return;
         }
@@ -362,6 +373,7 @@ public:
             careful(converted, ldc);
             return;
         }
+        MEMATTN_DASSERT(this->packed_in_ == nullptr || this->packed_in_ == p);  // the tile absorb packed
         if (this->packed_in_ == nullptr)
             pack_weight_rows(p, n, cols, this->lanes_, this->weight_pairs_, half_keys_, this->avx512_);
         if (alpha != nullptr)  // a lane whose maximum stayed (α = 1, most of them past the first tiles) as it is
