@@ -289,11 +289,11 @@ protected:
 /// Bf16TileProducts' vdpbf16ps: the same packing of Q_tileᵀ and each value tile as pairs
 /// along their depth, K read in place as A rows (an even d: an odd one takes vdpbf16ps),
 /// the weights rounded to bfloat16 as Bf16TileProducts rounds them and packed as A rows of
-/// pairs per query lane (by absorb as they are computed, detail/bf16_weights.hpp, where the
-/// build targets AVX512-BF16; else by pack_weight_rows). Per product: Sᵀ = K·(Q_tileᵀ pairs) into the
-/// logits, then times f; acc = α ⊙ acc (rows scaled first) + weights·value pairs. The
-/// tiles run where cpu_features().amx_usable() (Tiles = AmxHardware), or always (Tiles =
-/// AmxEmulated: the tests' stand-in on any CPU).
+/// pairs per query lane (by absorb as they are computed, detail/bf16_weights.hpp, where
+/// the build targets AVX512-BF16; else by pack_weight_rows). Per product: Sᵀ =
+/// K·(Q_tileᵀ pairs) into the logits, then times f; acc = α ⊙ acc (rows scaled first) +
+/// weights·value pairs. The tiles run where cpu_features().amx_usable() (Tiles =
+/// AmxHardware), or always (Tiles = AmxEmulated: the tests' stand-in on any CPU).
 template <class B, class Tiles = AmxHardware>
 class AmxTileProducts : public Bf16TileProducts<B> {
     using Base = Bf16TileProducts<B>;
