@@ -168,26 +168,20 @@ public:
         absorb_tile<true>(s, keys, ld, n, factor, round);
     }
 
-    /// absorb() (factor 0) or absorb_scaled() (factor > 0) whose weights a caller computes,
-    /// stores where it multiplies them and sums, leaving s as it is: for each packet of
-    /// lanes from lane `first`, weigh(lane, keys, ld, first, shift, f, scaled), lane = s +
-    /// first, returns Σ_j p_j of those lanes, in the order j = 0, 1, …, with p_j =
-    /// round(2^(f·s_j − shift)) as absorb computes it where `scaled` (a std::bool_constant;
-    /// f a packet of the factor), else round(2^(s_j − shift)). The same m, sum and α as
-    /// absorb with that rounding. n a multiple of T's packet (a bfloat16 product's lanes are).
-    template <class Weigh>
-    void absorb_weighed(const T* s, Index keys, Index ld, Index n, T factor, Weigh&& weigh) {
-        constexpr Index width = detail::packet_lanes<T>;
-        MEMATTN_DASSERT(n <= lanes() && ld >= n && n % width == 0 && factor >= T(0));
-        for (Index i = 0; i < n; i += width)
-            if (factor > T(0))
-                absorb_lanes<detail::Packet<T>, true>(s + i, keys, ld, i, factor, weigh);
-            else
-                absorb_lanes<detail::Packet<T>, false>(s + i, keys, ld, i, T(1), weigh);
-    }
-
     /// α per lane from the last absorb.
     [[nodiscard]] const T* alpha() const noexcept { return &lanes_(alpha_row, 0); }
+
+    /// The lanes' running maximum (base 2), sum and α, for an absorb written elsewhere
+    /// with the same arithmetic (detail/bf16_weights.hpp: absorb_packed, which compiles
+    /// by target where this header's packets are narrower).
+    struct LaneRows {
+        T* max;
+        T* sum;
+        T* alpha;
+    };
+    [[nodiscard]] LaneRows lane_rows() noexcept {
+        return {&lanes_(max_row, 0), &lanes_(sum_row, 0), &lanes_(alpha_row, 0)};
+    }
 
     /// Lane i as a scalar state (natural logarithms: max = m₂ · ln 2).
     [[nodiscard]] SoftmaxState<T> state(Index i) const {
@@ -201,35 +195,17 @@ private:
     void absorb_tile(T* s, Index keys, Index ld, Index n, T factor, const Round& round) {
         MEMATTN_DASSERT(n <= lanes() && ld >= n);
         constexpr Index width = detail::packet_lanes<T>;
-        // The weights into the tile, each rounded, summed down the keys.
-        const auto weigh = [&](const T*, Index, Index, Index first, const auto& shift, const auto& f, auto) {
-            using P = std::decay_t<decltype(shift)>;
-            using namespace Eigen::internal;
-            T* lane = s + first;  // (the tile itself: the weights replace its logits)
-            P block_sum = pset1<P>(T(0));
-            for (Index j = 0; j < keys; ++j) {
-                // p = 2^(s₂ − m₂): exactly 0 for a masked logit (−∞) or one too small to matter,
-                // NaN for a NaN logit (pmax above may have dropped it from the maximum).
-                P logit = ploadu<P>(lane + j * ld);
-                if constexpr (Scaled)
-                    logit = pmul(f, logit);
-                const P weight = round(detail::exp2_nonpositive(psub(logit, shift)));
-                pstoreu(lane + j * ld, weight);
-                block_sum = padd(block_sum, weight);
-            }
-            return block_sum;
-        };
         Index i = 0;
         for (; i + width <= n; i += width)
-            absorb_lanes<detail::Packet<T>, Scaled>(s + i, keys, ld, i, factor, weigh);
+            absorb_lanes<detail::Packet<T>, Scaled>(s + i, keys, ld, i, factor, round);
         for (; i < n; ++i)
-            absorb_lanes<T, Scaled>(s + i, keys, ld, i, factor, weigh);
+            absorb_lanes<T, Scaled>(s + i, keys, ld, i, factor, round);
     }
 
     /// absorb() for the lanes of one packet P starting at lane `first` (Scaled: of the
-    /// logits factor·s), s at that lane; the weights by weigh (absorb_weighed's).
-    template <class P, bool Scaled, class Weigh>
-    void absorb_lanes(const T* s, Index keys, Index ld, Index first, T factor, Weigh& weigh) {
+    /// logits factor·s).
+    template <class P, bool Scaled, class Round>
+    void absorb_lanes(T* s, Index keys, Index ld, Index first, T factor, const Round& round) {
         using namespace Eigen::internal;
         const P minus_inf = pset1<P>(SoftmaxState<T>::minus_inf);
         const P f = pset1<P>(factor);
@@ -260,7 +236,17 @@ private:
         const P shift = pselect(pcmp_eq(m_new, minus_inf), pset1<P>(T(0)), m_new);
         // α = 2^(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
         const P alpha = detail::exp2_nonpositive(psub(m_old, shift));
-        const P block_sum = weigh(s, keys, ld, first, shift, f, std::bool_constant<Scaled>{});
+        P block_sum = pset1<P>(T(0));
+        for (Index j = 0; j < keys; ++j) {
+            // p = 2^(s₂ − m₂): exactly 0 for a masked logit (−∞) or one too small to matter,
+            // NaN for a NaN logit (pmax above may have dropped it from the maximum).
+            P logit = ploadu<P>(s + j * ld);
+            if constexpr (Scaled)
+                logit = pmul(f, logit);
+            const P weight = round(detail::exp2_nonpositive(psub(logit, shift)));
+            pstoreu(s + j * ld, weight);
+            block_sum = padd(block_sum, weight);
+        }
         pstoreu(max, m_new);
         pstoreu(sum, pmadd(alpha, ploadu<P>(sum), block_sum));  // sum = α·sum + Σ_j p_j
         pstoreu(&lanes_(alpha_row, first), alpha);

@@ -203,21 +203,25 @@ public:
 
     /// The softmax of a tile of logits s (n keys × cols lanes, row stride ld; factor > 0:
     /// of factor·s, absorb_scaled): its weights rounded and packed as pairs along the keys
-    /// as they are computed (detail/bf16_weights.hpp) where the build can, s left as it
-    /// is; else absorbed into s, for accumulate to pack.
+    /// as they are computed (detail/bf16_weights.hpp: absorb_packed, compiled by target in
+    /// a portable build) where the CPU has AVX512-BF16, s left as it is; else absorbed
+    /// into s, for accumulate to pack.
     template <class State>
     void absorb(State& state, float* s, Index n, Index ld, Index cols, float factor) {
         packed_in_ = nullptr;
-#if defined(MEMATTN_PACKED_WEIGHTS)
-        state.absorb_weighed(s, n, ld, cols, factor,
-                             PackedWeights<WeightLayout::pairs>{weight_pairs_, lanes_});
-        packed_in_ = s;
-#else
+#if defined(MEMATTN_AVX512_BF16_CODE)
+        if (bf16_) {
+            const auto rows = state.lane_rows();
+            absorb_packed<WeightLayout::pairs>(s, n, ld, cols, factor, rows.max, rows.sum, rows.alpha, weight_pairs_,
+                                               lanes_);
+            packed_in_ = s;
+            return;
+        }
+#endif
         if (factor > 0.0f)
             state.absorb_scaled(s, n, ld, cols, factor, RoundToBf16{});
         else
             state.absorb(s, n, ld, cols, RoundToBf16{});
-#endif
     }
 
     template <class VRows, class Band, class Careful>
@@ -290,7 +294,7 @@ protected:
 /// along their depth, K read in place as A rows (an even d: an odd one takes vdpbf16ps),
 /// the weights rounded to bfloat16 as Bf16TileProducts rounds them and packed as A rows of
 /// pairs per query lane (by absorb as they are computed, detail/bf16_weights.hpp, where
-/// the build targets AVX512-BF16; else by pack_weight_rows). Per product: Sᵀ =
+/// the CPU has AVX512-BF16; else by pack_weight_rows). Per product: Sᵀ =
 /// K·(Q_tileᵀ pairs) into the logits, then times f; acc = α ⊙ acc (rows scaled first) +
 /// weights·value pairs. The tiles run where cpu_features().amx_usable() (Tiles =
 /// AmxHardware), or always (Tiles = AmxEmulated: the tests' stand-in on any CPU).
@@ -344,18 +348,29 @@ public:
         return this->factor_;
     }
 
-    /// Bf16TileProducts::absorb, the weights packed as A rows where the tiles run.
+    /// Bf16TileProducts::absorb, the weights packed as A rows where the tiles run (where
+    /// the CPU has AVX512-BF16 too, as every CPU with AMX-BF16 so far; else absorbed into
+    /// s, for accumulate to pack).
     template <class State>
     void absorb(State& state, float* s, Index n, Index ld, Index cols, float factor) {
-#if defined(MEMATTN_PACKED_WEIGHTS)
-        if (tiles_) {
-            state.absorb_weighed(s, n, ld, cols, factor,
-                                 PackedWeights<WeightLayout::rows>{this->weight_pairs_, half_keys_});
+        this->packed_in_ = nullptr;
+        if (!tiles_) {
+            Base::absorb(state, s, n, ld, cols, factor);
+            return;
+        }
+#if defined(MEMATTN_AVX512_BF16_CODE)
+        if (this->bf16_) {
+            const auto rows = state.lane_rows();
+            absorb_packed<WeightLayout::rows>(s, n, ld, cols, factor, rows.max, rows.sum, rows.alpha,
+                                              this->weight_pairs_, half_keys_);
             this->packed_in_ = s;
             return;
         }
 #endif
-        Base::absorb(state, s, n, ld, cols, factor);
+        if (factor > 0.0f)
+            state.absorb_scaled(s, n, ld, cols, factor, RoundToBf16{});
+        else
+            state.absorb(s, n, ld, cols, RoundToBf16{});
     }
 
     template <class VRows, class Band, class Careful>
