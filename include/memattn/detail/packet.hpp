@@ -80,7 +80,9 @@ concept HasAddExponent = requires(const P& p) {
     { add_exponent(p, p) } -> std::same_as<P>;
 };
 
-/// 2^f of exp2_nonpositive in float: its polynomial, by Horner's rule.
+/// 2^f of exp2_nonpositive in float: its polynomial, by Horner's rule. (detail/
+/// bf16_weights.hpp's weights_exp2, compiled by target, repeats it: change both; its test
+/// compares them bit for bit.)
 template <class P>
 P exp2_fraction(const P& f) {
     using namespace Eigen::internal;
