@@ -171,14 +171,16 @@ public:
     /// α per lane from the last absorb.
     [[nodiscard]] const T* alpha() const noexcept { return &lanes_(alpha_row, 0); }
 
-    /// The lanes' running maximum (base 2), sum and α, for an absorb written elsewhere
-    /// with the same arithmetic (detail/bf16_weights.hpp: absorb_packed, which compiles
-    /// by target where this header's packets are narrower).
+    /// The lanes' running state as three rows of lanes() values (lane_rows()).
     struct LaneRows {
-        T* max;
-        T* sum;
-        T* alpha;
+        T* max;    ///< the running maximum of each lane's logits, base 2
+        T* sum;    ///< the running sum of each lane's weights
+        T* alpha;  ///< each lane's α from the last absorb
     };
+
+    /// The lanes' running state, for an absorb written elsewhere with the same arithmetic
+    /// (detail/bf16_weights.hpp: absorb_packed, which compiles by target where this
+    /// header's packets are narrower).
     [[nodiscard]] LaneRows lane_rows() noexcept {
         return {&lanes_(max_row, 0), &lanes_(sum_row, 0), &lanes_(alpha_row, 0)};
     }
