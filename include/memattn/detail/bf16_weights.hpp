@@ -45,12 +45,24 @@ enum class WeightLayout { pairs, rows };
 #if defined(MEMATTN_AVX512_BF16_CODE)
 MEMATTN_AVX512_BF16_BEGIN
 
+/// a·b, rounded as a product where the build's packets have no FMA: there the build's
+/// own code cannot fuse it with the add after it, and this region's (which has FMA)
+/// must not either, whatever -ffp-contract says (an empty asm the compiler cannot see
+/// through stands between them).
+inline __m512 weights_mul(__m512 a, __m512 b) noexcept {
+    __m512 p = _mm512_mul_ps(a, b);
+#if !defined(EIGEN_VECTORIZE_FMA)
+    __asm__("" : "+v"(p));
+#endif
+    return p;
+}
+
 /// a·b + c as the build's Eigen packets compute pmadd: fused where they fuse.
 inline __m512 weights_madd(__m512 a, __m512 b, __m512 c) noexcept {
 #if defined(EIGEN_VECTORIZE_FMA)
     return _mm512_fmadd_ps(a, b, c);
 #else
-    return _mm512_add_ps(_mm512_mul_ps(a, b), c);
+    return _mm512_add_ps(weights_mul(a, b), c);
 #endif
 }
 
@@ -83,7 +95,7 @@ template <bool Scaled>
 inline __m512 weights_of(const float* lane, Index j, Index ld, __m512 f, __m512 shift) noexcept {
     __m512 x = _mm512_loadu_ps(lane + j * ld);
     if constexpr (Scaled)
-        x = _mm512_mul_ps(f, x);
+        x = weights_mul(f, x);
     return weights_exp2(_mm512_sub_ps(x, shift));
 }
 
@@ -109,7 +121,7 @@ inline void absorb_packed_lanes(const float* s, Index keys, Index ld, Index firs
     for (; j < keys; ++j)
         m0 = weights_keep(m0, _mm512_loadu_ps(lane + j * ld));
     const __m512 m_tile = weights_keep(weights_keep(m0, m1), weights_keep(m2, m3));
-    const __m512 m_new = Scaled ? weights_keep(m_old, _mm512_mul_ps(f, m_tile)) : m_tile;
+    const __m512 m_new = Scaled ? weights_keep(m_old, weights_mul(f, m_tile)) : m_tile;
     const __m512 shift =
         _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, minus_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
     const __m512 a = weights_exp2(_mm512_sub_ps(m_old, shift));
