@@ -15,9 +15,10 @@
 // arithmetic, lane by lane, as absorb's packets of any width: the maximum in four chains
 // (a NaN logit dropped, a NaN maximum kept: vmaxps' operand order as Eigen's pmax), the
 // shift (0 where the maximum is −∞), α and each weight by exp2_nonpositive's steps (the
-// polynomial's multiply-adds fused where the build's packets fuse them, as Eigen's pmadd;
-// e·2ⁿ by vscalefps, as exp2_nonpositive_16), the sum of the rounded weights key after
-// key, then sum = α·sum + Σ. Per two keys: one vcvtne2ps2bf16 rounds both weights (to
+// polynomial's multiply-adds fused where the build's packets fuse them, as Eigen's
+// pmadd, and every product kept apart from its add where they have no FMA, whatever
+// -ffp-contract allows; e·2ⁿ by vscalefps, as exp2_nonpositive_16), the sum of the
+// rounded weights key after key, then sum = α·sum + Σ. Per two keys: one vcvtne2ps2bf16 rounds both weights (to
 // nearest even, as RoundToBf16), one word permute interleaves them into pair words, and
 // the rounded weights, read back from the words by a shift and a mask, join the sum. For
 // rows, sixteen pair words (32 keys) are transposed in registers before they are stored.
