@@ -18,10 +18,11 @@
 // polynomial's multiply-adds fused where the build's packets fuse them, as Eigen's
 // pmadd, and every product kept apart from its add where they have no FMA, whatever
 // -ffp-contract allows; e·2ⁿ by vscalefps, as exp2_nonpositive_16), the sum of the
-// rounded weights key after key, then sum = α·sum + Σ. Per two keys: one vcvtne2ps2bf16 rounds both weights (to
-// nearest even, as RoundToBf16), one word permute interleaves them into pair words, and
-// the rounded weights, read back from the words by a shift and a mask, join the sum. For
-// rows, sixteen pair words (32 keys) are transposed in registers before they are stored.
+// rounded weights key after key, then sum = α·sum + Σ. Per two keys: one vcvtne2ps2bf16
+// rounds both weights (to nearest even, as RoundToBf16), one word permute interleaves
+// them into pair words, and the rounded weights, read back from the words by a shift and
+// a mask, join the sum. For rows, sixteen pair words (32 keys) are transposed in
+// registers before they are stored.
 // So the same m, sum, α and packed weights as absorb followed by the pack, bit for bit
 // (a NaN lane's sum a NaN of another payload where RoundToBf16 kept the float NaN),
 // without the weights' float stores and their second read: a bfloat16 call in AMX tiles
