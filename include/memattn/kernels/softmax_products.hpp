@@ -208,20 +208,7 @@ public:
     /// into s, for accumulate to pack.
     template <class State>
     void absorb(State& state, float* s, Index n, Index ld, Index cols, float factor) {
-        packed_in_ = nullptr;
-#if defined(MEMATTN_AVX512_BF16_CODE)
-        if (bf16_) {
-            const auto rows = state.lane_rows();
-            absorb_packed<WeightLayout::pairs>(s, n, ld, cols, factor, rows.max, rows.sum, rows.alpha, weight_pairs_,
-                                               lanes_);
-            packed_in_ = s;
-            return;
-        }
-#endif
-        if (factor > 0.0f)
-            state.absorb_scaled(s, n, ld, cols, factor, RoundToBf16{});
-        else
-            state.absorb(s, n, ld, cols, RoundToBf16{});
+        absorb_as<WeightLayout::pairs>(state, s, n, ld, cols, factor, lanes_);
     }
 
     template <class VRows, class Band, class Careful>
@@ -265,6 +252,25 @@ protected:
         if (state != nullptr)
             *state = finite ? 1 : 2;
         return finite ? out : nullptr;
+    }
+
+    /// absorb with the weights packed in Layout at word stride ldw where the CPU has
+    /// AVX512-BF16 (absorb_packed), else absorbed into s.
+    template <WeightLayout Layout, class State>
+    void absorb_as(State& state, float* s, Index n, Index ld, Index cols, float factor, [[maybe_unused]] Index ldw) {
+        packed_in_ = nullptr;
+#if defined(MEMATTN_AVX512_BF16_CODE)
+        if (bf16_) {
+            const auto rows = state.lane_rows();
+            absorb_packed<Layout>(s, n, ld, cols, factor, rows.max, rows.sum, rows.alpha, weight_pairs_, ldw);
+            packed_in_ = s;
+            return;
+        }
+#endif
+        if (factor > 0.0f)
+            state.absorb_scaled(s, n, ld, cols, factor, RoundToBf16{});
+        else
+            state.absorb(s, n, ld, cols, RoundToBf16{});
     }
 
     /// Weights that absorb packed, back as floats into their tile of logits (for careful).
@@ -353,24 +359,10 @@ public:
     /// s, for accumulate to pack).
     template <class State>
     void absorb(State& state, float* s, Index n, Index ld, Index cols, float factor) {
-        this->packed_in_ = nullptr;
-        if (!tiles_) {
-            Base::absorb(state, s, n, ld, cols, factor);
-            return;
-        }
-#if defined(MEMATTN_AVX512_BF16_CODE)
-        if (this->bf16_) {
-            const auto rows = state.lane_rows();
-            absorb_packed<WeightLayout::rows>(s, n, ld, cols, factor, rows.max, rows.sum, rows.alpha,
-                                              this->weight_pairs_, half_keys_);
-            this->packed_in_ = s;
-            return;
-        }
-#endif
-        if (factor > 0.0f)
-            state.absorb_scaled(s, n, ld, cols, factor, RoundToBf16{});
+        if (tiles_)
+            this->template absorb_as<WeightLayout::rows>(state, s, n, ld, cols, factor, half_keys_);
         else
-            state.absorb(s, n, ld, cols, RoundToBf16{});
+            Base::absorb(state, s, n, ld, cols, factor);
     }
 
     template <class VRows, class Band, class Careful>
