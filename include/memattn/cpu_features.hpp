@@ -184,7 +184,8 @@ struct CompiledPaths {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
     p.avx512 = true;
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
     p.avx512_bf16 = true;
 #elif defined(MEMATTN_X86_CPUID) && !defined(MEMATTN_NO_DISPATCH)
     p.avx512_bf16_by_target = true;

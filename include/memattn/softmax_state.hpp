@@ -58,11 +58,11 @@ struct SoftmaxState {
                 round(a);  // the caller's copy of the weights too
             return T(1);
         }
-        a = (a - new_max).unaryExpr(detail::ExpNonpositiveOp<T>{});  // −∞ → 0, no floor, NaN stays
+        detail::exp_shifted(s, n, new_max);  // −∞ → 0, no floor, NaN stays
         if constexpr (!std::is_same_v<Round, std::identity>)
             round(a);
         const T alpha = std::exp(max - new_max);  // exp(−∞) = 0 on the first block
-        sum = alpha * sum + a.sum();
+        sum = alpha * sum + detail::sum_of(s, n);
         max = new_max;
         return alpha;
     }
@@ -233,7 +233,7 @@ private:
         for (; j < keys; ++j)
             m0 = pmax(m0, ploadu<P>(s + j * ld));
         const P m_tile = pmax(pmax(m0, m1), pmax(m2, m3));
-        const P m_new = Scaled ? pmax(m_old, pmul(f, m_tile)) : m_tile;
+        const P m_new = Scaled ? pmax(m_old, detail::kept_mul(f, m_tile)) : m_tile;
         // Subtract 0 instead of −∞ in lanes that saw nothing, so no −∞ − (−∞) = NaN.
         const P shift = pselect(pcmp_eq(m_new, minus_inf), pset1<P>(T(0)), m_new);
         // α = 2^(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
@@ -244,7 +244,7 @@ private:
             // NaN for a NaN logit (pmax above may have dropped it from the maximum).
             P logit = ploadu<P>(s + j * ld);
             if constexpr (Scaled)
-                logit = pmul(f, logit);
+                logit = detail::kept_mul(f, logit);  // rounded as the scaled tile's logit
             const P weight = round(detail::exp2_nonpositive(psub(logit, shift)));
             pstoreu(s + j * ld, weight);
             block_sum = padd(block_sum, weight);

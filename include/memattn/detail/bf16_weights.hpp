@@ -14,10 +14,10 @@
 // (x86-64-v3, say) runs it where the CPU has AVX512-BF16, as a native one does. The same
 // arithmetic, lane by lane, as absorb's packets of any width: the maximum in four chains
 // (a NaN logit dropped, a NaN maximum kept: vmaxps' operand order as Eigen's pmax), the
-// shift (0 where the maximum is −∞), α and each weight by exp2_nonpositive's steps (the
-// polynomial's multiply-adds fused where the build's packets fuse them, as Eigen's
-// pmadd, and every product kept apart from its add where they have no FMA, whatever
-// -ffp-contract allows; e·2ⁿ by vscalefps, as exp2_nonpositive_16), the sum of the
+// shift (0 where the maximum is −∞), α and each weight by exp2_nonpositive_avx512
+// (detail/packet.hpp: the polynomial's multiply-adds fused where the build's packets fuse
+// them, as Eigen's pmadd, and kept apart from their adds where they have no FMA, whatever
+// -ffp-contract allows; build_madd there), the sum of the
 // rounded weights key after key, then sum = α·sum + Σ. Per two keys: one vcvtne2ps2bf16
 // rounds both weights (to nearest even, as RoundToBf16), one word permute interleaves
 // them into pair words, and the rounded weights, read back from the words by a shift and
@@ -47,45 +47,6 @@ enum class WeightLayout { pairs, rows };
 #if defined(MEMATTN_AVX512_BF16_CODE)
 MEMATTN_AVX512_BF16_BEGIN
 
-/// a·b, rounded as a product where the build's packets have no FMA: there the build's
-/// own code cannot fuse it with the add after it, and this region's (which has FMA)
-/// must not either, whatever -ffp-contract says (an empty asm the compiler cannot see
-/// through stands between them).
-inline __m512 weights_mul(__m512 a, __m512 b) noexcept {
-    __m512 p = _mm512_mul_ps(a, b);
-#if !defined(EIGEN_VECTORIZE_FMA)
-    __asm__("" : "+v"(p));
-#endif
-    return p;
-}
-
-/// a·b + c as the build's Eigen packets compute pmadd: fused where they fuse.
-inline __m512 weights_madd(__m512 a, __m512 b, __m512 c) noexcept {
-#if defined(EIGEN_VECTORIZE_FMA)
-    return _mm512_fmadd_ps(a, b, c);
-#else
-    return _mm512_add_ps(weights_mul(a, b), c);
-#endif
-}
-
-/// exp2_nonpositive of 16 floats (detail/packet.hpp: exp2_nonpositive_16's steps, the
-/// polynomial of exp2_fraction).
-inline __m512 weights_exp2(__m512 x) noexcept {
-    const __m512 round_bias = _mm512_set1_ps(12582912.0f);  // 1.5·2^23
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, round_bias), round_bias);  // round(x)
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 e = _mm512_set1_ps(1.3390863364719507e-3f);
-    e = weights_madd(e, f, _mm512_set1_ps(9.676031918343615e-3f));
-    e = weights_madd(e, f, _mm512_set1_ps(5.550357114219621e-2f));
-    e = weights_madd(e, f, _mm512_set1_ps(2.4022107485307692e-1f));
-    e = weights_madd(e, f, _mm512_set1_ps(6.931471880262274e-1f));
-    e = weights_madd(e, f, _mm512_set1_ps(1.0f));
-    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(exp2_lowest<float>), _CMP_NLT_UQ);
-    const __m512 power = _mm512_maskz_scalef_ps(kept, e, n);
-    return _mm512_mask_mov_ps(power, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                              _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
-}
-
 /// Eigen's pmax(a, x) of 16 floats: a where either is NaN (vmaxps returns its second
 /// operand then).
 inline __m512 weights_keep(__m512 a, __m512 x) noexcept {
@@ -97,8 +58,8 @@ template <bool Scaled>
 inline __m512 weights_of(const float* lane, Index j, Index ld, __m512 f, __m512 shift) noexcept {
     __m512 x = _mm512_loadu_ps(lane + j * ld);
     if constexpr (Scaled)
-        x = weights_mul(f, x);
-    return weights_exp2(_mm512_sub_ps(x, shift));
+        x = kept_mul(f, x);
+    return exp2_nonpositive_avx512(_mm512_sub_ps(x, shift));
 }
 
 /// absorb_packed for the 16 lanes from `first`. (No lambda takes or returns a vector
@@ -123,10 +84,10 @@ inline void absorb_packed_lanes(const float* s, Index keys, Index ld, Index firs
     for (; j < keys; ++j)
         m0 = weights_keep(m0, _mm512_loadu_ps(lane + j * ld));
     const __m512 m_tile = weights_keep(weights_keep(m0, m1), weights_keep(m2, m3));
-    const __m512 m_new = Scaled ? weights_keep(m_old, weights_mul(f, m_tile)) : m_tile;
+    const __m512 m_new = Scaled ? weights_keep(m_old, kept_mul(f, m_tile)) : m_tile;
     const __m512 shift =
         _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, minus_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
-    const __m512 a = weights_exp2(_mm512_sub_ps(m_old, shift));
+    const __m512 a = exp2_nonpositive_avx512(_mm512_sub_ps(m_old, shift));
     // Word 2i of the permute's result is word i of its source (key j's rounded weights,
     // the low half of vcvtne2ps2bf16's result), word 2i + 1 word 16 + i.
     alignas(64) static constexpr std::uint16_t interleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
@@ -161,7 +122,7 @@ inline void absorb_packed_lanes(const float* s, Index keys, Index ld, Index firs
         }
     }
     _mm512_storeu_ps(max + first, m_new);
-    _mm512_storeu_ps(sum + first, weights_madd(a, _mm512_loadu_ps(sum + first), block_sum));
+    _mm512_storeu_ps(sum + first, build_madd(a, _mm512_loadu_ps(sum + first), block_sum));
     _mm512_storeu_ps(alpha + first, a);
 }
 

@@ -19,7 +19,7 @@
 // GCC's regions turn -Wuninitialized and -Wmaybe-uninitialized off between them; the
 // native builds, which compile the same code with both on, keep them checked.
 //
-//   MEMATTN_BF16_DOT       the build targets AVX512-BF16 (and F, BW): the bfloat16
+//   MEMATTN_BF16_DOT       the build targets AVX512-BF16 (and F, BW, DQ, VL): the bfloat16
 //                          products are compiled in place and always run
 //   MEMATTN_BF16_DISPATCH  it does not, and the regions above are compiled by target
 //                          (GCC or Clang on x86-64): the products run where the CPU has
@@ -31,14 +31,14 @@
 #include "memattn/cpu_features.hpp"
 #include "memattn/detail/eigen_core.hpp"  // first: it reads <immintrin.h> under GCC 12's pragmas
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define MEMATTN_AVX512_NATIVE 1
+#endif
+
+#if defined(__AVX512BF16__) && defined(MEMATTN_AVX512_NATIVE)
 #define MEMATTN_BF16_DOT 1
 #elif defined(MEMATTN_X86_CPUID) && !defined(MEMATTN_NO_DISPATCH)
 #define MEMATTN_BF16_DISPATCH 1
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define MEMATTN_AVX512_NATIVE 1
 #endif
 
 #if defined(MEMATTN_BF16_DISPATCH) && defined(__clang__)

@@ -4,6 +4,7 @@
 // loops instantiated with the scalar itself as the "packet" handle leftover lanes,
 // since Eigen's generic packet functions (pset1, pmadd, pexp, ...) accept scalars.
 
+#include "memattn/detail/isa_regions.hpp"
 #include "memattn/types.hpp"
 
 #if defined(__SSE2__) || defined(_M_X64) || defined(__AVX__)
@@ -80,36 +81,93 @@ concept HasAddExponent = requires(const P& p) {
     { add_exponent(p, p) } -> std::same_as<P>;
 };
 
-/// 2^f of exp2_nonpositive in float: its polynomial, by Horner's rule. (detail/
-/// bf16_weights.hpp's weights_exp2, compiled by target, repeats it: change both; its test
-/// compares them bit for bit.)
+/// The float polynomial of exp2_nonpositive: 2^f ≈ Σ_k c_k f^k on [−1/2, 1/2], highest
+/// degree first (c_0 = 1: 2^0 is exact).
+inline constexpr float exp2_coefficients[6] = {1.3390863364719507e-3f, 9.676031918343615e-3f,
+                                               5.550357114219621e-2f,  2.4022107485307692e-1f,
+                                               6.931471880262274e-1f,  1.0f};
+
+/// 2^f of exp2_nonpositive in float: its polynomial, by Horner's rule.
 template <class P>
 P exp2_fraction(const P& f) {
     using namespace Eigen::internal;
-    P e = pset1<P>(1.3390863364719507e-3f);  // 2^f ≈ Σ_k c_k f^k
-    e = pmadd(e, f, pset1<P>(9.676031918343615e-3f));
-    e = pmadd(e, f, pset1<P>(5.550357114219621e-2f));
-    e = pmadd(e, f, pset1<P>(2.4022107485307692e-1f));
-    e = pmadd(e, f, pset1<P>(6.931471880262274e-1f));
-    return pmadd(e, f, pset1<P>(1.0f));  // c_0 = 1: 2^0 is exact
+    P e = pset1<P>(exp2_coefficients[0]);
+    e = pmadd(e, f, pset1<P>(exp2_coefficients[1]));
+    e = pmadd(e, f, pset1<P>(exp2_coefficients[2]));
+    e = pmadd(e, f, pset1<P>(exp2_coefficients[3]));
+    e = pmadd(e, f, pset1<P>(exp2_coefficients[4]));
+    return pmadd(e, f, pset1<P>(exp2_coefficients[5]));
 }
 
-#if defined(EIGEN_VECTORIZE_AVX512)
-/// exp2_nonpositive of 16 floats in AVX-512, the same bits in fewer instructions (10
-/// against 17; the online softmax's exp pass is most of a bfloat16 AMX call's vector
-/// work): the same n and f, the same polynomial, then e·2^n by vscalefps, exact since
-/// every result from x ≥ exp2_lowest is a normal number, under the mask of the lanes
-/// x ≥ exp2_lowest or NaN (the others 0), so x needs no clamp; NaN lanes every bit set,
-/// as there.
-inline Eigen::internal::Packet16f exp2_nonpositive_16(const Eigen::internal::Packet16f& x) {
+/// a·b rounded as a product of its own, never fused with an add or a subtraction that
+/// follows, whatever -ffp-contract allows (GCC's default, in ISO and GNU modes alike,
+/// fuses them from -O2): so factor·s − m has the bits of the scaled logit minus m, as the
+/// scaled tile gives them. An empty asm the compiler cannot see through holds the
+/// product in its register; it emits nothing.
+template <class P>
+P kept_mul(const P& a, const P& b) {
+    P p = Eigen::internal::pmul(a, b);
+#if defined(__GNUC__) && defined(__SSE2__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(__AVX512F__)
+    __asm__("" : "+v"(p));
+#else
+    __asm__("" : "+x"(p));
+#endif
+#elif defined(__GNUC__) && defined(__aarch64__)
+    __asm__("" : "+w"(p));
+#endif
+    return p;
+}
+
+#if defined(MEMATTN_AVX512_CODE) || defined(MEMATTN_AVX512_BF16_CODE)
+MEMATTN_AVX512_BEGIN
+
+/// kept_mul of 16 floats (above), for code compiled by target. (These three are always
+/// inlined: Clang does not inline a function of this region into one of the AVX512-BF16
+/// region, whose target differs, by itself, and a call per key would pass its vectors
+/// through memory.)
+[[gnu::always_inline]] inline __m512 kept_mul(__m512 a, __m512 b) noexcept {
+    __m512 p = _mm512_mul_ps(a, b);
+    __asm__("" : "+v"(p));
+    return p;
+}
+
+/// a·b + c of 16 floats as the build's Eigen packets compute pmadd: fused where they
+/// fuse, else a kept product and an add, so never fused where they are not.
+[[gnu::always_inline]] inline __m512 build_madd(__m512 a, __m512 b, __m512 c) noexcept {
+#if defined(EIGEN_VECTORIZE_FMA)
+    return _mm512_fmadd_ps(a, b, c);
+#else
+    return _mm512_add_ps(kept_mul(a, b), c);
+#endif
+}
+
+/// exp2_nonpositive of 16 floats in AVX-512, the bits of the exponent addition below in
+/// fewer instructions (10 against 17; the online softmax's exp pass is most of a bfloat16
+/// AMX call's vector work): the same n and f, the same polynomial (its multiply-adds as
+/// the build's pmadd), then e·2^n by vscalefps, exact since every result from x ≥
+/// exp2_lowest is a normal number, under the mask of the lanes x ≥ exp2_lowest or NaN
+/// (the others 0), so x needs no clamp; NaN lanes every bit set, as there. Compiled by
+/// target where the build lacks AVX-512 (detail/isa_regions.hpp): the packed softmax of
+/// the bfloat16 products (detail/bf16_weights.hpp) runs it there, a native AVX-512 build
+/// for every Packet16f.
+[[gnu::always_inline]] inline __m512 exp2_nonpositive_avx512(__m512 x) noexcept {
     const __m512 round_bias = _mm512_set1_ps(12582912.0f);  // 1.5·2^23
     const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, round_bias), round_bias);  // round(x)
-    const __m512 e = exp2_fraction(_mm512_sub_ps(x, n));
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 e = _mm512_set1_ps(exp2_coefficients[0]);
+    e = build_madd(e, f, _mm512_set1_ps(exp2_coefficients[1]));
+    e = build_madd(e, f, _mm512_set1_ps(exp2_coefficients[2]));
+    e = build_madd(e, f, _mm512_set1_ps(exp2_coefficients[3]));
+    e = build_madd(e, f, _mm512_set1_ps(exp2_coefficients[4]));
+    e = build_madd(e, f, _mm512_set1_ps(exp2_coefficients[5]));
     const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(exp2_lowest<float>), _CMP_NLT_UQ);
     const __m512 power = _mm512_maskz_scalef_ps(kept, e, n);
     return _mm512_mask_mov_ps(power, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
                               _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
 }
+
+MEMATTN_AVX512_END
 #endif
 
 /// 2^x for x ≤ 0 or −∞: the only arguments the online softmax takes (a base-2 logit
@@ -146,9 +204,9 @@ P exp2_nonpositive(const P& x) {
     } else {
         P power;
         if constexpr (std::is_same_v<T, float>) {
-#if defined(EIGEN_VECTORIZE_AVX512)
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(MEMATTN_AVX512_NATIVE)
             if constexpr (unpacket_traits<P>::size == 16)  // Packet16f
-                return exp2_nonpositive_16(x);
+                return exp2_nonpositive_avx512(x);
 #endif
             using IntPacket = typename unpacket_traits<P>::integer_packet;
             const P round_bias = pset1<P>(12582912.0f);  // 1.5·2^23
@@ -200,6 +258,49 @@ struct ExpNonpositiveOp {
         return exp2_nonpositive(Eigen::internal::pmul(x, Eigen::internal::pset1<P>(log2e)));
     }
 };
+
+/// s[j] ← e^(s[j] − m) over [0, n) (ExpNonpositiveOp): whole packets from s[0], then lone
+/// lanes, so a weight's bits depend on its index and value, not on where s lies. (Not
+/// Eigen's assignment: its packets start at an aligned address, and where n is known GCC
+/// 12 warns at -O3 that its aligned stores may pass the end of a short buffer,
+/// -Warray-bounds, in a user's -Werror build.)
+template <class T>
+void exp_shifted(T* s, Index n, T m) {
+    using namespace Eigen::internal;
+    using P = Packet<T>;
+    constexpr Index lanes = packet_lanes<T>;
+    const ExpNonpositiveOp<T> op;
+    Index j = 0;
+    if constexpr (lanes > 1) {
+        const P shift = pset1<P>(m);
+        for (; j + lanes <= n; j += lanes)
+            pstoreu(s + j, op.packetOp(psub(ploadu<P>(s + j), shift)));
+    }
+    for (; j < n; ++j)
+        s[j] = op(s[j] - m);
+}
+
+/// Σ_j x[j] over [0, n): one packet of partial sums from x[0], then lone lanes (as
+/// exp_shifted, bits independent of where x lies).
+template <class T>
+T sum_of(const T* x, Index n) {
+    using namespace Eigen::internal;
+    using P = Packet<T>;
+    constexpr Index lanes = packet_lanes<T>;
+    T total = T(0);
+    Index j = 0;
+    if constexpr (lanes > 1) {
+        if (n >= lanes) {
+            P sums = ploadu<P>(x);
+            for (j = lanes; j + lanes <= n; j += lanes)
+                sums = padd(sums, ploadu<P>(x + j));
+            total = predux(sums);
+        }
+    }
+    for (; j < n; ++j)
+        total += x[j];
+    return total;
+}
 
 /// max_j x[j] over [0, n), NaN when any x[j] is NaN and −∞ when n = 0: Eigen's
 /// maxCoeff<PropagateNaN>, in one pass of packets and one horizontal step. (Eigen 3.4

@@ -21,9 +21,9 @@
 namespace memattn::detail {
 
 /// The grouped decode's bfloat16 routes (fold_bf16, fold_amx) are compiled: in place
-/// where the build targets AVX512-BF16 and VL, by target (detail/isa_regions.hpp) where
+/// where the build targets AVX512-BF16, by target (detail/isa_regions.hpp) where
 /// it does not. They run where avx512_bf16_runs().
-#if (defined(MEMATTN_BF16_DOT) && defined(__AVX512VL__)) || defined(MEMATTN_BF16_DISPATCH)
+#if defined(MEMATTN_BF16_DOT) || defined(MEMATTN_BF16_DISPATCH)
 #define MEMATTN_GROUP_BF16 1
 inline constexpr bool group_bf16 = true;
 #else
