@@ -233,7 +233,7 @@ private:
         for (; j < keys; ++j)
             m0 = pmax(m0, ploadu<P>(s + j * ld));
         const P m_tile = pmax(pmax(m0, m1), pmax(m2, m3));
-        const P m_new = Scaled ? pmax(m_old, detail::kept_mul(f, m_tile)) : m_tile;
+        const P m_new = Scaled ? pmax(m_old, pmul(f, m_tile)) : m_tile;
         // Subtract 0 instead of −∞ in lanes that saw nothing, so no −∞ − (−∞) = NaN.
         const P shift = pselect(pcmp_eq(m_new, minus_inf), pset1<P>(T(0)), m_new);
         // α = 2^(m_old − m_new); exactly 0 on a lane's first keys (m_old = −∞).
@@ -244,7 +244,7 @@ private:
             // NaN for a NaN logit (pmax above may have dropped it from the maximum).
             P logit = ploadu<P>(s + j * ld);
             if constexpr (Scaled)
-                logit = detail::kept_mul(f, logit);  // rounded as the scaled tile's logit
+                logit = pmul(f, logit);
             const P weight = round(detail::exp2_nonpositive(psub(logit, shift)));
             pstoreu(s + j * ld, weight);
             block_sum = padd(block_sum, weight);

@@ -17,7 +17,7 @@
 // shift (0 where the maximum is −∞), α and each weight by exp2_nonpositive_avx512
 // (detail/packet.hpp: the polynomial's multiply-adds fused where the build's packets fuse
 // them, as Eigen's pmadd, and kept apart from their adds where they have no FMA, whatever
-// -ffp-contract allows; build_madd there), the sum of the
+// -ffp-contract allows; build_mul and build_madd there), the sum of the
 // rounded weights key after key, then sum = α·sum + Σ. Per two keys: one vcvtne2ps2bf16
 // rounds both weights (to nearest even, as RoundToBf16), one word permute interleaves
 // them into pair words, and the rounded weights, read back from the words by a shift and
@@ -58,7 +58,7 @@ template <bool Scaled>
 inline __m512 weights_of(const float* lane, Index j, Index ld, __m512 f, __m512 shift) noexcept {
     __m512 x = _mm512_loadu_ps(lane + j * ld);
     if constexpr (Scaled)
-        x = kept_mul(f, x);
+        x = build_mul(f, x);
     return exp2_nonpositive_avx512(_mm512_sub_ps(x, shift));
 }
 
@@ -84,7 +84,7 @@ inline void absorb_packed_lanes(const float* s, Index keys, Index ld, Index firs
     for (; j < keys; ++j)
         m0 = weights_keep(m0, _mm512_loadu_ps(lane + j * ld));
     const __m512 m_tile = weights_keep(weights_keep(m0, m1), weights_keep(m2, m3));
-    const __m512 m_new = Scaled ? weights_keep(m_old, kept_mul(f, m_tile)) : m_tile;
+    const __m512 m_new = Scaled ? weights_keep(m_old, build_mul(f, m_tile)) : m_tile;
     const __m512 shift =
         _mm512_mask_mov_ps(m_new, _mm512_cmp_ps_mask(m_new, minus_inf, _CMP_EQ_OQ), _mm512_setzero_ps());
     const __m512 a = exp2_nonpositive_avx512(_mm512_sub_ps(m_old, shift));

@@ -99,46 +99,31 @@ P exp2_fraction(const P& f) {
     return pmadd(e, f, pset1<P>(exp2_coefficients[5]));
 }
 
-/// a·b rounded as a product of its own, never fused with an add or a subtraction that
-/// follows, whatever -ffp-contract allows (GCC's default, in ISO and GNU modes alike,
-/// fuses them from -O2): so factor·s − m has the bits of the scaled logit minus m, as the
-/// scaled tile gives them. An empty asm the compiler cannot see through holds the
-/// product in its register; it emits nothing.
-template <class P>
-P kept_mul(const P& a, const P& b) {
-    P p = Eigen::internal::pmul(a, b);
-#if defined(__GNUC__) && defined(__SSE2__) && (defined(__x86_64__) || defined(__i386__))
-#if defined(__AVX512F__)
-    __asm__("" : "+v"(p));
-#else
-    __asm__("" : "+x"(p));
-#endif
-#elif defined(__GNUC__) && defined(__aarch64__)
-    __asm__("" : "+w"(p));
-#endif
-    return p;
-}
-
 #if defined(MEMATTN_AVX512_CODE) || defined(MEMATTN_AVX512_BF16_CODE)
 MEMATTN_AVX512_BEGIN
 
-/// kept_mul of 16 floats (above), for code compiled by target. (These three are always
-/// inlined: Clang does not inline a function of this region into one of the AVX512-BF16
-/// region, whose target differs, by itself, and a call per key would pass its vectors
-/// through memory.)
-[[gnu::always_inline]] inline __m512 kept_mul(__m512 a, __m512 b) noexcept {
+/// a·b of 16 floats as the build's packets round it, for code compiled by target: where
+/// they have no FMA the build's own code cannot fuse the product with the add after it,
+/// and this region's (which has FMA) must not either, whatever -ffp-contract says (an
+/// empty asm the compiler cannot see through holds it; it emits nothing). These three
+/// are always inlined: Clang does not inline a function of this region into one of the
+/// AVX512-BF16 region, whose target differs, by itself, and a call per key would pass
+/// its vectors through memory.
+[[gnu::always_inline]] inline __m512 build_mul(__m512 a, __m512 b) noexcept {
     __m512 p = _mm512_mul_ps(a, b);
+#if !defined(EIGEN_VECTORIZE_FMA)
     __asm__("" : "+v"(p));
+#endif
     return p;
 }
 
 /// a·b + c of 16 floats as the build's Eigen packets compute pmadd: fused where they
-/// fuse, else a kept product and an add, so never fused where they are not.
+/// fuse, else build_mul and an add, so never fused where they are not.
 [[gnu::always_inline]] inline __m512 build_madd(__m512 a, __m512 b, __m512 c) noexcept {
 #if defined(EIGEN_VECTORIZE_FMA)
     return _mm512_fmadd_ps(a, b, c);
 #else
-    return _mm512_add_ps(kept_mul(a, b), c);
+    return _mm512_add_ps(build_mul(a, b), c);
 #endif
 }
 
@@ -270,13 +255,16 @@ void exp_shifted(T* s, Index n, T m) {
     using P = Packet<T>;
     constexpr Index lanes = packet_lanes<T>;
     const ExpNonpositiveOp<T> op;
-    Index j = 0;
+    // The packets' end computed first: from `j + lanes <= n`, GCC 12 at -O2 could not
+    // bound the lone lanes' loop and warned of an iteration past the end
+    // (-Waggressive-loop-optimizations) for a buffer of known size.
+    const Index whole = lanes > 1 ? n - n % lanes : 0;
     if constexpr (lanes > 1) {
         const P shift = pset1<P>(m);
-        for (; j + lanes <= n; j += lanes)
+        for (Index j = 0; j < whole; j += lanes)
             pstoreu(s + j, op.packetOp(psub(ploadu<P>(s + j), shift)));
     }
-    for (; j < n; ++j)
+    for (Index j = whole; j < n; ++j)
         s[j] = op(s[j] - m);
 }
 
@@ -288,16 +276,16 @@ T sum_of(const T* x, Index n) {
     using P = Packet<T>;
     constexpr Index lanes = packet_lanes<T>;
     T total = T(0);
-    Index j = 0;
+    const Index whole = lanes > 1 ? n - n % lanes : 0;  // as in exp_shifted
     if constexpr (lanes > 1) {
-        if (n >= lanes) {
+        if (whole > 0) {
             P sums = ploadu<P>(x);
-            for (j = lanes; j + lanes <= n; j += lanes)
+            for (Index j = lanes; j < whole; j += lanes)
                 sums = padd(sums, ploadu<P>(x + j));
             total = predux(sums);
         }
     }
-    for (; j < n; ++j)
+    for (Index j = whole; j < n; ++j)
         total += x[j];
     return total;
 }
