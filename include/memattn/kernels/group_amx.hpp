@@ -91,7 +91,11 @@ public:
 
     /// s (g rows, stride lds) = scale · q·K_jᵀ for the keys j ∈ [first, first + m) of
     /// `keys` (m ≤ 128, d ≤ 256), q as pack_query_pairs gave it (depth round_up(d, 32));
-    /// prefetch(j, n) before the keys [first + j, first + j + n) are read.
+    /// prefetch(j, n) is called for every key of [first, first + m) once, a few keys at a
+    /// time spread over the tile products of their 32 (the first before any of them is
+    /// read): a burst of requests for 32 keys' rows at once waits on the core's line-fill
+    /// buffers instead of overlapping the products (docs/performance.md, "The AMX
+    /// decode's requests spread").
     template <class Keys, class Prefetch>
     void logits(const Keys& keys, Index first, Index m, Index d, const std::uint32_t* query_pairs, float scale,
                 float* s, Index lds, const Prefetch& prefetch) noexcept {
@@ -100,7 +104,15 @@ public:
         const Index chunks = (d + 31) / 32;
         for (Index j = 0; j < m; j += 32) {
             const Index n = std::min<Index>(32, m - j);
-            prefetch(j, n);
+            // One share of the 32 keys' requests before each of the 2·chunks tile products.
+            const Index share = (n + 2 * chunks - 1) / (2 * chunks);
+            Index asked = 0;
+            const auto ask = [&] {
+                const Index k = std::min(share, n - asked);
+                if (k > 0)
+                    prefetch(j + asked, k);
+                asked += k;
+            };
             Tiles::template zero<0>();
             if (n > 16)
                 Tiles::template zero<1>();
@@ -120,9 +132,11 @@ public:
                                                     : _mm512_setzero_si512());
                     return {tile, 64};
                 };
+                ask();
                 const auto [k0, ld0] = key_tile(0);
                 Tiles::template load<2>(k0, ld0);
                 Tiles::template dot<0, 2, 3>();
+                ask();
                 if (n > 16) {
                     const auto [k1, ld1] = key_tile(1);
                     Tiles::template load<2>(k1, ld1);
