@@ -369,8 +369,12 @@ TEMPLATE_TEST_CASE("AMX grouped decode tiles, emulated: the logits and the weigh
                 Index asked = 0;
                 {
                     Tiles tiles(g);
+                    // Every key asked for once, in order, a share of its 32 at a time (one
+                    // before each of their 2 · d/32 tile products, not the 32 in one burst).
+                    const Index chunks = (d + 31) / 32, share = (32 + 2 * chunks - 1) / (2 * chunks);
                     tiles.logits(keys, first, m, d, pairs.data(), scale, s.data(), 130, [&](Index j, Index n) {
                         CHECK(j == asked);
+                        CHECK((n >= 1 && n <= share));
                         asked += n;
                     });
                 }
