@@ -234,19 +234,28 @@ TEMPLATE_TEST_CASE("isa regions: the grouped decode takes its bfloat16 route (fo
 TEMPLATE_TEST_CASE("isa regions: FP8 rows as bfloat16 words, by AVX-512 where it runs, as the table of values",
                    "[isa_regions][low_precision]", Fp8E4M3, Fp8E5M2) {
     using S = TestType;
-    std::vector<std::uint8_t> row(300);
+    std::vector<std::uint8_t> row(300 + 31);
     for (std::size_t i = 0; i < row.size(); ++i)
         row[i] = static_cast<std::uint8_t>(i < 256 ? i : isa_random_word(static_cast<int>(i)));  // every byte
-    for (const Index cols : {1, 31, 32, 33, 300}) {
-        INFO("cols = " << cols);
-        std::vector<std::uint16_t> words(static_cast<std::size_t>(cols) + 1, 0xABCD);
-        detail::fp8_words<S>(row.data(), cols, words.data());
-        for (Index c = 0; c < cols; ++c) {
-            const auto expected = static_cast<std::uint16_t>(
-                std::bit_cast<std::uint32_t>(detail::fp8_values<S>[row[static_cast<std::size_t>(c)]]) >> 16);
-            INFO("byte " << int(row[static_cast<std::size_t>(c)]));
-            CHECK(words[static_cast<std::size_t>(c)] == expected);
+    // Every byte in every lane of the 32 a load converts (the row read from each of the
+    // first 32 columns on), whole loads and the masked last ones of every length below 32.
+    for (Index start = 0; start < 32; ++start)
+        for (const Index cols : {Index(1), Index(31), Index(32), Index(33), 300 - start}) {
+            INFO("start = " << start << ", cols = " << cols);
+            const std::uint8_t* from = row.data() + start;
+            std::vector<std::uint16_t> words(static_cast<std::size_t>(cols) + 1, 0xABCD);
+            detail::fp8_words<S>(from, cols, words.data());
+            Index wrong = 0;
+            for (Index c = 0; c < cols; ++c) {
+                const auto expected =
+                    static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(detail::fp8_values<S>[from[c]]) >> 16);
+                if (words[static_cast<std::size_t>(c)] != expected) {
+                    if (wrong++ == 0)
+                        FAIL_CHECK("byte " << int(from[c]) << " in column " << c << ": word "
+                                           << words[static_cast<std::size_t>(c)] << ", expected " << expected);
+                }
+            }
+            CHECK(wrong == 0);
+            CHECK(words.back() == 0xABCD);  // nothing written past the row
         }
-        CHECK(words.back() == 0xABCD);  // nothing written past the row
-    }
 }
