@@ -799,6 +799,83 @@ TEMPLATE_TEST_CASE("FP8: caches and the pool refuse finite values past the forma
     CHECK(o1.cwiseEqual(o2).all());
 }
 
+TEST_CASE("FP8 E4M3 rows of numbers: the float tiles read them divided by 2^8 and multiply the queries and "
+          "weights by it, the same bits; a NaN held, or a query past 2^120, takes the exact reading",
+          "[storage][fp8][group]") {
+    using Rows = detail::StoredRows<float, Fp8E4M3>;
+    // Which rows hold only numbers: tracked by what writes them.
+    {
+        Rows rows(4, 20), copy(4, 20), other(4, 20);
+        CHECK(rows.numbers_only());
+        Matrix<float> values = random_matrix<float>(4, 20, 1, 300.0);
+        rows.put_rows(0, values.topRows(2));
+        CHECK(rows.numbers_only());
+        copy.copy_rows_from(rows, 2);
+        CHECK(copy.numbers_only());
+        values(3, 17) = std::numeric_limits<float>::infinity();  // held as NaN
+        rows.put_rows(2, values.bottomRows(2));
+        CHECK_FALSE(rows.numbers_only());
+        rows.put_rows(2, values.topRows(2));  // the NaN overwritten: still off (sticky)
+        CHECK_FALSE(rows.numbers_only());
+        other.copy_rows_from(rows, 2);
+        CHECK_FALSE(other.numbers_only());
+        copy.swap(other);
+        CHECK_FALSE(copy.numbers_only());
+        CHECK(other.numbers_only());
+        (void)other.row_data_to_write(0);
+        CHECK_FALSE(other.numbers_only());
+    }
+    // A cache's grouped attend (tiles of 2, 4 and 8 queries, the tails off the packets, a
+    // block past 128 keys, E4M3's subnormals, zeros, ±448) equals the plain cache's fed the
+    // stored values, bit for bit, with the route taken and with it refused.
+    const Index n = 300, d = 40, dv = 33;
+    Matrix<float> K = random_matrix<float>(n, d, 2), V = random_matrix<float>(n, dv, 3);
+    for (Index i = 0; i < n; i += 7) {
+        K(i, i % d) = 0x1p-9f * float(i % 8);  // subnormals and zeros
+        V(i, i % dv) = (i % 2 == 0 ? 448.0f : -448.0f);
+        K(i, (i + 3) % d) = -0x1p-8f;
+    }
+    K.col(0).setZero();  // where the large queries below meet only zeros
+    const auto stored_of = [](const Matrix<float>& X) { return stored<float, Fp8E4M3>(X); };
+    const Matrix<float> Ks = stored_of(K), Vs = stored_of(V);
+    const auto bits_equal = [](const Matrix<float>& a, const Matrix<float>& b) {
+        bool same = a.rows() == b.rows() && a.cols() == b.cols();
+        for (Index i = 0; same && i < a.size(); ++i)
+            same = std::bit_cast<std::uint32_t>(a.data()[i]) == std::bit_cast<std::uint32_t>(b.data()[i]) ||
+                   (std::isnan(a.data()[i]) && std::isnan(b.data()[i]));
+        return same;
+    };
+    KVCache<float, Fp8E4M3> cache(d, dv);
+    KVCache<float> plain(d, dv);
+    memattn::extend(cache, K, V);
+    memattn::extend(plain, Ks, Vs);
+    for (const Index g : {2, 3, 4, 8}) {
+        for (const float big : {0.0f, 0x1p119f, 0x1p124f, 0x1p126f}) {
+            INFO("g = " << g << ", query coordinate 0 = " << big);
+            Matrix<float> Q = random_matrix<float>(g, d, 30 + static_cast<std::uint64_t>(g), 2.0);
+            // scale · big meets only zeros: from 2^120 on (big 2^124 and 2^126, d = 40) times
+            // 2^8 it would overflow, and ∞ · 0 is NaN, so the route must be refused
+            Q(g - 1, 0) = big;
+            Matrix<float> got(g, dv), expected(g, dv);
+            cache.attend_group(Q, got);
+            plain.attend_group(Q, expected);
+            CHECK(got.allFinite());
+            CHECK(bits_equal(got, expected));
+        }
+    }
+    // A NaN held (an infinite value): the exact reading, poisoned as the plain cache's.
+    Matrix<float> bad_k = random_matrix<float>(1, d, 40), bad_v = random_matrix<float>(1, dv, 41);
+    bad_v(0, 5) = -std::numeric_limits<float>::infinity();
+    cache.update(bad_k.row(0), bad_v.row(0));
+    plain.update(stored_of(bad_k).row(0), stored_of(bad_v).row(0));
+    const Matrix<float> Q = random_matrix<float>(4, d, 42);
+    Matrix<float> got(4, dv), expected(4, dv);
+    cache.attend_group(Q, got);
+    plain.attend_group(Q, expected);
+    CHECK_FALSE(got.allFinite());
+    CHECK(bits_equal(got, expected));
+}
+
 TEMPLATE_TEST_CASE("FP8 with a scale per token: each row is s * S(x / s) with s = max|x| / largest, a row "
                    "holding a non-finite value reads as NaN, tiny and zero rows keep their values",
                    "[storage][fp8]", Fp8E4M3, Fp8E5M2) {

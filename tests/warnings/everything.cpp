@@ -308,6 +308,11 @@ void everything(memattn::Index n, memattn::Index d) {
             use_memory(memattn::KVCache<T, memattn::Fp8E4M3>(d, d), x, out);
             use_memory(memattn::KVCache<T, memattn::Fp8E5M2>(d, d), x, out);
             use_memory(memattn::KVCache<T, memattn::PerTokenScale<memattn::Fp8E4M3>>(d, d), x, out);
+            {  // a group's tiles over E4M3 rows (their numbers route)
+                memattn::KVCache<T, memattn::Fp8E4M3> grouped(d, d);
+                memattn::extend(grouped, x, x);
+                grouped.attend_group(x, out);
+            }
             use_memory(memattn::SlidingWindowCache<T, memattn::Q4Affine>(d, d, 4, 1), x, out);
             use_memory(memattn::SlidingWindowCache<T, Eigen::half>(d, d, 4, 1), x, out);
             use_memory(memattn::HybridCache<T, memattn::MeanPool, memattn::Q8>(d, d, 4, 2, 3), x, out);

@@ -106,6 +106,33 @@ struct InPlaceRows {
     [[nodiscard]] float stored_value(Index r, Index c) const { return data[r * stride + c]; }
 };
 
+/// Rows with a numbers route (FP8 E4M3 where fp8_numbers_route): while they hold no NaN
+/// (numbers_only), number_packet reads their values divided by number_factor, a power of
+/// two, more cheaply than stored_packet (fp8_number_packet).
+template <class Rows>
+concept number_rows = requires(const Rows& rows) {
+    { rows.numbers_only() } -> std::same_as<bool>;
+    rows.number_packet(Index(0), Index(0));
+    { Rows::number_factor } -> std::convertible_to<float>;
+};
+
+/// Rows of a numbers route read as their values divided by number_factor (exactly: a power
+/// of two, and no stored value is so small that the quotient rounds), for the float
+/// tiles: their queries or weights are multiplied by the factor instead, so each product
+/// is the same number and rounds the same (GroupAttention::fold_stored).
+template <number_rows Rows>
+struct NumberRows {
+    const Rows& rows;
+    void prefetch_row(Index r) const { rows.prefetch_row(r); }
+    [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const { return rows.number_packet(r, c); }
+    [[nodiscard]] float stored_value(Index r, Index c) const { return rows.stored_value(r, c) / Rows::number_factor; }
+};
+
+template <class Rows>
+inline constexpr bool number_view = false;
+template <class Rows>
+inline constexpr bool number_view<NumberRows<Rows>> = true;
+
 /// s (GQ rows, stride lds) = q (GQ rows of d values, stride ldq, zero-padded to whole
 /// packets, aligned) · K_jᵀ for the keys j ∈ [first, first + m) of `keys`
 /// (stored_packet/stored_value), GK = lanes / GQ keys per tile. Each tile asks for the
@@ -604,8 +631,18 @@ public:
             }
             if constexpr (std::is_same_v<T, float> && decode_tiles) {
                 if (tiles_) {
-                    fold_tiles(K, V, first, n, K.cols(), V.cols(),
-                               static_cast<Index>(StoredRows<T, SK>::row_bytes(K.cols())), K.rows(), acc);
+                    const auto key_bytes = static_cast<Index>(StoredRows<T, SK>::row_bytes(K.cols()));
+                    if constexpr (number_rows<StoredRows<T, SK>> && number_rows<StoredRows<T, SV>>) {
+                        // Rows of numbers read divided by their factor, the queries and the
+                        // weights multiplied by it: the same products (NumberRows)
+                        constexpr float kf = StoredRows<T, SK>::number_factor, vf = StoredRows<T, SV>::number_factor;
+                        if (K.numbers_only() && V.numbers_only() && query_factor(kf)) {
+                            fold_tiles(NumberRows<StoredRows<T, SK>>{K}, NumberRows<StoredRows<T, SV>>{V}, first, n,
+                                       K.cols(), V.cols(), key_bytes, K.rows(), acc, vf);
+                            return;
+                        }
+                    }
+                    fold_tiles(K, V, first, n, K.cols(), V.cols(), key_bytes, K.rows(), acc);
                     return;
                 }
             }
@@ -681,9 +718,15 @@ private:
         }
 #endif
         if (tiles_) {
+            qt_factor_ = T(1);
+            largest_query_ = T(0);
             for (Index r = 0; r < g_; ++r) {
-                for (Index k = 0; k < d; ++k)
-                    qt_[r * depth_ + k] = scale_ * queries_(r, k);
+                for (Index k = 0; k < d; ++k) {
+                    const T x = scale_ * queries_(r, k);
+                    qt_[r * depth_ + k] = x;
+                    if (std::abs(x) <= Eigen::NumTraits<T>::highest())  // (∞ times a factor is ∞, NaN NaN)
+                        largest_query_ = std::max(largest_query_, std::abs(x));
+                }
                 for (Index k = d; k < depth_; ++k)
                     qt_[r * depth_ + k] = T(0);
             }
@@ -767,9 +810,13 @@ private:
     /// block, a split's next piece). Measured on the batched step of 32 paged bfloat16
     /// sequences, one thread: 43–44 ms against 48–56 within blocks only, in two
     /// interleaved runs; later runs moved by as much (docs/performance.md, "Serving").
+    /// `weight_factor`: the values are read divided by it (NumberRows), so the weights are
+    /// multiplied by it first; the queries (qt_) are read as query_factor left them.
     template <class Keys, class Values, class Acc>
     void fold_tiles(const Keys& keys, const Values& values, Index first, Index n, Index d, Index dv,
-                    Index key_row_bytes, Index prefetch_end, Acc& acc) {
+                    Index key_row_bytes, Index prefetch_end, Acc& acc, float weight_factor = 1.0f) {
+        if constexpr (!number_view<Keys>)
+            query_factor(T(1));  // (always possible)
         fold_blocks(
             n, key_row_bytes,
             [&](Index j0, Index block, Index ahead) {
@@ -778,7 +825,22 @@ private:
                                     s_ + r0 * group_keys, group_keys, r0 == 0 ? ahead : 0, prefetch_end);
                 });
             },
-            float_products(values, first, dv, acc));
+            float_products(values, first, dv, acc, weight_factor));
+    }
+
+    /// The tiles route's queries (qt_) times `factor` (1, or a number rows' factor, a power
+    /// of two): false, and qt_ unchanged, where a finite query would overflow. Exact both
+    /// ways.
+    bool query_factor(T factor) noexcept {
+        if (factor == qt_factor_)
+            return true;
+        if (factor > T(1) && !(largest_query_ <= Eigen::NumTraits<T>::highest() / factor))
+            return false;
+        const T by = factor / qt_factor_;
+        for (Index i = 0; i < g_ * depth_; ++i)
+            qt_[i] *= by;
+        qt_factor_ = factor;
+        return true;
     }
 
     /// The route of IntegerDot<Q8> keys (integer_group): fold_tiles with the logits of
@@ -887,8 +949,13 @@ private:
     /// + P·V by value_tiles, or without AVX2 (fold_integer only) value_tiles' sums, one
     /// value at a time.
     template <class Values, class Acc>
-    auto float_products(const Values& values, Index first, Index dv, Acc& acc) {
-        return [this, &values, first, dv, out = acc.data(), ldo = acc.outerStride()](Index j0, Index block) {
+    auto float_products(const Values& values, Index first, Index dv, Acc& acc, float weight_factor = 1.0f) {
+        return [this, &values, first, dv, weight_factor, out = acc.data(), ldo = acc.outerStride()](Index j0,
+                                                                                                    Index block) {
+            if (weight_factor != 1.0f)  // values read divided by it (NumberRows): exact, the weights are at most 1
+                for (Index r = 0; r < g_; ++r)
+                    for (Index j = 0; j < block; ++j)
+                        s_[r * group_keys + j] *= weight_factor;
             if constexpr (decode_tiles) {
                 for_query_tiles(g_, [&]<int GQ>(Index r0) {
                     value_tiles<GQ>(values, first + j0, block, dv, s_ + r0 * group_keys, group_keys, alpha_ + r0,
@@ -949,6 +1016,8 @@ private:
     SoftmaxState<T> states_[group_rows];                        // the other routes
     T alpha_[group_rows];
     alignas(64) T qt_[max_depth * group_rows];  // log2(e)·scale·Q_gᵀ (tiled route), scale·Q_g (tiles)
+    T qt_factor_ = T(1);                        // the tiles' qt_ is scale·Q_g times it (query_factor)
+    T largest_query_ = T(0);                    // the largest finite magnitude of scale·Q_g (query_factor)
     alignas(64) T s_[group_rows * group_keys];  // logits, then weights
     struct NoIntegerGroup {};
     std::conditional_t<std::is_same_v<T, float>, IntegerGroup, NoIntegerGroup> integer_;  // the queries rounded (fold_integer)

@@ -326,6 +326,46 @@ inline Packet<float> fp8_packet(const std::uint8_t* p) {
 #endif
 }
 
+/// Whether FP8 rows of format S take the numbers route (StoredRows::numbers_only,
+/// fp8_number_packet): E4M3 where its bytes are converted through binary16 (F16C), whose
+/// packets then skip the NaN lanes' compare and the rescale by 2^8.
+#if defined(MEMATTN_FP8_F16C)
+template <Fp8Storage S>
+inline constexpr bool fp8_numbers_route = std::same_as<S, Fp8E4M3>;
+#else
+template <Fp8Storage S>
+inline constexpr bool fp8_numbers_route = false;
+#endif
+
+/// Whether any of n bytes of E4M3 is its NaN (S.1111.111).
+inline bool e4m3_holds_nan(const std::uint8_t* p, Index n) noexcept {
+    bool nan = false;
+    for (Index i = 0; i < n; ++i)
+        nan |= (p[i] & 0x7F) == 0x7F;
+    return nan;
+}
+
+#if defined(MEMATTN_FP8_F16C)
+/// fp8_packet of `packet_lanes<float>` bytes of E4M3 none of which is NaN, each value
+/// times 2^−8: the binary16 whose bits the byte's are (fp8_half_bits), without the NaN
+/// lanes' compare and the rescale (four instructions for 16 values with AVX-512 BW and VL,
+/// against seven). The numbers route multiplies the 2^8 into the queries or the weights
+/// instead, so each product is the same number, rounded the same.
+template <Fp8Storage S>
+inline Packet<float> fp8_number_packet(const std::uint8_t* p) {
+    static_assert(fp8_numbers_route<S>);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7),
+                                            _mm256_set1_epi16(static_cast<short>(~0x4000))));
+#elif defined(__AVX512F__)
+    return _mm512_cvtph_ps(fp8_half_bits<S>(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#else
+    return _mm256_cvtph_ps(fp8_half_bits<S>(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#endif
+}
+#endif
+
 /// A row of `cols` bytes of FP8 format S times s (1 for the unscaled rows, exactly their
 /// values) into out, as T: s · value in float, a packet at a time for float, by the table
 /// for the columns past the last whole packet and for double.
@@ -361,19 +401,28 @@ public:
     void swap(StoredRows& other) noexcept {
         m_.swap(other.m_);
         std::swap(cols_, other.cols_);
+        std::swap(numbers_only_, other.numbers_only_);
     }
+    /// No byte written to these rows since they were made was E4M3's NaN (tracked where
+    /// fp8_numbers_route<S>: put_rows, copy_rows_from, read_rows; the writable row_data
+    /// turns it off): the rows' values are numbers, so the float tiles may read them by
+    /// number_packet. It stays off once a NaN was written, whatever overwrites it.
+    [[nodiscard]] bool numbers_only() const noexcept { return numbers_only_; }
 
     /// Rows [first, first + rows) = the rows, each value rounded to S (double through
     /// float: one rounding to S's precision, as float's would be, since float's
     /// significand is more than twice as long).
     template <class D>
     void put_rows(Index first, const D& rows) {
-        for (Index r = 0; r < rows.rows(); ++r)
+        for (Index r = 0; r < rows.rows(); ++r) {
             fp8_encode_span<S>(cols_, [&](Index c) { return static_cast<float>(rows(r, c)); }, at(first + r, 0));
+            note_bytes(first + r, 1);
+        }
     }
     void copy_rows_from(const StoredRows& other, Index n) {
         if (n > 0 && cols_ > 0)
             std::memcpy(at(0, 0), other.at(0, 0), row_bytes(cols_) * static_cast<std::size_t>(n));
+        numbers_only_ = numbers_only_ && other.numbers_only_;
     }
     /// Rows [to, to + n) = rows [from, from + n), the two ranges apart.
     void copy_within(Index from, Index to, Index n) {
@@ -417,6 +466,17 @@ public:
     /// column c (c + lanes ≤ cols; fused_storage), and one value.
     [[nodiscard]] Packet<float> stored_packet(Index r, Index c) const { return fp8_packet<S>(at(r, c)); }
     [[nodiscard]] float stored_value(Index r, Index c) const { return fp8_values<S>[*at(r, c)]; }
+#if defined(MEMATTN_FP8_F16C)
+    /// Where numbers_only() (fp8_numbers_route<S>): stored_packet times 2^−8
+    /// (fp8_number_packet), and that factor, which the reader multiplies into the other
+    /// operand of each product.
+    [[nodiscard]] Packet<float> number_packet(Index r, Index c) const
+        requires fp8_numbers_route<S>
+    {
+        return fp8_number_packet<S>(at(r, c));
+    }
+    static constexpr float number_factor = 256.0f;
+#endif
 
     [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols_) * static_cast<std::size_t>(rows); }
     [[nodiscard]] static std::size_t row_bytes(Index cols) noexcept { return static_cast<std::size_t>(cols); }
@@ -430,18 +490,31 @@ public:
         for (Index i = first; i < first + n; ++i)
             for (Index c = 0; c < cols_; ++c)
                 *at(i, c) = r.number<std::uint8_t>("rows");
+        note_bytes(first, n);
     }
 
-    /// Row r's bytes (the scaled rows of PerTokenScale<S> write and read them).
-    [[nodiscard]] std::uint8_t* row_data(Index r) noexcept { return at(r, 0); }
+    /// Row r's bytes.
     [[nodiscard]] const std::uint8_t* row_data(Index r) const noexcept { return at(r, 0); }
+    /// Row r's bytes to write (the scaled rows of PerTokenScale<S> write theirs): what the
+    /// writer puts there is not looked at, so numbers_only() turns off.
+    [[nodiscard]] std::uint8_t* row_data_to_write(Index r) noexcept {
+        numbers_only_ = false;
+        return at(r, 0);
+    }
 
 private:
     [[nodiscard]] std::uint8_t* at(Index r, Index c) noexcept { return m_.data() + r * cols_ + c; }
+    /// numbers_only() off if rows [first, first + n) hold E4M3's NaN.
+    void note_bytes(Index first, Index n) noexcept {
+        if constexpr (fp8_numbers_route<S>)
+            if (numbers_only_ && n > 0 && e4m3_holds_nan(at(first, 0), n * cols_))
+                numbers_only_ = false;
+    }
     [[nodiscard]] const std::uint8_t* at(Index r, Index c) const noexcept { return m_.data() + r * cols_ + c; }
 
     Eigen::Matrix<std::uint8_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m_;  ///< the bytes, row-major
     Index cols_;
+    bool numbers_only_ = true;
 };
 
 /// FP8 rows with a scale per row (PerTokenScale<S>): the bytes of S(x / s) as
@@ -484,7 +557,8 @@ public:
                                    : std::numeric_limits<float>::quiet_NaN();
             scales_(first + r) = s;
             // |x / s| ≤ largest (to float's rounding): no refusal
-            fp8_encode_span<S>(d, [&](Index c) { return static_cast<float>(rows(r, c)) / s; }, codes_.row_data(first + r));
+            fp8_encode_span<S>(d, [&](Index c) { return static_cast<float>(rows(r, c)) / s; },
+                               codes_.row_data_to_write(first + r));
         }
     }
     void copy_rows_from(const StoredRows& other, Index n) {
