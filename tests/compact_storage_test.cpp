@@ -799,8 +799,8 @@ TEMPLATE_TEST_CASE("FP8: caches and the pool refuse finite values past the forma
     CHECK(o1.cwiseEqual(o2).all());
 }
 
-TEST_CASE("FP8 E4M3 rows of numbers: the float tiles read them divided by 2^8 and multiply the queries and "
-          "weights by it, the same bits; a NaN held, or a query past 2^120, takes the exact reading",
+TEST_CASE("FP8 E4M3 rows of numbers: a query and the float tiles read them divided by 2^8 and multiply the "
+          "queries and weights by it, the same bits; a NaN held, or a query past 2^120, takes the exact reading",
           "[storage][fp8][group]") {
     using Rows = detail::StoredRows<float, Fp8E4M3>;
     // Which rows hold only numbers: tracked by what writes them.
@@ -824,6 +824,11 @@ TEST_CASE("FP8 E4M3 rows of numbers: the float tiles read them divided by 2^8 an
         CHECK(other.numbers_only());
         (void)other.row_data_to_write(0);
         CHECK_FALSE(other.numbers_only());
+        detail::StoredRows<float, Fp8E5M2> wide(2, 20);  // E5M2's ±∞ too
+        wide.put_rows(0, values.topRows(2) / 1000.0f);
+        CHECK(wide.numbers_only());
+        wide.put_rows(1, values.bottomRows(1));
+        CHECK_FALSE(wide.numbers_only());
     }
     // A cache's grouped attend (tiles of 2, 4 and 8 queries, the tails off the packets, a
     // block past 128 keys, E4M3's subnormals, zeros, ±448) equals the plain cache's fed the
@@ -861,6 +866,37 @@ TEST_CASE("FP8 E4M3 rows of numbers: the float tiles read them divided by 2^8 an
             plain.attend_group(Q, expected);
             CHECK(got.allFinite());
             CHECK(bits_equal(got, expected));
+        }
+    }
+    // One query (a model without GQA: attend) and groups, rows of numbers read divided by
+    // 2^8 against the same rows read exactly: a cache that once held a NaN (a row past the
+    // others, cut off again) keeps the exact reading, and must give the same bits.
+    {
+        KVCache<float, Fp8E4M3> exact(d, dv);
+        memattn::extend(exact, K, V);
+        Matrix<float> nan_row = random_matrix<float>(1, d, 50);
+        nan_row(0, 3) = std::numeric_limits<float>::quiet_NaN();
+        exact.update(nan_row.row(0), random_matrix<float>(1, dv, 51).row(0));
+        exact.truncate(n);
+        for (const float big : {0.0f, 0x1p118f, 0x1p124f, std::numeric_limits<float>::infinity()}) {
+            INFO("one query, coordinate 0 = " << big);
+            Matrix<float> Q = random_matrix<float>(3, d, 52, 3.0);
+            Q(2, 0) = big;
+            Matrix<float> got(3, dv), expected(3, dv);
+            for (Index r = 0; r < 3; ++r) {
+                cache.attend(Q.row(r), got.row(r));
+                exact.attend(Q.row(r), expected.row(r));
+            }
+            CHECK(bits_equal(got, expected));
+            if (big != std::numeric_limits<float>::infinity())
+                CHECK(got.allFinite());
+            for (const Index g : {2, 3, 8}) {
+                const Matrix<float> G = random_matrix<float>(g, d, 53 + static_cast<std::uint64_t>(g), 3.0);
+                Matrix<float> grouped(g, dv), grouped_exact(g, dv);
+                cache.attend_group(G, grouped);
+                exact.attend_group(G, grouped_exact);
+                CHECK(bits_equal(grouped, grouped_exact));
+            }
         }
     }
     // A NaN held (an infinite value): the exact reading, poisoned as the plain cache's.

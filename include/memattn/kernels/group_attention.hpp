@@ -106,16 +106,6 @@ struct InPlaceRows {
     [[nodiscard]] float stored_value(Index r, Index c) const { return data[r * stride + c]; }
 };
 
-/// Rows with a numbers route (FP8 E4M3 where fp8_numbers_route): while they hold no NaN
-/// (numbers_only), number_packet reads their values divided by number_factor, a power of
-/// two, more cheaply than stored_packet (fp8_number_packet).
-template <class Rows>
-concept number_rows = requires(const Rows& rows) {
-    { rows.numbers_only() } -> std::same_as<bool>;
-    rows.number_packet(Index(0), Index(0));
-    { Rows::number_factor } -> std::convertible_to<float>;
-};
-
 /// Rows of a numbers route read as their values divided by number_factor (exactly: a power
 /// of two, and no stored value is so small that the quotient rounds), for the float
 /// tiles: their queries or weights are multiplied by the factor instead, so each product
@@ -620,7 +610,7 @@ public:
             }
             MEMATTN_DASSERT(!dot_);  // the memories take FpMath::bf16 over rows fold_bf16 reads
             if (g_ == 1 && !logits_.transforms()) {
-                attend_stored(queries_.row(0), K, V, first, n, scale_, states_[0], acc.row(0));
+                attend_stored(queries_.row(0), K, V, first, n, scale_, states_[0], acc.row(0), ahead_);
                 return;
             }
             if constexpr (std::is_same_v<T, float> && integer_group<SK>) {

@@ -38,6 +38,14 @@ inline constexpr Index attend_block = 256;
 /// the two run alone, interleaved), the GEMV blocks 0.58–0.75.
 inline constexpr std::size_t streaming_bytes = std::size_t(16) << 20;
 
+/// Bytes of K and V from which attend_stored asks for its rows ahead (4 KiB on each
+/// stream), or the caller says they come from beyond the L2 (`ahead`): a head's bytes, the
+/// grouped attend's rule (group_prefetch_bytes, kernels/group_attention.hpp, and its
+/// measurements). Until 2026-12-08 it was streaming_bytes, the float path's choice of
+/// its loop, so a head of 1-byte rows (FP8, Q8) at 32,768 tokens × 128 (8 MiB) asked for
+/// nothing, nor did a pool's sequence (a run is a block), whatever its length.
+inline constexpr std::size_t stored_ahead_bytes = std::size_t(1) << 20;
+
 /// Rows of `cols` scalars the streaming path asks for ahead of the row it reads: 4 KiB
 /// ahead (measured at 65536 pairs, of a plain read: 4 KiB 0.84–0.96, 2 KiB 0.78–0.85,
 /// 8 KiB 0.78–0.91, 16 KiB 0.76–0.87, none 0.63–0.8).
@@ -142,15 +150,17 @@ inline constexpr Index stored_buffer = Index(32768 / sizeof(T));
 /// (at least streaming_bytes; in cache the prefetches only cost). Otherwise rows are
 /// converted a few at a time into a buffer in L1 (dot_in_order, add_values_in_order), on
 /// the stack (stored_buffer values), or from the heap for a row wider than that.
-template <class T, class SK, class SV, class Q, class Acc, class Logit>
+/// NumberValues: V's rows of numbers are added by add_number_rows (number_rows).
+template <bool NumberValues = false, class T, class SK, class SV, class Q, class Acc, class Logit>
 void attend_stored_rows(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, SV>& V, Index first, Index n,
-                        T scale, SoftmaxState<T>& state, Acc& acc, const Logit& logit) {
+                        T scale, SoftmaxState<T>& state, Acc& acc, const Logit& logit, bool ahead) {
     using KRows = StoredRows<T, SK>;
     using VRows = StoredRows<T, SV>;
     constexpr bool in_registers = fused_storage && std::is_same_v<T, float>;
     constexpr bool decode_keys = std::is_same_v<Logit, std::nullptr_t>;
     const Index d = K.cols(), dv = V.cols(), end = first + n;
-    const bool streaming = static_cast<std::size_t>(n) * (KRows::row_bytes(d) + VRows::row_bytes(dv)) >= streaming_bytes;
+    const bool streaming =
+        ahead || static_cast<std::size_t>(n) * (KRows::row_bytes(d) + VRows::row_bytes(dv)) >= stored_ahead_bytes;
     const Index k_ahead = streaming ? std::max<Index>(1, Index(4096 / KRows::row_bytes(d))) : n;
     const Index v_ahead = streaming ? std::max<Index>(1, Index(4096 / VRows::row_bytes(dv))) : 0;
     // The buffer of the rows converted to T (none when both products read in registers).
@@ -194,7 +204,10 @@ void attend_stored_rows(const Q& q, const StoredRows<T, SK>& K, const StoredRows
                 for (Index c = packed; c < dv; ++c)
                     out[c] *= alpha;
             }
-            V.add_rows(j0, m, logits, out, v_ahead, end);
+            if constexpr (NumberValues)
+                V.add_number_rows(j0, m, logits, out, v_ahead, end);
+            else
+                V.add_rows(j0, m, logits, out, v_ahead, end);
         } else {
             for (Index j = 0; j < m; j += step) {
                 const Index rows = std::min(step, m - j);
@@ -219,6 +232,10 @@ struct NoRows {
     void prefetch_row(Index) const noexcept {}
 };
 
+/// The widest head whose query attend_stored multiplies by a number rows' factor on the
+/// stack (wider ones read the rows exactly).
+inline constexpr Index number_query_depth = 512;
+
 /// One query against the stored pairs [first, first + n) of K and V, as the streaming path
 /// of attend_contiguous (attend_stored_rows): the logits s_j = scale · q·k_j, in float
 /// with fused_storage by each row's dot product in registers. With IntegerDot<S> storage
@@ -228,7 +245,7 @@ struct NoRows {
 /// stack; a head wider than its max_depth takes the plain dot).
 template <class T, class SK, class SV, class Q, class Acc>
 void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, SV>& V, Index first, Index n, T scale,
-                   SoftmaxState<T>& state, Acc&& acc) {
+                   SoftmaxState<T>& state, Acc&& acc, bool ahead = false) {
     MEMATTN_DASSERT(q.innerStride() == 1 && acc.innerStride() == 1);
     if constexpr (integer_dot<SK>) {
         static_assert(std::is_same_v<T, float>, "memattn: the integer Q·K (IntegerDot<S>) is for caches of float");
@@ -241,7 +258,7 @@ void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, S
                 const auto block = [&](Index j0, Index m, float* logits, Index ahead, Index end) {
                     K.integer_logits(j0, m, rounded, scale, logits, attend_block, NoRows{}, ahead, end);
                 };
-                attend_stored_rows(q, K, V, first, n, scale, state, acc, block);
+                attend_stored_rows(q, K, V, first, n, scale, state, acc, block, ahead);
                 return;
             }
         }
@@ -249,7 +266,7 @@ void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, S
             IntegerQuery rounded;  // round() writes every entry that integer_dot reads
             rounded.round(q.data(), K.cols());
             attend_stored_rows(q, K, V, first, n, scale, state, acc,
-                               [&](Index row) { return scale * K.integer_dot(row, rounded); });
+                               [&](Index row) { return scale * K.integer_dot(row, rounded); }, ahead);
             return;
         }
     }
@@ -257,14 +274,36 @@ void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, S
         if (K.cols() <= ChannelQuery::max_depth) {
             ChannelQuery channels;  // its group is none: dot fills qs before it reads them
             attend_stored_rows(q, K, V, first, n, scale, state, acc,
-                               [&](Index row) { return scale * K.dot(row, q.data(), channels); });
+                               [&](Index row) { return scale * K.dot(row, q.data(), channels); }, ahead);
             return;
         }
     }
-    if constexpr (fused_storage && std::is_same_v<T, float>)
-        attend_stored_rows(q, K, V, first, n, scale, state, acc, [&](Index row) { return scale * K.dot(row, q.data()); });
-    else
-        attend_stored_rows(q, K, V, first, n, scale, state, acc, nullptr);
+    if constexpr (fused_storage && std::is_same_v<T, float>) {
+        if constexpr (number_rows<StoredRows<T, SK>> && number_rows<StoredRows<T, SV>>) {
+            // Rows of numbers read divided by their factor, the query and the weights
+            // multiplied by it: the same products (number_rows)
+            constexpr float factor = StoredRows<T, SK>::number_factor;
+            static_assert(StoredRows<T, SV>::number_factor == factor);
+            const Index d = K.cols();
+            if (K.numbers_only() && V.numbers_only() && d <= number_query_depth) {
+                alignas(64) float scaled[number_query_depth];
+                bool finite = true;  // no finite q_i overflows times the factor
+                for (Index c = 0; c < d; ++c) {
+                    scaled[c] = q.data()[c] * factor;
+                    finite = finite && !(std::abs(scaled[c]) > std::numeric_limits<float>::max() &&
+                                         std::abs(q.data()[c]) <= std::numeric_limits<float>::max());
+                }
+                if (finite) {
+                    attend_stored_rows<true>(q, K, V, first, n, scale, state, acc,
+                                             [&](Index row) { return scale * K.number_dot(row, scaled); }, ahead);
+                    return;
+                }
+            }
+        }
+        attend_stored_rows(q, K, V, first, n, scale, state, acc,
+                           [&](Index row) { return scale * K.dot(row, q.data()); }, ahead);
+    } else
+        attend_stored_rows(q, K, V, first, n, scale, state, acc, nullptr, ahead);
 }
 
 }  // namespace memattn::detail

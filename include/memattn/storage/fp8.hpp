@@ -337,12 +337,15 @@ template <Fp8Storage S>
 inline constexpr bool fp8_numbers_route = false;
 #endif
 
-/// Whether any of n bytes of E4M3 is its NaN (S.1111.111).
-inline bool e4m3_holds_nan(const std::uint8_t* p, Index n) noexcept {
-    bool nan = false;
+/// Whether any of n bytes of FP8 format S is not a number: E4M3's NaN (S.1111.111),
+/// E5M2's ±∞ and NaNs (S.11111.xx).
+template <Fp8Storage S>
+inline bool fp8_holds_non_number(const std::uint8_t* p, Index n) noexcept {
+    constexpr std::uint8_t field = std::same_as<S, Fp8E4M3> ? 0x7F : 0x7C;
+    bool found = false;
     for (Index i = 0; i < n; ++i)
-        nan |= (p[i] & 0x7F) == 0x7F;
-    return nan;
+        found |= (p[i] & field) == field;
+    return found;
 }
 
 #if defined(MEMATTN_FP8_F16C)
@@ -387,6 +390,14 @@ struct Fp8Packets {
     Packet<float> operator()(const std::uint8_t* p) const { return fp8_packet<S>(p); }
 };
 
+#if defined(MEMATTN_FP8_F16C)
+/// fp8_number_packet as a callable (dot_span's loader on rows of numbers).
+template <Fp8Storage S>
+struct Fp8NumberPackets {
+    Packet<float> operator()(const std::uint8_t* p) const { return fp8_number_packet<S>(p); }
+};
+#endif
+
 /// FP8 rows: one byte per value, row-major.
 template <class T, Fp8Storage S>
 class StoredRows<T, S> {
@@ -403,10 +414,11 @@ public:
         std::swap(cols_, other.cols_);
         std::swap(numbers_only_, other.numbers_only_);
     }
-    /// No byte written to these rows since they were made was E4M3's NaN (tracked where
-    /// fp8_numbers_route<S>: put_rows, copy_rows_from, read_rows; the writable row_data
-    /// turns it off): the rows' values are numbers, so the float tiles may read them by
-    /// number_packet. It stays off once a NaN was written, whatever overwrites it.
+    /// No byte written to these rows since they were made was other than a number (E4M3's
+    /// NaN, E5M2's ±∞ and NaNs; tracked by put_rows, copy_rows_from and read_rows, and
+    /// turned off by row_data_to_write): where fp8_numbers_route<S>, the float tiles and
+    /// the single query may then read them by number_packet. It stays off once such a
+    /// byte was written, whatever overwrites it.
     [[nodiscard]] bool numbers_only() const noexcept { return numbers_only_; }
 
     /// Rows [first, first + rows) = the rows, each value rounded to S (double through
@@ -476,6 +488,33 @@ public:
         return fp8_number_packet<S>(at(r, c));
     }
     static constexpr float number_factor = 256.0f;
+    /// dot on rows of numbers with q times number_factor: the same products, the same sum.
+    [[nodiscard]] float number_dot(Index row, const float* q) const
+        requires fp8_numbers_route<S>
+    {
+        const std::uint8_t* x = at(row, 0);
+        const Index packed = cols_ / packet_lanes<float> * packet_lanes<float>;
+        float sum = Eigen::internal::predux(
+            dot_span(q, x, packed, Eigen::internal::pset1<Packet<float>>(0.0f), Fp8NumberPackets<S>{}));
+        for (Index c = packed; c < cols_; ++c)
+            sum += q[c] * (fp8_values<S>[x[c]] / number_factor);
+        return sum;
+    }
+    /// add_rows on rows of numbers: each weight times number_factor, each value divided by
+    /// it (the same products, the same sums).
+    void add_number_rows(Index first, Index n, const float* w, float* acc, Index ahead, Index prefetch_end) const
+        requires fp8_numbers_route<S>
+    {
+        struct Numbers {
+            const StoredRows& rows;
+            [[nodiscard]] Index cols() const noexcept { return rows.cols(); }
+            void prefetch_row(Index r) const { rows.prefetch_row(r); }
+            [[nodiscard]] Packet<float> packet(Index r, Index c) const { return rows.number_packet(r, c); }
+            [[nodiscard]] float scalar(Index r, Index c) const { return rows.scalar(r, c) / number_factor; }
+            [[nodiscard]] static float weight(Index, Index, float w) { return w * number_factor; }
+        };
+        add_rows_in_registers(Numbers{*this}, first, n, w, acc, ahead, prefetch_end);
+    }
 #endif
 
     [[nodiscard]] std::size_t bytes(Index rows) const noexcept { return row_bytes(cols_) * static_cast<std::size_t>(rows); }
@@ -504,11 +543,10 @@ public:
 
 private:
     [[nodiscard]] std::uint8_t* at(Index r, Index c) noexcept { return m_.data() + r * cols_ + c; }
-    /// numbers_only() off if rows [first, first + n) hold E4M3's NaN.
+    /// numbers_only() off if rows [first, first + n) hold a byte that is not a number.
     void note_bytes(Index first, Index n) noexcept {
-        if constexpr (fp8_numbers_route<S>)
-            if (numbers_only_ && n > 0 && e4m3_holds_nan(at(first, 0), n * cols_))
-                numbers_only_ = false;
+        if (numbers_only_ && n > 0 && fp8_holds_non_number<S>(at(first, 0), n * cols_))
+            numbers_only_ = false;
     }
     [[nodiscard]] const std::uint8_t* at(Index r, Index c) const noexcept { return m_.data() + r * cols_ + c; }
 

@@ -6,7 +6,22 @@
 #include "memattn/detail/huge_pages.hpp"
 #include "memattn/storage/formats.hpp"
 
+#include <concepts>
+
 namespace memattn::detail {
+
+/// Rows with a numbers route (FP8 E4M3 where fp8_numbers_route, storage/fp8.hpp): while
+/// they hold no NaN (numbers_only), number_packet, number_dot and add_number_rows read
+/// their values divided by number_factor, a power of two, more cheaply than the exact
+/// readers, for a reader that multiplies the other operand of each product by it.
+template <class Rows>
+concept number_rows = requires(const Rows& rows, const float* q, float* acc) {
+    { rows.numbers_only() } -> std::same_as<bool>;
+    rows.number_packet(Index(0), Index(0));
+    { rows.number_dot(Index(0), q) } -> std::same_as<float>;
+    rows.add_number_rows(Index(0), Index(0), q, acc, Index(0), Index(0));
+    { Rows::number_factor } -> std::convertible_to<float>;
+};
 
 /// A logit tile's requests in a grouped decode (kernels/group_attention.hpp, and the
 /// grouped integer logits of Q8 keys): the key rows `ahead` rows past [r0, r1) (below
