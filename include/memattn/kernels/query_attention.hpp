@@ -39,8 +39,8 @@ inline constexpr Index attend_block = 256;
 inline constexpr std::size_t streaming_bytes = std::size_t(16) << 20;
 
 /// Bytes of K and V from which attend_stored asks for its rows ahead (4 KiB on each
-/// stream), or the caller says they come from beyond the L2 (`ahead`): a head's bytes, the
-/// grouped attend's rule (group_prefetch_bytes, kernels/group_attention.hpp, and its
+/// stream), or the caller says they come from beyond the L2 (`ask_ahead`): a head's
+/// bytes, the grouped attend's rule (group_prefetch_bytes, kernels/group_attention.hpp, and its
 /// measurements). Until 2026-12-08 it was streaming_bytes, the float path's choice of
 /// its loop, so a head of 1-byte rows (FP8, Q8) at 32,768 tokens × 128 (8 MiB) asked for
 /// nothing, nor did a pool's sequence (a run is a block), whatever its length.
@@ -147,20 +147,21 @@ inline constexpr Index stored_buffer = Index(32768 / sizeof(T));
 /// online softmax, then acc = α·acc + Σ_j p_j v_j. In float with fused_storage each row is
 /// converted in registers inside its dot product (logit) and its update (add_rows), read
 /// in address order, asked for 4 KiB ahead on each stream once the run comes from DRAM
-/// (at least streaming_bytes; in cache the prefetches only cost). Otherwise rows are
-/// converted a few at a time into a buffer in L1 (dot_in_order, add_values_in_order), on
+/// (at least stored_ahead_bytes, or `ask_ahead`; in cache the prefetches only cost).
+/// Otherwise rows are converted a few at a time into a buffer in L1 (dot_in_order,
+/// add_values_in_order), on
 /// the stack (stored_buffer values), or from the heap for a row wider than that.
 /// NumberValues: V's rows of numbers are added by add_number_rows (number_rows).
 template <bool NumberValues = false, class T, class SK, class SV, class Q, class Acc, class Logit>
 void attend_stored_rows(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, SV>& V, Index first, Index n,
-                        T scale, SoftmaxState<T>& state, Acc& acc, const Logit& logit, bool ahead) {
+                        T scale, SoftmaxState<T>& state, Acc& acc, const Logit& logit, bool ask_ahead) {
     using KRows = StoredRows<T, SK>;
     using VRows = StoredRows<T, SV>;
     constexpr bool in_registers = fused_storage && std::is_same_v<T, float>;
     constexpr bool decode_keys = std::is_same_v<Logit, std::nullptr_t>;
     const Index d = K.cols(), dv = V.cols(), end = first + n;
     const bool streaming =
-        ahead || static_cast<std::size_t>(n) * (KRows::row_bytes(d) + VRows::row_bytes(dv)) >= stored_ahead_bytes;
+        ask_ahead || static_cast<std::size_t>(n) * (KRows::row_bytes(d) + VRows::row_bytes(dv)) >= stored_ahead_bytes;
     const Index k_ahead = streaming ? std::max<Index>(1, Index(4096 / KRows::row_bytes(d))) : n;
     const Index v_ahead = streaming ? std::max<Index>(1, Index(4096 / VRows::row_bytes(dv))) : 0;
     // The buffer of the rows converted to T (none when both products read in registers).
@@ -245,7 +246,7 @@ inline constexpr Index number_query_depth = 512;
 /// stack; a head wider than its max_depth takes the plain dot).
 template <class T, class SK, class SV, class Q, class Acc>
 void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, SV>& V, Index first, Index n, T scale,
-                   SoftmaxState<T>& state, Acc&& acc, bool ahead = false) {
+                   SoftmaxState<T>& state, Acc&& acc, bool ask_ahead = false) {
     MEMATTN_DASSERT(q.innerStride() == 1 && acc.innerStride() == 1);
     if constexpr (integer_dot<SK>) {
         static_assert(std::is_same_v<T, float>, "memattn: the integer Q·K (IntegerDot<S>) is for caches of float");
@@ -258,7 +259,7 @@ void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, S
                 const auto block = [&](Index j0, Index m, float* logits, Index ahead, Index end) {
                     K.integer_logits(j0, m, rounded, scale, logits, attend_block, NoRows{}, ahead, end);
                 };
-                attend_stored_rows(q, K, V, first, n, scale, state, acc, block, ahead);
+                attend_stored_rows(q, K, V, first, n, scale, state, acc, block, ask_ahead);
                 return;
             }
         }
@@ -266,7 +267,7 @@ void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, S
             IntegerQuery rounded;  // round() writes every entry that integer_dot reads
             rounded.round(q.data(), K.cols());
             attend_stored_rows(q, K, V, first, n, scale, state, acc,
-                               [&](Index row) { return scale * K.integer_dot(row, rounded); }, ahead);
+                               [&](Index row) { return scale * K.integer_dot(row, rounded); }, ask_ahead);
             return;
         }
     }
@@ -274,7 +275,7 @@ void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, S
         if (K.cols() <= ChannelQuery::max_depth) {
             ChannelQuery channels;  // its group is none: dot fills qs before it reads them
             attend_stored_rows(q, K, V, first, n, scale, state, acc,
-                               [&](Index row) { return scale * K.dot(row, q.data(), channels); }, ahead);
+                               [&](Index row) { return scale * K.dot(row, q.data(), channels); }, ask_ahead);
             return;
         }
     }
@@ -295,15 +296,15 @@ void attend_stored(const Q& q, const StoredRows<T, SK>& K, const StoredRows<T, S
                 }
                 if (finite) {
                     attend_stored_rows<true>(q, K, V, first, n, scale, state, acc,
-                                             [&](Index row) { return scale * K.number_dot(row, scaled); }, ahead);
+                                             [&](Index row) { return scale * K.number_dot(row, scaled); }, ask_ahead);
                     return;
                 }
             }
         }
         attend_stored_rows(q, K, V, first, n, scale, state, acc,
-                           [&](Index row) { return scale * K.dot(row, q.data()); }, ahead);
+                           [&](Index row) { return scale * K.dot(row, q.data()); }, ask_ahead);
     } else
-        attend_stored_rows(q, K, V, first, n, scale, state, acc, nullptr, ahead);
+        attend_stored_rows(q, K, V, first, n, scale, state, acc, nullptr, ask_ahead);
 }
 
 }  // namespace memattn::detail
