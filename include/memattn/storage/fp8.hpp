@@ -451,15 +451,7 @@ public:
     void prefetch_row(Index row) const { prefetch_rows(at(row, 0), 1, 0, cols_); }
 
     /// q·row in float, converted in registers (dot_span with fp8_packet).
-    [[nodiscard]] float dot(Index row, const float* q) const {
-        const std::uint8_t* x = at(row, 0);
-        const Index packed = cols_ / packet_lanes<float> * packet_lanes<float>;
-        float sum = Eigen::internal::predux(
-            dot_span(q, x, packed, Eigen::internal::pset1<Packet<float>>(0.0f), Fp8Packets<S>{}));
-        for (Index c = packed; c < cols_; ++c)
-            sum += q[c] * fp8_values<S>[x[c]];
-        return sum;
-    }
+    [[nodiscard]] float dot(Index row, const float* q) const { return dot_by(row, q, Fp8Packets<S>{}, 1.0f); }
     /// acc += w · row in float, converted in registers (add_span with fp8_packet).
     void add_scaled(Index row, float w, float* acc) const {
         const std::uint8_t* x = at(row, 0);
@@ -492,13 +484,7 @@ public:
     [[nodiscard]] float number_dot(Index row, const float* q) const
         requires fp8_numbers_route<S>
     {
-        const std::uint8_t* x = at(row, 0);
-        const Index packed = cols_ / packet_lanes<float> * packet_lanes<float>;
-        float sum = Eigen::internal::predux(
-            dot_span(q, x, packed, Eigen::internal::pset1<Packet<float>>(0.0f), Fp8NumberPackets<S>{}));
-        for (Index c = packed; c < cols_; ++c)
-            sum += q[c] * (fp8_values<S>[x[c]] / number_factor);
-        return sum;
+        return dot_by(row, q, Fp8NumberPackets<S>{}, number_factor);
     }
     /// add_rows on rows of numbers: each weight times number_factor, each value divided by
     /// it (the same products, the same sums).
@@ -543,6 +529,17 @@ public:
 
 private:
     [[nodiscard]] std::uint8_t* at(Index r, Index c) noexcept { return m_.data() + r * cols_ + c; }
+    /// q·row with the packets `load` gives (dot_span), the columns past them by the table,
+    /// each value divided by `divisor` (1, or number_factor for number_dot: exact).
+    template <class Load>
+    [[nodiscard]] float dot_by(Index row, const float* q, Load load, float divisor) const {
+        const std::uint8_t* x = at(row, 0);
+        const Index packed = cols_ / packet_lanes<float> * packet_lanes<float>;
+        float sum = Eigen::internal::predux(dot_span(q, x, packed, Eigen::internal::pset1<Packet<float>>(0.0f), load));
+        for (Index c = packed; c < cols_; ++c)
+            sum += q[c] * (fp8_values<S>[x[c]] / divisor);
+        return sum;
+    }
     /// numbers_only() off if rows [first, first + n) hold a byte that is not a number.
     void note_bytes(Index first, Index n) noexcept {
         if (numbers_only_ && n > 0 && fp8_holds_non_number<S>(at(first, 0), n * cols_))
